@@ -1,0 +1,207 @@
+//! The small trait a lock backend implements; the engine does everything else.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::error::{ErrorKind, LockError};
+
+/// How a backend keeps a lease alive, which decides how the engine detects loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseTiming {
+    /// The backend expires the lease after this long unless it is renewed (Azure, in-memory).
+    ///
+    /// The engine renews in the background and declares the lock lost at 90% of this duration
+    /// after the last successful renewal was *sent*, so it gives up before the backend could
+    /// hand the lock to anyone else.
+    Expiring(Duration),
+    /// The lock lives as long as a connection (PostgreSQL sessions).
+    ///
+    /// The engine checks the lease every interval through [`LockBackend::renew`]; a check that
+    /// fails or does not answer within the interval is loss.
+    ConnectionHeld(Duration),
+}
+
+/// A lease granted by one successful attempt, with its fencing token.
+#[derive(Debug)]
+pub struct Acquired<L> {
+    /// What the backend needs to renew and release this lease.
+    pub lease: L,
+    /// Strictly greater than every token handed out earlier for the same key.
+    pub fencing_token: u64,
+}
+
+/// How a backend failure should be treated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendErrorKind {
+    /// The request may succeed if retried: a timeout, a reset connection, a 5xx answer.
+    /// `reached` says whether the backend answered at all (it separates `Timeout` from
+    /// `Unavailable` for waiters).
+    Transient {
+        /// Whether the backend answered before failing.
+        reached: bool,
+    },
+    /// The backend says the lease is no longer ours (expired, broken, connection gone).
+    LeaseGone,
+    /// Bad options, credentials refused, missing container or permission.
+    Misconfigured,
+    /// An unexpected failure that retrying will not fix.
+    Permanent,
+}
+
+/// A failure reported by a [`LockBackend`].
+///
+/// The message must not contain the lock key or secrets.
+pub struct BackendError {
+    kind: BackendErrorKind,
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl BackendError {
+    /// A failure of the given kind with a message for humans.
+    pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
+        BackendError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A transient failure where nothing answered (connection refused, timed out).
+    pub fn unreachable(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Transient { reached: false }, message)
+    }
+
+    /// A transient failure that the backend itself reported (a 5xx, a serialization failure).
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Transient { reached: true }, message)
+    }
+
+    /// The lease is gone.
+    pub fn lease_gone(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::LeaseGone, message)
+    }
+
+    /// The backend is misconfigured.
+    pub fn misconfigured(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Misconfigured, message)
+    }
+
+    /// An unexpected failure no retry can fix.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self::new(BackendErrorKind::Permanent, message)
+    }
+
+    /// Attaches the underlying cause.
+    pub fn with_source(
+        mut self,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// How to treat this failure.
+    pub fn kind(&self) -> BackendErrorKind {
+        self.kind
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether the backend answered before failing.
+    pub(crate) fn reached(&self) -> bool {
+        !matches!(self.kind, BackendErrorKind::Transient { reached: false })
+    }
+
+    /// Whether retrying might help.
+    pub(crate) fn is_transient(&self) -> bool {
+        matches!(
+            self.kind,
+            BackendErrorKind::Transient { .. } | BackendErrorKind::LeaseGone
+        )
+    }
+
+    /// The caller-facing error for this failure.
+    pub(crate) fn into_lock_error(self) -> LockError {
+        let kind = match self.kind {
+            BackendErrorKind::Transient { .. } => ErrorKind::Unavailable,
+            BackendErrorKind::LeaseGone => ErrorKind::Lost,
+            BackendErrorKind::Misconfigured => ErrorKind::Misconfigured,
+            BackendErrorKind::Permanent => ErrorKind::Backend,
+        };
+        let err = LockError::new(kind, self.message);
+        match self.source {
+            Some(source) => err.with_source(source),
+            None => err,
+        }
+    }
+}
+
+impl fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendError")
+            .field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("source", &self.source.as_ref().map(|s| s.to_string()))
+            .finish()
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_ref()
+            .map(|s| s.as_ref() as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// A lock backend: one attempt, renew, release, and its timing. Nothing else.
+///
+/// The engine owns waiting, backoff, the local queue, renewal scheduling, the loss deadline,
+/// cancellation safety, release on drop and telemetry. A backend only talks to its server.
+///
+/// # What the engine promises a backend
+/// - `try_acquire` is never called for a key this engine already holds or is attempting.
+/// - `renew` and `release` get a lease this backend returned, and `release` is called at most
+///   once per lease, after which the lease is dropped.
+/// - If the caller of an attempt goes away while it runs, the attempt still runs to the end and
+///   a lease it returns is released.
+///
+/// # What a backend must do
+/// - Answer `Ok(None)` when the lock is busy, and never block waiting for it.
+/// - Classify failures with [`BackendErrorKind`]. Bound its own I/O with timeouts where a hung
+///   server could stall a call forever; the engine also bounds renewals and releases.
+pub trait LockBackend: Send + Sync + 'static {
+    /// What a granted lease carries (a lease id, a held connection, …).
+    type Lease: Send + Sync + 'static;
+
+    /// The provider name used in telemetry: `azure_blob`, `postgres`, `in_memory` or your own.
+    fn provider(&self) -> &str;
+
+    /// How leases of this backend stay alive.
+    fn timing(&self) -> LeaseTiming;
+
+    /// One attempt to take the lock for `key`: `Ok(None)` when someone else holds it.
+    fn try_acquire(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send;
+
+    /// Renews an expiring lease, or checks a connection-held one.
+    fn renew(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// Gives the lock up. `Ok` means the backend confirmed it.
+    fn release(&self, lease: &Self::Lease)
+        -> impl Future<Output = Result<(), BackendError>> + Send;
+}

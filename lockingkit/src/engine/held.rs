@@ -1,0 +1,241 @@
+//! The engine's record of one held lock, behind every `LockHandle`.
+
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::orphan::Orphanable;
+use super::waiting_room::Turn;
+use super::Engine;
+use crate::backend::{Acquired, LeaseTiming, LockBackend};
+use crate::error::{ErrorKind, LockError};
+use crate::handle::HeldLock;
+use crate::telemetry::LossReason;
+use crate::BoxFuture;
+
+/// The life of a held lock. Exactly one transition leaves `HELD`, decided by compare-and-swap,
+/// so release, drop and loss can race without releasing twice.
+const HELD: u8 = 0;
+/// `release()` claimed the lock and releases it inline.
+const RELEASING: u8 = 1;
+/// The handle was dropped; the keeper task releases in the background.
+const DROPPED: u8 = 2;
+/// The keeper declared the lock lost.
+const LOST: u8 = 3;
+
+pub(crate) struct Held<B: LockBackend> {
+    pub(super) engine: Arc<Engine<B>>,
+    key: Arc<str>,
+    fencing_token: u64,
+    pub(super) lease: B::Lease,
+    /// Fires on loss and on release; the keeper task stops when it fires.
+    pub(super) lost: CancellationToken,
+    state: AtomicU8,
+    loss: AtomicU8,
+    /// The monotonic instant the acquiring request was sent; deadlines are offsets from it.
+    origin: Instant,
+    /// The loss deadline, in nanoseconds after `origin`.
+    deadline_nanos: AtomicU64,
+    taken_at: Instant,
+    turn: Mutex<Option<Turn>>,
+}
+
+/// The instant at which an expiring lease must be considered lost: 90% of the lease after the
+/// request that last started it was sent. The backend started its lease no earlier than that
+/// send, so this is a 10% safety margin before it could expire there, valid while the client's
+/// clock runs within 10% of the backend's.
+pub(crate) fn loss_deadline(sent: Instant, lease: Duration) -> Instant {
+    sent + lease * 9 / 10
+}
+
+/// The loss deadline after a successful acquire or check sent at `sent`.
+pub(crate) fn deadline_after(timing: LeaseTiming, sent: Instant) -> Instant {
+    match timing {
+        LeaseTiming::Expiring(lease) => loss_deadline(sent, lease),
+        // The next check starts one interval later and must answer within another.
+        LeaseTiming::ConnectionHeld(interval) => sent + interval * 2,
+    }
+}
+
+impl<B: LockBackend> Held<B> {
+    pub(super) fn new(
+        engine: Arc<Engine<B>>,
+        turn: Turn,
+        acquired: Acquired<B::Lease>,
+        sent: Instant,
+    ) -> Self {
+        let deadline = deadline_after(engine.timing, sent);
+        Held {
+            key: turn.key().clone(),
+            fencing_token: acquired.fencing_token,
+            lease: acquired.lease,
+            lost: CancellationToken::new(),
+            state: AtomicU8::new(HELD),
+            loss: AtomicU8::new(0),
+            origin: sent,
+            deadline_nanos: AtomicU64::new(nanos_between(sent, deadline)),
+            taken_at: Instant::now(),
+            turn: Mutex::new(Some(turn)),
+            engine,
+        }
+    }
+
+    pub(super) fn set_deadline(&self, deadline: Instant) {
+        self.deadline_nanos
+            .store(nanos_between(self.origin, deadline), Ordering::Release);
+    }
+
+    fn deadline(&self) -> Instant {
+        self.origin + Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire))
+    }
+
+    fn claim(&self, to: u8) -> bool {
+        self.state
+            .compare_exchange(HELD, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    pub(super) fn was_dropped(&self) -> bool {
+        self.state.load(Ordering::Acquire) == DROPPED
+    }
+
+    /// Ends the hold: telemetry, then the turn passes to the next local waiter.
+    fn finish(&self, lost: Option<LossReason>) {
+        self.engine
+            .telemetry
+            .lock_ended(self.taken_at.elapsed(), lost);
+        let turn = self
+            .turn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(turn);
+    }
+
+    /// Releases at the backend; the caller has already claimed the lock.
+    pub(super) async fn release_claimed(&self) -> Result<(), LockError> {
+        let telemetry = &self.engine.telemetry;
+        let span = telemetry.release_span(self.fencing_token);
+        let timeout = self.engine.options.release_timeout;
+        let result = tokio::time::timeout(timeout, self.engine.backend.release(&self.lease))
+            .instrument(span.clone())
+            .await;
+        let result = match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(error.into_lock_error()),
+            Err(_) => Err(LockError::new(
+                ErrorKind::Unavailable,
+                format!("the backend did not confirm the release within {timeout:?}"),
+            )),
+        };
+        telemetry.release_finished(&span, &result);
+        self.finish(None);
+        result
+    }
+
+    /// Called by the keeper when it can no longer vouch for the lock.
+    pub(super) async fn declare_lost(&self, reason: LossReason) {
+        if !self.claim(LOST) {
+            if self.was_dropped() {
+                let _ = self.release_claimed().await;
+            }
+            return;
+        }
+        self.loss.store(reason as u8 + 1, Ordering::Release);
+        self.lost.cancel();
+        // Best effort: after a deadline loss the lease may still be ours at the backend, and
+        // giving it up now lets the next holder in before it would expire. After other losses
+        // it lets the backend clean up (a PostgreSQL provider discards the broken connection).
+        let timeout = self.engine.options.release_timeout;
+        let _ = tokio::time::timeout(timeout, self.engine.backend.release(&self.lease)).await;
+        self.finish(Some(reason));
+    }
+}
+
+impl<B: LockBackend> HeldLock for Held<B> {
+    fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+
+    fn lost_token(&self) -> &CancellationToken {
+        &self.lost
+    }
+
+    fn is_held(&self) -> bool {
+        // Checking the deadline here, not only in the keeper task, keeps the answer honest even
+        // when the runtime is too busy to run the keeper on time.
+        self.state.load(Ordering::Acquire) == HELD && Instant::now() < self.deadline()
+    }
+
+    fn loss_reason(&self) -> Option<LossReason> {
+        match self.loss.load(Ordering::Acquire) {
+            1 => Some(LossReason::Deadline),
+            2 => Some(LossReason::LeaseGone),
+            3 => Some(LossReason::ConnectionLost),
+            _ if self.state.load(Ordering::Acquire) == HELD
+                && Instant::now() >= self.deadline() =>
+            {
+                Some(LossReason::Deadline)
+            }
+            _ => None,
+        }
+    }
+
+    fn release(self: Arc<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        if !self.claim(RELEASING) {
+            let error = match self.loss_reason() {
+                Some(reason) => LockError::new(
+                    ErrorKind::Lost,
+                    format!("the lock was lost ({}) before release", reason.as_str()),
+                ),
+                None => LockError::lost(),
+            };
+            return Box::pin(std::future::ready(Err(error)));
+        }
+        self.lost.cancel();
+        Box::pin(Orphanable::finishing(async move {
+            self.release_claimed().await
+        }))
+    }
+
+    fn release_in_background(&self) {
+        if self.claim(DROPPED) {
+            // The keeper task wakes on this and performs the release.
+            self.lost.cancel();
+        }
+    }
+
+    fn lease(&self) -> &(dyn std::any::Any + Send + Sync) {
+        &self.lease
+    }
+}
+
+fn nanos_between(earlier: Instant, later: Instant) -> u64 {
+    u64::try_from(later.saturating_duration_since(earlier).as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_30s_lease_is_lost_27s_after_the_send() {
+        let sent = Instant::now();
+        assert_eq!(
+            loss_deadline(sent, Duration::from_secs(30)),
+            sent + Duration::from_secs(27)
+        );
+        assert_eq!(
+            deadline_after(LeaseTiming::ConnectionHeld(Duration::from_secs(5)), sent),
+            sent + Duration::from_secs(10)
+        );
+    }
+}

@@ -1,0 +1,370 @@
+//! The engine: waiting, backoff, renewal, loss detection and release, written once for every
+//! backend.
+
+mod backoff;
+mod held;
+mod options;
+mod orphan;
+mod renewal;
+mod waiting_room;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::Instrument;
+
+pub(crate) use options::misconfigured;
+pub use options::LockOptions;
+
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::error::{ErrorKind, LockError};
+use crate::handle::LockHandle;
+use crate::keys::validate_key;
+use crate::telemetry::{Operation, Outcome, Telemetry};
+use crate::BoxFuture;
+
+use backoff::Backoff;
+use held::Held;
+use orphan::Orphanable;
+use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
+
+/// What `DistributedLock` needs from an engine, without the backend type.
+pub(crate) trait AnyEngine: Send + Sync {
+    fn name(&self) -> &str;
+    fn provider(&self) -> &str;
+    fn try_acquire<'a>(
+        self: Arc<Self>,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
+    fn acquire<'a>(
+        self: Arc<Self>,
+        key: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
+    fn busy_keys(&self) -> usize;
+    fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
+}
+
+pub(crate) struct Engine<B: LockBackend> {
+    backend: Arc<B>,
+    timing: LeaseTiming,
+    options: LockOptions,
+    room: Arc<WaitingRoom>,
+    telemetry: Telemetry,
+}
+
+/// The result of one backend attempt, with the turn it was made under.
+type AttemptResult<L> = (Turn, Instant, Result<Option<Acquired<L>>, BackendError>);
+
+impl<B: LockBackend> Engine<B> {
+    pub(crate) fn new(
+        name: &str,
+        backend: B,
+        options: LockOptions,
+        meter: &opentelemetry::metrics::Meter,
+    ) -> Result<Self, LockError> {
+        options.validate(&format!("Locking.{name}"))?;
+        let timing = backend.timing();
+        let mut problems = Vec::new();
+        match timing {
+            LeaseTiming::Expiring(d) if d.is_zero() => {
+                problems.push("the backend's lease duration must be greater than zero".into())
+            }
+            LeaseTiming::ConnectionHeld(d) if d.is_zero() => {
+                problems.push("the backend's check interval must be greater than zero".into())
+            }
+            LeaseTiming::Expiring(d) => {
+                if let Some(every) = options.renew_every {
+                    if every >= d * 9 / 10 {
+                        problems.push(format!(
+                            "Locking.{name}.renew_every ({every:?}) must be shorter than 90% of the lease ({d:?})"
+                        ));
+                    }
+                }
+            }
+            LeaseTiming::ConnectionHeld(_) => {}
+        }
+        if !problems.is_empty() {
+            return Err(misconfigured(&problems));
+        }
+        Ok(Self::new_unchecked(name, backend, options, meter))
+    }
+
+    /// Builds without validating; for option sets that are valid by construction.
+    pub(crate) fn new_unchecked(
+        name: &str,
+        backend: B,
+        options: LockOptions,
+        meter: &opentelemetry::metrics::Meter,
+    ) -> Self {
+        let telemetry = Telemetry::new(name, backend.provider(), meter);
+        Engine {
+            timing: backend.timing(),
+            backend: Arc::new(backend),
+            options,
+            room: Arc::new(WaitingRoom::default()),
+            telemetry,
+        }
+    }
+
+    /// One backend attempt under `turn`. If the caller drops this future while the attempt is
+    /// in flight, the attempt finishes in the background, a lease it won is released, and only
+    /// then does the turn pass to the next local waiter.
+    fn attempt(&self, turn: Turn) -> Orphanable<AttemptResult<B::Lease>> {
+        let backend = self.backend.clone();
+        let release_timeout = self.options.release_timeout;
+        let work = async move {
+            let sent = Instant::now();
+            let result = backend.try_acquire(turn.key()).await;
+            turn.note_attempt(!matches!(&result, Err(e) if !e.reached()));
+            (turn, sent, result)
+        };
+        let backend = self.backend.clone();
+        Orphanable::new(work, move |(turn, _, result)| {
+            Box::pin(async move {
+                if let Ok(Some(acquired)) = result {
+                    let _ = tokio::time::timeout(release_timeout, backend.release(&acquired.lease))
+                        .await;
+                }
+                drop(turn);
+            })
+        })
+    }
+
+    fn hold(
+        self: &Arc<Self>,
+        runtime: &tokio::runtime::Handle,
+        turn: Turn,
+        acquired: Acquired<B::Lease>,
+        sent: Instant,
+    ) -> LockHandle {
+        turn.mark_held();
+        let held = Arc::new(Held::new(self.clone(), turn, acquired, sent));
+        self.telemetry.lock_taken();
+        runtime.spawn(renewal::keep(held.clone(), sent));
+        LockHandle::new(held)
+    }
+
+    async fn try_acquire_inner(
+        self: &Arc<Self>,
+        key: &str,
+        attempts: &mut u64,
+    ) -> Result<LockHandle, LockError> {
+        validate_key(key)?;
+        let runtime = current_runtime()?;
+        let Some(turn) = self.room.try_enter(key) else {
+            return Err(LockError::busy());
+        };
+        *attempts += 1;
+        match self.attempt(turn).await {
+            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, acquired, sent)),
+            (_, _, Ok(None)) => Err(LockError::busy()),
+            (_, _, Err(error)) => Err(attempt_error(error)),
+        }
+    }
+
+    async fn acquire_inner(
+        self: &Arc<Self>,
+        key: &str,
+        timeout: Duration,
+        attempts: &mut u64,
+    ) -> Result<LockHandle, LockError> {
+        validate_key(key)?;
+        let runtime = current_runtime()?;
+        let deadline = Instant::now() + timeout;
+        let turn = match self.room.enter(key) {
+            Entry::Front(turn) => turn,
+            Entry::Queued(ticket) => {
+                self.telemetry.waiter_queued();
+                let _left = Defer(|| self.telemetry.waiter_left());
+                let evidence = ticket.evidence_handle();
+                match tokio::time::timeout_at(deadline, ticket.turn()).await {
+                    Ok(turn) => turn,
+                    Err(_) => return Err(wait_error(evidence.read(), timeout)),
+                }
+            }
+        };
+        let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
+        let mut reached = false;
+        let mut turn = Some(turn);
+        let waited = tokio::time::timeout_at(deadline, async {
+            loop {
+                let Some(current) = turn.take() else {
+                    return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
+                };
+                *attempts += 1;
+                let (current, sent, result) = self.attempt(current).await;
+                match result {
+                    Ok(Some(acquired)) => return Ok(self.hold(&runtime, current, acquired, sent)),
+                    Ok(None) => reached = true,
+                    Err(error) if error.is_transient() => reached |= error.reached(),
+                    Err(error) => return Err(attempt_error(error)),
+                }
+                turn = Some(current);
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+        })
+        .await;
+        match waited {
+            Ok(result) => result,
+            Err(_) if reached => Err(timeout_error(timeout)),
+            Err(_) => Err(unreachable_error(timeout)),
+        }
+    }
+
+    async fn recorded(
+        self: Arc<Self>,
+        operation: Operation,
+        key: &str,
+        timeout: Duration,
+    ) -> Result<LockHandle, LockError> {
+        let span = self.telemetry.acquire_span(operation);
+        let mut record = AcquireRecord {
+            telemetry: &self.telemetry,
+            span: span.clone(),
+            operation,
+            started: Instant::now(),
+            attempts: 0,
+            finished: false,
+        };
+        let result = match operation {
+            Operation::TryAcquire => {
+                self.try_acquire_inner(key, &mut record.attempts)
+                    .instrument(span)
+                    .await
+            }
+            Operation::Acquire => {
+                self.acquire_inner(key, timeout, &mut record.attempts)
+                    .instrument(span)
+                    .await
+            }
+        };
+        record.finish(&result);
+        result
+    }
+}
+
+impl<B: LockBackend> AnyEngine for Engine<B> {
+    fn name(&self) -> &str {
+        self.telemetry.lock_name()
+    }
+
+    fn provider(&self) -> &str {
+        self.telemetry.provider()
+    }
+
+    fn try_acquire<'a>(
+        self: Arc<Self>,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<LockHandle, LockError>> {
+        Box::pin(self.recorded(Operation::TryAcquire, key, Duration::ZERO))
+    }
+
+    fn acquire<'a>(
+        self: Arc<Self>,
+        key: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<LockHandle, LockError>> {
+        Box::pin(self.recorded(Operation::Acquire, key, timeout))
+    }
+
+    fn busy_keys(&self) -> usize {
+        self.room.active_keys()
+    }
+
+    fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync) {
+        &*self.backend
+    }
+}
+
+/// Records the outcome of an acquire call; a call dropped before it finished is `cancelled`.
+struct AcquireRecord<'a> {
+    telemetry: &'a Telemetry,
+    span: tracing::Span,
+    operation: Operation,
+    started: Instant,
+    attempts: u64,
+    finished: bool,
+}
+
+impl AcquireRecord<'_> {
+    fn finish(&mut self, result: &Result<LockHandle, LockError>) {
+        self.finished = true;
+        let (outcome, error, token) = match result {
+            Ok(handle) => (Outcome::Acquired, None, Some(handle.fencing_token())),
+            Err(error) => (Outcome::of(&Err(error)), Some(error), None),
+        };
+        self.emit(outcome, error, token);
+    }
+
+    fn emit(&self, outcome: Outcome, error: Option<&LockError>, token: Option<u64>) {
+        self.telemetry.acquire_finished(
+            &self.span,
+            self.operation,
+            outcome,
+            error,
+            self.attempts,
+            self.started.elapsed(),
+            token,
+        );
+    }
+}
+
+impl Drop for AcquireRecord<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.emit(Outcome::Cancelled, None, None);
+        }
+    }
+}
+
+/// Runs a closure when dropped.
+struct Defer<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+fn current_runtime() -> Result<tokio::runtime::Handle, LockError> {
+    tokio::runtime::Handle::try_current().map_err(|_| {
+        LockError::new(
+            ErrorKind::Misconfigured,
+            "LockingKit must run inside a tokio runtime (it renews held locks in the background)",
+        )
+    })
+}
+
+fn attempt_error(error: BackendError) -> LockError {
+    match error.kind() {
+        // "Lease gone" has no meaning before a lease exists; treat it as the transient
+        // failure it is.
+        crate::backend::BackendErrorKind::LeaseGone => {
+            LockError::new(ErrorKind::Unavailable, error.message().to_owned()).with_source(error)
+        }
+        _ => error.into_lock_error(),
+    }
+}
+
+fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError {
+    match evidence {
+        WaitEvidence::Contended => timeout_error(timeout),
+        WaitEvidence::Unreached => unreachable_error(timeout),
+    }
+}
+
+fn timeout_error(timeout: Duration) -> LockError {
+    LockError::new(
+        ErrorKind::Timeout,
+        format!("the lock stayed busy for the whole timeout of {timeout:?}"),
+    )
+}
+
+fn unreachable_error(timeout: Duration) -> LockError {
+    LockError::new(
+        ErrorKind::Unavailable,
+        format!("no attempt reached the backend within the timeout of {timeout:?}"),
+    )
+}

@@ -1,0 +1,86 @@
+//! Options every provider shares: how waiters back off and how held locks are kept.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ErrorKind, LockError};
+
+/// Engine options shared by every provider.
+///
+/// The defaults suit most services: retries start at 50 ms and double to 1 s, renewals run
+/// every third of the lease, and a release that gets no answer in 10 s is given up on (the
+/// backend then frees the lock when the lease expires or the connection closes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LockOptions {
+    /// The first retry delay of a waiter (before jitter).
+    #[serde(with = "crate::config::duration")]
+    pub min_retry_delay: Duration,
+    /// The cap of a waiter's retry delay.
+    #[serde(with = "crate::config::duration")]
+    pub max_retry_delay: Duration,
+    /// How often an expiring lease is renewed; `None` means a third of the lease.
+    #[serde(with = "crate::config::option_duration")]
+    pub renew_every: Option<Duration>,
+    /// How long a release may take before it is reported unconfirmed.
+    #[serde(with = "crate::config::duration")]
+    pub release_timeout: Duration,
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        LockOptions {
+            min_retry_delay: Duration::from_millis(50),
+            max_retry_delay: Duration::from_secs(1),
+            renew_every: None,
+            release_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl LockOptions {
+    /// Lists every problem with these options, prefixed with `section` (such as
+    /// `Locking.Default`). An empty list means the options are valid.
+    pub fn problems(&self, section: &str) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.min_retry_delay.is_zero() {
+            problems.push(format!(
+                "{section}.min_retry_delay must be greater than zero"
+            ));
+        }
+        if self.min_retry_delay > self.max_retry_delay {
+            problems.push(format!(
+                "{section}.min_retry_delay ({:?}) must not exceed max_retry_delay ({:?})",
+                self.min_retry_delay, self.max_retry_delay
+            ));
+        }
+        if self.renew_every.is_some_and(|d| d.is_zero()) {
+            problems.push(format!("{section}.renew_every must be greater than zero"));
+        }
+        if self.release_timeout.is_zero() {
+            problems.push(format!(
+                "{section}.release_timeout must be greater than zero"
+            ));
+        }
+        problems
+    }
+
+    /// Checks the options, with every problem in one `Misconfigured` error.
+    pub fn validate(&self, section: &str) -> Result<(), LockError> {
+        let problems = self.problems(section);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(misconfigured(&problems))
+        }
+    }
+}
+
+/// One `Misconfigured` error listing every problem.
+pub(crate) fn misconfigured(problems: &[String]) -> LockError {
+    LockError::new(
+        ErrorKind::Misconfigured,
+        format!("invalid lock configuration: {}", problems.join("; ")),
+    )
+}

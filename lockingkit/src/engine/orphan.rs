@@ -1,0 +1,79 @@
+//! Futures that finish in the background when their caller goes away.
+//!
+//! Cancellation in async Rust is dropping a future. A backend attempt that is dropped after its
+//! request left may still have taken the lock, and a release that is dropped half-way may have
+//! left it held. `Orphanable` keeps such work alive: if the caller drops it before it finishes,
+//! the work moves to a background task, runs to the end, and its result goes to a clean-up step
+//! (for an attempt: release whatever lease it won).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use crate::BoxFuture;
+
+type Cleanup<T> = Box<dyn FnOnce(T) -> BoxFuture<'static, ()> + Send>;
+
+pub(crate) struct Orphanable<T: Send + 'static> {
+    work: Option<BoxFuture<'static, T>>,
+    cleanup: Option<Cleanup<T>>,
+}
+
+impl<T: Send + 'static> Orphanable<T> {
+    /// `cleanup` runs on the result only if the caller dropped the future before it finished.
+    pub(crate) fn new(
+        work: impl Future<Output = T> + Send + 'static,
+        cleanup: impl FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
+    ) -> Self {
+        Orphanable {
+            work: Some(Box::pin(work)),
+            cleanup: Some(Box::new(cleanup)),
+        }
+    }
+
+    /// Work that needs no clean-up, only to run to the end.
+    pub(crate) fn finishing(work: impl Future<Output = T> + Send + 'static) -> Self {
+        Orphanable {
+            work: Some(Box::pin(work)),
+            cleanup: None,
+        }
+    }
+}
+
+impl<T: Send + 'static> Future for Orphanable<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(work) = self.work.as_mut() else {
+            // Polled after completion: stay pending rather than panic; nothing will wake it.
+            return Poll::Pending;
+        };
+        match work.as_mut().poll(cx) {
+            Poll::Ready(output) => {
+                self.work = None;
+                self.cleanup = None;
+                Poll::Ready(output)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: Send + 'static> Drop for Orphanable<T> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else {
+            return;
+        };
+        let cleanup = self.cleanup.take();
+        // Without a runtime the work cannot finish; dropping it is all that is left, and the
+        // backend frees the lock when the lease expires or the connection closes.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let output = work.await;
+                if let Some(cleanup) = cleanup {
+                    cleanup(output).await;
+                }
+            });
+        }
+    }
+}

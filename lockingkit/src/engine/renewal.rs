@@ -1,0 +1,113 @@
+//! The keeper task of a held lock: renews or checks it, and enforces the loss deadline.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{sleep, sleep_until, Instant};
+
+use super::backoff::Backoff;
+use super::held::{deadline_after, loss_deadline, Held};
+use crate::backend::{BackendErrorKind, LeaseTiming, LockBackend};
+use crate::telemetry::LossReason;
+
+enum Exit {
+    /// Released or dropped: the lost token fired and the state says what to do.
+    Stopped,
+    Lost(LossReason),
+}
+
+/// Keeps `held` alive until it is released, dropped or lost. `sent` is when the acquiring
+/// request was sent.
+pub(crate) async fn keep<B: LockBackend>(held: Arc<Held<B>>, sent: Instant) {
+    let exit = match held.engine.timing {
+        LeaseTiming::Expiring(lease) => renew_expiring(&held, lease, sent).await,
+        LeaseTiming::ConnectionHeld(interval) => check_connection(&held, interval).await,
+    };
+    match exit {
+        Exit::Lost(reason) => held.declare_lost(reason).await,
+        Exit::Stopped if held.was_dropped() => {
+            let _ = held.release_claimed().await;
+        }
+        Exit::Stopped => {}
+    }
+}
+
+/// Renews every `renew_every` (a third of the lease by default). The deadline timer is raced
+/// against every wait *and* every renewal, so a renewal that never answers cannot postpone it.
+async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: Instant) -> Exit {
+    let engine = &held.engine;
+    let every = engine.options.renew_every.unwrap_or(lease / 3);
+    let mut deadline = loss_deadline(sent, lease);
+    let mut next = sent + every;
+    let mut retry = Backoff::new(
+        engine.options.min_retry_delay,
+        engine.options.max_retry_delay,
+    );
+    loop {
+        tokio::select! {
+            biased;
+            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = sleep_until(deadline) => return Exit::Lost(LossReason::Deadline),
+            _ = sleep_until(next) => {}
+        }
+        let sent = Instant::now();
+        let result = tokio::select! {
+            biased;
+            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = sleep_until(deadline) => return Exit::Lost(LossReason::Deadline),
+            result = engine.backend.renew(&held.lease) => result,
+        };
+        match result {
+            Ok(()) => {
+                engine.telemetry.renewal(true);
+                deadline = loss_deadline(sent, lease);
+                held.set_deadline(deadline);
+                next = sent + every;
+                retry.reset();
+            }
+            Err(error) if error.kind() == BackendErrorKind::LeaseGone => {
+                engine.telemetry.renewal(false);
+                return Exit::Lost(LossReason::LeaseGone);
+            }
+            Err(error) => {
+                engine.telemetry.renewal(false);
+                tracing::debug!(target: "lockingkit", %error, "lease renewal failed; retrying until the deadline");
+                next = Instant::now() + retry.next_delay();
+            }
+        }
+    }
+}
+
+/// Checks the held connection every `interval`; a check that fails or takes longer than the
+/// interval is loss.
+async fn check_connection<B: LockBackend>(held: &Held<B>, interval: Duration) -> Exit {
+    let engine = &held.engine;
+    loop {
+        tokio::select! {
+            biased;
+            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = sleep(interval) => {}
+        }
+        let sent = Instant::now();
+        let result = tokio::select! {
+            biased;
+            _ = held.lost.cancelled() => return Exit::Stopped,
+            result = tokio::time::timeout(interval, engine.backend.renew(&held.lease)) => result,
+        };
+        match result {
+            Ok(Ok(())) => {
+                engine.telemetry.renewal(true);
+                held.set_deadline(deadline_after(engine.timing, sent));
+            }
+            Ok(Err(error)) => {
+                engine.telemetry.renewal(false);
+                tracing::debug!(target: "lockingkit", %error, "connection check failed");
+                return Exit::Lost(LossReason::ConnectionLost);
+            }
+            Err(_) => {
+                engine.telemetry.renewal(false);
+                return Exit::Lost(LossReason::ConnectionLost);
+            }
+        }
+    }
+}

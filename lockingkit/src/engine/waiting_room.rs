@@ -1,0 +1,341 @@
+//! The per-key queue of local callers inside one `DistributedLock`.
+//!
+//! Each key has at most one *active* party: the caller attempting it at the backend, or the
+//! handle holding it. Everyone else waits in first-come, first-served order and never talks to
+//! the backend, so twenty local callers make one stream of requests. When the active party
+//! leaves (release, loss, timeout or a dropped future) the turn passes to the next waiter at
+//! once, without a backoff sleep.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tokio::sync::Notify;
+
+#[derive(Debug, Default)]
+pub(crate) struct WaitingRoom {
+    slots: Mutex<HashMap<Arc<str>, Slot>>,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    active: u64,
+    /// Whether the most recent backend attempt for this key got an answer; `None` before any.
+    last_attempt_reached: Option<bool>,
+    /// Whether the active party holds the lock (as opposed to attempting it).
+    held: bool,
+    queue: VecDeque<Waiter>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    id: u64,
+    wake: Arc<Notify>,
+}
+
+/// What a waiter learned about the key when it gave up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WaitEvidence {
+    /// The lock was held here or the backend answered that it was busy.
+    Contended,
+    /// No attempt reached the backend.
+    Unreached,
+}
+
+impl WaitingRoom {
+    fn slots(&self) -> MutexGuard<'_, HashMap<Arc<str>, Slot>> {
+        // The map is consistent after every statement that touches it, so a panic elsewhere
+        // while it was locked cannot leave it half-updated.
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Takes the turn for `key` if nobody here is attempting, holding or waiting for it.
+    pub(crate) fn try_enter(self: &Arc<Self>, key: &str) -> Option<Turn> {
+        let mut slots = self.slots();
+        if slots.contains_key(key) {
+            return None;
+        }
+        let id = self.new_id();
+        let key: Arc<str> = Arc::from(key);
+        slots.insert(key.clone(), Slot::new(id));
+        Some(Turn {
+            room: self.clone(),
+            key,
+            id,
+        })
+    }
+
+    /// Takes the turn for `key` at once, or joins the back of its queue.
+    pub(crate) fn enter(self: &Arc<Self>, key: &str) -> Entry {
+        let mut slots = self.slots();
+        let id = self.new_id();
+        let shared_key = slots.get_key_value(key).map(|(k, _)| k.clone());
+        if let Some((key, slot)) = shared_key.and_then(|k| slots.get_mut(&k).map(|s| (k, s))) {
+            let wake = Arc::new(Notify::new());
+            slot.queue.push_back(Waiter {
+                id,
+                wake: wake.clone(),
+            });
+            return Entry::Queued(Ticket {
+                room: self.clone(),
+                key: key.clone(),
+                id,
+                wake,
+                promoted: false,
+            });
+        }
+        let key: Arc<str> = Arc::from(key);
+        slots.insert(key.clone(), Slot::new(id));
+        Entry::Front(Turn {
+            room: self.clone(),
+            key,
+            id,
+        })
+    }
+
+    /// Gives the turn of `id` to the next waiter, or forgets the key when nobody waits.
+    fn pass_on(&self, key: &Arc<str>, id: u64) {
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(key) else {
+            return;
+        };
+        if slot.active != id {
+            return;
+        }
+        match slot.queue.pop_front() {
+            Some(next) => {
+                slot.active = next.id;
+                slot.held = false;
+                next.wake.notify_one();
+            }
+            None => {
+                slots.remove(key);
+            }
+        }
+    }
+
+    fn leave_queue(&self, key: &Arc<str>, id: u64) -> bool {
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(key) else {
+            return false;
+        };
+        if slot.active == id {
+            return true;
+        }
+        slot.queue.retain(|w| w.id != id);
+        false
+    }
+
+    fn update(&self, key: &Arc<str>, id: u64, f: impl FnOnce(&mut Slot)) {
+        let mut slots = self.slots();
+        if let Some(slot) = slots.get_mut(key) {
+            if slot.active == id {
+                f(slot);
+            }
+        }
+    }
+
+    fn evidence(&self, key: &Arc<str>) -> WaitEvidence {
+        let slots = self.slots();
+        match slots.get(key) {
+            Some(slot) if slot.held || slot.last_attempt_reached != Some(false) => {
+                WaitEvidence::Contended
+            }
+            Some(_) => WaitEvidence::Unreached,
+            // The key was freed in the instant before we looked: it was contended until then.
+            None => WaitEvidence::Contended,
+        }
+    }
+
+    /// How many keys have an active party or waiters (for tests and leak checks).
+    pub(crate) fn active_keys(&self) -> usize {
+        self.slots().len()
+    }
+
+    /// How many callers wait in the queue of `key`.
+    #[cfg(test)]
+    pub(crate) fn queued(&self, key: &str) -> usize {
+        self.slots().get(key).map_or(0, |s| s.queue.len())
+    }
+}
+
+impl Slot {
+    fn new(active: u64) -> Self {
+        Slot {
+            active,
+            last_attempt_reached: None,
+            held: false,
+            queue: VecDeque::new(),
+        }
+    }
+}
+
+/// The result of [`WaitingRoom::enter`].
+pub(crate) enum Entry {
+    /// Nobody else had the key: talk to the backend.
+    Front(Turn),
+    /// Someone here has the key: wait for the turn.
+    Queued(Ticket),
+}
+
+/// The right to talk to the backend about a key, and later to hold it.
+///
+/// Dropping a `Turn` passes it to the next local waiter.
+#[derive(Debug)]
+pub(crate) struct Turn {
+    room: Arc<WaitingRoom>,
+    key: Arc<str>,
+    id: u64,
+}
+
+impl Turn {
+    pub(crate) fn key(&self) -> &Arc<str> {
+        &self.key
+    }
+
+    /// Records whether the latest attempt reached the backend, for queued waiters that time out.
+    pub(crate) fn note_attempt(&self, reached: bool) {
+        self.room.update(&self.key, self.id, |slot| {
+            slot.last_attempt_reached = Some(reached)
+        });
+    }
+
+    /// Marks the key as held by this turn's owner.
+    pub(crate) fn mark_held(&self) {
+        self.room
+            .update(&self.key, self.id, |slot| slot.held = true);
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.room.pass_on(&self.key, self.id);
+    }
+}
+
+/// A place in the queue of a key.
+///
+/// Dropping a ticket leaves the queue; if the turn had already passed to it, the turn moves on.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    room: Arc<WaitingRoom>,
+    key: Arc<str>,
+    id: u64,
+    wake: Arc<Notify>,
+    /// Set once the turn has been taken, so dropping the ticket leaves the queue alone.
+    promoted: bool,
+}
+
+impl Ticket {
+    /// Waits until the turn passes to this ticket.
+    pub(crate) async fn turn(mut self) -> Turn {
+        loop {
+            self.wake.notified().await;
+            let mut slots = self.room.slots();
+            if slots
+                .get_mut(&self.key)
+                .is_some_and(|s| s.active == self.id)
+            {
+                drop(slots);
+                let turn = Turn {
+                    room: self.room.clone(),
+                    key: self.key.clone(),
+                    id: self.id,
+                };
+                // The turn now owns the place; the ticket must not leave the queue again.
+                self.promoted = true;
+                return turn;
+            }
+        }
+    }
+
+    /// A probe that tells, even after the ticket is gone, what is known about the key.
+    pub(crate) fn evidence_handle(&self) -> EvidenceProbe {
+        EvidenceProbe {
+            room: self.room.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
+/// Reads what is known about a key, for a waiter that gives up.
+pub(crate) struct EvidenceProbe {
+    room: Arc<WaitingRoom>,
+    key: Arc<str>,
+}
+
+impl EvidenceProbe {
+    pub(crate) fn read(&self) -> WaitEvidence {
+        self.room.evidence(&self.key)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.promoted {
+            return;
+        }
+        if self.room.leave_queue(&self.key, self.id) {
+            // The turn reached us as we were leaving: hand it on so nobody waits forever.
+            self.room.pass_on(&self.key, self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn turns_pass_in_arrival_order() {
+        let room = Arc::new(WaitingRoom::default());
+        let Entry::Front(first) = room.enter("k") else {
+            panic!("the first caller must be in front")
+        };
+        let mut tickets = Vec::new();
+        for _ in 0..3 {
+            match room.enter("k") {
+                Entry::Queued(t) => tickets.push(t),
+                Entry::Front(_) => panic!("later callers must queue"),
+            }
+        }
+        assert_eq!(room.queued("k"), 3);
+        assert!(
+            room.try_enter("k").is_none(),
+            "try_enter must not jump the queue"
+        );
+        let ids: Vec<u64> = tickets.iter().map(|t| t.id).collect();
+        drop(first);
+        let mut served = Vec::new();
+        for ticket in tickets {
+            let turn = ticket.turn().await;
+            served.push(turn.id);
+        }
+        assert_eq!(served, ids);
+        assert_eq!(room.active_keys(), 0, "the last turn forgets the key");
+    }
+
+    #[tokio::test]
+    async fn a_ticket_dropped_after_the_turn_reached_it_hands_the_turn_on() {
+        let room = Arc::new(WaitingRoom::default());
+        let Entry::Front(first) = room.enter("k") else {
+            panic!("front")
+        };
+        let Entry::Queued(second) = room.enter("k") else {
+            panic!("queued")
+        };
+        let Entry::Queued(third) = room.enter("k") else {
+            panic!("queued")
+        };
+        drop(first); // the turn moves to `second`, which never looks
+        drop(second);
+        let turn = third.turn().await;
+        drop(turn);
+        assert_eq!(room.active_keys(), 0);
+    }
+}

@@ -1,0 +1,174 @@
+//! `LockHandle`: a held lock, its fencing token and its loss signal.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{ErrorKind, LockError};
+use crate::telemetry::LossReason;
+use crate::BoxFuture;
+
+/// What the engine keeps for one held lock, seen without its backend type.
+pub(crate) trait HeldLock: Send + Sync {
+    fn key(&self) -> &str;
+    fn fencing_token(&self) -> u64;
+    fn lost_token(&self) -> &CancellationToken;
+    fn is_held(&self) -> bool;
+    fn loss_reason(&self) -> Option<LossReason>;
+    /// Claims the lock for release before returning, then releases when polled (or in the
+    /// background if the returned future is dropped first).
+    fn release(self: Arc<Self>) -> BoxFuture<'static, Result<(), LockError>>;
+    fn release_in_background(&self);
+    #[cfg_attr(not(feature = "azure"), allow(dead_code))]
+    fn lease(&self) -> &(dyn std::any::Any + Send + Sync);
+}
+
+/// A held distributed lock.
+///
+/// A handle is the proof of holding a lock, so it is neither `Clone` nor `Copy`. While it
+/// exists the engine keeps the lock alive in the background: it renews expiring leases (every
+/// third of the lease by default) or checks the held connection, and declares the lock lost when
+/// it can no longer vouch for it.
+///
+/// # Loss
+/// The lock is *lost* when a renewal or check tells the engine the lease is gone, or when no
+/// renewal has succeeded for 90% of the lease since the last successful one was sent. A
+/// separate timer enforces that deadline, so a renewal that never returns cannot postpone it.
+/// On loss [`lost_token`](Self::lost_token) fires, [`is_held`](Self::is_held) turns `false`,
+/// [`ensure_held`](Self::ensure_held) returns [`ErrorKind::Lost`] and [`run`](Self::run) drops
+/// its work. A lost lock is never re-acquired behind your back.
+///
+/// # Release and drop
+/// [`release`](Self::release) gives the lock up and reports whether the backend confirmed it.
+/// Dropping the handle releases it in the background instead, on the runtime the lock was taken
+/// on; the next local waiter for the key gets its turn as soon as the release completes. Either
+/// way the lost token fires first, so work tied to it stops before the lock is given up.
+/// Releasing is idempotent: a handle is released at most once, and a lost handle is not
+/// released again.
+///
+/// # Fencing
+/// [`fencing_token`](Self::fencing_token) is strictly greater than every token handed out
+/// earlier for the same key. A lease lock cannot stop a process that was paused (GC, VM
+/// suspension) from waking up and carrying on; a resource that rejects tokens lower than the
+/// highest it has seen can.
+///
+/// ```
+/// # async fn demo() -> Result<(), lockingkit::LockError> {
+/// let locks = lockingkit::DistributedLock::in_memory();
+/// let handle = locks.try_acquire("orders/42").await?;
+/// let token = handle.fencing_token();
+/// let shipped = handle.run(async move { /* write with `token` */ token }).await?;
+/// handle.release().await?;
+/// # let _ = shipped; Ok(()) }
+/// ```
+pub struct LockHandle {
+    held: Arc<dyn HeldLock>,
+}
+
+impl LockHandle {
+    pub(crate) fn new(held: Arc<dyn HeldLock>) -> Self {
+        LockHandle { held }
+    }
+
+    /// The key this handle holds.
+    pub fn key(&self) -> &str {
+        self.held.key()
+    }
+
+    /// The fencing token of this hold; strictly greater than every earlier token for the key.
+    pub fn fencing_token(&self) -> u64 {
+        self.held.fencing_token()
+    }
+
+    /// A token that is cancelled when the lock is lost or released.
+    ///
+    /// Each call returns a child of the handle's own token, so cancelling what you were given
+    /// affects only your copy, never the handle.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.held.lost_token().child_token()
+    }
+
+    /// Whether the lock is still held: not lost, not released, and within its loss deadline.
+    pub fn is_held(&self) -> bool {
+        self.held.is_held()
+    }
+
+    /// Why the lock was lost, once it has been.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.held.loss_reason()
+    }
+
+    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
+    ///
+    /// Call it between steps of long work so it stops instead of carrying on unprotected.
+    pub fn ensure_held(&self) -> Result<(), LockError> {
+        if self.is_held() {
+            Ok(())
+        } else {
+            Err(self.lost_error())
+        }
+    }
+
+    /// Runs `work` while the lock is held, dropping it the moment the lock is lost.
+    ///
+    /// Returns `Err` of kind [`ErrorKind::Lost`] if the lock was lost before `work` finished;
+    /// `work` is then dropped at its current `.await` point, so give it cancellation-safe steps.
+    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
+        self.ensure_held()?;
+        let lost = self.held.lost_token();
+        tokio::select! {
+            biased;
+            _ = lost.cancelled() => Err(self.lost_error()),
+            output = work => Ok(output),
+        }
+    }
+
+    /// Releases the lock and waits for the backend to confirm.
+    ///
+    /// `Ok` means the backend confirmed the release. An error means it did not: kind
+    /// [`ErrorKind::Lost`] if the lock had already been lost, [`ErrorKind::Unavailable`] if the
+    /// backend did not answer in time. In every case the handle stops holding the lock, and
+    /// the backend frees it when the lease expires or the connection closes. If this future is
+    /// dropped before it finishes, the release carries on in the background.
+    pub async fn release(self) -> Result<(), LockError> {
+        // `release` claims the lock synchronously, so the handle's own `Drop` (when `self` goes
+        // out of scope here) finds it claimed and does not start a second, background release.
+        let release = self.held.clone().release();
+        drop(self);
+        release.await
+    }
+
+    /// The guard blob and lease id of an Azure lock, to fence writes to the guard blob itself.
+    #[cfg(feature = "azure")]
+    pub fn azure_blob_lease(&self) -> Option<crate::providers::azure::AzureBlobLease> {
+        crate::providers::azure::AzureBlobLease::from_any(self.held.lease())
+    }
+
+    fn lost_error(&self) -> LockError {
+        match self.held.loss_reason() {
+            Some(reason) => LockError::new(
+                ErrorKind::Lost,
+                format!("the lock was lost ({})", reason.as_str()),
+            ),
+            None => LockError::lost(),
+        }
+    }
+}
+
+impl Drop for LockHandle {
+    fn drop(&mut self) {
+        self.held.release_in_background();
+    }
+}
+
+impl fmt::Debug for LockHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The key is left out on purpose: keys routinely carry customer ids.
+        f.debug_struct("LockHandle")
+            .field("fencing_token", &self.fencing_token())
+            .field("is_held", &self.is_held())
+            .finish_non_exhaustive()
+    }
+}

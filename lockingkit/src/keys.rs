@@ -1,0 +1,279 @@
+//! Lock keys and how each backend names them.
+//!
+//! A key is 1–512 Unicode scalar values, compared byte for byte. The mappings below are pure
+//! functions, public and stable, so an operator can find a key's guard blob or take the same
+//! advisory lock from plain SQL.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{ErrorKind, LockError};
+
+/// The longest key, in Unicode scalar values (`str::chars().count()`).
+pub const MAX_KEY_CHARS: usize = 512;
+
+/// Checks that `key` is a valid lock key: 1 to [`MAX_KEY_CHARS`] characters.
+///
+/// The error never repeats the key, which may carry customer data.
+pub fn validate_key(key: &str) -> Result<(), LockError> {
+    if key.is_empty() {
+        return Err(LockError::new(ErrorKind::InvalidKey, "the key is empty"));
+    }
+    // A key of at most 512 bytes has at most 512 characters; only longer byte strings need
+    // counting, which keeps the check off the hot path for ordinary keys.
+    if key.len() > MAX_KEY_CHARS && key.chars().count() > MAX_KEY_CHARS {
+        return Err(LockError::new(
+            ErrorKind::InvalidKey,
+            format!("the key is longer than {MAX_KEY_CHARS} characters"),
+        ));
+    }
+    Ok(())
+}
+
+/// The longest blob name Azure accepts, in characters.
+pub const AZURE_MAX_BLOB_NAME_CHARS: usize = 1024;
+/// The most `/`-separated segments Azure accepts in a blob name.
+pub const AZURE_MAX_BLOB_NAME_SEGMENTS: usize = 254;
+
+/// Maps a lock key to the name of its guard blob inside the lock container.
+///
+/// ASCII letters, digits, `-`, `_`, `.` and `/` pass through, so `orders/42` becomes the blob
+/// `orders/42`. Every other UTF-8 byte, and `~` itself, becomes `~XX` (uppercase hex). A `/` or
+/// `.` is escaped too where Azure would rewrite the name: as the first or last character of the
+/// key, or right after a literal `/` (which would make an empty segment or a segment starting
+/// with a dot). A name longer than 1024 characters or with more than 254 segments becomes
+/// `~sha256~` followed by the 64 lowercase hex digits of the SHA-256 of the key.
+///
+/// Different keys always map to different names: the escaped form decodes unambiguously, and
+/// no escaped name starts with `~sha256~` followed by 64 hex digits (`~s` is never produced by
+/// escaping).
+///
+/// ```
+/// use lockingkit::keys::azure_blob_name;
+/// assert_eq!(azure_blob_name("orders/42"), "orders/42");
+/// assert_eq!(azure_blob_name("a//b"), "a/~2Fb");
+/// assert_eq!(azure_blob_name("ключ"), "~D0~BA~D0~BB~D1~8E~D1~87");
+/// ```
+pub fn azure_blob_name(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 8);
+    let mut previous_was_literal_slash = false;
+    let char_count = key.chars().count();
+    let mut segments = 1usize;
+    for (index, c) in key.chars().enumerate() {
+        let at_edge = index == 0 || index + 1 == char_count;
+        let literal = match c {
+            'A'..='Z' | 'a'..='z' | '0'..='9' | '-' | '_' => true,
+            '/' | '.' => !at_edge && !previous_was_literal_slash,
+            _ => false,
+        };
+        if literal {
+            out.push(c);
+            if c == '/' {
+                segments += 1;
+            }
+            previous_was_literal_slash = c == '/';
+        } else {
+            let mut buf = [0u8; 4];
+            for byte in c.encode_utf8(&mut buf).bytes() {
+                push_escaped(&mut out, byte);
+            }
+            previous_was_literal_slash = false;
+        }
+    }
+    // Every pushed character is ASCII, so the byte length is the character count.
+    if out.len() > AZURE_MAX_BLOB_NAME_CHARS || segments > AZURE_MAX_BLOB_NAME_SEGMENTS {
+        let digest = Sha256::digest(key.as_bytes());
+        let mut hashed = String::with_capacity(8 + 64);
+        hashed.push_str("~sha256~");
+        for byte in digest {
+            hashed.push(hex_digit(byte >> 4, false));
+            hashed.push(hex_digit(byte & 0x0f, false));
+        }
+        return hashed;
+    }
+    out
+}
+
+fn push_escaped(out: &mut String, byte: u8) {
+    out.push('~');
+    out.push(hex_digit(byte >> 4, true));
+    out.push(hex_digit(byte & 0x0f, true));
+}
+
+fn hex_digit(nibble: u8, upper: bool) -> char {
+    let digits: &[u8; 16] = if upper {
+        b"0123456789ABCDEF"
+    } else {
+        b"0123456789abcdef"
+    };
+    char::from(digits[usize::from(nibble & 0x0f)])
+}
+
+/// How lock keys become PostgreSQL advisory lock keys.
+///
+/// The advisory key is the first 8 bytes of the SHA-256 of the UTF-8 key, read as a big-endian
+/// `bigint`. [`PostgresLockKeys::SQL_EXPRESSION`] computes the same value in SQL, so a script or
+/// another service can take the very lock LockingKit takes. Two keys share an advisory key only
+/// by a SHA-256 prefix collision, and then they merely exclude each other.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PostgresLockKeys;
+
+impl PostgresLockKeys {
+    /// SQL computing the advisory key of the text parameter `$1`.
+    ///
+    /// ```sql
+    /// SELECT pg_try_advisory_lock(('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 16))::bit(64)::bigint);
+    /// ```
+    pub const SQL_EXPRESSION: &'static str =
+        "('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 16))::bit(64)::bigint";
+
+    /// The advisory key of `key`.
+    ///
+    /// ```
+    /// use lockingkit::keys::PostgresLockKeys;
+    /// assert_eq!(PostgresLockKeys::advisory_key("orders/42"), -4261225075031449721);
+    /// ```
+    pub fn advisory_key(key: &str) -> i64 {
+        let digest = Sha256::digest(key.as_bytes());
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        i64::from_be_bytes(first)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn reference_vectors() -> Vec<(String, String, i64)> {
+        let v = |k: &str, b: &str, p: i64| (k.to_string(), b.to_string(), p);
+        vec![
+            v("orders/42", "orders/42", -4261225075031449721),
+            v(
+                "jobs/nightly-export",
+                "jobs/nightly-export",
+                -6608059426078546604,
+            ),
+            v("a/b", "a/b", -4517992508584211555),
+            v("a~2Fb", "a~7E2Fb", -3104486523395018178),
+            v("a%2Fb", "a~252Fb", 8581366813078647055),
+            v("..", "~2E~2E", 6828011081595845693),
+            v(".", "~2E", -3624009932037567382),
+            v("a.", "a~2E", 6536483355239894009),
+            v("/a", "~2Fa", 7660865432161832061),
+            v("a/", "a~2F", -5486046568002236813),
+            v("a//b", "a/~2Fb", 8834601437433283040),
+            v("a///b", "a/~2F/b", 9163303817191787408),
+            v("a/./b", "a/~2E/b", 3620760808985749615),
+            v("a/.b", "a/~2Eb", -293456851317068515),
+            v("ключ", "~D0~BA~D0~BB~D1~8E~D1~87", 2153681812738117024),
+            v("🔒", "~F0~9F~94~92", 7701668758205862634),
+            v("A b", "A~20b", -6385909787353675517),
+            ("x".repeat(512), "x".repeat(512), 7212026910977811256),
+            v(
+                &"é".repeat(512),
+                "~sha256~eb1dac068118a962d32331d185228c80c259c95630cefe7abae82a089d9ee68e",
+                -1504857556536219294,
+            ),
+            v(
+                &format!("{}a", "a/".repeat(300)),
+                "~sha256~d57e1b6c885037f85da86023d739c960fb7919c758932e07dfd6109f5279dc4b",
+                -3062980543607982088,
+            ),
+        ]
+    }
+
+    #[test]
+    fn reference_vectors_map_as_the_spec_says() {
+        for (key, blob, advisory) in reference_vectors() {
+            assert_eq!(
+                azure_blob_name(&key),
+                blob,
+                "blob name of a {}-char key",
+                key.chars().count()
+            );
+            assert_eq!(PostgresLockKeys::advisory_key(&key), advisory);
+            assert!(validate_key(&key).is_ok());
+        }
+    }
+
+    #[test]
+    fn empty_and_overlong_keys_are_invalid() {
+        assert_eq!(validate_key("").unwrap_err().kind(), ErrorKind::InvalidKey);
+        let long = "x".repeat(513);
+        let err = validate_key(&long).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidKey);
+        assert!(
+            !err.to_string().contains("xxx"),
+            "the error must not echo the key"
+        );
+        // 512 four-byte characters are 2048 bytes but still a valid key.
+        assert!(validate_key(&"🔒".repeat(512)).is_ok());
+        assert!(validate_key(&"🔒".repeat(513)).is_err());
+    }
+
+    /// Undoes the escaping; `None` for the hashed form.
+    fn decode(name: &str) -> Option<String> {
+        if name.starts_with("~sha256~") {
+            return None;
+        }
+        let bytes = name.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'~' {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            } else {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).ok()
+    }
+
+    fn is_valid_azure_name(name: &str) -> bool {
+        name.chars().count() <= AZURE_MAX_BLOB_NAME_CHARS
+            && name.split('/').count() <= AZURE_MAX_BLOB_NAME_SEGMENTS
+            && !name.starts_with('/')
+            && !name.ends_with('/')
+            && !name.ends_with('.')
+            && !name.contains("//")
+            && name.split('/').all(|segment| !segment.starts_with('.'))
+            && name.is_ascii()
+    }
+
+    fn key_strategy() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z/.~%]{1,12}",
+            "[a-zA-Z0-9/._~ -]{1,40}",
+            proptest::collection::vec(any::<char>(), 1..30).prop_map(|v| v.into_iter().collect()),
+            "(a/){100,300}a",
+            "é{300,512}",
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn blob_names_are_valid_azure_names(key in key_strategy()) {
+            let name = azure_blob_name(&key);
+            prop_assert!(is_valid_azure_name(&name), "invalid name {name:?}");
+        }
+
+        #[test]
+        fn blob_names_decode_back_to_the_key(key in key_strategy()) {
+            let name = azure_blob_name(&key);
+            match decode(&name) {
+                Some(decoded) => prop_assert_eq!(decoded, key),
+                None => prop_assert!(name.len() == 8 + 64),
+            }
+        }
+
+        #[test]
+        fn distinct_keys_get_distinct_blob_names(a in key_strategy(), b in key_strategy()) {
+            prop_assume!(a != b);
+            prop_assert_ne!(azure_blob_name(&a), azure_blob_name(&b));
+        }
+    }
+}

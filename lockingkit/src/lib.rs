@@ -1,0 +1,53 @@
+//! Distributed locks for async Rust.
+//!
+//! One lock type, [`DistributedLock`], runs unchanged on Azure Blob leases, PostgreSQL advisory
+//! locks and an in-memory provider. One engine does the hard parts for every backend: waiting
+//! with capped, jittered backoff behind a local first-come-first-served queue; renewal in the
+//! background; loss detection with a deadline timer that a hung renewal cannot postpone;
+//! release on drop; and telemetry.
+//!
+//! ```
+//! use std::time::Duration;
+//! use lockingkit::DistributedLock;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), lockingkit::LockError> {
+//! let locks = DistributedLock::in_memory();
+//! let handle = locks.acquire("jobs/nightly-export", Duration::from_secs(30)).await?;
+//! for batch in 0..3 {
+//!     handle.ensure_held()?; // stop instead of working unprotected
+//!     let _ = (batch, handle.fencing_token()); // send the token with every write
+//! }
+//! handle.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! See the crate README for the guarantees a lease lock can and cannot give.
+
+#![deny(missing_docs)]
+#![warn(unreachable_pub)]
+
+use std::future::Future;
+use std::pin::Pin;
+
+mod backend;
+pub mod config;
+mod engine;
+mod error;
+mod handle;
+pub mod keys;
+mod lock;
+pub mod providers;
+pub mod telemetry;
+
+pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend};
+pub use engine::LockOptions;
+pub use error::{ErrorKind, LockError};
+pub use handle::LockHandle;
+pub use keys::PostgresLockKeys;
+pub use lock::{DistributedLock, DistributedLockBuilder, DEFAULT_NAME};
+pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
+pub use telemetry::LossReason;
+pub use tokio_util::sync::CancellationToken;
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

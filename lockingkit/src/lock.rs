@@ -1,0 +1,191 @@
+//! `DistributedLock`: the one lock type, whatever the backend.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use opentelemetry::metrics::Meter;
+
+use crate::backend::LockBackend;
+use crate::engine::{AnyEngine, Engine, LockOptions};
+use crate::error::LockError;
+use crate::handle::LockHandle;
+use crate::providers::memory::{MemoryBackend, MemoryStore};
+
+/// The name of the provider a plain `DistributedLock` stands for.
+pub const DEFAULT_NAME: &str = "Default";
+
+/// A distributed lock provider: one configured backend and the engine around it.
+///
+/// `DistributedLock` is a cheap handle (an `Arc`) to clone into every task and service. Code
+/// written against it runs unchanged on Azure Blob leases, PostgreSQL advisory locks and the
+/// in-memory provider.
+///
+/// Locks are **not reentrant**: a key held through this `DistributedLock` is busy for every
+/// other caller of it, including the holder's own task. Within one `DistributedLock`, waiters
+/// for a key queue first come, first served, and only the front one talks to the backend.
+///
+/// ```
+/// use std::time::Duration;
+/// use lockingkit::{DistributedLock, ErrorKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), lockingkit::LockError> {
+/// let locks = DistributedLock::in_memory();
+/// let held = locks.try_acquire("jobs/nightly-export").await?;
+///
+/// // A second caller is told the lock is busy instead of getting an exception-like surprise.
+/// let busy = locks.try_acquire("jobs/nightly-export").await.unwrap_err();
+/// assert_eq!(busy.kind(), ErrorKind::Busy);
+///
+/// held.release().await?;
+/// let again = locks.acquire("jobs/nightly-export", Duration::from_secs(5)).await?;
+/// # drop(again); Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct DistributedLock {
+    engine: Arc<dyn AnyEngine>,
+}
+
+impl DistributedLock {
+    /// A new in-memory provider named `Default`, with its own private store and 30 s leases.
+    ///
+    /// It behaves like a lease backend (expiry, renewal, fencing), so tests of your code meet
+    /// the same situations they would in production.
+    pub fn in_memory() -> Self {
+        Self::in_memory_shared(&MemoryStore::new())
+    }
+
+    /// An in-memory provider on a shared store: several of these act as separate processes.
+    pub fn in_memory_shared(store: &MemoryStore) -> Self {
+        Self::builder(MemoryBackend::new(store.clone())).build_infallible_default()
+    }
+
+    /// Starts configuring a provider on `backend`.
+    pub fn builder<B: LockBackend>(backend: B) -> DistributedLockBuilder<B> {
+        DistributedLockBuilder {
+            backend,
+            name: DEFAULT_NAME.to_owned(),
+            options: LockOptions::default(),
+            meter: None,
+        }
+    }
+
+    /// The registration name: `Default`, `Jobs`, …
+    pub fn name(&self) -> &str {
+        self.engine.name()
+    }
+
+    /// The provider: `azure_blob`, `postgres`, `in_memory` or a custom backend's name.
+    pub fn provider(&self) -> &str {
+        self.engine.provider()
+    }
+
+    /// Makes one attempt to take `key`.
+    ///
+    /// Fails with [`ErrorKind::Busy`](crate::ErrorKind::Busy) if anyone holds it, including
+    /// another caller of this `DistributedLock`, and with
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if the backend could not be
+    /// asked. Dropping the returned future at any point never leaks the lock.
+    pub async fn try_acquire(&self, key: &str) -> Result<LockHandle, LockError> {
+        self.engine.clone().try_acquire(key).await
+    }
+
+    /// Waits up to `timeout` for `key`.
+    ///
+    /// Retries with capped exponential backoff and equal jitter. Fails with
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the lock stayed busy, and with
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if no attempt reached the
+    /// backend, so an outage is not mistaken for contention. Stops at the first failure no retry
+    /// can fix. Dropping the future cancels the wait and never leaks the lock.
+    pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockHandle, LockError> {
+        self.engine.clone().acquire(key, timeout).await
+    }
+
+    /// How many keys this provider is currently holding, attempting or queueing for.
+    pub fn active_keys(&self) -> usize {
+        self.engine.busy_keys()
+    }
+
+    /// The backend, if it is of type `B` (for provider-specific controls).
+    pub fn backend<B: LockBackend>(&self) -> Option<&B> {
+        self.engine.backend_any().downcast_ref::<B>()
+    }
+}
+
+impl Default for DistributedLock {
+    fn default() -> Self {
+        Self::in_memory()
+    }
+}
+
+impl fmt::Debug for DistributedLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedLock")
+            .field("name", &self.name())
+            .field("provider", &self.provider())
+            .finish()
+    }
+}
+
+/// Configures a [`DistributedLock`] on a backend.
+#[must_use]
+pub struct DistributedLockBuilder<B> {
+    backend: B,
+    name: String,
+    options: LockOptions,
+    meter: Option<Meter>,
+}
+
+impl<B: LockBackend> DistributedLockBuilder<B> {
+    /// The registration name, used in telemetry (`Default` unless set).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Engine options: retry delays, renewal cadence, release timeout.
+    pub fn options(mut self, options: LockOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The first retry delay of a waiter (50 ms by default).
+    pub fn min_retry_delay(mut self, delay: Duration) -> Self {
+        self.options.min_retry_delay = delay;
+        self
+    }
+
+    /// The cap of a waiter's retry delay (1 s by default).
+    pub fn max_retry_delay(mut self, delay: Duration) -> Self {
+        self.options.max_retry_delay = delay;
+        self
+    }
+
+    /// The meter to record on, instead of the global provider's `lockingkit` meter.
+    pub fn meter(mut self, meter: Meter) -> Self {
+        self.meter = Some(meter);
+        self
+    }
+
+    /// Validates the options and builds the provider.
+    pub fn build(self) -> Result<DistributedLock, LockError> {
+        let meter = self.meter.unwrap_or_else(crate::telemetry::global_meter);
+        let engine = Engine::new(&self.name, self.backend, self.options, &meter)?;
+        Ok(DistributedLock {
+            engine: Arc::new(engine),
+        })
+    }
+}
+
+impl DistributedLockBuilder<MemoryBackend> {
+    /// Default options and a valid lease cannot fail validation; this keeps `in_memory()`
+    /// infallible without a panic path.
+    fn build_infallible_default(self) -> DistributedLock {
+        let meter = crate::telemetry::global_meter();
+        let engine = Engine::new_unchecked(&self.name, self.backend, self.options, &meter);
+        DistributedLock {
+            engine: Arc::new(engine),
+        }
+    }
+}

@@ -1,0 +1,3 @@
+//! Backends behind the [`LockBackend`](crate::LockBackend) trait.
+
+pub mod memory;

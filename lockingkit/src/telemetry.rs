@@ -1,0 +1,328 @@
+//! Spans through `tracing` and metrics through the OpenTelemetry API meter `lockingkit`.
+//!
+//! Nothing here depends on an OpenTelemetry SDK. Until the host installs a meter provider the
+//! instruments are no-ops, and until it installs a `tracing` subscriber the spans are disabled
+//! callsites. Keys are never recorded: they routinely carry customer ids. Errors are recorded by
+//! kind only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
+use opentelemetry::{InstrumentationScope, KeyValue};
+use tracing::field::Empty;
+use tracing::Span;
+
+use crate::error::LockError;
+
+/// The name of the OpenTelemetry meter LockingKit records on.
+pub const METER_NAME: &str = "lockingkit";
+
+/// Why a held lock was lost, as recorded in `lockingkit.loss.reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// No renewal succeeded in time; the handle gave up before the lease could expire.
+    Deadline,
+    /// The backend answered that the lease is no longer ours.
+    LeaseGone,
+    /// The connection that held the lock failed or stopped answering.
+    ConnectionLost,
+}
+
+impl LossReason {
+    /// The attribute value: `deadline`, `lease_gone` or `connection_lost`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LossReason::Deadline => "deadline",
+            LossReason::LeaseGone => "lease_gone",
+            LossReason::ConnectionLost => "connection_lost",
+        }
+    }
+}
+
+/// Which public operation a span or measurement belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operation {
+    TryAcquire,
+    Acquire,
+}
+
+impl Operation {
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Operation::TryAcquire => "try_acquire",
+            Operation::Acquire => "acquire",
+        }
+    }
+}
+
+/// The outcome attribute of an acquire call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Acquired,
+    Busy,
+    Timeout,
+    Cancelled,
+    Failure,
+}
+
+impl Outcome {
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Acquired => "acquired",
+            Outcome::Busy => "busy",
+            Outcome::Timeout => "timeout",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Failure => "failure",
+        }
+    }
+
+    pub(crate) fn of(result: &Result<u64, &LockError>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Acquired,
+            Err(e) => match e.kind() {
+                crate::ErrorKind::Busy => Outcome::Busy,
+                crate::ErrorKind::Timeout => Outcome::Timeout,
+                _ => Outcome::Failure,
+            },
+        }
+    }
+}
+
+/// The instruments and span names of one `DistributedLock`.
+pub(crate) struct Telemetry {
+    lock: Arc<str>,
+    provider: Arc<str>,
+    try_acquire_name: Box<str>,
+    acquire_name: Box<str>,
+    release_name: Box<str>,
+    base: [KeyValue; 2],
+    acquire_duration: Histogram<f64>,
+    acquire_attempts: Histogram<u64>,
+    hold_duration: Histogram<f64>,
+    locks_held: UpDownCounter<i64>,
+    waiters: UpDownCounter<i64>,
+    renewals: Counter<u64>,
+    lost: Counter<u64>,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("lock", &self.lock)
+            .field("provider", &self.provider)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The meter LockingKit uses when the host gives none: the global provider's `lockingkit` meter.
+pub fn global_meter() -> Meter {
+    let scope = InstrumentationScope::builder(METER_NAME)
+        .with_version(env!("CARGO_PKG_VERSION"))
+        .build();
+    opentelemetry::global::meter_with_scope(scope)
+}
+
+impl Telemetry {
+    pub(crate) fn new(lock: &str, provider: &str, meter: &Meter) -> Self {
+        let lock: Arc<str> = Arc::from(lock);
+        let provider: Arc<str> = Arc::from(provider);
+        let base = [
+            KeyValue::new("lockingkit.lock", lock.clone()),
+            KeyValue::new("lockingkit.provider", provider.clone()),
+        ];
+        Telemetry {
+            try_acquire_name: format!("try_acquire {lock}").into(),
+            acquire_name: format!("acquire {lock}").into(),
+            release_name: format!("release {lock}").into(),
+            lock,
+            provider,
+            base,
+            acquire_duration: meter
+                .f64_histogram("lockingkit.acquire.duration")
+                .with_unit("s")
+                .with_description("How long acquire and try_acquire calls took")
+                .build(),
+            acquire_attempts: meter
+                .u64_histogram("lockingkit.acquire.attempts")
+                .with_unit("{attempt}")
+                .with_description("Backend attempts made by one acquire call")
+                .with_boundaries(vec![0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0])
+                .build(),
+            hold_duration: meter
+                .f64_histogram("lockingkit.hold.duration")
+                .with_unit("s")
+                .with_description("How long locks were held, until released or lost")
+                .build(),
+            locks_held: meter
+                .i64_up_down_counter("lockingkit.locks.held")
+                .with_unit("{lock}")
+                .with_description("Locks currently held")
+                .build(),
+            waiters: meter
+                .i64_up_down_counter("lockingkit.waiters")
+                .with_unit("{waiter}")
+                .with_description("Local callers queued behind another caller for a key")
+                .build(),
+            renewals: meter
+                .u64_counter("lockingkit.renewals")
+                .with_unit("{renewal}")
+                .with_description("Lease renewals and connection checks")
+                .build(),
+            lost: meter
+                .u64_counter("lockingkit.lost")
+                .with_unit("{lock}")
+                .with_description("Locks lost while held")
+                .build(),
+        }
+    }
+
+    pub(crate) fn provider(&self) -> &str {
+        &self.provider
+    }
+
+    pub(crate) fn lock_name(&self) -> &str {
+        &self.lock
+    }
+
+    fn attrs<const N: usize>(&self, extra: [KeyValue; N]) -> Vec<KeyValue> {
+        let mut attrs = Vec::with_capacity(2 + N);
+        attrs.extend_from_slice(&self.base);
+        attrs.extend(extra);
+        attrs
+    }
+
+    pub(crate) fn acquire_span(&self, operation: Operation) -> Span {
+        let name: &str = match operation {
+            Operation::TryAcquire => &self.try_acquire_name,
+            Operation::Acquire => &self.acquire_name,
+        };
+        tracing::info_span!(
+            target: "lockingkit",
+            "lockingkit.acquire",
+            "otel.name" = name,
+            "otel.kind" = "client",
+            "otel.status_code" = Empty,
+            "lockingkit.lock" = &*self.lock,
+            "lockingkit.provider" = &*self.provider,
+            "lockingkit.operation" = operation.as_str(),
+            "lockingkit.outcome" = Empty,
+            "lockingkit.acquire.attempts" = Empty,
+            "lockingkit.fencing_token" = Empty,
+            "error.type" = Empty,
+            "lockingkit.error.kind" = Empty,
+        )
+    }
+
+    pub(crate) fn release_span(&self, fencing_token: u64) -> Span {
+        tracing::info_span!(
+            target: "lockingkit",
+            "lockingkit.release",
+            "otel.name" = &*self.release_name,
+            "otel.kind" = "client",
+            "otel.status_code" = Empty,
+            "lockingkit.lock" = &*self.lock,
+            "lockingkit.provider" = &*self.provider,
+            "lockingkit.operation" = "release",
+            "lockingkit.outcome" = Empty,
+            "lockingkit.fencing_token" = fencing_token,
+            "error.type" = Empty,
+            "lockingkit.error.kind" = Empty,
+        )
+    }
+
+    /// Records the end of an acquire call on its span and in the metrics.
+    pub(crate) fn acquire_finished(
+        &self,
+        span: &Span,
+        operation: Operation,
+        outcome: Outcome,
+        error: Option<&LockError>,
+        attempts: u64,
+        elapsed: Duration,
+        fencing_token: Option<u64>,
+    ) {
+        if !span.is_disabled() {
+            span.record("lockingkit.outcome", outcome.as_str());
+            span.record("lockingkit.acquire.attempts", attempts);
+            if let Some(token) = fencing_token {
+                span.record("lockingkit.fencing_token", token);
+            }
+            if outcome == Outcome::Failure {
+                if let Some(error) = error {
+                    record_error(span, error);
+                }
+            }
+        }
+        let attrs = self.attrs([
+            KeyValue::new("lockingkit.operation", operation.as_str()),
+            KeyValue::new("lockingkit.outcome", outcome.as_str()),
+        ]);
+        self.acquire_duration.record(elapsed.as_secs_f64(), &attrs);
+        self.acquire_attempts.record(attempts, &self.base);
+    }
+
+    pub(crate) fn release_finished(&self, span: &Span, result: &Result<(), LockError>) {
+        if span.is_disabled() {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                span.record("lockingkit.outcome", "released");
+            }
+            Err(error) => {
+                span.record("lockingkit.outcome", "failure");
+                record_error(span, error);
+            }
+        }
+    }
+
+    pub(crate) fn lock_taken(&self) {
+        self.locks_held.add(1, &self.base);
+    }
+
+    pub(crate) fn lock_ended(&self, held_for: Duration, lost: Option<LossReason>) {
+        self.locks_held.add(-1, &self.base);
+        let end = if lost.is_some() { "lost" } else { "released" };
+        self.hold_duration.record(
+            held_for.as_secs_f64(),
+            &self.attrs([KeyValue::new("lockingkit.end", end)]),
+        );
+        if let Some(reason) = lost {
+            self.lost.add(
+                1,
+                &self.attrs([KeyValue::new("lockingkit.loss.reason", reason.as_str())]),
+            );
+            tracing::warn!(
+                target: "lockingkit",
+                lock = &*self.lock,
+                provider = &*self.provider,
+                reason = reason.as_str(),
+                "lock lost while held"
+            );
+        }
+    }
+
+    pub(crate) fn waiter_queued(&self) {
+        self.waiters.add(1, &self.base);
+    }
+
+    pub(crate) fn waiter_left(&self) {
+        self.waiters.add(-1, &self.base);
+    }
+
+    pub(crate) fn renewal(&self, ok: bool) {
+        let outcome = if ok { "ok" } else { "failed" };
+        self.renewals.add(
+            1,
+            &self.attrs([KeyValue::new("lockingkit.outcome", outcome)]),
+        );
+    }
+}
+
+fn record_error(span: &Span, error: &LockError) {
+    span.record("otel.status_code", "ERROR");
+    span.record("error.type", error.error_type());
+    span.record("lockingkit.error.kind", error.kind().as_str());
+}

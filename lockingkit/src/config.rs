@@ -116,3 +116,72 @@ mod tests {
         }
     }
 }
+
+/// A secret setting (connection string, account key, password, SAS token).
+///
+/// Its `Debug` and `Display` print `[redacted]`, so option structs that hold one can derive
+/// `Debug` without leaking it into logs or errors. Read it with [`SecretString::expose`].
+#[derive(Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(transparent)]
+pub struct SecretString(String);
+
+impl SecretString {
+    /// Wraps a secret.
+    pub fn new(secret: impl Into<String>) -> Self {
+        SecretString(secret.into())
+    }
+
+    /// The secret itself; keep it out of logs.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether the secret is empty (or only whitespace).
+    pub fn is_blank(&self) -> bool {
+        self.0.trim().is_empty()
+    }
+}
+
+impl From<String> for SecretString {
+    fn from(secret: String) -> Self {
+        SecretString(secret)
+    }
+}
+
+impl From<&str> for SecretString {
+    fn from(secret: &str) -> Self {
+        SecretString(secret.to_owned())
+    }
+}
+
+impl std::fmt::Debug for SecretString {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl std::fmt::Display for SecretString {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl serde::Serialize for SecretString {
+    /// Serializes as `[redacted]`: options can be dumped for diagnostics without the secret.
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str("[redacted]")
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::SecretString;
+
+    #[test]
+    fn secrets_never_format() {
+        let secret = SecretString::new("Password=hunter2");
+        assert_eq!(format!("{secret:?}"), "[redacted]");
+        assert_eq!(secret.to_string(), "[redacted]");
+        assert_eq!(secret.expose(), "Password=hunter2");
+    }
+}

@@ -1,1 +1,2 @@
-//! support
+//! Test fixtures shared by the integration suites: real backends started on loopback.
+#![allow(missing_docs)]

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs and starts what the tests need, then runs
+# every test binary (unit, contract, chaos, HTTP, telemetry) and the doc tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+for setup in scripts/setup-*.sh; do
+  [ -e "$setup" ] && bash "$setup"
+done
+
+cargo nextest run --workspace --all-features --all-targets --no-fail-fast
+cargo test --workspace --all-features --doc

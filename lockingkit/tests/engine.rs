@@ -1,0 +1,627 @@
+//! The engine's timing and queueing rules, driven on paused tokio time through the public API.
+//!
+//! Timer note: tokio's timer wheel has millisecond resolution, so an instant computed from a
+//! send time can fire up to 1 ms after it. Assertions on "exactly" allow that 1 ms and no more.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockingkit::{
+    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LossReason,
+    MemoryBackend, MemoryStore, RenewalFault,
+};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+const TIMER_RESOLUTION: Duration = Duration::from_millis(1);
+
+fn assert_at(actual: Duration, expected: Duration) {
+    assert!(
+        actual >= expected && actual <= expected + TIMER_RESOLUTION,
+        "expected {expected:?}, got {actual:?}"
+    );
+}
+
+/// A backend that wraps another and records what reaches it, for counting request streams.
+#[derive(Clone)]
+struct Recording<B> {
+    inner: B,
+    attempts: Arc<Mutex<Vec<Instant>>>,
+    in_flight: Arc<AtomicUsize>,
+    max_in_flight: Arc<AtomicUsize>,
+    released: Arc<Notify>,
+    /// While set, attempts wait for `gate` before reaching the inner backend.
+    gate: Arc<Mutex<Option<Arc<Notify>>>>,
+}
+
+impl<B> Recording<B> {
+    fn new(inner: B) -> Self {
+        Recording {
+            inner,
+            attempts: Arc::default(),
+            in_flight: Arc::default(),
+            max_in_flight: Arc::default(),
+            released: Arc::new(Notify::new()),
+            gate: Arc::default(),
+        }
+    }
+
+    fn attempt_times(&self) -> Vec<Instant> {
+        self.attempts.lock().unwrap().clone()
+    }
+
+    fn close_gate(&self) -> Arc<Notify> {
+        let gate = Arc::new(Notify::new());
+        *self.gate.lock().unwrap() = Some(gate.clone());
+        gate
+    }
+}
+
+impl<B: LockBackend> LockBackend for Recording<B> {
+    type Lease = B::Lease;
+
+    fn provider(&self) -> &str {
+        "recording"
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<B::Lease>>, BackendError> {
+        self.attempts.lock().unwrap().push(Instant::now());
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let gate = self.gate.lock().unwrap().clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
+        let result = self.inner.try_acquire(key).await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+
+    async fn renew(&self, lease: &B::Lease) -> Result<(), BackendError> {
+        self.inner.renew(lease).await
+    }
+
+    async fn release(&self, lease: &B::Lease) -> Result<(), BackendError> {
+        let result = self.inner.release(lease).await;
+        self.released.notify_one();
+        result
+    }
+}
+
+fn memory_pair() -> (MemoryStore, DistributedLock) {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    (store, locks)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Renewal and loss
+
+#[tokio::test(start_paused = true)]
+async fn lease_is_lost_27s_after_last_renewal_sent_when_renewals_fail() {
+    let (store, locks) = memory_pair();
+    let start = Instant::now();
+    let handle = locks.try_acquire("report").await.unwrap();
+    let lost = handle.lost_token();
+
+    // The first renewal, at 10 s, succeeds: the deadline moves to 10 s + 27 s.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert_eq!(store.renewals(), 1);
+    assert!(handle.is_held());
+    store.set_renewal_fault(RenewalFault::Fail);
+
+    tokio::time::sleep_until(start + Duration::from_secs(37) - TIMER_RESOLUTION).await;
+    assert!(handle.is_held(), "still held just before the deadline");
+    assert!(
+        store.renewals() > 2,
+        "failed renewals are retried until the deadline"
+    );
+
+    lost.cancelled().await;
+    assert_at(start.elapsed(), Duration::from_secs(37));
+    assert!(!handle.is_held());
+    assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
+    assert_eq!(handle.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_is_lost_27s_after_last_renewal_sent_when_renewal_hangs() {
+    let (store, locks) = memory_pair();
+    let start = Instant::now();
+    let handle = locks.try_acquire("report").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    store.set_renewal_fault(RenewalFault::Hang);
+
+    handle.lost_token().cancelled().await;
+    assert_at(start.elapsed(), Duration::from_secs(37));
+    assert_eq!(
+        store.renewals(),
+        2,
+        "the hung renewal at 20 s was the last one sent"
+    );
+    assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
+}
+
+#[tokio::test(start_paused = true)]
+async fn first_deadline_counts_from_when_the_acquire_was_sent() {
+    let (store, locks) = memory_pair();
+    store.set_renewal_fault(RenewalFault::Hang);
+    let start = Instant::now();
+    let handle = locks.try_acquire("report").await.unwrap();
+    handle.lost_token().cancelled().await;
+    assert_at(start.elapsed(), Duration::from_secs(27));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_gone_answer_is_loss_at_once() {
+    let (store, locks) = memory_pair();
+    let start = Instant::now();
+    let handle = locks.try_acquire("report").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert!(store.break_lease("report"));
+
+    handle.lost_token().cancelled().await;
+    // The next renewal, at 20 s, is told the lease is gone: no waiting for the deadline.
+    assert_at(start.elapsed(), Duration::from_secs(20));
+    assert_eq!(handle.loss_reason(), Some(LossReason::LeaseGone));
+    let err = handle.release().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Lost);
+}
+
+#[tokio::test(start_paused = true)]
+async fn renewal_keeps_the_lock_over_many_lease_periods() {
+    let (store, locks) = memory_pair();
+    let handle = locks.try_acquire("report").await.unwrap();
+    // Four lease periods, stopping between renewals (the one at 120 s has been sent at 125 s).
+    tokio::time::sleep(Duration::from_secs(125)).await;
+    assert!(handle.is_held());
+    assert!(store.is_locked("report"));
+    assert_eq!(store.renewals(), 12, "one renewal every 10 s for 125 s");
+    let other = DistributedLock::in_memory_shared(&store);
+    assert_eq!(
+        other.try_acquire("report").await.unwrap_err().kind(),
+        ErrorKind::Busy
+    );
+    handle.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_drops_the_work_when_the_lock_is_lost() {
+    struct Flag(Arc<AtomicUsize>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let (store, locks) = memory_pair();
+    let handle = locks.try_acquire("report").await.unwrap();
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let flag = Flag(dropped.clone());
+    store.break_lease("report");
+    let result = handle
+        .run(async move {
+            let _flag = flag;
+            std::future::pending::<()>().await
+        })
+        .await;
+    assert_eq!(result.unwrap_err().kind(), ErrorKind::Lost);
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "the work was dropped");
+}
+
+/// A connection-held backend whose check can be made to hang.
+struct Connection {
+    hang: Arc<std::sync::atomic::AtomicBool>,
+    checks: Arc<AtomicUsize>,
+}
+
+impl LockBackend for Connection {
+    type Lease = ();
+
+    fn provider(&self) -> &str {
+        "connection"
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::ConnectionHeld(Duration::from_secs(5))
+    }
+
+    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+        Ok(Some(Acquired {
+            lease: (),
+            fencing_token: 1,
+        }))
+    }
+
+    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_connection_check_is_loss_after_one_interval() {
+    let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let checks = Arc::new(AtomicUsize::new(0));
+    let locks = DistributedLock::builder(Connection {
+        hang: hang.clone(),
+        checks: checks.clone(),
+    })
+    .build()
+    .unwrap();
+    let start = Instant::now();
+    let handle = locks.try_acquire("k").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(checks.load(Ordering::SeqCst), 2, "checks at 5 s and 10 s");
+    hang.store(true, Ordering::SeqCst);
+    handle.lost_token().cancelled().await;
+    // The check sent at 15 s gets 5 s to answer.
+    assert_at(start.elapsed(), Duration::from_secs(20));
+    assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting
+
+#[tokio::test(start_paused = true)]
+async fn twenty_local_waiters_make_one_stream_of_attempts_and_are_served_fifo() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let min = Duration::from_millis(50);
+    let locks = DistributedLock::builder(recording.clone())
+        .min_retry_delay(min)
+        .max_retry_delay(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    // Another "process" holds the key, so the local waiters must poll the backend.
+    let remote = DistributedLock::in_memory_shared(&store);
+    let remote_handle = remote.try_acquire("job").await.unwrap();
+
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for index in 0..20 {
+        let locks = locks.clone();
+        let served = served.clone();
+        tasks.push(tokio::spawn(async move {
+            let handle = locks
+                .acquire("job", Duration::from_secs(120))
+                .await
+                .unwrap();
+            served.lock().unwrap().push(index);
+            handle.release().await.unwrap();
+        }));
+        // Let this waiter reach the queue before the next one arrives.
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    remote_handle.release().await.unwrap();
+    for task in tasks {
+        task.await.unwrap();
+    }
+
+    assert_eq!(*served.lock().unwrap(), (0..20).collect::<Vec<_>>());
+    assert_eq!(recording.max_in_flight.load(Ordering::SeqCst), 1);
+    let times = recording.attempt_times();
+    let polling: Vec<_> = times
+        .windows(2)
+        .filter(|w| w[1] - w[0] > Duration::ZERO)
+        .map(|w| w[1] - w[0])
+        .collect();
+    // One stream: while the remote held the key, consecutive attempts were at least the jitter
+    // floor (half the minimum delay) apart. Twenty pollers would have produced bursts.
+    let during_hold = times
+        .iter()
+        .filter(|t| **t < times[0] + Duration::from_secs(10))
+        .count();
+    assert!(
+        during_hold <= 10_000 / 25 + 1,
+        "{during_hold} attempts in 10 s is more than one stream"
+    );
+    assert!(
+        polling.iter().all(|gap| *gap >= min / 2),
+        "gaps {polling:?}"
+    );
+    // After the remote release, local hand-offs need no polling: one attempt per waiter.
+    let after_release = times
+        .iter()
+        .filter(|t| **t >= times[0] + Duration::from_secs(10))
+        .count();
+    assert_eq!(
+        after_release, 20,
+        "each waiter was woken at once and attempted once"
+    );
+    assert_eq!(locks.active_keys(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_local_release_wakes_the_next_waiter_at_once() {
+    let (_store, locks) = memory_pair();
+    let first = locks.try_acquire("k").await.unwrap();
+    let waiter = tokio::spawn({
+        let locks = locks.clone();
+        async move {
+            let handle = locks.acquire("k", Duration::from_secs(60)).await.unwrap();
+            (Instant::now(), handle.fencing_token())
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let released_at = Instant::now();
+    let first_token = first.fencing_token();
+    first.release().await.unwrap();
+    let (acquired_at, token) = waiter.await.unwrap();
+    assert_eq!(
+        acquired_at, released_at,
+        "no backoff sleep after a local release"
+    );
+    assert!(token > first_token);
+}
+
+#[tokio::test(start_paused = true)]
+async fn locks_are_not_reentrant_and_busy_needs_no_backend_call() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let handle = locks.try_acquire("k").await.unwrap();
+    let err = locks.try_acquire("k").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Busy);
+    assert_eq!(err.code(), "locking.busy");
+    assert_eq!(recording.attempt_times().len(), 1);
+    let err = locks
+        .acquire("k", Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout);
+    drop(handle);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_ends_in_timeout_when_busy_and_unavailable_when_unreachable() {
+    let (store, locks) = memory_pair();
+    let other = DistributedLock::in_memory_shared(&store);
+    let held = other.try_acquire("k").await.unwrap();
+    let start = Instant::now();
+    let err = locks
+        .acquire("k", Duration::from_secs(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout);
+    assert_at(start.elapsed(), Duration::from_secs(3));
+    drop(held);
+
+    store.set_unavailable(true);
+    let err = locks
+        .acquire("k2", Duration::from_secs(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    let err = locks.try_acquire("k2").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert_eq!(locks.active_keys(), 0);
+}
+
+/// A backend that refuses every request as misconfigured.
+struct Refusing(Arc<AtomicUsize>);
+
+impl LockBackend for Refusing {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "refusing"
+    }
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::Expiring(Duration::from_secs(30))
+    }
+    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err(BackendError::misconfigured("credentials refused"))
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_stops_at_the_first_failure_no_retry_can_fix() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let locks = DistributedLock::builder(Refusing(calls.clone()))
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let err = locks
+        .acquire("k", Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+}
+
+#[tokio::test]
+async fn invalid_keys_are_refused_before_any_backend_call() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    for key in [String::new(), "k".repeat(513)] {
+        let err = locks.try_acquire(&key).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidKey);
+        let err = locks
+            .acquire(&key, Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidKey);
+    }
+    assert_eq!(store.attempts(), 0);
+    assert!(locks.try_acquire(&"k".repeat(512)).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn builder_refuses_bad_options_with_every_problem_listed() {
+    let err = DistributedLock::builder(MemoryBackend::new(MemoryStore::new()))
+        .min_retry_delay(Duration::from_secs(5))
+        .max_retry_delay(Duration::from_secs(1))
+        .options(lockingkit::LockOptions {
+            min_retry_delay: Duration::from_secs(5),
+            max_retry_delay: Duration::from_secs(1),
+            release_timeout: Duration::ZERO,
+            ..Default::default()
+        })
+        .build()
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured);
+    let text = err.to_string();
+    assert!(text.contains("min_retry_delay"), "{text}");
+    assert!(text.contains("release_timeout"), "{text}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cancellation and release
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_a_queued_waiter_leaks_nothing() {
+    let (store, locks) = memory_pair();
+    let holder = locks.try_acquire("k").await.unwrap();
+    let waiting = locks.acquire("k", Duration::from_secs(60));
+    // Poll the waiter into the queue, then drop it.
+    assert!(tokio::time::timeout(Duration::from_millis(10), waiting)
+        .await
+        .is_err());
+    holder.release().await.unwrap();
+    assert_eq!(locks.active_keys(), 0);
+    assert!(!store.is_locked("k"));
+    assert!(locks.try_acquire("k").await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_during_an_attempt_releases_what_it_won() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let gate = recording.close_gate();
+    let attempt = locks.try_acquire("k");
+    // The attempt reaches the backend and waits at the gate; then its caller goes away.
+    assert!(tokio::time::timeout(Duration::from_millis(10), attempt)
+        .await
+        .is_err());
+    assert_eq!(recording.attempt_times().len(), 1);
+    assert_eq!(
+        locks.active_keys(),
+        1,
+        "the orphaned attempt still owns the turn"
+    );
+    *recording.gate.lock().unwrap() = None;
+    let released = recording.released.notified();
+    gate.notify_one();
+    released.await;
+    assert!(
+        !store.is_locked("k"),
+        "the lease the orphan won was released"
+    );
+    tokio::task::yield_now().await;
+    assert_eq!(locks.active_keys(), 0);
+    assert!(locks.try_acquire("k").await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_after_the_attempt_means_dropping_the_handle_which_releases_it() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let handle = locks.try_acquire("k").await.unwrap();
+    let lost = handle.lost_token();
+    let released = recording.released.notified();
+    drop(handle);
+    assert!(lost.is_cancelled(), "the lost token fires on drop");
+    released.await;
+    assert!(!store.is_locked("k"));
+    tokio::task::yield_now().await;
+    assert_eq!(locks.active_keys(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn release_is_confirmed_fires_the_lost_token_and_happens_once() {
+    let (store, locks) = memory_pair();
+    let handle = locks.try_acquire("k").await.unwrap();
+    let lost = handle.lost_token();
+    assert!(!lost.is_cancelled());
+    handle.release().await.unwrap();
+    assert!(lost.is_cancelled());
+    assert!(!store.is_locked("k"));
+    // A token a caller cancels is their own copy, never the handle's.
+    let handle = locks.try_acquire("k").await.unwrap();
+    handle.lost_token().cancel();
+    assert!(handle.is_held());
+    assert!(!handle.lost_token().is_cancelled());
+    handle.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unconfirmed_release_is_reported_and_the_key_is_freed_locally() {
+    let (store, locks) = memory_pair();
+    let handle = locks.try_acquire("k").await.unwrap();
+    store.set_unavailable(true);
+    let err = handle.release().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert_eq!(locks.active_keys(), 0);
+    store.set_unavailable(false);
+    // The lease was not released, so it expires on its own after 30 s.
+    assert!(store.is_locked("k"));
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(locks.try_acquire("k").await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_vanishes_frees_the_key_after_the_lease() {
+    let store = MemoryStore::new();
+    let vanishing = DistributedLock::in_memory_shared(&store);
+    // A runtime that goes away with its tasks stands for a process that dies.
+    let handle = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap();
+            let locks = DistributedLock::in_memory_shared(&store);
+            let handle = runtime.block_on(locks.try_acquire("k")).unwrap();
+            std::mem::forget(handle);
+        })
+    };
+    handle.join().unwrap();
+    assert!(store.is_locked("k"));
+    assert_eq!(
+        vanishing.try_acquire("k").await.unwrap_err().kind(),
+        ErrorKind::Busy
+    );
+    let got = vanishing
+        .acquire("k", Duration::from_secs(40))
+        .await
+        .unwrap();
+    assert!(got.fencing_token() > 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn fencing_tokens_grow_across_processes() {
+    let store = MemoryStore::new();
+    let a = DistributedLock::in_memory_shared(&store);
+    let b = DistributedLock::in_memory_shared(&store);
+    let mut last = 0;
+    for i in 0..10 {
+        let locks = if i % 2 == 0 { &a } else { &b };
+        let handle = locks.try_acquire("k").await.unwrap();
+        assert!(handle.fencing_token() > last);
+        last = handle.fencing_token();
+        handle.release().await.unwrap();
+    }
+}

@@ -4,11 +4,41 @@
 //! instruments are no-ops, and until it installs a `tracing` subscriber the spans are disabled
 //! callsites. Keys are never recorded: they routinely carry customer ids. Errors are recorded by
 //! kind only.
+//!
+//! # Wiring
+//! Bridge the spans with `tracing-opentelemetry` and hand the lock a meter, either implicitly
+//! (the global provider's `lockingkit` meter is taken when the lock is built, so install the
+//! global provider first) or explicitly:
+//!
+//! ```
+//! use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+//!
+//! # fn demo(provider: &impl opentelemetry::metrics::MeterProvider) -> Result<(), lockingkit::LockError> {
+//! let locks = DistributedLock::builder(MemoryBackend::new(MemoryStore::new()))
+//!     .name("Jobs")
+//!     .meter(lockingkit::telemetry::meter(provider))
+//!     .build()?;
+//! # let _ = locks; Ok(()) }
+//! ```
+//!
+//! # What is recorded
+//! Spans (kind client): `try_acquire {name}`, `acquire {name}` and `release {name}`, with
+//! `lockingkit.lock`, `lockingkit.provider`, `lockingkit.operation`, `lockingkit.outcome`
+//! (`acquired`, `busy`, `timeout`, `cancelled`, `failure`; `released` or `failure` on release),
+//! `lockingkit.acquire.attempts`, `lockingkit.fencing_token`, and on failures only `error.type`
+//! (the error code, such as `locking.unavailable`) and `lockingkit.error.kind`. Busy and timeout
+//! are outcomes, not errors, so they leave the span status unset.
+//!
+//! Metrics, each with `lockingkit.lock` and `lockingkit.provider`:
+//! `lockingkit.acquire.duration` (s; plus operation and outcome), `lockingkit.acquire.attempts`,
+//! `lockingkit.hold.duration` (s; plus `lockingkit.end` = `released` or `lost`),
+//! `lockingkit.locks.held`, `lockingkit.waiters`, `lockingkit.renewals` (plus outcome `ok` or
+//! `failed`) and `lockingkit.lost` (plus `lockingkit.loss.reason`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider, UpDownCounter};
 use opentelemetry::{InstrumentationScope, KeyValue};
 use tracing::field::Empty;
 use tracing::Span;
@@ -31,6 +61,14 @@ pub enum LossReason {
 }
 
 impl LossReason {
+    pub(crate) const COUNT: usize = 3;
+    /// In discriminant order, so `reason as usize` indexes arrays built from it.
+    pub(crate) const ALL: [LossReason; Self::COUNT] = [
+        LossReason::Deadline,
+        LossReason::LeaseGone,
+        LossReason::ConnectionLost,
+    ];
+
     /// The attribute value: `deadline`, `lease_gone` or `connection_lost`.
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -49,6 +87,10 @@ pub(crate) enum Operation {
 }
 
 impl Operation {
+    const COUNT: usize = 2;
+    /// In discriminant order, so `operation as usize` indexes arrays built from it.
+    const ALL: [Operation; Self::COUNT] = [Operation::TryAcquire, Operation::Acquire];
+
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Operation::TryAcquire => "try_acquire",
@@ -68,6 +110,16 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
+    const COUNT: usize = 5;
+    /// In discriminant order, so `outcome as usize` indexes arrays built from it.
+    const ALL: [Outcome; Self::COUNT] = [
+        Outcome::Acquired,
+        Outcome::Busy,
+        Outcome::Timeout,
+        Outcome::Cancelled,
+        Outcome::Failure,
+    ];
+
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Outcome::Acquired => "acquired",
@@ -90,6 +142,52 @@ impl Outcome {
     }
 }
 
+/// Every attribute set a measurement can carry, built once per lock.
+///
+/// The attribute values come from a handful of fixed strings, so building the sets up front
+/// makes each measurement a slice borrow: no allocation and no reference-count traffic on the
+/// hot path, which is what keeps the no-provider path as cheap as not recording at all.
+struct AttributeSets {
+    base: Box<[KeyValue]>,
+    /// Indexed by `[Operation as usize][Outcome as usize]`.
+    acquire: [[Box<[KeyValue]>; Outcome::COUNT]; Operation::COUNT],
+    hold_released: Box<[KeyValue]>,
+    hold_lost: Box<[KeyValue]>,
+    renewal_ok: Box<[KeyValue]>,
+    renewal_failed: Box<[KeyValue]>,
+    /// Indexed by `LossReason as usize`.
+    lost: [Box<[KeyValue]>; LossReason::COUNT],
+}
+
+impl AttributeSets {
+    fn new(lock: &Arc<str>, provider: &Arc<str>) -> Self {
+        let base = [
+            KeyValue::new("lockingkit.lock", lock.clone()),
+            KeyValue::new("lockingkit.provider", provider.clone()),
+        ];
+        let with =
+            |extra: &[KeyValue]| -> Box<[KeyValue]> { base.iter().chain(extra).cloned().collect() };
+        let acquire = Operation::ALL.map(|operation| {
+            Outcome::ALL.map(|outcome| {
+                with(&[
+                    KeyValue::new("lockingkit.operation", operation.as_str()),
+                    KeyValue::new("lockingkit.outcome", outcome.as_str()),
+                ])
+            })
+        });
+        AttributeSets {
+            acquire,
+            hold_released: with(&[KeyValue::new("lockingkit.end", "released")]),
+            hold_lost: with(&[KeyValue::new("lockingkit.end", "lost")]),
+            renewal_ok: with(&[KeyValue::new("lockingkit.outcome", "ok")]),
+            renewal_failed: with(&[KeyValue::new("lockingkit.outcome", "failed")]),
+            lost: LossReason::ALL
+                .map(|reason| with(&[KeyValue::new("lockingkit.loss.reason", reason.as_str())])),
+            base: with(&[]),
+        }
+    }
+}
+
 /// The instruments and span names of one `DistributedLock`.
 pub(crate) struct Telemetry {
     lock: Arc<str>,
@@ -97,7 +195,7 @@ pub(crate) struct Telemetry {
     try_acquire_name: Box<str>,
     acquire_name: Box<str>,
     release_name: Box<str>,
-    base: [KeyValue; 2],
+    attributes: AttributeSets,
     acquire_duration: Histogram<f64>,
     acquire_attempts: Histogram<u64>,
     hold_duration: Histogram<f64>,
@@ -116,29 +214,37 @@ impl std::fmt::Debug for Telemetry {
     }
 }
 
-/// The meter LockingKit uses when the host gives none: the global provider's `lockingkit` meter.
-pub fn global_meter() -> Meter {
-    let scope = InstrumentationScope::builder(METER_NAME)
+fn scope() -> InstrumentationScope {
+    InstrumentationScope::builder(METER_NAME)
         .with_version(env!("CARGO_PKG_VERSION"))
-        .build();
-    opentelemetry::global::meter_with_scope(scope)
+        .build()
+}
+
+/// The meter LockingKit uses when the host gives none: the global provider's `lockingkit` meter.
+///
+/// It is taken when a lock is built, so a host that relies on it installs its global meter
+/// provider before building locks; locks built earlier keep recording on the no-op meter.
+pub fn global_meter() -> Meter {
+    opentelemetry::global::meter_with_scope(scope())
+}
+
+/// The `lockingkit` meter of `provider` (named and versioned as LockingKit), for
+/// [`DistributedLockBuilder::meter`](crate::DistributedLockBuilder::meter).
+pub fn meter<P: MeterProvider + ?Sized>(provider: &P) -> Meter {
+    provider.meter_with_scope(scope())
 }
 
 impl Telemetry {
     pub(crate) fn new(lock: &str, provider: &str, meter: &Meter) -> Self {
         let lock: Arc<str> = Arc::from(lock);
         let provider: Arc<str> = Arc::from(provider);
-        let base = [
-            KeyValue::new("lockingkit.lock", lock.clone()),
-            KeyValue::new("lockingkit.provider", provider.clone()),
-        ];
         Telemetry {
             try_acquire_name: format!("try_acquire {lock}").into(),
             acquire_name: format!("acquire {lock}").into(),
             release_name: format!("release {lock}").into(),
+            attributes: AttributeSets::new(&lock, &provider),
             lock,
             provider,
-            base,
             acquire_duration: meter
                 .f64_histogram("lockingkit.acquire.duration")
                 .with_unit("s")
@@ -147,7 +253,7 @@ impl Telemetry {
             acquire_attempts: meter
                 .u64_histogram("lockingkit.acquire.attempts")
                 .with_unit("{attempt}")
-                .with_description("Backend attempts made by one acquire call")
+                .with_description("Backend attempts made by one acquire or try_acquire call")
                 .with_boundaries(vec![0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0])
                 .build(),
             hold_duration: meter
@@ -184,13 +290,6 @@ impl Telemetry {
 
     pub(crate) fn lock_name(&self) -> &str {
         &self.lock
-    }
-
-    fn attrs<const N: usize>(&self, extra: [KeyValue; N]) -> Vec<KeyValue> {
-        let mut attrs = Vec::with_capacity(2 + N);
-        attrs.extend_from_slice(&self.base);
-        attrs.extend(extra);
-        attrs
     }
 
     pub(crate) fn acquire_span(&self, operation: Operation) -> Span {
@@ -233,6 +332,7 @@ impl Telemetry {
     }
 
     /// Records the end of an acquire call on its span and in the metrics.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn acquire_finished(
         &self,
         span: &Span,
@@ -249,18 +349,17 @@ impl Telemetry {
             if let Some(token) = fencing_token {
                 span.record("lockingkit.fencing_token", token);
             }
+            // Busy and timeout are answers, not faults: only failures carry an error.
             if outcome == Outcome::Failure {
                 if let Some(error) = error {
                     record_error(span, error);
                 }
             }
         }
-        let attrs = self.attrs([
-            KeyValue::new("lockingkit.operation", operation.as_str()),
-            KeyValue::new("lockingkit.outcome", outcome.as_str()),
-        ]);
-        self.acquire_duration.record(elapsed.as_secs_f64(), &attrs);
-        self.acquire_attempts.record(attempts, &self.base);
+        let attrs = &self.attributes.acquire[operation as usize][outcome as usize];
+        self.acquire_duration.record(elapsed.as_secs_f64(), attrs);
+        self.acquire_attempts
+            .record(attempts, &self.attributes.base);
     }
 
     pub(crate) fn release_finished(&self, span: &Span, result: &Result<(), LockError>) {
@@ -279,21 +378,18 @@ impl Telemetry {
     }
 
     pub(crate) fn lock_taken(&self) {
-        self.locks_held.add(1, &self.base);
+        self.locks_held.add(1, &self.attributes.base);
     }
 
     pub(crate) fn lock_ended(&self, held_for: Duration, lost: Option<LossReason>) {
-        self.locks_held.add(-1, &self.base);
-        let end = if lost.is_some() { "lost" } else { "released" };
-        self.hold_duration.record(
-            held_for.as_secs_f64(),
-            &self.attrs([KeyValue::new("lockingkit.end", end)]),
-        );
+        self.locks_held.add(-1, &self.attributes.base);
+        let end = match lost {
+            Some(_) => &self.attributes.hold_lost,
+            None => &self.attributes.hold_released,
+        };
+        self.hold_duration.record(held_for.as_secs_f64(), end);
         if let Some(reason) = lost {
-            self.lost.add(
-                1,
-                &self.attrs([KeyValue::new("lockingkit.loss.reason", reason.as_str())]),
-            );
+            self.lost.add(1, &self.attributes.lost[reason as usize]);
             tracing::warn!(
                 target: "lockingkit",
                 lock = &*self.lock,
@@ -305,19 +401,20 @@ impl Telemetry {
     }
 
     pub(crate) fn waiter_queued(&self) {
-        self.waiters.add(1, &self.base);
+        self.waiters.add(1, &self.attributes.base);
     }
 
     pub(crate) fn waiter_left(&self) {
-        self.waiters.add(-1, &self.base);
+        self.waiters.add(-1, &self.attributes.base);
     }
 
     pub(crate) fn renewal(&self, ok: bool) {
-        let outcome = if ok { "ok" } else { "failed" };
-        self.renewals.add(
-            1,
-            &self.attrs([KeyValue::new("lockingkit.outcome", outcome)]),
-        );
+        let attrs = if ok {
+            &self.attributes.renewal_ok
+        } else {
+            &self.attributes.renewal_failed
+        };
+        self.renewals.add(1, attrs);
     }
 }
 
@@ -325,4 +422,46 @@ fn record_error(span: &Span, error: &LockError) {
     span.record("otel.status_code", "ERROR");
     span.record("error.type", error.error_type());
     span.record("lockingkit.error.kind", error.kind().as_str());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attribute_sets_cover_every_combination_in_index_order() {
+        let sets = AttributeSets::new(&Arc::from("Jobs"), &Arc::from("in_memory"));
+        let value = |attrs: &[KeyValue], key: &str| {
+            attrs
+                .iter()
+                .find(|kv| kv.key.as_str() == key)
+                .map(|kv| kv.value.as_str().into_owned())
+        };
+        for operation in Operation::ALL {
+            for outcome in Outcome::ALL {
+                let attrs = &sets.acquire[operation as usize][outcome as usize];
+                assert_eq!(attrs.len(), 4);
+                assert_eq!(value(attrs, "lockingkit.lock").as_deref(), Some("Jobs"));
+                assert_eq!(
+                    value(attrs, "lockingkit.provider").as_deref(),
+                    Some("in_memory")
+                );
+                assert_eq!(
+                    value(attrs, "lockingkit.operation").as_deref(),
+                    Some(operation.as_str())
+                );
+                assert_eq!(
+                    value(attrs, "lockingkit.outcome").as_deref(),
+                    Some(outcome.as_str())
+                );
+            }
+        }
+        for reason in LossReason::ALL {
+            assert_eq!(
+                value(&sets.lost[reason as usize], "lockingkit.loss.reason").as_deref(),
+                Some(reason.as_str())
+            );
+        }
+        assert_eq!(sets.base.len(), 2);
+    }
 }

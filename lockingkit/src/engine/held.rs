@@ -198,7 +198,12 @@ impl<B: LockBackend> HeldLock for Held<B> {
                 ),
                 None => LockError::lost(),
             };
-            return Box::pin(std::future::ready(Err(error)));
+            // The caller asked to release and is told it failed; the trace should say so too.
+            let telemetry = &self.engine.telemetry;
+            let span = telemetry.release_span(self.fencing_token);
+            let result = Err(error);
+            telemetry.release_finished(&span, &result);
+            return Box::pin(std::future::ready(result));
         }
         self.lost.cancel();
         Box::pin(Orphanable::finishing(async move {

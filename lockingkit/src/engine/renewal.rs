@@ -54,7 +54,11 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
         let result = tokio::select! {
             biased;
             _ = held.lost.cancelled() => return Exit::Stopped,
-            _ = sleep_until(deadline) => return Exit::Lost(LossReason::Deadline),
+            _ = sleep_until(deadline) => {
+                // The renewal in flight never answered: it failed, as a timed-out check does.
+                engine.telemetry.renewal(false);
+                return Exit::Lost(LossReason::Deadline);
+            }
             result = engine.backend.renew(&held.lease) => result,
         };
         match result {

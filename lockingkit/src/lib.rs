@@ -39,6 +39,8 @@ pub mod keys;
 mod lock;
 pub mod providers;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend};
 pub use engine::LockOptions;

@@ -107,6 +107,12 @@ impl DistributedLock {
         self.engine.busy_keys()
     }
 
+    /// How many local callers are waiting for `key` through this provider (not counting the
+    /// holder). Meant for diagnostics and tests.
+    pub fn waiting(&self, key: &str) -> usize {
+        self.engine.waiting(key)
+    }
+
     /// The backend, if it is of type `B` (for provider-specific controls).
     pub fn backend<B: LockBackend>(&self) -> Option<&B> {
         self.engine.backend_any().downcast_ref::<B>()

@@ -43,6 +43,7 @@ pub(crate) trait AnyEngine: Send + Sync {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
     fn busy_keys(&self) -> usize;
+    fn waiting(&self, key: &str) -> usize;
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
 }
 
@@ -271,6 +272,10 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
 
     fn busy_keys(&self) -> usize {
         self.room.active_keys()
+    }
+
+    fn waiting(&self, key: &str) -> usize {
+        self.room.waiting(key)
     }
 
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync) {

@@ -162,6 +162,14 @@ impl WaitingRoom {
     pub(crate) fn queued(&self, key: &str) -> usize {
         self.slots().get(key).map_or(0, |s| s.queue.len())
     }
+
+    /// How many callers are waiting for `key`: the queue, plus the front caller while it is
+    /// still attempting rather than holding.
+    pub(crate) fn waiting(&self, key: &str) -> usize {
+        self.slots()
+            .get(key)
+            .map_or(0, |s| s.queue.len() + usize::from(!s.held))
+    }
 }
 
 impl Slot {

@@ -1,0 +1,396 @@
+//! The contract cases of SPEC §10, each a function over a [`ContractBackend`].
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{quick_polling, unique_prefix, ContractBackend, Hold, IntervalChecker};
+use crate::{DistributedLock, ErrorKind, LockError, LockHandle, LockOptions};
+
+/// Unwraps a result the contract requires to be `Ok`, failing the case with context otherwise.
+#[track_caller]
+fn required<T>(result: Result<T, LockError>, what: &str) -> T {
+    match result {
+        Ok(value) => value,
+        Err(error) => panic!("contract broken: {what}: {error}"),
+    }
+}
+
+#[track_caller]
+fn expect_kind<T: std::fmt::Debug>(result: Result<T, LockError>, kind: ErrorKind, what: &str) {
+    match result {
+        Err(error) => assert_eq!(error.kind(), kind, "contract broken: {what}: {error}"),
+        Ok(value) => panic!("contract broken: {what}: expected {kind}, got {value:?}"),
+    }
+}
+
+async fn processes<B: ContractBackend>(
+    backend: &B,
+    count: usize,
+    options: LockOptions,
+) -> Vec<DistributedLock> {
+    let mut all = Vec::with_capacity(count);
+    for _ in 0..count {
+        all.push(backend.new_process(options.clone()).await);
+    }
+    all
+}
+
+/// Waits, yielding, until `lock` has `count` callers queued for `key`.
+async fn until_queued(lock: &DistributedLock, key: &str, count: usize) {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while lock.waiting(key) < count {
+        assert!(Instant::now() < give_up, "waiters never queued");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// A held key is busy for every other caller, in this process and in others, and never
+/// reentrant.
+pub async fn busy_and_not_reentrant<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("busy");
+    let held = required(procs[0].try_acquire(&key).await, "first try_acquire");
+    assert_eq!(held.key(), key);
+    assert!(held.is_held());
+    expect_kind(
+        procs[0].try_acquire(&key).await,
+        ErrorKind::Busy,
+        "the same process acquiring again",
+    );
+    expect_kind(
+        procs[1].try_acquire(&key).await,
+        ErrorKind::Busy,
+        "another process",
+    );
+    expect_kind(
+        procs[0].acquire(&key, Duration::from_millis(300)).await,
+        ErrorKind::Timeout,
+        "the same process waiting",
+    );
+    expect_kind(
+        procs[1].acquire(&key, Duration::from_millis(300)).await,
+        ErrorKind::Timeout,
+        "another process waiting",
+    );
+    required(held.release().await, "release");
+}
+
+/// After a confirmed release, another process gets the lock on its first try.
+pub async fn release_lets_the_next_holder_in_at_once<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("handoff");
+    for round in 0..3 {
+        let (from, to) = if round % 2 == 0 { (0, 1) } else { (1, 0) };
+        let held = required(procs[from].try_acquire(&key).await, "acquire");
+        required(held.release().await, "release");
+        let next = required(
+            procs[to].try_acquire(&key).await,
+            "try_acquire right after another process released",
+        );
+        required(next.release().await, "release");
+    }
+    // Within one process the next local caller gets it at once too.
+    let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let waiter = {
+        let lock = procs[0].clone();
+        let key = key.clone();
+        tokio::spawn(async move { lock.acquire(&key, Duration::from_secs(30)).await })
+    };
+    until_queued(&procs[0], &key, 1).await;
+    required(held.release().await, "release");
+    let next = match waiter.await {
+        Ok(result) => required(result, "the local waiter"),
+        Err(join) => panic!("waiter task failed: {join}"),
+    };
+    required(next.release().await, "release");
+}
+
+/// Release fires the lost token and happens once; dropping a handle releases it.
+pub async fn release_is_idempotent_and_drop_releases<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("release");
+    let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let lost = held.lost_token();
+    required(held.release().await, "release");
+    assert!(lost.is_cancelled(), "the lost token fires on release");
+
+    let held = required(procs[0].try_acquire(&key).await, "acquire again");
+    let lost = held.lost_token();
+    drop(held);
+    assert!(lost.is_cancelled(), "the lost token fires on drop");
+    let next = required(
+        procs[1].acquire(&key, Duration::from_secs(10)).await,
+        "another process after a drop released in the background",
+    );
+    required(next.release().await, "release");
+    assert_eq!(procs[0].active_keys(), 0, "nothing left behind locally");
+}
+
+/// `acquire` waits for a release and reports `Timeout` when the lock stays busy.
+pub async fn waiting_and_timeouts<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("wait");
+    let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let started = Instant::now();
+    expect_kind(
+        procs[1].acquire(&key, Duration::from_millis(400)).await,
+        ErrorKind::Timeout,
+        "waiting on a held lock",
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "gave up early"
+    );
+
+    let waiter = {
+        let lock = procs[1].clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            let handle = lock.acquire(&key, Duration::from_secs(30)).await;
+            (Instant::now(), handle)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released_at = Instant::now();
+    required(held.release().await, "release");
+    let (acquired_at, handle) = match waiter.await {
+        Ok(pair) => pair,
+        Err(join) => panic!("waiter task failed: {join}"),
+    };
+    let handle = required(handle, "the waiter after release");
+    assert!(acquired_at >= released_at);
+    required(handle.release().await, "release");
+}
+
+/// Eighty acquisitions by twenty contenders spread over four processes never overlap, and
+/// fencing tokens grow in acquisition order.
+pub async fn eighty_acquisitions_by_twenty_contenders_in_four_processes_never_overlap<
+    B: ContractBackend,
+>(
+    backend: &B,
+) {
+    let procs = processes(backend, 4, quick_polling()).await;
+    let key = unique_prefix("contenders");
+    let checker = Arc::new(IntervalChecker::new());
+    let mut tasks = Vec::new();
+    for contender in 0..20 {
+        let process = contender % 4;
+        let lock = procs[process].clone();
+        let key = key.clone();
+        let checker = checker.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let handle = required(
+                    lock.acquire(&key, Duration::from_secs(120)).await,
+                    "acquire",
+                );
+                let start = Instant::now();
+                // Hold briefly so overlapping holds, if any, would be caught.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                assert!(handle.is_held(), "lost while held");
+                let end = Instant::now();
+                checker.record(Hold {
+                    key: key.clone(),
+                    process,
+                    fencing_token: handle.fencing_token(),
+                    start,
+                    end,
+                });
+                required(handle.release().await, "release");
+            }
+        }));
+    }
+    for task in tasks {
+        if let Err(join) = task.await {
+            panic!("contender failed: {join}");
+        }
+    }
+    assert_eq!(checker.holds().len(), 80);
+    checker.assert_consistent();
+}
+
+/// Keys that look alike, or that a naive mapping would confuse, never share a lock.
+pub async fn look_alike_keys_never_share_a_lock<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let suffix = unique_prefix("alike").replace('/', "-");
+    let mut keys: Vec<String> = [
+        "a/b",
+        "a~2Fb",
+        "a%2Fb",
+        "a_b",
+        "..",
+        ".",
+        "a.",
+        "/a",
+        "a/",
+        "a//b",
+        "a///b",
+        "a/./b",
+        "a/.b",
+        "ключ",
+        "🔒",
+        "A b",
+        "a b",
+        "Orders/42",
+        "orders/42",
+    ]
+    .iter()
+    .map(|k| (*k).to_owned())
+    .collect();
+    // The edge cases only mean something at the start of a key, so they are used as they are;
+    // a unique pair keeps repeated runs apart.
+    keys.push(format!("{suffix}/x"));
+    keys.push(format!("{suffix}~2Fx"));
+    keys.push("x".repeat(512));
+    keys.push(format!("{}y", "x".repeat(511)));
+    keys.push("é".repeat(512));
+    keys.push(format!("{}a", "a/".repeat(255)));
+    keys.push(format!("{}b", "a/".repeat(255)));
+
+    let mut handles: Vec<LockHandle> = Vec::new();
+    for key in &keys {
+        handles.push(required(
+            procs[0].try_acquire(key).await,
+            "a look-alike key was already taken by another key",
+        ));
+    }
+    for key in &keys {
+        expect_kind(
+            procs[1].try_acquire(key).await,
+            ErrorKind::Busy,
+            "the same key from another process",
+        );
+    }
+    for handle in handles {
+        required(handle.release().await, "release");
+    }
+}
+
+/// Dropping an acquire future before, during or after its backend attempt never leaks the lock.
+pub async fn cancellation_before_during_and_after_an_attempt_leaks_nothing<B: ContractBackend>(
+    backend: &B,
+) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("cancel");
+
+    // Before: a waiter queued behind a local holder is dropped.
+    let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let queued = tokio::time::timeout(
+        Duration::from_millis(50),
+        procs[0].acquire(&key, Duration::from_secs(30)),
+    )
+    .await;
+    assert!(queued.is_err(), "the queued waiter should still be waiting");
+    required(held.release().await, "release");
+    let next = required(procs[1].try_acquire(&key).await, "after a dropped waiter");
+    required(next.release().await, "release");
+
+    // During: the caller goes away at varying points of the attempt.
+    for round in 0..20u64 {
+        let cut = Duration::from_micros(50 + round * 150);
+        let attempt = tokio::time::timeout(cut, procs[0].try_acquire(&key)).await;
+        drop(attempt);
+        let next = required(
+            procs[1].acquire(&key, Duration::from_secs(20)).await,
+            "another process after a cancelled attempt",
+        );
+        required(next.release().await, "release");
+    }
+
+    // After: the attempt won and the handle is dropped at once.
+    let won = required(procs[0].try_acquire(&key).await, "acquire");
+    drop(won);
+    let next = required(
+        procs[1].acquire(&key, Duration::from_secs(20)).await,
+        "another process after a dropped handle",
+    );
+    required(next.release().await, "release");
+
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while procs[0].active_keys() != 0 {
+        assert!(
+            Instant::now() < give_up,
+            "a cancelled attempt never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A held lock stays held over more than three lease periods, renewed in the background.
+pub async fn renewal_keeps_the_lock_over_three_lease_periods<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("renewal");
+    let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let period = backend.lease_period();
+    let until = Instant::now() + period * 3 + period / 2;
+    while Instant::now() < until {
+        tokio::time::sleep(period / 4).await;
+        required(held.ensure_held(), "held during renewal");
+        expect_kind(
+            procs[1].try_acquire(&key).await,
+            ErrorKind::Busy,
+            "another process while renewed",
+        );
+    }
+    assert!(!held.lost_token().is_cancelled());
+    required(held.release().await, "release after renewals");
+}
+
+/// Fencing tokens strictly grow across holders and processes.
+pub async fn fencing_tokens_grow<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("fencing");
+    let mut last = 0u64;
+    for round in 0..10 {
+        let handle = required(procs[round % 2].try_acquire(&key).await, "acquire");
+        assert!(
+            handle.fencing_token() > last,
+            "token {} after {last}",
+            handle.fencing_token()
+        );
+        last = handle.fencing_token();
+        required(handle.release().await, "release");
+    }
+}
+
+/// Local waiters for a key are served first come, first served.
+pub async fn local_waiters_are_served_in_arrival_order<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("fifo");
+    let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let served = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for index in 0..6 {
+        let lock = procs[1].clone();
+        let key2 = key.clone();
+        let order = order.clone();
+        let served = served.clone();
+        tasks.push(tokio::spawn(async move {
+            let handle = required(lock.acquire(&key2, Duration::from_secs(60)).await, "waiter");
+            order
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(index);
+            served.fetch_add(1, Ordering::SeqCst);
+            required(handle.release().await, "release");
+        }));
+        until_queued(&procs[1], &key, index + 1).await;
+    }
+    required(held.release().await, "release");
+    for task in tasks {
+        if let Err(join) = task.await {
+            panic!("waiter failed: {join}");
+        }
+    }
+    assert_eq!(served.load(Ordering::SeqCst), 6);
+    let order = order.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    assert_eq!(
+        order,
+        (0..6).collect::<Vec<_>>(),
+        "waiters served out of order"
+    );
+}

@@ -1,0 +1,101 @@
+//! The contract suite, reusable against any backend (feature `testing`).
+//!
+//! Every provider — the built-in ones and yours — must behave the same way. Implement
+//! [`ContractBackend`] for a factory that makes separate "processes" (each a
+//! [`DistributedLock`] with its own client or pool, all on one real backend), then generate the
+//! suite with [`contract_tests!`](crate::contract_tests):
+//!
+//! ```ignore
+//! struct MyBackendContract { /* a running server */ }
+//!
+//! impl lockingkit::testing::ContractBackend for MyBackendContract {
+//!     async fn new_process(&self, options: lockingkit::LockOptions) -> lockingkit::DistributedLock {
+//!         lockingkit::DistributedLock::builder(MyBackend::connect(&self.url))
+//!             .options(options)
+//!             .build()
+//!             .expect("valid options")
+//!     }
+//!     fn lease_period(&self) -> std::time::Duration {
+//!         std::time::Duration::from_secs(1)
+//!     }
+//! }
+//!
+//! lockingkit::contract_tests!(async { MyBackendContract::start().await });
+//! ```
+//!
+//! The cases run in real time against the real backend; they panic with a description when the
+//! backend breaks the contract, like any test assertion.
+
+mod cases;
+mod intervals;
+
+use std::future::Future;
+use std::time::Duration;
+
+pub use cases::*;
+pub use intervals::{Hold, IntervalChecker};
+
+use crate::{DistributedLock, LockOptions};
+
+/// A factory of "processes" sharing one real backend, for the contract suite.
+pub trait ContractBackend: Send + Sync {
+    /// A new, independent `DistributedLock` on the shared backend, with its own client or pool,
+    /// built with `options`.
+    fn new_process(&self, options: LockOptions) -> impl Future<Output = DistributedLock> + Send;
+
+    /// One lease period: the lease duration of an expiring backend, or the check interval of a
+    /// connection-held one. The renewal case holds a lock for more than three of these.
+    fn lease_period(&self) -> Duration;
+}
+
+/// Options that poll quickly, so contention cases finish in seconds.
+pub fn quick_polling() -> LockOptions {
+    LockOptions {
+        min_retry_delay: Duration::from_millis(10),
+        max_retry_delay: Duration::from_millis(100),
+        ..LockOptions::default()
+    }
+}
+
+/// A key prefix unique to this run, so repeated runs against one server do not meet.
+pub fn unique_prefix(case: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("contract/{case}/{:016x}", hasher.finish())
+}
+
+/// Generates one `#[tokio::test]` per contract case for a backend.
+///
+/// `$setup` is an expression yielding a future of a [`ContractBackend`]; it runs once per test.
+/// The calling crate needs `tokio` with the `macros` and `rt-multi-thread` features.
+#[macro_export]
+macro_rules! contract_tests {
+    ($setup:expr) => {
+        $crate::contract_tests!(@cases $setup;
+            busy_and_not_reentrant,
+            release_lets_the_next_holder_in_at_once,
+            release_is_idempotent_and_drop_releases,
+            waiting_and_timeouts,
+            eighty_acquisitions_by_twenty_contenders_in_four_processes_never_overlap,
+            look_alike_keys_never_share_a_lock,
+            cancellation_before_during_and_after_an_attempt_leaks_nothing,
+            renewal_keeps_the_lock_over_three_lease_periods,
+            fencing_tokens_grow,
+            local_waiters_are_served_in_arrival_order,
+        );
+    };
+    (@cases $setup:expr; $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let backend = $setup.await;
+                $crate::testing::$case(&backend).await;
+            }
+        )+
+    };
+}

@@ -49,6 +49,8 @@ pub use handle::LockHandle;
 pub use keys::PostgresLockKeys;
 pub use lock::{DistributedLock, DistributedLockBuilder, DEFAULT_NAME};
 pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
+#[cfg(feature = "azure")]
+pub use providers::azure::{AzureBlobBackend, AzureBlobLease, AzureBlobOptions};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
 

@@ -1,3 +1,6 @@
 //! Backends behind the [`LockBackend`](crate::LockBackend) trait.
 
 pub mod memory;
+
+#[cfg(feature = "azure")]
+pub mod azure;

@@ -1,0 +1,283 @@
+//! Guard blobs: one blob per key, whose lease is the lock and whose metadata keeps the
+//! fencing token.
+//!
+//! An acquire is: take the lease (creating the guard empty and create-only if it is missing),
+//! read the metadata, and write it back with the token raised by one, under the lease. The
+//! read is skipped when the lease answer's ETag is the one our own last token write produced:
+//! the blob has not changed since, so the metadata we wrote is still what it holds. A process
+//! re-taking its own locks therefore spends two requests per acquire instead of three.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use azure_core::http::{Etag, RequestContent};
+use azure_core::{Bytes, Uuid};
+use azure_storage_blob::models::{
+    BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResultHeaders,
+    BlobClientGetPropertiesOptions, BlobClientGetPropertiesResultHeaders,
+    BlobClientSetMetadataOptions, BlobClientUploadOptions,
+};
+use azure_storage_blob::{BlobClient, BlobContainerClient};
+
+use super::errors::{self, classify};
+use super::AzureBlobLease;
+use crate::backend::BackendError;
+use crate::keys::azure_blob_name;
+
+/// The metadata entry holding a guard's fencing token: the last token handed out, in decimal.
+pub const FENCING_TOKEN_METADATA: &str = "lockingkit_fencing_token";
+
+/// How many guards' last-written metadata a backend remembers before starting over.
+const MAX_KNOWN_GUARDS: usize = 1024;
+
+/// Storage answers to an acquire that mean someone else holds the lease.
+const BUSY_CODES: &[&str] = &["LeaseAlreadyPresent", "LeaseIsBreakingAndCannotBeAcquired"];
+
+/// What our last token write left on a guard.
+struct KnownGuard {
+    etag: Etag,
+    metadata: HashMap<String, String>,
+}
+
+/// The guard blobs of one container, reached through one SDK pipeline.
+pub(crate) struct GuardBlobs {
+    container: BlobContainerClient,
+    lease_seconds: i32,
+    request_timeout: Duration,
+    known: Mutex<HashMap<String, KnownGuard>>,
+}
+
+impl GuardBlobs {
+    pub(crate) fn new(
+        container: BlobContainerClient,
+        lease_duration: Duration,
+        request_timeout: Duration,
+    ) -> Self {
+        GuardBlobs {
+            container,
+            // Validated to 15..=60 whole seconds before we get here.
+            lease_seconds: i32::try_from(lease_duration.as_secs()).unwrap_or(60),
+            request_timeout,
+            known: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn container(&self) -> &BlobContainerClient {
+        &self.container
+    }
+
+    pub(crate) fn guard(&self, key: &str) -> BlobClient {
+        self.container.blob_client(&azure_blob_name(key))
+    }
+
+    /// Runs one SDK call within the request timeout, retries included.
+    async fn call<T>(
+        &self,
+        operation: &'static str,
+        request: impl Future<Output = azure_core::Result<T>>,
+    ) -> Result<azure_core::Result<T>, BackendError> {
+        tokio::time::timeout(self.request_timeout, request)
+            .await
+            .map_err(|_| errors::timed_out(operation, self.request_timeout))
+    }
+
+    /// One attempt: `Ok(None)` when someone else holds the lease.
+    pub(crate) async fn try_acquire(
+        &self,
+        key: &str,
+    ) -> Result<Option<AzureBlobLease>, BackendError> {
+        let name = azure_blob_name(key);
+        let blob = self.container.blob_client(&name);
+        // A fresh id per attempt: if the SDK resends the acquire because the first answer was
+        // lost, the service sees the same id and grants the lease again instead of saying 409.
+        let proposed = Uuid::new_v4().to_string();
+        let mut created = false;
+        let answer = loop {
+            let options = BlobClientAcquireLeaseOptions {
+                proposed_lease_id: Some(proposed.clone()),
+                ..Default::default()
+            };
+            match self
+                .call(
+                    "acquire lease",
+                    blob.acquire_lease(self.lease_seconds, Some(options)),
+                )
+                .await?
+            {
+                Ok(answer) => break answer,
+                Err(e) if BUSY_CODES.iter().any(|code| errors::is(&e, 409, code)) => {
+                    return Ok(None)
+                }
+                Err(e) if errors::is(&e, 404, "BlobNotFound") && !created => {
+                    self.create_guard(&blob).await?;
+                    created = true;
+                }
+                Err(e) if errors::is(&e, 404, "BlobNotFound") => {
+                    // Deleted between our create and our acquire: a race worth another attempt.
+                    return Err(BackendError::transient(
+                        "the guard blob was deleted while it was being created",
+                    ));
+                }
+                Err(e) => return Err(classify("acquire lease", &e)),
+            }
+        };
+        let lease_id = match answer.lease_id() {
+            Ok(Some(id)) => id,
+            _ => proposed,
+        };
+        let etag = answer.etag().ok().flatten();
+        match self
+            .raise_fencing_token(&blob, &name, &lease_id, etag)
+            .await
+        {
+            Ok(fencing_token) => Ok(Some(AzureBlobLease {
+                blob: Arc::new(blob),
+                lease_id,
+                fencing_token,
+            })),
+            Err(error) => {
+                // The lease is ours but useless without a token: give it back now rather than
+                // leave the key blocked until the lease runs out.
+                let _ = self.release_lease(&blob, &lease_id).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Creates the guard empty, only if it does not exist yet.
+    async fn create_guard(&self, blob: &BlobClient) -> Result<(), BackendError> {
+        let content: RequestContent<Bytes, _> = RequestContent::from(Vec::new());
+        let options = BlobClientUploadOptions::default().if_not_exists();
+        match self
+            .call("create guard blob", blob.upload(content, Some(options)))
+            .await?
+        {
+            Ok(_) => Ok(()),
+            // Someone else created it first (a leased blob answers 412 to the same condition).
+            Err(e)
+                if errors::is(&e, 409, "BlobAlreadyExists")
+                    || matches!(errors::status_and_code(&e), Some((412, _))) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(classify("create guard blob", &e)),
+        }
+    }
+
+    /// Reads the token, writes it back plus one with the other metadata kept, under the lease.
+    async fn raise_fencing_token(
+        &self,
+        blob: &BlobClient,
+        name: &str,
+        lease_id: &str,
+        lease_etag: Option<Etag>,
+    ) -> Result<u64, BackendError> {
+        let remembered = lease_etag.as_ref().and_then(|etag| {
+            let known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
+            known
+                .get(name)
+                .filter(|guard| &guard.etag == etag)
+                .map(|guard| guard.metadata.clone())
+        });
+        let mut metadata = match remembered {
+            Some(metadata) => metadata,
+            None => {
+                let options = BlobClientGetPropertiesOptions {
+                    lease_id: Some(lease_id.to_owned()),
+                    ..Default::default()
+                };
+                let properties = self
+                    .call("read fencing token", blob.get_properties(Some(options)))
+                    .await?
+                    .map_err(|e| during_acquire(classify("read fencing token", &e)))?;
+                properties
+                    .metadata()
+                    .map_err(|_| errors::unexpected("read fencing token", "unreadable metadata"))?
+            }
+        };
+        let last = match metadata.get(FENCING_TOKEN_METADATA) {
+            None => 0,
+            Some(text) => text.trim().parse::<u64>().map_err(|_| {
+                errors::unexpected(
+                    "read fencing token",
+                    "the guard's fencing token metadata is not a number",
+                )
+            })?,
+        };
+        let next = last.checked_add(1).ok_or_else(|| {
+            errors::unexpected("read fencing token", "the fencing token is exhausted")
+        })?;
+        metadata.insert(FENCING_TOKEN_METADATA.to_owned(), next.to_string());
+        let options = BlobClientSetMetadataOptions {
+            lease_id: Some(lease_id.to_owned()),
+            ..Default::default()
+        };
+        let written = self
+            .call(
+                "write fencing token",
+                blob.set_metadata(&metadata, Some(options)),
+            )
+            .await?
+            .map_err(|e| during_acquire(classify("write fencing token", &e)))?;
+        let etag = written
+            .headers()
+            .get_optional_str(&azure_core::http::headers::ETAG)
+            .map(Etag::from);
+        self.remember(name, etag, metadata);
+        Ok(next)
+    }
+
+    fn remember(&self, name: &str, etag: Option<Etag>, metadata: HashMap<String, String>) {
+        let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
+        match etag {
+            Some(etag) => {
+                if known.len() >= MAX_KNOWN_GUARDS && !known.contains_key(name) {
+                    known.clear();
+                }
+                known.insert(name.to_owned(), KnownGuard { etag, metadata });
+            }
+            None => {
+                known.remove(name);
+            }
+        }
+    }
+
+    pub(crate) async fn renew(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
+        self.call(
+            "renew lease",
+            lease.blob.renew_lease(lease.lease_id.clone(), None),
+        )
+        .await?
+        .map(drop)
+        .map_err(|e| classify("renew lease", &e))
+    }
+
+    pub(crate) async fn release(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
+        self.release_lease(&lease.blob, &lease.lease_id).await
+    }
+
+    async fn release_lease(&self, blob: &BlobClient, lease_id: &str) -> Result<(), BackendError> {
+        self.call(
+            "release lease",
+            blob.release_lease(lease_id.to_owned(), None),
+        )
+        .await?
+        .map(drop)
+        .map_err(|e| classify("release lease", &e))
+    }
+}
+
+/// A lease lost between being granted and getting its token is not a lost lock (the caller
+/// never held it): report it as a failed attempt that may be retried.
+fn during_acquire(error: BackendError) -> BackendError {
+    if error.kind() == crate::BackendErrorKind::LeaseGone {
+        BackendError::transient(format!(
+            "the lease was lost while the fencing token was written ({error})"
+        ))
+        .with_source(error)
+    } else {
+        error
+    }
+}

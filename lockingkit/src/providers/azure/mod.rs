@@ -1,0 +1,432 @@
+//! The Azure Blob lease provider (`feature = "azure"`), on the official GA SDK
+//! (`azure_storage_blob` 1.x, `azure_core` 1.x).
+//!
+//! Each key is a *guard blob* in one container (see
+//! [`azure_blob_name`](crate::keys::azure_blob_name)); holding the lock is holding the blob's
+//! lease. A missing guard is created empty with `If-None-Match: *`; an existing guard's content
+//! and metadata are never touched except one metadata entry,
+//! [`FENCING_TOKEN_METADATA`], written under the lease on every acquire.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lockingkit::providers::azure::{AzureBlobBackend, AzureBlobOptions};
+//! use lockingkit::DistributedLock;
+//!
+//! # async fn demo() -> Result<(), lockingkit::LockError> {
+//! let options = AzureBlobOptions::from_connection_string(std::env::var("STORAGE").unwrap_or_default())
+//!     .container("locks")
+//!     .lease_duration(Duration::from_secs(30));
+//! let locks = DistributedLock::builder(AzureBlobBackend::new(options)?).name("Jobs").build()?;
+//! let handle = locks.acquire("jobs/nightly-export", Duration::from_secs(10)).await?;
+//! // … work, checking handle.ensure_held() between steps …
+//! handle.release().await?;
+//! # Ok(()) }
+//! ```
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_core::credentials::TokenCredential;
+use azure_core::http::{ClientOptions, Url};
+use azure_storage_blob::models::{BlobClientSetMetadataOptions, BlobClientUploadOptions};
+use azure_storage_blob::{BlobClient, BlobContainerClient, BlobContainerClientOptions};
+
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::error::{ErrorKind, LockError};
+
+mod connection_string;
+mod errors;
+mod guard_blob;
+mod options;
+mod shared_key;
+mod transport;
+
+pub use errors::AzureRequestError;
+pub use guard_blob::FENCING_TOKEN_METADATA;
+pub use options::{AzureBlobOptions, MAX_LEASE_DURATION, MAX_RETRIES_LIMIT, MIN_LEASE_DURATION};
+
+use connection_string::{ConnectionString, Credential};
+use guard_blob::GuardBlobs;
+
+/// The section name used in errors when options are checked outside a registry.
+const SECTION: &str = "AzureBlobOptions";
+
+/// Locks on Azure Blob leases: a [`LockBackend`] for
+/// [`DistributedLock::builder`](crate::DistributedLock::builder).
+///
+/// Cloning is cheap and shares the HTTP client. Each attempt takes the guard blob's lease with
+/// a proposed lease id, creates a missing guard create-only, and raises the fencing token in
+/// the guard's metadata under the lease. Leases are renewed by the engine every third of the
+/// lease by default and released with the handle.
+#[derive(Clone)]
+pub struct AzureBlobBackend {
+    guards: Arc<GuardBlobs>,
+    lease_duration: Duration,
+}
+
+impl AzureBlobBackend {
+    /// A backend for the account in `options.connection_string`.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`], listing every problem, when the options are
+    /// invalid or name a `service_url` (which needs [`with_credential`](Self::with_credential)).
+    /// Nothing is sent to Azure here: a wrong key or a missing container shows on first use.
+    pub fn new(options: AzureBlobOptions) -> Result<Self, LockError> {
+        let mut problems = options.problems(SECTION);
+        if options.service_url.is_some() && options.connection_string.is_none() {
+            problems.push(format!(
+                "{SECTION}.service_url needs a token credential: use \
+                 AzureBlobBackend::with_credential"
+            ));
+        }
+        let connection = match &options.connection_string {
+            Some(text) if problems.is_empty() => ConnectionString::parse(text.expose()).ok(),
+            _ => None,
+        };
+        let Some(connection) = connection else {
+            return Err(misconfigured(&problems));
+        };
+        let mut container_url = container_url(&connection.blob_endpoint, &options.container);
+        let mut client_options = client_options(&options)?;
+        match connection.credential {
+            Credential::SharedKey { account, key } => client_options
+                .per_try_policies
+                .push(Arc::new(shared_key::SharedKeyPolicy::new(account, key))),
+            Credential::Sas(sas) => container_url.set_query(Some(&sas)),
+        }
+        let container =
+            BlobContainerClient::new(container_url, None, Some(container_options(client_options)))
+                .map_err(|_| {
+                    misconfigured(&[format!("{SECTION}: the blob endpoint is not usable")])
+                })?;
+        Ok(Self::from_container(container, &options))
+    }
+
+    /// A backend for the blob service at `options.service_url`, authenticated with a Microsoft
+    /// Entra token credential (for example a managed identity from `azure_identity`).
+    ///
+    /// The identity needs the *Storage Blob Data Contributor* role on the container. The URL
+    /// must use `https`.
+    pub fn with_credential(
+        options: AzureBlobOptions,
+        credential: Arc<dyn TokenCredential>,
+    ) -> Result<Self, LockError> {
+        let mut problems = options.problems(SECTION);
+        if options.connection_string.is_some() {
+            problems.push(format!(
+                "{SECTION}.connection_string carries its own credential: give service_url \
+                 with a token credential"
+            ));
+        }
+        let service_url = match &options.service_url {
+            Some(url) if problems.is_empty() => parse_service_url(url).ok(),
+            _ => None,
+        };
+        let Some(service_url) = service_url else {
+            return Err(misconfigured(&problems));
+        };
+        if service_url.scheme() != "https" {
+            return Err(misconfigured(&[format!(
+                "{SECTION}.service_url must use https with a token credential"
+            )]));
+        }
+        let container_url = container_url(&service_url, &options.container);
+        let container = BlobContainerClient::new(
+            container_url,
+            Some(credential),
+            Some(container_options(client_options(&options)?)),
+        )
+        .map_err(|_| misconfigured(&[format!("{SECTION}: the blob endpoint is not usable")]))?;
+        Ok(Self::from_container(container, &options))
+    }
+
+    fn from_container(container: BlobContainerClient, options: &AzureBlobOptions) -> Self {
+        AzureBlobBackend {
+            guards: Arc::new(GuardBlobs::new(
+                container,
+                options.lease_duration,
+                options.request_timeout,
+            )),
+            lease_duration: options.lease_duration,
+        }
+    }
+
+    /// The lease duration.
+    pub fn lease_duration(&self) -> Duration {
+        self.lease_duration
+    }
+
+    /// The container client, for setup and operations (creating the container, listing
+    /// guards). It authenticates like the backend.
+    pub fn container_client(&self) -> &BlobContainerClient {
+        self.guards.container()
+    }
+
+    /// The client of `key`'s guard blob, so operators can find and inspect it.
+    pub fn guard_blob(&self, key: &str) -> BlobClient {
+        self.guards.guard(key)
+    }
+}
+
+impl fmt::Debug for AzureBlobBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The container URL is left out: with a SAS it carries the signature.
+        f.debug_struct("AzureBlobBackend")
+            .field("lease_duration", &self.lease_duration)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LockBackend for AzureBlobBackend {
+    type Lease = AzureBlobLease;
+
+    fn provider(&self) -> &str {
+        "azure_blob"
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::Expiring(self.lease_duration)
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &str,
+    ) -> Result<Option<Acquired<AzureBlobLease>>, BackendError> {
+        let lease = self.guards.try_acquire(key).await?;
+        Ok(lease.map(|lease| Acquired {
+            fencing_token: lease.fencing_token,
+            lease,
+        }))
+    }
+
+    async fn renew(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
+        self.guards.renew(lease).await
+    }
+
+    async fn release(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
+        self.guards.release(lease).await
+    }
+}
+
+/// A held Azure lock's guard blob and lease, for writes fenced by the lease itself.
+///
+/// Get it from [`LockHandle::azure_blob_lease`](crate::LockHandle::azure_blob_lease). Azure
+/// refuses a write that carries a lease id which is no longer the blob's lease (412), so a
+/// process that lost the lock — paused, partitioned, or whose lease was broken — cannot
+/// overwrite the guard blob however late its write arrives.
+///
+/// ```no_run
+/// # async fn demo(handle: lockingkit::LockHandle) -> Result<(), Box<dyn std::error::Error>> {
+/// let lease = handle.azure_blob_lease().expect("an Azure lock");
+/// lease
+///     .blob_client()
+///     .upload(b"state written under the lock".to_vec().into(), Some(lease.upload_options()))
+///     .await?; // 412 once the lease is gone
+/// # Ok(()) }
+/// ```
+///
+/// Uploading replaces a blob's metadata, so [`upload_options`](Self::upload_options) carries
+/// the fencing token entry along; keep [`FENCING_TOKEN_METADATA`] in any metadata you write
+/// (see [`with_fencing_token`](Self::with_fencing_token)), or the next holder's token restarts
+/// from one.
+#[derive(Clone)]
+pub struct AzureBlobLease {
+    blob: Arc<BlobClient>,
+    lease_id: String,
+    fencing_token: u64,
+}
+
+impl AzureBlobLease {
+    /// The guard blob's client (same account, credentials and pipeline as the lock).
+    pub fn blob_client(&self) -> &BlobClient {
+        &self.blob
+    }
+
+    /// The lease id to send as `x-ms-lease-id` with writes to the guard blob.
+    pub fn lease_id(&self) -> &str {
+        &self.lease_id
+    }
+
+    /// The fencing token of this hold.
+    pub fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+
+    /// `metadata` plus the fencing token entry, for writes that replace the guard's metadata.
+    pub fn with_fencing_token(
+        &self,
+        mut metadata: HashMap<String, String>,
+    ) -> HashMap<String, String> {
+        metadata.insert(
+            FENCING_TOKEN_METADATA.to_owned(),
+            self.fencing_token.to_string(),
+        );
+        metadata
+    }
+
+    /// Upload options fenced by the lease, keeping the fencing token in the new metadata.
+    pub fn upload_options(&self) -> BlobClientUploadOptions<'static> {
+        BlobClientUploadOptions {
+            lease_id: Some(self.lease_id.clone()),
+            metadata: Some(self.with_fencing_token(HashMap::new())),
+            ..Default::default()
+        }
+    }
+
+    /// Set-metadata options fenced by the lease; pass metadata through
+    /// [`with_fencing_token`](Self::with_fencing_token).
+    pub fn set_metadata_options(&self) -> BlobClientSetMetadataOptions<'static> {
+        BlobClientSetMetadataOptions {
+            lease_id: Some(self.lease_id.clone()),
+            ..Default::default()
+        }
+    }
+
+    /// The lease of a held lock, if it is an Azure Blob lease.
+    pub(crate) fn from_any(lease: &(dyn Any + Send + Sync)) -> Option<Self> {
+        lease.downcast_ref::<AzureBlobLease>().cloned()
+    }
+}
+
+impl fmt::Debug for AzureBlobLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The blob URL is the key (and may carry a SAS); the lease id is a write capability.
+        f.debug_struct("AzureBlobLease")
+            .field("fencing_token", &self.fencing_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Parses a blob service URL: http or https, no query or fragment.
+pub(crate) fn parse_service_url(text: &str) -> Result<Url, String> {
+    let url = Url::parse(text.trim()).map_err(|_| "is not a valid URL".to_owned())?;
+    if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
+        return Err("must be an http or https URL".to_owned());
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("has no host".to_owned());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(
+            "must not carry a query (give a SAS as SharedAccessSignature in a connection string)"
+                .to_owned(),
+        );
+    }
+    Ok(url)
+}
+
+fn container_url(service: &Url, container: &str) -> Url {
+    let mut url = service.clone();
+    if let Ok(mut segments) = url.path_segments_mut() {
+        segments.pop_if_empty().push(container);
+    }
+    url
+}
+
+fn client_options(options: &AzureBlobOptions) -> Result<ClientOptions, LockError> {
+    let transport = transport::transport(options.request_timeout)
+        .map_err(|e| LockError::new(ErrorKind::Misconfigured, e.message().to_owned()))?;
+    Ok(ClientOptions {
+        transport: Some(transport),
+        retry: transport::QuickRetry::options(options.max_retries, options.retry_delay),
+        ..Default::default()
+    })
+}
+
+fn container_options(client_options: ClientOptions) -> BlobContainerClientOptions {
+    BlobContainerClientOptions {
+        client_options,
+        ..Default::default()
+    }
+}
+
+fn misconfigured(problems: &[String]) -> LockError {
+    LockError::new(
+        ErrorKind::Misconfigured,
+        format!("invalid lock configuration: {}", problems.join("; ")),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_urls_must_be_plain_http_or_https() {
+        assert!(parse_service_url("https://acct.blob.core.windows.net").is_ok());
+        assert!(parse_service_url("http://127.0.0.1:10000/devstoreaccount1").is_ok());
+        assert!(parse_service_url("ftp://acct").is_err());
+        assert!(parse_service_url("https://acct.blob.core.windows.net/?sig=x").is_err());
+        assert!(parse_service_url("not a url").is_err());
+    }
+
+    #[test]
+    fn the_container_is_appended_to_the_service_path() {
+        let url = |s: &str| container_url(&Url::parse(s).unwrap(), "locks").to_string();
+        assert_eq!(
+            url("https://a.blob.core.windows.net"),
+            "https://a.blob.core.windows.net/locks"
+        );
+        assert_eq!(
+            url("http://127.0.0.1:1/devstoreaccount1/"),
+            "http://127.0.0.1:1/devstoreaccount1/locks"
+        );
+    }
+
+    #[test]
+    fn a_backend_is_built_without_contacting_azure() {
+        let backend = AzureBlobBackend::new(AzureBlobOptions::from_connection_string(
+            "UseDevelopmentStorage=true",
+        ))
+        .unwrap();
+        assert_eq!(backend.provider(), "azure_blob");
+        assert_eq!(
+            backend.timing(),
+            LeaseTiming::Expiring(Duration::from_secs(30))
+        );
+        let blob = backend.guard_blob("orders/42");
+        assert_eq!(
+            blob.url().as_str(),
+            "http://127.0.0.1:10000/devstoreaccount1/locks/orders%2F42"
+        );
+        assert!(!format!("{backend:?}").contains("devstoreaccount1"));
+    }
+
+    #[test]
+    fn sas_rides_on_every_guard_url() {
+        let backend = AzureBlobBackend::new(AzureBlobOptions::from_connection_string(
+            "BlobEndpoint=https://acct.blob.core.windows.net;SharedAccessSignature=sv=1&sig=abc",
+        ))
+        .unwrap();
+        let url = backend.guard_blob("a/b").url().to_string();
+        assert_eq!(
+            url,
+            "https://acct.blob.core.windows.net/locks/a%2Fb?sv=1&sig=abc"
+        );
+    }
+
+    #[test]
+    fn bad_options_fail_with_every_problem_and_no_secret() {
+        let options = AzureBlobOptions::from_connection_string("AccountName=a;AccountKey=hunter2!")
+            .lease_duration(Duration::from_secs(14));
+        let error = AzureBlobBackend::new(options).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured);
+        let text = error.to_string();
+        assert!(
+            text.contains("lease_duration") && text.contains("AccountKey"),
+            "{text}"
+        );
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn a_service_url_needs_a_credential_and_a_connection_string_refuses_one() {
+        let error = AzureBlobBackend::new(AzureBlobOptions::from_service_url(
+            "https://a.blob.core.windows.net",
+        ))
+        .unwrap_err();
+        assert!(error.to_string().contains("with_credential"));
+    }
+}

@@ -51,6 +51,8 @@ pub use lock::{DistributedLock, DistributedLockBuilder, DEFAULT_NAME};
 pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobLease, AzureBlobOptions};
+#[cfg(feature = "postgres")]
+pub use providers::postgres::{PostgresBackend, PostgresLease, PostgresOptions};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
 

@@ -4,3 +4,5 @@ pub mod memory;
 
 #[cfg(feature = "azure")]
 pub mod azure;
+#[cfg(feature = "postgres")]
+pub mod postgres;

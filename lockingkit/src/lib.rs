@@ -38,6 +38,7 @@ mod handle;
 pub mod keys;
 mod lock;
 pub mod providers;
+pub mod registry;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -49,6 +50,7 @@ pub use handle::LockHandle;
 pub use keys::PostgresLockKeys;
 pub use lock::{DistributedLock, DistributedLockBuilder, DEFAULT_NAME};
 pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
+pub use registry::{Locking, LockingConfig};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobLease, AzureBlobOptions};
 #[cfg(feature = "postgres")]

@@ -1,0 +1,334 @@
+//! Binding a configuration section the way hosts write it.
+//!
+//! Configuration reaches us through whatever source the host uses, and sources disagree:
+//! environment variables are always strings and their names arrive upper- or lower-cased, a
+//! TOML file may say `ConnectionString` where the option struct says `connection_string`. The
+//! [`Lenient`] deserializer smooths exactly these differences and nothing else:
+//!
+//! - a struct's field names match ignoring ASCII case, `_` and `-`
+//!   (`CONNECTION_STRING`, `connectionString` and `connection-string` all bind
+//!   `connection_string`);
+//! - a string binds a number or a boolean field when it parses as one (`"16"`, `"true"`);
+//! - an empty string binds `None` for an optional field (an empty environment variable
+//!   unsets a setting rather than failing to parse).
+
+use serde::de::value::{MapDeserializer, SeqDeserializer};
+use serde::de::{self, IntoDeserializer, Visitor};
+use serde::forward_to_deserialize_any;
+use serde_json::{Map, Value};
+
+/// The form of a setting name that matching compares: lower case, without `_` and `-`.
+pub(crate) fn canonical(name: &str) -> String {
+    name.chars()
+        .filter(|c| *c != '_' && *c != '-')
+        .map(|c| c.to_ascii_lowercase())
+        .collect()
+}
+
+/// Renames each key of `map` to the field of `fields` it matches; unmatched keys stay as they
+/// are so the struct can reject or ignore them.
+fn match_fields(map: Map<String, Value>, fields: &[&str]) -> Vec<(String, Value)> {
+    map.into_iter()
+        .map(|(key, value)| {
+            let wanted = canonical(&key);
+            let name = fields
+                .iter()
+                .find(|field| canonical(field) == wanted)
+                .map_or(key, |field| (*field).to_owned());
+            (name, value)
+        })
+        .collect()
+}
+
+/// A configuration value that binds leniently (see the module docs).
+pub(crate) struct Lenient(pub(crate) Value);
+
+impl<'de> IntoDeserializer<'de, serde_json::Error> for Lenient {
+    type Deserializer = Self;
+
+    fn into_deserializer(self) -> Self {
+        self
+    }
+}
+
+fn visit_entries<'de, V: Visitor<'de>>(
+    entries: Vec<(String, Value)>,
+    visitor: V,
+) -> Result<V::Value, serde_json::Error> {
+    let mut map = MapDeserializer::new(
+        entries
+            .into_iter()
+            .map(|(key, value)| (key, Lenient(value))),
+    );
+    let value = visitor.visit_map(&mut map)?;
+    map.end()?;
+    Ok(value)
+}
+
+/// Parses a string setting as a number of the wanted kind, or hands the value on unchanged.
+macro_rules! lenient_number {
+    ($($method:ident => $ty:ty, $visit:ident;)+) => {
+        $(
+            fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+                if let Value::String(text) = &self.0 {
+                    if let Ok(number) = text.trim().parse::<$ty>() {
+                        return visitor.$visit(number);
+                    }
+                }
+                self.0.$method(visitor)
+            }
+        )+
+    };
+}
+
+impl<'de> de::Deserializer<'de> for Lenient {
+    type Error = serde_json::Error;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        self.0.deserialize_any(visitor)
+    }
+
+    fn deserialize_bool<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        if let Value::String(text) = &self.0 {
+            match text.trim().to_ascii_lowercase().as_str() {
+                "true" => return visitor.visit_bool(true),
+                "false" => return visitor.visit_bool(false),
+                _ => {}
+            }
+        }
+        self.0.deserialize_bool(visitor)
+    }
+
+    lenient_number! {
+        deserialize_u8 => u64, visit_u64;
+        deserialize_u16 => u64, visit_u64;
+        deserialize_u32 => u64, visit_u64;
+        deserialize_u64 => u64, visit_u64;
+        deserialize_i8 => i64, visit_i64;
+        deserialize_i16 => i64, visit_i64;
+        deserialize_i32 => i64, visit_i64;
+        deserialize_i64 => i64, visit_i64;
+        deserialize_f32 => f64, visit_f64;
+        deserialize_f64 => f64, visit_f64;
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match &self.0 {
+            Value::Null => visitor.visit_none(),
+            Value::String(text) if text.trim().is_empty() => visitor.visit_none(),
+            _ => visitor.visit_some(self),
+        }
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        visitor.visit_newtype_struct(self)
+    }
+
+    fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self.0 {
+            Value::Array(items) => {
+                let mut seq = SeqDeserializer::new(items.into_iter().map(Lenient));
+                let value = visitor.visit_seq(&mut seq)?;
+                seq.end()?;
+                Ok(value)
+            }
+            other => other.deserialize_seq(visitor),
+        }
+    }
+
+    fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self.0 {
+            Value::Object(map) => visit_entries(map.into_iter().collect(), visitor),
+            other => other.deserialize_map(visitor),
+        }
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        match self.0 {
+            Value::Object(map) => visit_entries(match_fields(map, fields), visitor),
+            other => other.deserialize_struct(name, fields, visitor),
+        }
+    }
+
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        self.0.deserialize_enum(name, variants, visitor)
+    }
+
+    fn deserialize_tuple<V: Visitor<'de>>(
+        self,
+        _len: usize,
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        self.deserialize_seq(visitor)
+    }
+
+    fn deserialize_tuple_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _len: usize,
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        self.deserialize_seq(visitor)
+    }
+
+    forward_to_deserialize_any! {
+        char str string bytes byte_buf unit unit_struct identifier ignored_any i128 u128
+    }
+}
+
+/// The field names a struct deserializes, found by asking its `Deserialize` impl; `None` for
+/// types that do not deserialize as a plain struct (maps, flattened or transparent structs).
+pub(crate) fn struct_fields<T: de::DeserializeOwned>() -> Option<&'static [&'static str]> {
+    match T::deserialize(FieldProbe) {
+        Err(Probed(fields)) => fields,
+        Ok(_) => None,
+    }
+}
+
+/// A deserializer that answers nothing and reports the fields it was asked for.
+struct FieldProbe;
+
+#[derive(Debug)]
+struct Probed(Option<&'static [&'static str]>);
+
+impl std::fmt::Display for Probed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("field probe")
+    }
+}
+
+impl std::error::Error for Probed {}
+
+impl de::Error for Probed {
+    fn custom<T: std::fmt::Display>(_msg: T) -> Self {
+        Probed(None)
+    }
+}
+
+impl<'de> de::Deserializer<'de> for FieldProbe {
+    type Error = Probed;
+
+    fn deserialize_any<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value, Probed> {
+        Err(Probed(None))
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        fields: &'static [&'static str],
+        _visitor: V,
+    ) -> Result<V::Value, Probed> {
+        Err(Probed(Some(fields)))
+    }
+
+    forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+        ignored_any
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde::Deserialize;
+    use serde_json::json;
+
+    use super::*;
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Pool {
+        connection_string: String,
+        max_connections: u32,
+        tls: bool,
+        #[serde(default, with = "crate::config::option_duration")]
+        check_every: Option<Duration>,
+    }
+
+    fn bind(value: Value) -> Result<Pool, serde_json::Error> {
+        Pool::deserialize(Lenient(value))
+    }
+
+    #[test]
+    fn field_names_match_ignoring_case_underscores_and_dashes() {
+        let pool = bind(json!({
+            "CONNECTION_STRING": "host=db",
+            "maxConnections": 8,
+            "TLS": true,
+            "check-every": "5s",
+        }))
+        .unwrap();
+        assert_eq!(pool.connection_string, "host=db");
+        assert_eq!(pool.max_connections, 8);
+        assert!(pool.tls);
+        assert_eq!(pool.check_every, Some(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn strings_bind_numbers_and_booleans_as_environment_variables_carry_them() {
+        let pool = bind(json!({
+            "connection_string": "host=db",
+            "max_connections": " 16 ",
+            "tls": "False",
+            "check_every": "",
+        }))
+        .unwrap();
+        assert_eq!(pool.max_connections, 16);
+        assert!(!pool.tls);
+        assert_eq!(pool.check_every, None, "an empty string unsets an option");
+    }
+
+    #[test]
+    fn values_that_do_not_parse_still_fail() {
+        let err = bind(json!({"connection_string": "x", "max_connections": "many", "tls": true}))
+            .unwrap_err();
+        assert!(err.to_string().contains("expected u32"), "{err}");
+        let err = bind(json!({"connection_string": "x", "max_connections": 1, "tls": "yes"}))
+            .unwrap_err();
+        assert!(err.to_string().contains("expected a boolean"), "{err}");
+    }
+
+    #[test]
+    fn unknown_fields_are_still_rejected_by_strict_structs() {
+        let err = bind(json!({
+            "connection_string": "x", "max_connections": 1, "tls": true, "colour": "blue"
+        }))
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `colour`"), "{err}");
+    }
+
+    #[test]
+    fn struct_fields_are_read_from_the_deserialize_impl() {
+        assert_eq!(
+            struct_fields::<Pool>(),
+            Some(&["connection_string", "max_connections", "tls", "check_every"][..])
+        );
+        assert_eq!(
+            struct_fields::<std::collections::HashMap<String, String>>(),
+            None
+        );
+    }
+
+    #[test]
+    fn canonical_names_ignore_case_and_separators() {
+        assert_eq!(canonical("CONNECTION_STRING"), "connectionstring");
+        assert_eq!(canonical("connection-string"), "connectionstring");
+        assert_eq!(canonical("ConnectionString"), "connectionstring");
+    }
+}

@@ -1,0 +1,521 @@
+//! Named providers, built once at startup from code or from the host's configuration.
+//!
+//! A [`Locking`] registry holds the provider called `Default` and any number of named ones
+//! (`Jobs`, `Reports`, …), each a [`DistributedLock`]. Build it with [`Locking::builder`] or
+//! from the `Locking` section of your configuration with [`Locking::from_config`]. Building
+//! validates everything at once and fails with **one** [`ErrorKind::Misconfigured`] error that
+//! lists every problem of every section, so a bad deployment stops at startup instead of on
+//! the first lock it takes.
+//!
+//! ```
+//! use lockingkit::registry::{Locking, LockingConfig};
+//! use serde_json::json;
+//!
+//! # fn main() -> Result<(), lockingkit::LockError> {
+//! let config = LockingConfig::new()
+//!     .with_section("Default", json!({ "provider": "in_memory" }))
+//!     .with_section("Jobs", json!({ "provider": "in_memory", "max_retry_delay": "2s" }));
+//! let locking = Locking::from_config(config)?;
+//! assert_eq!(locking.default().name(), "Default");
+//! assert_eq!(locking.get("Jobs").map(|jobs| jobs.provider()), Some("in_memory"));
+//! # Ok(()) }
+//! ```
+//!
+//! # Naming conventions
+//! Sources disagree on case: environment variables are upper case and some configuration
+//! crates lower-case every key. So:
+//! - section names match ignoring ASCII case (`default`, `DEFAULT` and `Default` are all the
+//!   `Default` provider, and `locking.get("jobs")` finds `Jobs`);
+//! - provider names and setting names match ignoring ASCII case, `_` and `-`
+//!   (`azure_blob` = `AzureBlob`, `connection_string` = `CONNECTION_STRING` = `ConnectionString`);
+//! - a string binds a number or boolean setting when it parses as one, as environment
+//!   variables always carry strings; an empty string unsets an optional setting.
+//!
+//! With a double underscore as the level separator, `LOCKING__JOBS__MAX_RETRY_DELAY=2s` is the
+//! `max_retry_delay` of the `Jobs` provider.
+
+mod builtin;
+mod lenient;
+mod section;
+
+use std::fmt;
+use std::sync::Arc;
+
+use opentelemetry::metrics::Meter;
+use serde_json::{Map, Value};
+
+pub use builtin::MemoryOptions;
+pub use section::{LockingConfig, ProviderSection};
+
+use crate::backend::LockBackend;
+use crate::engine::LockOptions;
+use crate::error::{ErrorKind, LockError};
+use crate::lock::{DistributedLock, DEFAULT_NAME};
+use crate::providers::memory::{MemoryBackend, MemoryStore};
+use builtin::BUILT_IN;
+use lenient::canonical;
+use section::{bind_settings, scrub};
+
+/// Named lock providers, built once at startup.
+///
+/// Cheap to clone; every clone shares the same providers. See the [module docs](self) for
+/// building one and for how names match.
+#[derive(Clone)]
+pub struct Locking {
+    providers: Arc<[DistributedLock]>,
+}
+
+impl Locking {
+    /// Starts a registry; add providers, then [`build`](LockingBuilder::build) it.
+    pub fn builder() -> LockingBuilder {
+        LockingBuilder::default()
+    }
+
+    /// Builds the registry from the `Locking` section of the host's configuration, with the
+    /// built-in providers only. Use [`LockingBuilder::config`] to add custom providers too.
+    pub fn from_config(config: LockingConfig) -> Result<Self, LockError> {
+        Self::builder().config(config).build()
+    }
+
+    /// The provider called `Default`; every registry has one.
+    pub fn default(&self) -> &DistributedLock {
+        // `build` puts Default first and refuses to build without it.
+        &self.providers[0]
+    }
+
+    /// The provider called `name` (ignoring ASCII case), if there is one.
+    pub fn get(&self, name: &str) -> Option<&DistributedLock> {
+        self.providers
+            .iter()
+            .find(|lock| lock.name().eq_ignore_ascii_case(name))
+    }
+
+    /// The provider called `name`, or a `Misconfigured` error naming the providers there are.
+    ///
+    /// To fail at startup rather than here, list the names your application needs with
+    /// [`LockingBuilder::required`].
+    pub fn require(&self, name: &str) -> Result<&DistributedLock, LockError> {
+        self.get(name).ok_or_else(|| {
+            LockError::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "no lock provider is named {name}; configured: {}",
+                    self.names().collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })
+    }
+
+    /// The provider names, `Default` first.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.providers.iter().map(DistributedLock::name)
+    }
+
+    /// Every provider, `Default` first.
+    pub fn iter(&self) -> impl Iterator<Item = &DistributedLock> {
+        self.providers.iter()
+    }
+
+    /// How many providers there are (at least one: `Default`).
+    pub fn len(&self) -> usize {
+        self.providers.len()
+    }
+
+    /// Always `false`: a registry has at least the `Default` provider.
+    pub fn is_empty(&self) -> bool {
+        self.providers.is_empty()
+    }
+}
+
+impl fmt::Debug for Locking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.providers.iter().map(|p| (p.name(), p.provider())))
+            .finish()
+    }
+}
+
+/// What a custom provider's factory returns: a lock provider built from its section.
+type Factory =
+    Arc<dyn Fn(&ProviderSection, Assembly<'_>) -> Result<DistributedLock, LockError> + Send + Sync>;
+
+/// A provider registered in code, waiting for `build`.
+type Registration = Box<dyn FnOnce(Assembly<'_>) -> Result<DistributedLock, LockError> + Send>;
+
+/// What every provider is built with besides its backend.
+pub(crate) struct Assembly<'a> {
+    name: &'a str,
+    options: LockOptions,
+    meter: Option<&'a Meter>,
+}
+
+impl Assembly<'_> {
+    /// Wraps `backend` in the engine, as every provider is.
+    fn assemble<B: LockBackend>(self, backend: B) -> Result<DistributedLock, LockError> {
+        let builder = DistributedLock::builder(backend)
+            .name(self.name)
+            .options(self.options);
+        match self.meter {
+            Some(meter) => builder.meter(meter.clone()),
+            None => builder,
+        }
+        .build()
+    }
+}
+
+/// Builds a [`Locking`] registry: providers from code, from configuration, or both.
+#[derive(Default)]
+#[must_use]
+pub struct LockingBuilder {
+    registrations: Vec<(String, Registration)>,
+    configs: Vec<LockingConfig>,
+    custom: Vec<(String, Factory)>,
+    required: Vec<String>,
+    meter: Option<Meter>,
+}
+
+impl LockingBuilder {
+    /// Adds an in-memory provider with its own store, default options and 30 s leases.
+    pub fn in_memory(self, name: impl Into<String>) -> Self {
+        self.backend(
+            name,
+            MemoryBackend::new(MemoryStore::new()),
+            LockOptions::default(),
+        )
+    }
+
+    /// Adds a provider on `backend`, built-in or your own, with engine `options`.
+    ///
+    /// It gets waiting, renewal, loss detection, release, results and telemetry exactly like
+    /// the built-in providers. The options are validated when the registry is built.
+    pub fn backend<B: LockBackend>(
+        mut self,
+        name: impl Into<String>,
+        backend: B,
+        options: LockOptions,
+    ) -> Self {
+        let name = name.into();
+        let register: Registration = Box::new(move |assembly: Assembly<'_>| {
+            let problems = options.problems(&format!("Locking.{}", assembly.name));
+            if !problems.is_empty() {
+                return Err(section::problem_list(problems));
+            }
+            Assembly {
+                options,
+                ..assembly
+            }
+            .assemble(backend)
+        });
+        self.registrations.push((name, register));
+        self
+    }
+
+    /// Adds every section of `config` (see [`LockingConfig`]); may be called more than once.
+    pub fn config(mut self, config: LockingConfig) -> Self {
+        self.configs.push(config);
+        self
+    }
+
+    /// Lets configuration sections name `provider` (matched ignoring case, `_` and `-`).
+    ///
+    /// When a section says `provider = "<provider>"`, the registry binds the shared engine
+    /// options itself and calls `factory` with the rest of the section, which typically binds
+    /// its own options struct with [`ProviderSection::bind`] and opens the backend. A factory
+    /// should check everything it can (paths, credentials' shape, reachable files) and return
+    /// a `Misconfigured` error, so the problem is reported at startup with all the others.
+    ///
+    /// ```
+    /// use lockingkit::registry::{Locking, LockingConfig};
+    /// use lockingkit::MemoryBackend;
+    ///
+    /// #[derive(serde::Deserialize)]
+    /// struct ShardOptions { shards: u32 }
+    ///
+    /// # fn main() -> Result<(), lockingkit::LockError> {
+    /// let config = LockingConfig::new()
+    ///     .with_section("Default", serde_json::json!({ "provider": "sharded", "shards": "4" }));
+    /// let locking = Locking::builder()
+    ///     .custom_provider("sharded", |section| {
+    ///         let options: ShardOptions = section.bind()?;
+    ///         assert_eq!(options.shards, 4);
+    ///         Ok(MemoryBackend::new(Default::default()))
+    ///     })
+    ///     .config(config)
+    ///     .build()?;
+    /// assert_eq!(locking.default().provider(), "in_memory");
+    /// # Ok(()) }
+    /// ```
+    pub fn custom_provider<B, F>(mut self, provider: impl Into<String>, factory: F) -> Self
+    where
+        B: LockBackend,
+        F: Fn(&ProviderSection) -> Result<B, LockError> + Send + Sync + 'static,
+    {
+        let factory: Factory = Arc::new(move |section: &ProviderSection, assembly| {
+            assembly.assemble(factory(section)?)
+        });
+        self.custom.push((provider.into(), factory));
+        self
+    }
+
+    /// Names a provider the application needs, so its absence fails the build instead of a
+    /// later [`Locking::require`].
+    pub fn required(mut self, name: impl Into<String>) -> Self {
+        self.required.push(name.into());
+        self
+    }
+
+    /// The meter every provider records on, instead of the global `lockingkit` meter.
+    pub fn meter(mut self, meter: Meter) -> Self {
+        self.meter = Some(meter);
+        self
+    }
+
+    /// Validates everything and builds the registry.
+    ///
+    /// Fails with one [`ErrorKind::Misconfigured`] error listing every problem: bad or unknown
+    /// settings, unknown providers, a missing `Default`, names given twice, a missing
+    /// [`required`](Self::required) provider, and whatever each provider's own checks find.
+    /// Messages name settings, never their values.
+    pub fn build(self) -> Result<Locking, LockError> {
+        let LockingBuilder {
+            registrations,
+            configs,
+            custom,
+            required,
+            meter,
+        } = self;
+        let mut problems = Vec::new();
+        let mut built: Vec<DistributedLock> = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
+
+        for (provider, _) in &custom {
+            let wanted = canonical(provider);
+            if wanted.is_empty() {
+                problems.push("a custom provider needs a non-empty name".to_owned());
+            } else if BUILT_IN.iter().any(|b| canonical(b.name) == wanted) {
+                problems.push(format!(
+                    "the custom provider {provider} has the name of a built-in provider"
+                ));
+            }
+        }
+
+        for (name, register) in registrations {
+            let Some(name) = registry_name(&name, &mut seen, &mut problems) else {
+                continue;
+            };
+            let assembly = Assembly {
+                name: &name,
+                options: LockOptions::default(),
+                meter: meter.as_ref(),
+            };
+            collect(
+                register(assembly),
+                &format!("Locking.{name}"),
+                None,
+                &mut built,
+                &mut problems,
+            );
+        }
+
+        for (name, section) in configs.into_iter().flat_map(LockingConfig::into_sections) {
+            let Some(name) = registry_name(&name, &mut seen, &mut problems) else {
+                continue;
+            };
+            let path = format!("Locking.{name}");
+            let Value::Object(settings) = section else {
+                problems.push(format!("{path} must be a table of settings"));
+                continue;
+            };
+            let result = build_section(
+                &name,
+                &path,
+                settings,
+                &custom,
+                meter.as_ref(),
+                &mut problems,
+            );
+            if let Some((result, settings)) = result {
+                collect(result, &path, Some(&settings), &mut built, &mut problems);
+            }
+        }
+
+        if !seen.iter().any(|name| name == DEFAULT_NAME) {
+            problems.push(format!(
+                "Locking.{DEFAULT_NAME} is missing: every registry needs a {DEFAULT_NAME} provider"
+            ));
+        }
+        for name in &required {
+            if !seen.iter().any(|seen| seen.eq_ignore_ascii_case(name)) {
+                problems.push(format!(
+                    "Locking.{name} is missing, and this application requires it"
+                ));
+            }
+        }
+
+        if !problems.is_empty() {
+            return Err(crate::engine::misconfigured(&problems));
+        }
+        // Default first, so `Locking::default` is an index, then in registration order.
+        built.sort_by_key(|lock| lock.name() != DEFAULT_NAME);
+        Ok(Locking {
+            providers: built.into(),
+        })
+    }
+}
+
+impl fmt::Debug for LockingBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockingBuilder")
+            .field(
+                "registered",
+                &self
+                    .registrations
+                    .iter()
+                    .map(|(n, _)| n)
+                    .collect::<Vec<_>>(),
+            )
+            .field("configs", &self.configs)
+            .field(
+                "custom_providers",
+                &self.custom.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// The registration name for `name` (`Default` whatever its case), or `None` after noting why
+/// it cannot be used.
+fn registry_name(name: &str, seen: &mut Vec<String>, problems: &mut Vec<String>) -> Option<String> {
+    let name = name.trim();
+    if name.is_empty() {
+        problems.push("a lock provider needs a non-empty name".to_owned());
+        return None;
+    }
+    let name = if name.eq_ignore_ascii_case(DEFAULT_NAME) {
+        DEFAULT_NAME.to_owned()
+    } else {
+        name.to_owned()
+    };
+    if let Some(earlier) = seen.iter().find(|s| s.eq_ignore_ascii_case(&name)) {
+        problems.push(format!(
+            "Locking.{name} is defined twice (as {earlier} too; names ignore case)"
+        ));
+        return None;
+    }
+    seen.push(name.clone());
+    Some(name)
+}
+
+/// Keeps a built provider, or turns its error into problems prefixed with its section.
+fn collect(
+    result: Result<DistributedLock, LockError>,
+    path: &str,
+    settings: Option<&Map<String, Value>>,
+    built: &mut Vec<DistributedLock>,
+    problems: &mut Vec<String>,
+) {
+    match result {
+        Ok(lock) => built.push(lock),
+        Err(error) => {
+            let message = match settings {
+                Some(settings) => scrub(error.message(), settings),
+                None => error.message().to_owned(),
+            };
+            let message = message
+                .strip_prefix("invalid lock configuration: ")
+                .unwrap_or(&message);
+            for problem in message.split("; ") {
+                if problem.starts_with(path) {
+                    problems.push(problem.to_owned());
+                } else {
+                    problems.push(format!("{path}: {problem}"));
+                }
+            }
+        }
+    }
+}
+
+/// Binds one configuration section: shared engine options, then the provider's own. Returns
+/// the provider's result and the settings it saw (to scrub its errors), or `None` when the
+/// section could not get as far as its provider.
+fn build_section(
+    name: &str,
+    path: &str,
+    settings: Map<String, Value>,
+    custom: &[(String, Factory)],
+    meter: Option<&Meter>,
+    problems: &mut Vec<String>,
+) -> Option<(Result<DistributedLock, LockError>, Map<String, Value>)> {
+    let shared_fields = lenient::struct_fields::<LockOptions>().unwrap_or(&[]);
+    let mut provider = None;
+    let mut shared = Map::new();
+    let mut own = Map::new();
+    for (key, value) in settings {
+        let wanted = canonical(&key);
+        if wanted == "provider" {
+            provider = Some(value);
+        } else if shared_fields.iter().any(|field| canonical(field) == wanted) {
+            shared.insert(key, value);
+        } else {
+            own.insert(key, value);
+        }
+    }
+
+    let before = problems.len();
+    let options = bind_settings::<LockOptions>(path, "shared", &shared, problems);
+    if let Some(options) = &options {
+        problems.extend(options.problems(path));
+    }
+    let options_ok = problems.len() == before;
+
+    let known = || {
+        BUILT_IN
+            .iter()
+            .map(|b| b.name.to_owned())
+            .chain(custom.iter().map(|(n, _)| n.clone()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let provider = match provider {
+        Some(Value::String(provider)) if !provider.trim().is_empty() => provider,
+        Some(_) => {
+            problems.push(format!(
+                "{path}.provider must be a provider name (one of: {})",
+                known()
+            ));
+            return None;
+        }
+        None => {
+            problems.push(format!("{path}.provider is missing (one of: {})", known()));
+            return None;
+        }
+    };
+    let wanted = canonical(&provider);
+    let section = ProviderSection::new(name.to_owned(), path.to_owned(), provider.clone(), own);
+    // When the shared options are bad the provider still checks its own settings, so the one
+    // error lists both; what it builds is dropped.
+    let assembly = Assembly {
+        name,
+        options: options.filter(|_| options_ok).unwrap_or_default(),
+        meter,
+    };
+    let result = if let Some(builtin) = BUILT_IN.iter().find(|b| canonical(b.name) == wanted) {
+        (builtin.build)(&section, assembly)
+    } else if let Some((_, factory)) = custom.iter().find(|(n, _)| canonical(n) == wanted) {
+        factory(&section, assembly)
+    } else {
+        problems.push(format!(
+            "{path}.provider {provider} is not a known provider (one of: {})",
+            known()
+        ));
+        return None;
+    };
+    let result = match result {
+        Ok(_) if !options_ok => return None,
+        other => other,
+    };
+    Some((result, section.settings().clone()))
+}
+
+#[cfg(test)]
+mod tests;

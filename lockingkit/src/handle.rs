@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::engine::Orphanable;
 use crate::error::{ErrorKind, LockError};
 use crate::telemetry::LossReason;
-use crate::BoxFuture;
 
 /// What the engine keeps for one held lock, seen without its backend type.
 pub(crate) trait HeldLock: Send + Sync {
@@ -19,7 +19,7 @@ pub(crate) trait HeldLock: Send + Sync {
     fn loss_reason(&self) -> Option<LossReason>;
     /// Claims the lock for release before returning, then releases when polled (or in the
     /// background if the returned future is dropped first).
-    fn release(self: Arc<Self>) -> BoxFuture<'static, Result<(), LockError>>;
+    fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>>;
     fn release_in_background(&self);
     #[cfg_attr(not(feature = "azure"), allow(dead_code))]
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync);

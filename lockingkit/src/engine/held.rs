@@ -15,7 +15,6 @@ use crate::backend::{Acquired, LeaseTiming, LockBackend};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::HeldLock;
 use crate::telemetry::LossReason;
-use crate::BoxFuture;
 
 /// The life of a held lock. Exactly one transition leaves `HELD`, decided by compare-and-swap,
 /// so release, drop and loss can race without releasing twice.
@@ -78,7 +77,7 @@ impl<B: LockBackend> Held<B> {
             loss: AtomicU8::new(0),
             origin: sent,
             deadline_nanos: AtomicU64::new(nanos_between(sent, deadline)),
-            taken_at: Instant::now(),
+            taken_at: sent,
             turn: Mutex::new(Some(turn)),
             engine,
         }
@@ -189,7 +188,7 @@ impl<B: LockBackend> HeldLock for Held<B> {
         }
     }
 
-    fn release(self: Arc<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+    fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>> {
         if !self.claim(RELEASING) {
             let error = match self.loss_reason() {
                 Some(reason) => LockError::new(
@@ -203,12 +202,10 @@ impl<B: LockBackend> HeldLock for Held<B> {
             let span = telemetry.release_span(self.fencing_token);
             let result = Err(error);
             telemetry.release_finished(&span, &result);
-            return Box::pin(std::future::ready(result));
+            return Orphanable::finishing(std::future::ready(result));
         }
         self.lost.cancel();
-        Box::pin(Orphanable::finishing(async move {
-            self.release_claimed().await
-        }))
+        Orphanable::finishing(async move { self.release_claimed().await })
     }
 
     fn release_in_background(&self) {

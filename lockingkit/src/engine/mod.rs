@@ -26,7 +26,7 @@ use crate::BoxFuture;
 
 use backoff::Backoff;
 use held::Held;
-use orphan::Orphanable;
+pub(crate) use orphan::Orphanable;
 use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
 
 /// What `DistributedLock` needs from an engine, without the backend type.
@@ -112,7 +112,13 @@ impl<B: LockBackend> Engine<B> {
     /// One backend attempt under `turn`. If the caller drops this future while the attempt is
     /// in flight, the attempt finishes in the background, a lease it won is released, and only
     /// then does the turn pass to the next local waiter.
-    fn attempt(&self, turn: Turn) -> Orphanable<AttemptResult<B::Lease>> {
+    fn attempt(
+        &self,
+        turn: Turn,
+    ) -> Orphanable<
+        AttemptResult<B::Lease>,
+        impl FnOnce(AttemptResult<B::Lease>) -> BoxFuture<'static, ()> + Send + 'static,
+    > {
         let backend = self.backend.clone();
         let release_timeout = self.options.release_timeout;
         let work = async move {
@@ -181,8 +187,10 @@ impl<B: LockBackend> Engine<B> {
                 let _left = Defer(|| self.telemetry.waiter_left());
                 let evidence = ticket.evidence_handle();
                 match tokio::time::timeout_at(deadline, ticket.turn()).await {
-                    Ok(turn) => turn,
-                    Err(_) => return Err(wait_error(evidence.read(), timeout)),
+                    // A turn that arrives at the deadline is passed on unused: the caller's
+                    // time is up, and an attempt now would only add a request.
+                    Ok(turn) if Instant::now() < deadline => turn,
+                    _ => return Err(wait_error(evidence.read(), timeout)),
                 }
             }
         };
@@ -203,7 +211,13 @@ impl<B: LockBackend> Engine<B> {
                     Err(error) => return Err(attempt_error(error)),
                 }
                 turn = Some(current);
-                tokio::time::sleep(backoff.next_delay()).await;
+                let wake = Instant::now() + backoff.next_delay();
+                if wake >= deadline {
+                    // No attempt would start before the deadline: wait for the deadline to end
+                    // the wait, holding the turn so local waiters behind us stay quiet.
+                    std::future::pending::<()>().await
+                }
+                tokio::time::sleep_until(wake).await;
             }
         })
         .await;

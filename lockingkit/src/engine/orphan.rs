@@ -12,25 +12,33 @@ use std::task::{Context, Poll};
 
 use crate::BoxFuture;
 
-type Cleanup<T> = Box<dyn FnOnce(T) -> BoxFuture<'static, ()> + Send>;
+/// The clean-up of work that needs none.
+pub(crate) type NoCleanup<T> = fn(T) -> BoxFuture<'static, ()>;
 
-pub(crate) struct Orphanable<T: Send + 'static> {
+/// The clean-up is stored inline (not boxed): this sits on every acquire's hot path.
+pub(crate) struct Orphanable<T: Send + 'static, C = NoCleanup<T>>
+where
+    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
+{
     work: Option<BoxFuture<'static, T>>,
-    cleanup: Option<Cleanup<T>>,
+    cleanup: Option<C>,
+}
+
+impl<T, C> Orphanable<T, C>
+where
+    T: Send + 'static,
+    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
+{
+    /// `cleanup` runs on the result only if the caller dropped the future before it finished.
+    pub(crate) fn new(work: impl Future<Output = T> + Send + 'static, cleanup: C) -> Self {
+        Orphanable {
+            work: Some(Box::pin(work)),
+            cleanup: Some(cleanup),
+        }
+    }
 }
 
 impl<T: Send + 'static> Orphanable<T> {
-    /// `cleanup` runs on the result only if the caller dropped the future before it finished.
-    pub(crate) fn new(
-        work: impl Future<Output = T> + Send + 'static,
-        cleanup: impl FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
-    ) -> Self {
-        Orphanable {
-            work: Some(Box::pin(work)),
-            cleanup: Some(Box::new(cleanup)),
-        }
-    }
-
     /// Work that needs no clean-up, only to run to the end.
     pub(crate) fn finishing(work: impl Future<Output = T> + Send + 'static) -> Self {
         Orphanable {
@@ -40,7 +48,17 @@ impl<T: Send + 'static> Orphanable<T> {
     }
 }
 
-impl<T: Send + 'static> Future for Orphanable<T> {
+// Nothing is pinned structurally: the work is boxed and the clean-up is only moved out.
+impl<T: Send + 'static, C> Unpin for Orphanable<T, C> where
+    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static
+{
+}
+
+impl<T, C> Future for Orphanable<T, C>
+where
+    T: Send + 'static,
+    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
+{
     type Output = T;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
@@ -59,7 +77,10 @@ impl<T: Send + 'static> Future for Orphanable<T> {
     }
 }
 
-impl<T: Send + 'static> Drop for Orphanable<T> {
+impl<T: Send + 'static, C> Drop for Orphanable<T, C>
+where
+    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
+{
     fn drop(&mut self) {
         let Some(work) = self.work.take() else {
             return;

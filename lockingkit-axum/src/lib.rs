@@ -1,1 +1,43 @@
-//! placeholder
+//! Axum integration for [LockingKit](lockingkit) distributed locks.
+//!
+//! - [`lock_route`] builds a [`LockLayer`] whose key is a template over the route's path
+//!   parameters (`"orders/{id}"`), for `Router::route_layer`. Each request takes the lock
+//!   before the handler runs; a busy lock is `409 Conflict` as an RFC 9457 problem document
+//!   with code `locking.busy`; if the lock is lost while the handler runs, the handler's future
+//!   is dropped and the client gets `503`. [`lock_route_waiting`] waits for the lock instead.
+//! - [`HeldLock`] is the extractor that gives the handler the key, the fencing token and the
+//!   loss signal.
+//! - [`lock_route_from_state`] takes the `DistributedLock` from the application state through
+//!   [`FromRef`](axum::extract::FromRef); handlers that lock other keys themselves can extract
+//!   `State<DistributedLock>` the same way.
+//!
+//! ```
+//! use axum::{extract::Path, routing::post, Router};
+//! use lockingkit::DistributedLock;
+//! use lockingkit_axum::{lock_route, HeldLock};
+//!
+//! async fn ship(Path(id): Path<u64>, lock: HeldLock) -> String {
+//!     format!("order {id} shipped, fencing token {}", lock.fencing_token())
+//! }
+//!
+//! let app: Router = Router::new()
+//!     .route("/orders/{id}/ship", post(ship))
+//!     .route_layer(lock_route(DistributedLock::in_memory(), "orders/{id}"));
+//! # let _ = app;
+//! ```
+//!
+//! Everything about the lock itself — modes, rejections, body holding, custom responses — is
+//! configured on the returned [`LockLayer`], documented in `lockingkit-tower`.
+
+#![deny(missing_docs)]
+#![warn(unreachable_pub)]
+
+pub mod extract;
+mod route;
+mod template;
+
+pub use extract::rejection::MissingLock;
+pub use extract::HeldLock;
+pub use lockingkit_tower::{LockLayer, LockRejection, RequestLock};
+pub use route::{lock_route, lock_route_from_state, lock_route_waiting};
+pub use template::PathTemplate;

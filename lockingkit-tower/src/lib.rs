@@ -1,1 +1,39 @@
-//! placeholder
+//! A Tower layer that holds a [LockingKit](lockingkit) distributed lock for each request.
+//!
+//! [`LockLayer`] derives a key from each request, takes the lock before calling the inner
+//! service, hands the inner service a [`RequestLock`] (key, fencing token, loss signal) in the
+//! request extensions, and drops the inner service's future if the lock is lost mid-request.
+//! It releases the lock once the response is produced (or, optionally, once a streamed body
+//! ends). Requests it cannot serve get RFC 9457 `application/problem+json` responses with a
+//! stable error code:
+//!
+//! | situation | status | `code` |
+//! |---|---|---|
+//! | someone else holds the lock | 409 + `Retry-After` | `locking.busy` |
+//! | waited the whole timeout (wait mode) | 409 + `Retry-After` | `locking.timeout` |
+//! | lock backend down | 503 + `Retry-After` | `locking.unavailable` |
+//! | no key / invalid key | 400 | `locking.invalid_key` |
+//! | lock lost while handling | 503 | `locking.lost` |
+//! | misconfigured or failing backend | 500 | `locking.misconfigured`, `locking.backend` |
+//!
+//! A custom mapper ([`LockLayer::map_rejection`]) can replace these responses. The layer works
+//! with `tower::ServiceBuilder`, axum's `Router::route_layer` and any server built on
+//! `tower-service` (hyper-util, tonic, …). Keys never appear in responses or logs.
+//!
+//! For axum, `lockingkit-axum` adds an extractor and a route helper that builds keys from path
+//! parameters.
+
+#![deny(missing_docs)]
+#![warn(unreachable_pub)]
+
+mod lock;
+
+pub use lock::{
+    LockBody, LockKey, LockLayer, LockRejection, LockService, ProblemDetails, RejectionResponse,
+    RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
+    PROBLEM_JSON,
+};
+
+/// The error type of a [`LockBody`]: the inner body's error, or a [`lockingkit::LockError`]
+/// when the lock is lost while the body streams.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

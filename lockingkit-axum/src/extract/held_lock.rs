@@ -1,0 +1,81 @@
+//! `HeldLock`: the extractor for the lock held for the request.
+
+use std::convert::Infallible;
+use std::ops::Deref;
+
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use http::request::Parts;
+use lockingkit_tower::RequestLock;
+
+use super::rejection::MissingLock;
+
+/// Extractor for the lock a lock layer holds for this request: key, fencing token, loss signal.
+///
+/// The route must be behind a [`LockLayer`](lockingkit_tower::LockLayer), usually through
+/// [`lock_route`](crate::lock_route) on `Router::route_layer`; otherwise the extractor rejects
+/// with [`MissingLock`] (`500`). Extract `Option<HeldLock>` in handlers that run both with and
+/// without a lock.
+///
+/// If the lock is lost while the handler runs, the layer drops the handler's future and the
+/// client gets `503`; the handler does not need to watch for loss itself. Send
+/// [`fencing_token`](RequestLock::fencing_token) with every write to a resource that can
+/// reject stale tokens, and tie spawned work to [`lost_token`](RequestLock::lost_token) or
+/// [`run`](RequestLock::run).
+///
+/// ```
+/// use axum::{extract::Path, routing::post, Router};
+/// use lockingkit::DistributedLock;
+/// use lockingkit_axum::{lock_route, HeldLock};
+///
+/// async fn ship(Path(id): Path<u64>, lock: HeldLock) -> String {
+///     // `lock.key()` is "orders/{id}"; the token fences writes made under this lock.
+///     format!("shipped order {id} with fencing token {}", lock.fencing_token())
+/// }
+///
+/// let locks = DistributedLock::in_memory();
+/// let app: Router = Router::new()
+///     .route("/orders/{id}/ship", post(ship))
+///     .route_layer(lock_route(locks, "orders/{id}"));
+/// # let _ = app;
+/// ```
+#[derive(Clone, Debug)]
+pub struct HeldLock(pub RequestLock);
+
+impl HeldLock {
+    /// The request lock view, for storing or passing on.
+    pub fn into_inner(self) -> RequestLock {
+        self.0
+    }
+}
+
+impl Deref for HeldLock {
+    type Target = RequestLock;
+
+    fn deref(&self) -> &RequestLock {
+        &self.0
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HeldLock {
+    type Rejection = MissingLock;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<RequestLock>()
+            .cloned()
+            .map(HeldLock)
+            .ok_or(MissingLock)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLock {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<RequestLock>().cloned().map(HeldLock))
+    }
+}

@@ -1,0 +1,67 @@
+//! Rejections of the lock extractors.
+
+use std::fmt;
+
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, StatusCode};
+use lockingkit::ErrorKind;
+use lockingkit_tower::PROBLEM_JSON;
+
+/// Rejection of [`HeldLock`](crate::HeldLock) when the request carries no lock.
+///
+/// The route is not behind a lock layer — typically [`lock_route`](crate::lock_route) was
+/// added with `Router::layer` after the route instead of `Router::route_layer`, or not at all.
+/// That is a server bug, so the response is `500 Internal Server Error`, as an RFC 9457 problem
+/// document with code `locking.misconfigured`.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MissingLock;
+
+impl MissingLock {
+    /// The message of the rejection.
+    pub fn body_text(&self) -> &'static str {
+        "This route is not protected by a lock layer."
+    }
+
+    /// The status of the rejection: always `500 Internal Server Error`.
+    pub fn status(&self) -> StatusCode {
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+}
+
+impl IntoResponse for MissingLock {
+    fn into_response(self) -> Response {
+        tracing::error!(
+            code = ErrorKind::Misconfigured.code(),
+            "a handler asked for the request's lock, but the route has no lock layer"
+        );
+        let body = format!(
+            "{{\"type\":\"about:blank\",\"title\":\"Internal Server Error\",\"status\":500,\
+             \"detail\":\"{}\",\"code\":\"{}\"}}",
+            self.body_text(),
+            ErrorKind::Misconfigured.code()
+        );
+        let mut response = Response::new(axum::body::Body::from(Bytes::from(body)));
+        *response.status_mut() = self.status();
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        response
+    }
+}
+
+impl fmt::Debug for MissingLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MissingLock")
+    }
+}
+
+impl fmt::Display for MissingLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.body_text())
+    }
+}
+
+impl std::error::Error for MissingLock {}

@@ -1,0 +1,78 @@
+//! Route helpers: a lock per route, keyed by a template over the path parameters.
+
+use std::time::Duration;
+
+use axum::extract::FromRef;
+use lockingkit::DistributedLock;
+use lockingkit_tower::LockLayer;
+
+use crate::PathTemplate;
+
+/// A layer that locks `template` (e.g. `"orders/{id}"`) filled from the route's path
+/// parameters, for `Router::route_layer`.
+///
+/// One attempt per request: a busy lock is `409` with code `locking.busy`. The returned
+/// [`LockLayer`] can be configured further, e.g. [`wait`](LockLayer::wait),
+/// [`hold_until_body_ends`](LockLayer::hold_until_body_ends) or
+/// [`map_rejection`](LockLayer::map_rejection). See [`PathTemplate`] for the template syntax.
+///
+/// ```
+/// use axum::{extract::Path, routing::{get, post}, Router};
+/// use lockingkit::DistributedLock;
+/// use lockingkit_axum::{lock_route, HeldLock};
+///
+/// async fn pay(Path(id): Path<String>, lock: HeldLock) -> String {
+///     format!("paid {id} under token {}", lock.fencing_token())
+/// }
+///
+/// let locks = DistributedLock::in_memory();
+/// let app: Router = Router::new()
+///     // Only the routes above `route_layer` are locked …
+///     .route("/orders/{id}/pay", post(pay))
+///     .route_layer(lock_route(locks, "orders/{id}"))
+///     // … so reads stay lock-free.
+///     .route("/orders/{id}", get(|| async { "order" }));
+/// # let _ = app;
+/// ```
+pub fn lock_route(locks: DistributedLock, template: &str) -> LockLayer {
+    LockLayer::with_key(locks, PathTemplate::new(template))
+}
+
+/// Like [`lock_route`], but waits up to `timeout` for a busy lock; a wait that ends busy is
+/// `409` with code `locking.timeout`.
+pub fn lock_route_waiting(locks: DistributedLock, template: &str, timeout: Duration) -> LockLayer {
+    lock_route(locks, template).wait(timeout)
+}
+
+/// Like [`lock_route`], with the lock provider taken from the application state through
+/// [`FromRef`].
+///
+/// ```
+/// use axum::{extract::FromRef, routing::post, Router};
+/// use lockingkit::DistributedLock;
+/// use lockingkit_axum::lock_route_from_state;
+///
+/// #[derive(Clone)]
+/// struct AppState {
+///     locks: DistributedLock,
+/// }
+///
+/// impl FromRef<AppState> for DistributedLock {
+///     fn from_ref(state: &AppState) -> Self {
+///         state.locks.clone()
+///     }
+/// }
+///
+/// let state = AppState { locks: DistributedLock::in_memory() };
+/// let app: Router = Router::new()
+///     .route("/orders/{id}/ship", post(|| async { "shipped" }))
+///     .route_layer(lock_route_from_state(&state, "orders/{id}"))
+///     .with_state(state);
+/// # let _ = app;
+/// ```
+pub fn lock_route_from_state<S>(state: &S, template: &str) -> LockLayer
+where
+    DistributedLock: FromRef<S>,
+{
+    lock_route(DistributedLock::from_ref(state), template)
+}

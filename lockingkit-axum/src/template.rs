@@ -1,0 +1,235 @@
+//! `PathTemplate`: a lock key built from a route's path parameters.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use axum::extract::{FromRequestParts, RawPathParams};
+use http::request::Parts;
+use lockingkit_tower::LockKey;
+
+/// A lock key template over path parameters, such as `orders/{id}`.
+///
+/// `{name}` is replaced by the value of the route's path parameter `name`, percent-decoded as
+/// axum's `Path` extractor sees it, so `/orders/42` and `/orders/%34%32` lock the same key.
+/// `{*name}` also names the parameter of a wildcard route. Everything else is copied as is;
+/// `{{` and `}}` stand for literal braces. The template is matched against the parameters of
+/// the route that matched, so the layer must be added with `Router::route_layer`.
+///
+/// A request whose route lacks a parameter the template names yields no key (the layer answers
+/// `400`, or passes the request through if configured to), and a warning naming the missing
+/// parameter is logged once per request.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PathTemplate {
+    source: Box<str>,
+    pieces: Vec<Piece>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Piece {
+    Literal(String),
+    Param(String),
+}
+
+impl PathTemplate {
+    /// Parses `template`. Parsing cannot fail: an unmatched `{` or `}` is literal text.
+    pub fn new(template: &str) -> Self {
+        let mut pieces = Vec::new();
+        let mut literal = String::new();
+        let mut rest = template;
+        while let Some(c) = rest.chars().next() {
+            if let Some(after) = rest.strip_prefix("{{") {
+                literal.push('{');
+                rest = after;
+            } else if let Some(after) = rest.strip_prefix("}}") {
+                literal.push('}');
+                rest = after;
+            } else if let Some((name, after)) = rest
+                .strip_prefix('{')
+                .and_then(|open| open.split_once('}'))
+                .filter(|(name, _)| is_param_name(name))
+            {
+                if !literal.is_empty() {
+                    pieces.push(Piece::Literal(std::mem::take(&mut literal)));
+                }
+                let name = name.strip_prefix('*').unwrap_or(name);
+                pieces.push(Piece::Param(name.to_owned()));
+                rest = after;
+            } else {
+                literal.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+        if !literal.is_empty() {
+            pieces.push(Piece::Literal(literal));
+        }
+        PathTemplate {
+            source: template.into(),
+            pieces,
+        }
+    }
+
+    /// The template as written.
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    /// The parameter names the template uses, in order.
+    pub fn params(&self) -> impl Iterator<Item = &str> {
+        self.pieces.iter().filter_map(|piece| match piece {
+            Piece::Param(name) => Some(name.as_str()),
+            Piece::Literal(_) => None,
+        })
+    }
+
+    /// Fills the template from `param`, which looks a parameter up by name.
+    ///
+    /// Returns `Err` with the first parameter `param` does not know.
+    pub fn render<'a>(
+        &'a self,
+        mut param: impl FnMut(&str) -> Option<&'a str>,
+    ) -> Result<String, &'a str> {
+        let mut key = String::with_capacity(self.source.len() + 16);
+        for piece in &self.pieces {
+            match piece {
+                Piece::Literal(text) => key.push_str(text),
+                Piece::Param(name) => key.push_str(param(name).ok_or(name.as_str())?),
+            }
+        }
+        Ok(key)
+    }
+}
+
+/// A name axum would accept inside braces: non-empty, optionally starting with `*`, and free
+/// of braces and slashes.
+fn is_param_name(name: &str) -> bool {
+    let bare = name.strip_prefix('*').unwrap_or(name);
+    !bare.is_empty() && !bare.contains(['{', '}', '/', '*'])
+}
+
+impl LockKey for PathTemplate {
+    fn lock_key(&self, request: &mut Parts) -> Option<String> {
+        // `RawPathParams` extraction is synchronous inside its async signature (it only reads
+        // the request extensions), so one poll always completes it.
+        let extraction = pin!(<RawPathParams as FromRequestParts<()>>::from_request_parts(
+            request,
+            &(),
+        ));
+        let params = match extraction.poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(params)) => params,
+            Poll::Ready(Err(rejection)) => {
+                tracing::warn!(
+                    template = %self.source,
+                    error = %rejection.body_text(),
+                    "no path parameters for a lock route; was it added with Router::route_layer?"
+                );
+                return None;
+            }
+            Poll::Pending => return None,
+        };
+        let rendered = self.render(|name| {
+            params
+                .iter()
+                .find_map(|(param, value)| (param == name).then_some(value))
+        });
+        match rendered {
+            Ok(key) => Some(key),
+            Err(missing) => {
+                tracing::warn!(
+                    template = %self.source,
+                    param = missing,
+                    "the lock route template names a path parameter the route does not have"
+                );
+                None
+            }
+        }
+    }
+}
+
+impl fmt::Debug for PathTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PathTemplate").field(&self.source).finish()
+    }
+}
+
+impl fmt::Display for PathTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn render(template: &str, params: &[(&str, &str)]) -> Result<String, String> {
+        let template = PathTemplate::new(template);
+        template
+            .render(|name| {
+                params
+                    .iter()
+                    .find_map(|(param, value)| (*param == name).then_some(*value))
+            })
+            .map_err(str::to_owned)
+    }
+
+    #[test]
+    fn params_are_replaced_by_their_values() {
+        assert_eq!(render("orders/{id}", &[("id", "42")]).unwrap(), "orders/42");
+        assert_eq!(
+            render("t/{tenant}/o/{id}", &[("id", "7"), ("tenant", "acme")]).unwrap(),
+            "t/acme/o/7"
+        );
+        assert_eq!(
+            render("files/{*path}", &[("path", "a/b")]).unwrap(),
+            "files/a/b"
+        );
+        assert_eq!(render("{id}", &[("id", "x")]).unwrap(), "x");
+    }
+
+    #[test]
+    fn a_missing_param_is_named() {
+        assert_eq!(render("orders/{id}", &[("order", "1")]).unwrap_err(), "id");
+    }
+
+    #[test]
+    fn braces_that_are_not_params_stay_literal() {
+        assert_eq!(render("a{{b}}c", &[]).unwrap(), "a{b}c");
+        assert_eq!(render("open{", &[]).unwrap(), "open{");
+        assert_eq!(render("close}", &[]).unwrap(), "close}");
+        assert_eq!(render("empty{}", &[]).unwrap(), "empty{}");
+        assert_eq!(render("slash{a/b}", &[]).unwrap(), "slash{a/b}");
+        let template = PathTemplate::new("x/{a}/{*b}/{c}");
+        assert_eq!(template.params().collect::<Vec<_>>(), ["a", "b", "c"]);
+    }
+
+    proptest! {
+        #[test]
+        fn rendering_round_trips_any_values(
+            literals in proptest::collection::vec("[^{}]{0,8}", 1..5),
+            values in proptest::collection::vec("\\PC{0,12}", 4),
+        ) {
+            // Interleave literals with params p0, p1, …: the result must be the same
+            // interleaving with the values substituted verbatim.
+            let mut template = String::new();
+            let mut expected = String::new();
+            for (i, literal) in literals.iter().enumerate() {
+                template.push_str(literal);
+                expected.push_str(literal);
+                if i < values.len() {
+                    template.push_str(&format!("{{p{i}}}"));
+                    expected.push_str(&values[i]);
+                }
+            }
+            let names: Vec<String> = (0..values.len()).map(|i| format!("p{i}")).collect();
+            let params: Vec<(&str, &str)> = names
+                .iter()
+                .map(String::as_str)
+                .zip(values.iter().map(String::as_str))
+                .collect();
+            prop_assert_eq!(render(&template, &params).unwrap(), expected);
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! The axum integration over real HTTP on 127.0.0.1, with a real HTTP/1.1 client.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{FromRef, Path, Request};
+use axum::middleware::{self, Next};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use http::StatusCode;
+use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
+use lockingkit_axum::{
+    lock_route, lock_route_from_state, lock_route_waiting, HeldLock, LockRejection,
+};
+use tokio::sync::{mpsc, Barrier, Semaphore};
+
+use support::{get as http_get, post as http_post, serve, Reply};
+
+/// A bound on how long a test may hang if the code under test deadlocks; never a way to wait
+/// for something to happen.
+const HANG_GUARD: Duration = Duration::from_secs(20);
+
+async fn guarded<F: std::future::Future>(future: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, future)
+        .await
+        .expect("the test hung")
+}
+
+/// Sends a drop notice when the handler's future is dropped.
+struct DropSignal(mpsc::UnboundedSender<&'static str>);
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        let _ = self.0.send("dropped");
+    }
+}
+
+fn token_in(reply: &Reply) -> u64 {
+    reply
+        .text()
+        .rsplit(' ')
+        .next()
+        .and_then(|token| token.parse().ok())
+        .unwrap_or_else(|| panic!("no token in {reply:?}"))
+}
+
+async fn show_lock(lock: HeldLock) -> String {
+    format!("{} {}", lock.key(), lock.fencing_token())
+}
+
+#[tokio::test]
+async fn concurrent_requests_for_one_key_get_one_200_and_409_busy_for_the_rest() {
+    let locks = DistributedLock::in_memory();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let open = Arc::new(Semaphore::new(0));
+    let handler = {
+        let open = open.clone();
+        move |lock: HeldLock| async move {
+            let _ = entered_tx.send(lock.fencing_token());
+            let _permit = open.acquire().await;
+            format!("shipped {}", lock.fencing_token())
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(handler))
+        .route_layer(lock_route(locks.clone(), "orders/{id}"));
+    let addr = serve(app).await;
+
+    const CLIENTS: usize = 5;
+    let (replies_tx, mut replies) = mpsc::unbounded_channel();
+    for _ in 0..CLIENTS {
+        let replies_tx = replies_tx.clone();
+        tokio::spawn(async move {
+            let _ = replies_tx.send(http_post(addr, "/orders/7/ship").await);
+        });
+    }
+
+    // While the one holder is parked in its handler, every other request is refused.
+    let holder_token = guarded(entered.recv()).await.expect("a handler ran");
+    for _ in 1..CLIENTS {
+        let reply = guarded(replies.recv()).await.expect("a reply");
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+        let problem = reply.problem();
+        assert_eq!(problem["code"], "locking.busy");
+        assert_eq!(problem["title"], "Conflict");
+        assert!(
+            !reply.text().contains("orders/7"),
+            "the key leaked: {reply:?}"
+        );
+        assert_eq!(reply.retry_after().as_deref(), Some("1"));
+    }
+    open.add_permits(1);
+    let reply = guarded(replies.recv()).await.expect("the holder's reply");
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(token_in(&reply), holder_token);
+    assert!(
+        entered.try_recv().is_err(),
+        "exactly one handler may run for the key"
+    );
+}
+
+#[tokio::test]
+async fn requests_for_different_keys_run_in_parallel() {
+    let locks = DistributedLock::in_memory();
+    // Both handlers must be inside at the same time to pass the barrier.
+    let barrier = Arc::new(Barrier::new(2));
+    let handler = move |lock: HeldLock| {
+        let barrier = barrier.clone();
+        async move {
+            barrier.wait().await;
+            show_lock(lock).await
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(handler))
+        .route_layer(lock_route(locks, "orders/{id}"));
+    let addr = serve(app).await;
+
+    let (one, two) = guarded(async {
+        tokio::join!(
+            http_post(addr, "/orders/1/ship"),
+            http_post(addr, "/orders/2/ship")
+        )
+    })
+    .await;
+    assert_eq!(one.status, StatusCode::OK, "{one:?}");
+    assert_eq!(two.status, StatusCode::OK, "{two:?}");
+    assert!(one.text().starts_with("orders/1 "));
+    assert!(two.text().starts_with("orders/2 "));
+}
+
+#[tokio::test]
+async fn wait_mode_serves_the_second_request_after_the_first() {
+    let locks = DistributedLock::in_memory();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<()>();
+    let open = Arc::new(Semaphore::new(0));
+    let handler = {
+        let open = open.clone();
+        move |lock: HeldLock| async move {
+            let _ = entered_tx.send(lock.fencing_token());
+            let _permit = open.acquire().await;
+            open.add_permits(1);
+            format!("shipped {}", lock.fencing_token())
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(handler))
+        .route_layer(lock_route_waiting(
+            locks,
+            "orders/{id}",
+            Duration::from_secs(10),
+        ))
+        // Outside the lock layer: tells the test a request has reached it. On this
+        // current-thread runtime the request then polls its acquisition before the test runs.
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            let _ = arrived_tx.send(());
+            next.run(request)
+        }));
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(http_post(addr, "/orders/3/ship"));
+    guarded(arrived.recv()).await;
+    let first_token = guarded(entered.recv()).await.expect("first handler");
+    let second = tokio::spawn(http_post(addr, "/orders/3/ship"));
+    guarded(arrived.recv()).await;
+    assert!(
+        entered.try_recv().is_err(),
+        "the second request must wait while the first holds the lock"
+    );
+
+    open.add_permits(1);
+    let first = guarded(first).await.expect("first request");
+    let second = guarded(second).await.expect("second request");
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    assert_eq!(second.status, StatusCode::OK, "{second:?}");
+    let second_token = guarded(entered.recv()).await.expect("second handler");
+    assert!(second_token > first_token);
+    assert_eq!(token_in(&second), second_token);
+}
+
+#[tokio::test]
+async fn wait_mode_times_out_with_409_timeout() {
+    let locks = DistributedLock::in_memory();
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(lock_route_waiting(
+            locks.clone(),
+            "orders/{id}",
+            Duration::from_millis(100),
+        ));
+    let addr = serve(app).await;
+    let held = locks
+        .try_acquire("orders/4")
+        .await
+        .expect("test holds the key");
+
+    let reply = guarded(http_post(addr, "/orders/4/ship")).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
+    assert_eq!(reply.code(), "locking.timeout");
+    assert_eq!(reply.retry_after().as_deref(), Some("1"));
+    held.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn losing_the_lock_mid_handler_stops_the_handler_and_answers_503() {
+    let store = MemoryStore::new();
+    // A short lease makes renewals (every 100 ms) notice the broken lease quickly.
+    let locks = DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_millis(300),
+    ))
+    .build()
+    .expect("lock provider");
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let finished = Arc::new(AtomicBool::new(false));
+    let slow = {
+        let finished = finished.clone();
+        move |_lock: HeldLock| async move {
+            let _signal = DropSignal(events_tx.clone());
+            let _ = events_tx.send("entered");
+            std::future::pending::<()>().await;
+            finished.store(true, Ordering::SeqCst);
+            "finished"
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{id}/slow-ship", post(slow))
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(lock_route(locks.clone(), "orders/{id}"));
+    let addr = serve(app).await;
+
+    let request = tokio::spawn(http_post(addr, "/orders/9/slow-ship"));
+    assert_eq!(guarded(events.recv()).await, Some("entered"));
+    assert!(store.break_lease("orders/9"), "the handler holds a lease");
+
+    let reply = guarded(request).await.expect("reply");
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    assert_eq!(reply.code(), "locking.lost");
+    assert_eq!(guarded(events.recv()).await, Some("dropped"));
+    assert!(!finished.load(Ordering::SeqCst));
+
+    let next = guarded(http_post(addr, "/orders/9/ship")).await;
+    assert_eq!(next.status, StatusCode::OK, "{next:?}");
+}
+
+#[tokio::test]
+async fn invalid_or_missing_keys_are_400() {
+    let locks = DistributedLock::in_memory();
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(lock_route(locks.clone(), "orders/{id}"))
+        .route("/carts/{cart}/pay", post(show_lock))
+        .route_layer(lock_route(locks, "carts/{cart_id}"));
+    let addr = serve(app).await;
+
+    let too_long = "x".repeat(600);
+    let reply = guarded(http_post(addr, &format!("/orders/{too_long}/ship"))).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
+    assert_eq!(reply.code(), "locking.invalid_key");
+    assert!(reply.retry_after().is_none());
+    assert!(!reply.text().contains(&too_long));
+
+    // The template names a parameter the route does not have.
+    let reply = guarded(http_post(addr, "/carts/5/pay")).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
+    assert_eq!(reply.code(), "locking.invalid_key");
+}
+
+#[tokio::test]
+async fn an_unavailable_backend_is_503_with_retry_after() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(lock_route(locks, "orders/{id}"));
+    let addr = serve(app).await;
+
+    store.set_unavailable(true);
+    let reply = guarded(http_post(addr, "/orders/1/ship")).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    assert_eq!(reply.code(), "locking.unavailable");
+    assert_eq!(reply.retry_after().as_deref(), Some("5"));
+
+    store.set_unavailable(false);
+    let reply = guarded(http_post(addr, "/orders/1/ship")).await;
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+}
+
+#[tokio::test]
+async fn a_custom_rejection_mapper_replaces_the_problem_documents() {
+    let locks = DistributedLock::in_memory();
+    let layer =
+        lock_route(locks.clone(), "orders/{id}").map_rejection(|rejection: LockRejection| {
+            match rejection.kind() {
+                ErrorKind::Busy => {
+                    (StatusCode::LOCKED, format!("custom {}", rejection.code())).into_response()
+                }
+                _ => rejection.problem_response(),
+            }
+        });
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(layer);
+    let addr = serve(app).await;
+    let held = locks
+        .try_acquire("orders/5")
+        .await
+        .expect("test holds the key");
+
+    let reply = guarded(http_post(addr, "/orders/5/ship")).await;
+    assert_eq!(reply.status, StatusCode::LOCKED, "{reply:?}");
+    assert_eq!(reply.text(), "custom locking.busy");
+
+    // Cases the mapper passes on keep the default problem document.
+    let reply = guarded(http_post(
+        addr,
+        &format!("/orders/{}/ship", "y".repeat(513)),
+    ))
+    .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.code(), "locking.invalid_key");
+    held.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn the_handler_sees_the_key_and_a_growing_fencing_token() {
+    let locks = DistributedLock::in_memory();
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(lock_route(locks.clone(), "orders/{id}"));
+    let addr = serve(app).await;
+
+    let first = guarded(http_post(addr, "/orders/42/ship")).await;
+    // Percent-encoded path parameters lock the same key as their decoded form.
+    let second = guarded(http_post(addr, "/orders/%34%32/ship")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert!(first.text().starts_with("orders/42 "), "{first:?}");
+    assert!(second.text().starts_with("orders/42 "), "{second:?}");
+    assert!(token_in(&second) > token_in(&first));
+
+    let direct = locks.try_acquire("orders/42").await.expect("free");
+    assert!(direct.fencing_token() > token_in(&second));
+}
+
+#[tokio::test]
+async fn the_lock_is_free_as_soon_as_the_response_is_sent() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(show_lock))
+        .route_layer(lock_route(locks.clone(), "orders/{id}"));
+    let addr = serve(app).await;
+
+    for _ in 0..10 {
+        let reply = guarded(http_post(addr, "/orders/8/ship")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        // The layer waited for the release to be confirmed before sending the response.
+        assert!(!store.is_locked("orders/8"));
+        let handle = locks.try_acquire("orders/8").await.expect("free at once");
+        handle.release().await.expect("release");
+    }
+}
+
+#[tokio::test]
+async fn held_lock_on_a_route_without_a_lock_layer_is_a_500_problem() {
+    let app = Router::new().route("/unlocked", post(show_lock)).route(
+        "/maybe",
+        get(|lock: Option<HeldLock>| async move {
+            if lock.is_some() {
+                "locked"
+            } else {
+                "unlocked"
+            }
+        }),
+    );
+    let addr = serve(app).await;
+
+    let reply = guarded(http_post(addr, "/unlocked")).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
+    assert_eq!(reply.code(), "locking.misconfigured");
+    let reply = guarded(http_get(addr, "/maybe")).await;
+    assert_eq!(reply.text(), "unlocked");
+}
+
+#[derive(Clone)]
+struct AppState {
+    locks: DistributedLock,
+}
+
+impl FromRef<AppState> for DistributedLock {
+    fn from_ref(state: &AppState) -> Self {
+        state.locks.clone()
+    }
+}
+
+#[tokio::test]
+async fn the_route_helper_takes_the_lock_provider_from_app_state() {
+    let state = AppState {
+        locks: DistributedLock::in_memory(),
+    };
+    let app = Router::new()
+        .route(
+            "/orders/{id}/ship",
+            post(|Path(id): Path<u32>, lock: HeldLock| async move {
+                format!("{id} {}", lock.fencing_token())
+            }),
+        )
+        .route_layer(lock_route_from_state(&state, "orders/{id}"))
+        .with_state(state.clone());
+    let addr = serve(app).await;
+
+    let held = state.locks.try_acquire("orders/6").await.expect("held");
+    let reply = guarded(http_post(addr, "/orders/6/ship")).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT);
+    assert_eq!(reply.code(), "locking.busy");
+    held.release().await.expect("release");
+    let reply = guarded(http_post(addr, "/orders/6/ship")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(reply.text().starts_with("6 "));
+}

@@ -1,0 +1,285 @@
+//! Why a request was refused, and its RFC 9457 problem document.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderValue, Response, StatusCode};
+use lockingkit::{ErrorKind, LockError};
+
+/// The media type of a problem document (RFC 9457).
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Why a [`LockLayer`](crate::LockLayer) refused or stopped a request.
+///
+/// The layer turns a rejection into a response through its rejection mapper; by default that
+/// is [`ProblemDetails`](crate::ProblemDetails), which sends [`problem_response`](Self::problem_response):
+///
+/// | kind | status | `Retry-After` |
+/// |---|---|---|
+/// | `Busy`, `Timeout` | 409 Conflict | yes |
+/// | `Unavailable` | 503 Service Unavailable | yes |
+/// | `InvalidKey` (also: no key derivable) | 400 Bad Request | no |
+/// | `Lost` mid-request | 503 Service Unavailable | no |
+/// | `Misconfigured`, `Backend` | 500 Internal Server Error | no |
+///
+/// A rejection never carries the lock key, so it is safe to log and to show to clients.
+pub struct LockRejection {
+    cause: Cause,
+    retry_after: Option<Duration>,
+}
+
+enum Cause {
+    NoKey,
+    Acquire(LockError),
+    Lost(LockError),
+}
+
+impl LockRejection {
+    pub(crate) fn no_key() -> Self {
+        LockRejection {
+            cause: Cause::NoKey,
+            retry_after: None,
+        }
+    }
+
+    pub(crate) fn acquire(error: LockError, busy_retry: Duration, down_retry: Duration) -> Self {
+        let retry_after = match error.kind() {
+            ErrorKind::Busy | ErrorKind::Timeout => Some(busy_retry),
+            ErrorKind::Unavailable => Some(down_retry),
+            _ => None,
+        };
+        LockRejection {
+            cause: Cause::Acquire(error),
+            retry_after,
+        }
+    }
+
+    pub(crate) fn lost(error: LockError) -> Self {
+        LockRejection {
+            cause: Cause::Lost(error),
+            retry_after: None,
+        }
+    }
+
+    /// The kind of failure; [`ErrorKind::InvalidKey`] when no key could be derived.
+    pub fn kind(&self) -> ErrorKind {
+        match &self.cause {
+            Cause::NoKey => ErrorKind::InvalidKey,
+            Cause::Acquire(error) | Cause::Lost(error) => error.kind(),
+        }
+    }
+
+    /// The stable error code, such as `locking.busy`.
+    pub fn code(&self) -> &'static str {
+        self.kind().code()
+    }
+
+    /// Whether the lock was lost while the inner service was handling the request.
+    ///
+    /// The inner service's future was dropped at its current `.await` point.
+    pub fn is_lost_mid_request(&self) -> bool {
+        matches!(self.cause, Cause::Lost(_))
+    }
+
+    /// Whether no key could be derived from the request (as opposed to a derived key that the
+    /// lock refused as invalid).
+    pub fn is_missing_key(&self) -> bool {
+        matches!(self.cause, Cause::NoKey)
+    }
+
+    /// The lock error behind the rejection, if there is one.
+    pub fn error(&self) -> Option<&LockError> {
+        match &self.cause {
+            Cause::NoKey => None,
+            Cause::Acquire(error) | Cause::Lost(error) => Some(error),
+        }
+    }
+
+    /// How long the client should wait before retrying, for contention and outages.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The HTTP status of the default response.
+    pub fn status(&self) -> StatusCode {
+        match self.kind() {
+            ErrorKind::Busy | ErrorKind::Timeout => StatusCode::CONFLICT,
+            ErrorKind::Unavailable | ErrorKind::Lost => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::InvalidKey => StatusCode::BAD_REQUEST,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A sentence for the client. It names neither the key nor backend internals.
+    pub fn detail(&self) -> &'static str {
+        match (&self.cause, self.kind()) {
+            (Cause::NoKey, _) => "No lock key could be derived from the request.",
+            (_, ErrorKind::Busy) => "The resource is locked by another request. Retry later.",
+            (_, ErrorKind::Timeout) => {
+                "The resource stayed locked by another request for the whole wait. Retry later."
+            }
+            (_, ErrorKind::Unavailable) => "The lock service is unavailable. Retry later.",
+            (_, ErrorKind::Lost) => {
+                "The lock protecting this request was lost before the request finished; \
+                 processing was stopped."
+            }
+            (_, ErrorKind::InvalidKey) => "The lock key derived from the request is not valid.",
+            _ => "The lock service failed.",
+        }
+    }
+
+    /// The RFC 9457 problem document: `type`, `title`, `status`, `detail` and `code`.
+    ///
+    /// `type` is `about:blank`, so `title` is the status's reason phrase; clients tell the
+    /// cases apart by the `code` extension member.
+    pub fn problem_json(&self) -> Bytes {
+        let status = self.status();
+        let mut json = String::with_capacity(192);
+        json.push_str("{\"type\":\"about:blank\",\"title\":");
+        push_json_string(&mut json, status.canonical_reason().unwrap_or("Error"));
+        json.push_str(",\"status\":");
+        json.push_str(status.as_str());
+        json.push_str(",\"detail\":");
+        push_json_string(&mut json, self.detail());
+        json.push_str(",\"code\":");
+        push_json_string(&mut json, self.code());
+        json.push('}');
+        Bytes::from(json)
+    }
+
+    /// The default response: the status, `Content-Type: application/problem+json`,
+    /// `Retry-After` in whole seconds where it applies, and the [problem document](Self::problem_json).
+    ///
+    /// Any body type that can be made from [`Bytes`] works, so a custom mapper can fall back to
+    /// it for the cases it does not handle itself.
+    pub fn problem_response<B: From<Bytes>>(&self) -> Response<B> {
+        let mut response = Response::new(B::from(self.problem_json()));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(after) = self.retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_seconds(after)));
+        }
+        response
+    }
+}
+
+/// `Retry-After` takes whole seconds; rounding up keeps clients from retrying too early, and a
+/// zero would invite a retry storm.
+fn retry_after_seconds(after: Duration) -> u64 {
+    let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    seconds.max(1)
+}
+
+fn push_json_string(out: &mut String, value: &str) {
+    out.push('"');
+    for c in value.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+impl fmt::Debug for LockRejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockRejection")
+            .field("code", &self.code())
+            .field("status", &self.status().as_u16())
+            .field("lost_mid_request", &self.is_lost_mid_request())
+            .field("retry_after", &self.retry_after)
+            .finish()
+    }
+}
+
+impl fmt::Display for LockRejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code(), self.detail())
+    }
+}
+
+impl std::error::Error for LockRejection {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error()
+            .map(|error| error as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rejection(kind: ErrorKind) -> LockRejection {
+        LockRejection::acquire(
+            LockError::new(kind, "test"),
+            Duration::from_millis(1500),
+            Duration::from_secs(5),
+        )
+    }
+
+    #[test]
+    fn statuses_follow_the_spec_table() {
+        assert_eq!(rejection(ErrorKind::Busy).status(), StatusCode::CONFLICT);
+        assert_eq!(rejection(ErrorKind::Timeout).status(), StatusCode::CONFLICT);
+        assert_eq!(
+            rejection(ErrorKind::Unavailable).status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            rejection(ErrorKind::InvalidKey).status(),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            rejection(ErrorKind::Misconfigured).status(),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        assert_eq!(
+            rejection(ErrorKind::Backend).status(),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        let lost = LockRejection::lost(LockError::new(ErrorKind::Lost, "gone"));
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(lost.retry_after().is_none());
+        assert_eq!(LockRejection::no_key().status(), StatusCode::BAD_REQUEST);
+        assert_eq!(LockRejection::no_key().code(), "locking.invalid_key");
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds_and_is_never_zero() {
+        let busy = rejection(ErrorKind::Busy).problem_response::<Bytes>();
+        assert_eq!(busy.headers()[RETRY_AFTER], "2");
+        let down = rejection(ErrorKind::Unavailable).problem_response::<Bytes>();
+        assert_eq!(down.headers()[RETRY_AFTER], "5");
+        assert_eq!(retry_after_seconds(Duration::ZERO), 1);
+        let backend = rejection(ErrorKind::Backend).problem_response::<Bytes>();
+        assert!(backend.headers().get(RETRY_AFTER).is_none());
+    }
+
+    #[test]
+    fn problem_document_is_json_with_the_code() {
+        let response = rejection(ErrorKind::Busy).problem_response::<Bytes>();
+        assert_eq!(response.headers()[CONTENT_TYPE], PROBLEM_JSON);
+        let doc: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+        assert_eq!(doc["type"], "about:blank");
+        assert_eq!(doc["title"], "Conflict");
+        assert_eq!(doc["status"], 409);
+        assert_eq!(doc["code"], "locking.busy");
+        assert!(doc["detail"].as_str().unwrap().contains("locked"));
+    }
+
+    #[test]
+    fn json_strings_are_escaped() {
+        let mut out = String::new();
+        push_json_string(&mut out, "a\"b\\c\n\u{1}é");
+        let back: String = serde_json::from_str(&out).unwrap();
+        assert_eq!(back, "a\"b\\c\n\u{1}é");
+    }
+}

@@ -1,0 +1,230 @@
+//! `LockLayer` behind hyper's own server (no framework) over real HTTP on 127.0.0.1.
+
+mod support;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
+use lockingkit_tower::{LockLayer, RequestLock};
+use tokio::sync::mpsc;
+use tower::{service_fn, ServiceBuilder};
+
+use support::{send, serve, ChannelBody};
+
+const HANG_GUARD: Duration = Duration::from_secs(20);
+
+async fn guarded<F: std::future::Future>(future: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, future)
+        .await
+        .expect("the test hung")
+}
+
+fn path_key(parts: &Parts) -> Option<String> {
+    Some(parts.uri.path().trim_start_matches('/').to_owned())
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn text(body: impl Into<Bytes>) -> Response<Body> {
+    Response::new(Full::new(body.into()).boxed())
+}
+
+/// A handler that streams a body fed by the test, handing the test its sender.
+fn streaming_handler(
+    senders: mpsc::UnboundedSender<mpsc::UnboundedSender<Bytes>>,
+) -> impl tower::Service<
+    Request<Incoming>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone {
+    service_fn(move |_request: Request<Incoming>| {
+        let senders = senders.clone();
+        async move {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let _ = senders.send(tx);
+            Ok::<_, Infallible>(Response::new(ChannelBody(rx).boxed()))
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_plain_hyper_server_serves_the_locked_service() {
+    let locks = DistributedLock::in_memory();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), path_key))
+        .service(service_fn(|request: Request<Incoming>| async move {
+            let lock = request.extensions().get::<RequestLock>().cloned();
+            let token = lock.map_or(0, |lock| lock.fencing_token());
+            Ok::<_, Infallible>(text(format!("token {token}")))
+        }));
+    let addr = serve(service).await;
+
+    let response = guarded(send(addr, Method::POST, "/orders/1")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    assert_eq!(&body[..], b"token 1");
+
+    let held = locks.try_acquire("orders/1").await.expect("free");
+    let response = guarded(send(addr, Method::POST, "/orders/1")).await;
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(problem["code"], "locking.busy");
+    held.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn by_default_the_lock_is_released_before_a_streamed_body_starts() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let (senders_tx, mut senders) = mpsc::unbounded_channel();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), path_key))
+        .service(streaming_handler(senders_tx));
+    let addr = serve(service).await;
+
+    let response = guarded(send(addr, Method::GET, "/reports/1")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body_tx = guarded(senders.recv()).await.expect("handler ran");
+    assert!(!store.is_locked("reports/1"), "released with the head");
+    drop(body_tx);
+    guarded(response.into_body().collect()).await.expect("body");
+}
+
+#[tokio::test]
+async fn hold_until_body_ends_keeps_the_lock_until_the_last_frame() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let (senders_tx, mut senders) = mpsc::unbounded_channel();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), path_key).hold_until_body_ends())
+        .service(streaming_handler(senders_tx));
+    let addr = serve(service).await;
+
+    let response = guarded(send(addr, Method::GET, "/reports/2")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body_tx = guarded(senders.recv()).await.expect("handler ran");
+    let mut body = response.into_body();
+
+    body_tx.send(Bytes::from_static(b"part 1")).expect("send");
+    let frame = guarded(body.frame()).await.expect("frame").expect("data");
+    assert_eq!(frame.into_data().expect("data"), "part 1");
+    let busy = locks
+        .try_acquire("reports/2")
+        .await
+        .expect_err("held while streaming");
+    assert_eq!(busy.kind(), ErrorKind::Busy);
+
+    drop(body_tx);
+    guarded(body.collect()).await.expect("rest of the body");
+    // The layer released before it reported the end of the body.
+    assert!(!store.is_locked("reports/2"));
+    locks
+        .try_acquire("reports/2")
+        .await
+        .expect("free after the body");
+}
+
+#[tokio::test]
+async fn losing_the_lock_while_streaming_breaks_the_body() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_millis(300),
+    ))
+    .build()
+    .expect("lock provider");
+    let (senders_tx, mut senders) = mpsc::unbounded_channel();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), path_key).hold_until_body_ends())
+        .service(streaming_handler(senders_tx));
+    let addr = serve(service).await;
+
+    let response = guarded(send(addr, Method::GET, "/reports/3")).await;
+    let body_tx = guarded(senders.recv()).await.expect("handler ran");
+    let mut body = response.into_body();
+    body_tx.send(Bytes::from_static(b"part 1")).expect("send");
+    guarded(body.frame()).await.expect("frame").expect("data");
+
+    assert!(store.break_lease("reports/3"));
+    // The server stops streaming: it drops the inner body …
+    guarded(body_tx.closed()).await;
+    // … and the client sees a broken response, not a complete-looking one.
+    let rest = guarded(body.collect()).await;
+    assert!(rest.is_err(), "the body must fail, got {rest:?}");
+    locks
+        .try_acquire("reports/3")
+        .await
+        .expect("the key is usable again");
+}
+
+#[tokio::test]
+async fn requests_without_a_key_are_400_unless_passed_through() {
+    let locks = DistributedLock::in_memory();
+    let writes_only = |parts: &Parts| {
+        (parts.method == Method::POST)
+            .then(|| path_key(parts))
+            .flatten()
+    };
+    let handler = service_fn(|request: Request<Incoming>| async move {
+        let locked = request.extensions().get::<RequestLock>().is_some();
+        Ok::<_, Infallible>(text(if locked { "locked" } else { "unlocked" }))
+    });
+    let strict = serve(
+        ServiceBuilder::new()
+            .layer(LockLayer::new(locks.clone(), writes_only))
+            .service(handler),
+    )
+    .await;
+    let lenient = serve(
+        ServiceBuilder::new()
+            .layer(LockLayer::new(locks, writes_only).pass_through_without_key())
+            .service(handler),
+    )
+    .await;
+
+    let response = guarded(send(strict, Method::GET, "/orders/1")).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(problem["code"], "locking.invalid_key");
+
+    for (method, expected) in [(Method::GET, "unlocked"), (Method::POST, "locked")] {
+        let response = guarded(send(lenient, method, "/orders/1")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(&body[..], expected.as_bytes());
+    }
+}

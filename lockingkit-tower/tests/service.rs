@@ -1,0 +1,210 @@
+//! `LockService` as a plain tower service: ordering of release and response, readiness,
+//! cancellation and the request's lock view.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use lockingkit::{
+    BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, MemoryBackend, MemoryStore,
+};
+use lockingkit_tower::{LockLayer, RequestLock};
+use tokio::sync::{mpsc, Semaphore};
+use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
+
+const HANG_GUARD: Duration = Duration::from_secs(20);
+
+async fn guarded<F: Future>(future: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, future)
+        .await
+        .expect("the test hung")
+}
+
+fn path_key(parts: &Parts) -> Option<String> {
+    Some(parts.uri.path().trim_start_matches('/').to_owned())
+}
+
+fn request(path: &str) -> Request<()> {
+    Request::builder().uri(path).body(()).expect("request")
+}
+
+fn empty() -> Response<Full<Bytes>> {
+    Response::new(Full::new(Bytes::new()))
+}
+
+/// The in-memory backend, with releases that report when they start and then wait for the
+/// test to let them through.
+struct GatedRelease {
+    inner: MemoryBackend,
+    started: mpsc::UnboundedSender<()>,
+    gate: Arc<Semaphore>,
+}
+
+impl LockBackend for GatedRelease {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+
+    fn provider(&self) -> &str {
+        "gated_in_memory"
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+
+    fn try_acquire(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<lockingkit::Acquired<Self::Lease>>, BackendError>> + Send
+    {
+        self.inner.try_acquire(key)
+    }
+
+    fn renew(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), BackendError>> + Send {
+        self.inner.renew(lease)
+    }
+
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        let _ = self.started.send(());
+        let _permit = self.gate.acquire().await;
+        self.inner.release(lease).await
+    }
+}
+
+#[tokio::test]
+async fn the_response_is_held_back_until_the_release_is_confirmed() {
+    let store = MemoryStore::new();
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let gate = Arc::new(Semaphore::new(0));
+    let locks = DistributedLock::builder(GatedRelease {
+        inner: MemoryBackend::new(store.clone()),
+        started: started_tx,
+        gate: gate.clone(),
+    })
+    .build()
+    .expect("lock provider");
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locks, path_key))
+        .service(service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(empty())
+        }));
+
+    let call = tokio::spawn(service.oneshot(request("/orders/1")));
+    guarded(started.recv()).await;
+    // The handler is done and the release is at the backend: the response must wait for it.
+    assert!(!call.is_finished());
+    assert!(store.is_locked("orders/1"));
+
+    gate.add_permits(1);
+    let response = guarded(call).await.expect("task").expect("response");
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(!store.is_locked("orders/1"));
+}
+
+#[derive(Clone)]
+struct Readiness(Arc<AtomicBool>);
+
+impl Service<Request<()>> for Readiness {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        if self.0.load(Ordering::SeqCst) {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    }
+
+    fn call(&mut self, _request: Request<()>) -> Self::Future {
+        std::future::ready(Ok(empty()))
+    }
+}
+
+#[tokio::test]
+async fn poll_ready_reports_the_inner_services_readiness() {
+    let ready = Arc::new(AtomicBool::new(false));
+    let mut service =
+        LockLayer::new(DistributedLock::in_memory(), path_key).layer(Readiness(ready.clone()));
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(service.poll_ready(&mut cx).is_pending());
+    ready.store(true, Ordering::SeqCst);
+    assert!(matches!(service.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+    let response = guarded(service.call(request("/orders/1")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn dropping_the_response_future_releases_the_lock() {
+    let locks = DistributedLock::in_memory();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), path_key))
+        .service(service_fn(move |_: Request<()>| {
+            let _ = entered_tx.send(());
+            async { std::future::pending::<Result<Response<Full<Bytes>>, Infallible>>().await }
+        }));
+
+    let call = tokio::spawn(service.oneshot(request("/orders/2")));
+    guarded(entered.recv()).await;
+    call.abort();
+    assert!(guarded(call).await.is_err(), "the call was cancelled");
+    // The dropped handle releases in the background and wakes this local waiter.
+    let handle = guarded(locks.acquire("orders/2", HANG_GUARD))
+        .await
+        .expect("released after the client went away");
+    handle.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn work_tied_to_the_request_lock_stops_when_the_layer_releases_it() {
+    let (outcome_tx, mut outcome) = mpsc::unbounded_channel();
+    let (view_tx, mut view) = mpsc::unbounded_channel();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(DistributedLock::in_memory(), path_key))
+        .service(service_fn(move |request: Request<()>| {
+            let lock = request.extensions().get::<RequestLock>().cloned();
+            let outcome_tx = outcome_tx.clone();
+            let _ = view_tx.send(lock.clone());
+            async move {
+                if let Some(lock) = lock {
+                    lock.ensure_held().expect("held inside the handler");
+                    tokio::spawn(async move {
+                        let result = lock.run(std::future::pending::<()>()).await;
+                        let _ = outcome_tx.send(result.map_err(|error| error.kind()));
+                    });
+                }
+                Ok::<_, Infallible>(empty())
+            }
+        }));
+
+    let response = guarded(service.oneshot(request("/orders/secret-customer-7")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        guarded(outcome.recv()).await,
+        Some(Err(ErrorKind::Lost)),
+        "spawned work stops once the request's lock is released"
+    );
+    let lock = view
+        .recv()
+        .await
+        .flatten()
+        .expect("the handler saw the lock");
+    assert!(!lock.is_held());
+    assert_eq!(lock.key(), "orders/secret-customer-7");
+    assert!(
+        !format!("{lock:?}").contains("secret"),
+        "Debug must not show the key"
+    );
+}

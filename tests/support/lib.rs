@@ -1,2 +1,5 @@
 //! Test fixtures shared by the integration suites: real backends started on loopback.
 #![allow(missing_docs)]
+
+pub mod bench_postgres;
+pub mod postgres;

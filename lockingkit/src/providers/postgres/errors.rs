@@ -21,6 +21,9 @@ pub(super) enum Stage {
     Attempt,
     /// A statement on a connection that holds a lock.
     Held,
+    /// The unlock. A failure other than a closed session leaves the release unconfirmed (the
+    /// connection is closed, which frees the lock), not the lock lost.
+    Release,
 }
 
 /// A failure to get a connection from the pool.
@@ -45,7 +48,7 @@ pub(super) fn timed_out(stage: Stage, timeout: Duration) -> BackendError {
     let message = format!("PostgreSQL did not answer within {timeout:?}");
     match stage {
         Stage::Held => BackendError::lease_gone(message),
-        Stage::Connect | Stage::Attempt => BackendError::unreachable(message),
+        Stage::Connect | Stage::Attempt | Stage::Release => BackendError::unreachable(message),
     }
 }
 
@@ -60,7 +63,7 @@ pub(super) fn is_missing_object(error: &tokio_postgres::Error) -> bool {
 /// Classifies a tokio-postgres error raised at `stage`.
 pub(super) fn query_error(error: tokio_postgres::Error, stage: Stage) -> BackendError {
     let gone = |message: String| match stage {
-        Stage::Held => BackendError::lease_gone(message),
+        Stage::Held | Stage::Release => BackendError::lease_gone(message),
         Stage::Connect | Stage::Attempt => BackendError::unreachable(message),
     };
     if let Some(code) = error.code() {
@@ -92,6 +95,9 @@ pub(super) fn query_error(error: tokio_postgres::Error, stage: Stage) -> Backend
             )),
             _ if stage == Stage::Held => BackendError::lease_gone(format!(
                 "a statement on the lock's connection failed (SQLSTATE {sqlstate})"
+            )),
+            _ if stage == Stage::Release => BackendError::transient(format!(
+                "the unlock failed (SQLSTATE {sqlstate}); the connection was closed instead"
             )),
             // Out of resources, serialization or deadlock, lock or statement timeouts, I/O
             // trouble on the server: a later attempt may well succeed.

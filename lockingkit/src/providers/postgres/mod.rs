@@ -327,10 +327,12 @@ impl LockBackend for PostgresBackend {
         let client = checkout.client().map_err(|_| {
             BackendError::lease_gone("the lock's PostgreSQL connection was already closed")
         })?;
-        let statement = self.run(Stage::Held, client.prepare_cached(UNLOCK)).await?;
+        let statement = self
+            .run(Stage::Release, client.prepare_cached(UNLOCK))
+            .await?;
         let row = self
             .run(
-                Stage::Held,
+                Stage::Release,
                 client.query_one(&statement, &[&lease.advisory_key]),
             )
             .await?;

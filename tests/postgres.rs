@@ -1,0 +1,554 @@
+//! The PostgreSQL provider against a real server: the contract suite, interop with plain SQL,
+//! loss, fencing across restarts, connection hygiene and error classification.
+//!
+//! Each test starts its own throwaway server (see `lockingkit_tests::postgres`), or uses the one
+//! named by `LOCKINGKIT_TEST_POSTGRES_URL` where it needs no process control.
+
+use std::time::Duration;
+
+use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
+use lockingkit::{
+    DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, LossReason, PostgresBackend,
+    PostgresLockKeys, PostgresOptions,
+};
+use lockingkit_tests::postgres::PostgresServer;
+use tokio::time::Instant;
+
+/// A check interval short enough for loss tests to finish quickly.
+const CHECK: Duration = Duration::from_millis(500);
+
+fn lock_on(options: PostgresOptions) -> DistributedLock {
+    let backend = PostgresBackend::new(options).expect("valid PostgreSQL options");
+    DistributedLock::builder(backend)
+        .options(quick_polling())
+        .build()
+        .expect("valid lock options")
+}
+
+fn process(server: &PostgresServer) -> DistributedLock {
+    lock_on(server.options(CHECK))
+}
+
+fn backend(lock: &DistributedLock) -> &PostgresBackend {
+    lock.backend::<PostgresBackend>()
+        .expect("a PostgreSQL-backed lock")
+}
+
+#[track_caller]
+fn kind_of(result: Result<LockHandle, LockError>) -> ErrorKind {
+    match result {
+        Ok(handle) => panic!("expected an error, got a lock on {}", handle.key()),
+        Err(error) => error.kind(),
+    }
+}
+
+/// Waits for `condition`, polling: for state that only the server can report.
+async fn eventually(what: &str, within: Duration, mut condition: impl AsyncFnMut() -> bool) {
+    let give_up = Instant::now() + within;
+    while !condition().await {
+        assert!(
+            Instant::now() < give_up,
+            "{what} did not happen within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+mod contract {
+    use super::*;
+
+    /// Each "process" is a `DistributedLock` with its own pool on one server.
+    pub(super) struct PostgresContract {
+        server: PostgresServer,
+    }
+
+    impl ContractBackend for PostgresContract {
+        async fn new_process(&self, options: LockOptions) -> DistributedLock {
+            // The look-alike case holds 26 locks at once in one process, and each held lock
+            // keeps a connection: size the pool for it, as the README tells users to.
+            let backend = PostgresBackend::new(PostgresOptions {
+                pool_size: 40,
+                ..self.server.options(CHECK)
+            })
+            .expect("options");
+            DistributedLock::builder(backend)
+                .options(options)
+                .build()
+                .expect("lock options")
+        }
+
+        fn lease_period(&self) -> Duration {
+            CHECK
+        }
+    }
+
+    lockingkit::contract_tests!(async {
+        PostgresContract {
+            server: PostgresServer::start().await,
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_expression_matches_advisory_key_for_the_reference_keys() {
+    let server = PostgresServer::start().await;
+    let client = server.connect().await;
+    let statement = client
+        .prepare(&format!("SELECT {}", PostgresLockKeys::SQL_EXPRESSION))
+        .await
+        .expect("the SQL expression is valid SQL");
+    let reference: Vec<(String, i64)> = vec![
+        ("orders/42".into(), -4261225075031449721),
+        ("jobs/nightly-export".into(), -6608059426078546604),
+        ("a/b".into(), -4517992508584211555),
+        ("a~2Fb".into(), -3104486523395018178),
+        ("a%2Fb".into(), 8581366813078647055),
+        ("..".into(), 6828011081595845693),
+        (".".into(), -3624009932037567382),
+        ("a.".into(), 6536483355239894009),
+        ("/a".into(), 7660865432161832061),
+        ("a/".into(), -5486046568002236813),
+        ("a//b".into(), 8834601437433283040),
+        ("a///b".into(), 9163303817191787408),
+        ("a/./b".into(), 3620760808985749615),
+        ("a/.b".into(), -293456851317068515),
+        ("ключ".into(), 2153681812738117024),
+        ("🔒".into(), 7701668758205862634),
+        ("A b".into(), -6385909787353675517),
+        ("x".repeat(512), 7212026910977811256),
+        ("é".repeat(512), -1504857556536219294),
+        ("a/".repeat(300) + "a", -3062980543607982088),
+    ];
+    for (key, expected) in reference {
+        let in_sql: i64 = client
+            .query_one(&statement, &[&key])
+            .await
+            .expect("SQL expression")
+            .get(0);
+        assert_eq!(in_sql, expected, "SQL advisory key of a reference key");
+        assert_eq!(PostgresLockKeys::advisory_key(&key), expected);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_sql_sees_the_librarys_lock_as_taken() {
+    let server = PostgresServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("interop/library-first");
+    let plain = server.connect().await;
+    let try_lock = format!(
+        "SELECT pg_try_advisory_lock({})",
+        PostgresLockKeys::SQL_EXPRESSION
+    );
+
+    let held = locks.try_acquire(&key).await.expect("library lock");
+    let taken: bool = plain.query_one(&try_lock, &[&key]).await.unwrap().get(0);
+    assert!(!taken, "plain SQL took a lock the library holds");
+
+    held.release().await.expect("confirmed release");
+    let taken: bool = plain.query_one(&try_lock, &[&key]).await.unwrap().get(0);
+    assert!(
+        taken,
+        "plain SQL could not take the lock after the library released it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_sees_a_lock_taken_by_plain_sql_as_busy() {
+    let server = PostgresServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("interop/sql-first");
+    let plain = server.connect().await;
+    plain
+        .execute(
+            &format!(
+                "SELECT pg_advisory_lock({})",
+                PostgresLockKeys::SQL_EXPRESSION
+            ),
+            &[&key],
+        )
+        .await
+        .expect("plain SQL lock");
+
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    // The server answered "busy" every time, so this is contention, not an outage.
+    assert_eq!(
+        kind_of(locks.acquire(&key, Duration::from_millis(300)).await),
+        ErrorKind::Timeout
+    );
+
+    let unlocked: bool = plain
+        .query_one(
+            &format!(
+                "SELECT pg_advisory_unlock({})",
+                PostgresLockKeys::SQL_EXPRESSION
+            ),
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(unlocked);
+    let held = locks
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("free after the plain session unlocked");
+    held.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_through_the_same_lock_is_busy_although_session_locks_are_reentrant() {
+    let server = PostgresServer::start().await;
+    let locks = process(&server);
+    let other = process(&server);
+    let key = unique_prefix("reentrancy");
+
+    let held = locks.try_acquire(&key).await.expect("first");
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        kind_of(locks.acquire(&key, Duration::from_millis(200)).await),
+        ErrorKind::Timeout
+    );
+    assert_eq!(kind_of(other.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        server.lock_holders(&key).await.len(),
+        1,
+        "exactly one session holds the lock"
+    );
+    held.release().await.expect("release");
+    assert!(server.lock_holders(&key).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_holder_sees_loss_within_one_check_interval_when_its_session_is_terminated() {
+    let server = PostgresServer::start().await;
+    let locks = process(&server);
+    let other = process(&server);
+    let key = unique_prefix("loss/terminated");
+    let held = locks.try_acquire(&key).await.expect("lock");
+    let first_token = held.fencing_token();
+
+    assert_eq!(server.terminate_lock_holders(&key).await, 1);
+    let terminated = Instant::now();
+    tokio::time::timeout(
+        CHECK + Duration::from_millis(300),
+        held.lost_token().cancelled(),
+    )
+    .await
+    .expect("loss declared within one check interval");
+    assert!(terminated.elapsed() <= CHECK + Duration::from_millis(300));
+    assert!(!held.is_held());
+    assert_eq!(held.loss_reason(), Some(LossReason::ConnectionLost));
+    assert_eq!(held.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+    assert_eq!(held.release().await.unwrap_err().kind(), ErrorKind::Lost);
+
+    let next = other
+        .try_acquire(&key)
+        .await
+        .expect("free after the session ended");
+    assert!(next.fencing_token() > first_token);
+    next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_holder_sees_loss_within_two_check_intervals_when_the_server_freezes() {
+    let mut server = PostgresServer::start_local().await;
+    let locks = lock_on(PostgresOptions {
+        query_timeout: Duration::from_millis(300),
+        ..server.options(CHECK)
+    });
+    let key = unique_prefix("loss/frozen");
+    let held = locks.try_acquire(&key).await.expect("lock");
+
+    server.pause();
+    let paused = Instant::now();
+    let lost = tokio::time::timeout(
+        CHECK * 2 + Duration::from_millis(300),
+        held.lost_token().cancelled(),
+    )
+    .await;
+    server.resume();
+    lost.expect("loss declared although the server never answers");
+    assert!(paused.elapsed() <= CHECK * 2 + Duration::from_millis(300));
+    assert_eq!(held.loss_reason(), Some(LossReason::ConnectionLost));
+
+    // The lost lock's connection was closed, so the thawed server frees the lock.
+    let other = process(&server);
+    let next = other
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("free once the server thawed");
+    next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_keep_growing_across_a_restart_and_a_crash() {
+    let mut server = PostgresServer::start_local().await;
+    let key = unique_prefix("fencing/restart");
+    let token = |locks: DistributedLock, key: String| async move {
+        let held = locks
+            .acquire(&key, Duration::from_secs(10))
+            .await
+            .expect("lock");
+        let token = held.fencing_token();
+        held.release().await.expect("release");
+        token
+    };
+    let locks = process(&server);
+    let before = token(locks.clone(), key.clone()).await;
+
+    server.restart().await;
+    // The same lock object: its pooled connection died with the server and is replaced.
+    let after_restart = token(locks.clone(), key.clone()).await;
+    assert!(
+        after_restart > before,
+        "token {after_restart} after a restart is not above {before}"
+    );
+
+    server.kill();
+    server.start_again().await;
+    let after_crash = token(process(&server), key.clone()).await;
+    assert!(
+        after_crash > after_restart,
+        "token {after_crash} after a crash is not above {after_restart}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_release_returns_the_connection_and_the_next_lock_reuses_it() {
+    let server = PostgresServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("pool/reuse");
+    for _ in 0..5 {
+        let held = locks.try_acquire(&key).await.expect("lock");
+        assert_eq!(
+            backend(&locks).idle_connections(),
+            0,
+            "the held connection is out"
+        );
+        held.release().await.expect("release");
+        assert_eq!(backend(&locks).pool_connections(), 1);
+        assert_eq!(backend(&locks).idle_connections(), 1, "back in the pool");
+    }
+    // A busy answer leaves the connection clean, so it goes back too.
+    let other = process(&server);
+    let held = other.try_acquire(&key).await.expect("lock");
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(backend(&locks).idle_connections(), 1);
+    held.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfirmed_unlock_closes_the_connection_instead_of_pooling_it() {
+    let mut server = PostgresServer::start_local().await;
+    let locks = lock_on(PostgresOptions {
+        query_timeout: Duration::from_millis(300),
+        // Long enough that no check runs while the server is paused.
+        check_interval: Duration::from_secs(30),
+        ..server.options(CHECK)
+    });
+    let key = unique_prefix("pool/unconfirmed");
+    let held = locks.try_acquire(&key).await.expect("lock");
+    assert_eq!(backend(&locks).pool_connections(), 1);
+
+    server.pause();
+    let released = held.release().await;
+    server.resume();
+    assert_eq!(
+        released.unwrap_err().kind(),
+        ErrorKind::Unavailable,
+        "an unlock that never answered is not a confirmed release"
+    );
+    assert_eq!(
+        backend(&locks).pool_connections(),
+        0,
+        "the connection that may still hold the lock left the pool"
+    );
+    // Closing it ended the session, so the server freed the lock.
+    eventually(
+        "the server freeing the lock",
+        Duration::from_secs(5),
+        async || server.lock_holders(&key).await.is_empty(),
+    )
+    .await;
+    let again = locks
+        .try_acquire(&key)
+        .await
+        .expect("lock again on a new connection");
+    again.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_or_a_missing_database_is_misconfigured() {
+    let server = PostgresServer::start_local().await;
+    let wrong = server.create_password_role("right-horse", "hunter2").await;
+    let locks = lock_on(PostgresOptions::new(wrong));
+    let key = unique_prefix("misconfigured");
+    let error = locks.try_acquire(&key).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(!format!("{error} {error:?}").contains("hunter2"));
+    // A waiter stops at once instead of retrying for the whole timeout.
+    let started = Instant::now();
+    assert_eq!(
+        kind_of(locks.acquire(&key, Duration::from_secs(30)).await),
+        ErrorKind::Misconfigured
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    let missing = lock_on(PostgresOptions::new(
+        server.connection_string_for_database("no_such_database"),
+    ));
+    let error = missing.try_acquire(&key).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_is_down_is_unavailable_not_busy_or_timed_out() {
+    let mut server = PostgresServer::start_local().await;
+    let locks = process(&server);
+    let key = unique_prefix("down");
+    server.kill();
+    assert_eq!(
+        kind_of(locks.try_acquire(&key).await),
+        ErrorKind::Unavailable
+    );
+    assert_eq!(
+        kind_of(locks.acquire(&key, Duration::from_millis(500)).await),
+        ErrorKind::Unavailable
+    );
+    server.start_again().await;
+    let held = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("usable again once the server is back");
+    held.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_server_makes_attempts_unavailable_within_the_query_timeout() {
+    let mut server = PostgresServer::start_local().await;
+    let locks = lock_on(PostgresOptions {
+        query_timeout: Duration::from_millis(300),
+        ..server.options(CHECK)
+    });
+    let key = unique_prefix("frozen");
+    server.pause();
+    let started = Instant::now();
+    let result = locks.try_acquire(&key).await;
+    let elapsed = started.elapsed();
+    server.resume();
+    assert_eq!(kind_of(result), ErrorKind::Unavailable);
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_starting_together_create_the_fencing_objects_without_racing() {
+    let server = PostgresServer::start_local().await;
+    let mut tasks = Vec::new();
+    for n in 0..8 {
+        let locks = process(&server);
+        let key = unique_prefix(&format!("fencing/race/{n}"));
+        tasks.push(tokio::spawn(async move {
+            let held = locks.try_acquire(&key).await?;
+            let token = held.fencing_token();
+            held.release().await?;
+            Ok::<u64, LockError>(token)
+        }));
+    }
+    let mut tokens = Vec::new();
+    for task in tasks {
+        tokens.push(
+            task.await
+                .expect("task")
+                .expect("first use on a fresh server"),
+        );
+    }
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 8, "every holder got its own token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_exhausted_by_held_locks_reports_unavailable_and_recovers() {
+    let server = PostgresServer::start().await;
+    let locks = lock_on(PostgresOptions {
+        pool_size: 1,
+        query_timeout: Duration::from_millis(300),
+        ..server.options(CHECK)
+    });
+    let first = unique_prefix("pool/one");
+    let second = unique_prefix("pool/two");
+    let held = locks.try_acquire(&first).await.expect("lock");
+    let error = locks.try_acquire(&second).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable);
+    assert!(error.to_string().contains("pool_size"), "{error}");
+    held.release().await.expect("release");
+    let next = locks
+        .try_acquire(&second)
+        .await
+        .expect("a connection is free again");
+    next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_are_per_database() {
+    let server = PostgresServer::start_local().await;
+    server.create_database("other").await;
+    let here = process(&server);
+    let there = lock_on(PostgresOptions {
+        check_interval: CHECK,
+        ..PostgresOptions::new(server.connection_string_for_database("other"))
+    });
+    let key = unique_prefix("per-database");
+    let a = here.try_acquire(&key).await.expect("lock in postgres");
+    let b = there
+        .try_acquire(&key)
+        .await
+        .expect("the same key in another database");
+    a.release().await.expect("release");
+    b.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_modes_follow_libpq_against_a_server_without_tls() {
+    let server = PostgresServer::start_local().await;
+    let plain = server.connection_string().replace("sslmode=disable", "");
+    let key = unique_prefix("tls");
+
+    // prefer falls back to plain TCP when the server offers no TLS.
+    let prefer = lock_on(PostgresOptions::new(format!("{plain} sslmode=prefer")));
+    prefer
+        .try_acquire(&key)
+        .await
+        .expect("prefer works without TLS")
+        .release()
+        .await
+        .expect("release");
+
+    // require refuses to go on unencrypted; retrying cannot help.
+    let require = lock_on(PostgresOptions::new(format!("{plain} sslmode=require")));
+    let error = require.try_acquire(&key).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+
+    // verify-full with an unreadable CA file is refused at construction.
+    let error = PostgresBackend::new(PostgresOptions::new(format!(
+        "{plain} sslmode=verify-full sslrootcert=/nonexistent/ca.pem"
+    )))
+    .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    assert!(error.to_string().contains("sslrootcert"), "{error}");
+}
+
+#[test]
+fn invalid_options_are_refused_at_construction_with_every_problem() {
+    let error = PostgresBackend::new(PostgresOptions {
+        pool_size: 0,
+        query_timeout: Duration::ZERO,
+        ..PostgresOptions::default()
+    })
+    .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    for field in ["connection_string", "pool_size", "query_timeout"] {
+        assert!(error.to_string().contains(field), "{error}");
+    }
+}

@@ -3,3 +3,6 @@
 
 pub mod bench_postgres;
 pub mod postgres;
+
+pub mod bench_postgres;
+pub mod postgres;

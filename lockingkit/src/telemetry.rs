@@ -315,7 +315,7 @@ impl Telemetry {
     }
 
     pub(crate) fn release_span(&self, fencing_token: u64) -> Span {
-        tracing::info_span!(
+        let span = tracing::info_span!(
             target: "lockingkit",
             "lockingkit.release",
             "otel.name" = &*self.release_name,
@@ -325,10 +325,12 @@ impl Telemetry {
             "lockingkit.provider" = &*self.provider,
             "lockingkit.operation" = "release",
             "lockingkit.outcome" = Empty,
-            "lockingkit.fencing_token" = fencing_token,
+            "lockingkit.fencing_token" = Empty,
             "error.type" = Empty,
             "lockingkit.error.kind" = Empty,
-        )
+        );
+        record_u64(&span, "lockingkit.fencing_token", fencing_token);
+        span
     }
 
     /// Records the end of an acquire call on its span and in the metrics.
@@ -345,9 +347,9 @@ impl Telemetry {
     ) {
         if !span.is_disabled() {
             span.record("lockingkit.outcome", outcome.as_str());
-            span.record("lockingkit.acquire.attempts", attempts);
+            record_u64(span, "lockingkit.acquire.attempts", attempts);
             if let Some(token) = fencing_token {
-                span.record("lockingkit.fencing_token", token);
+                record_u64(span, "lockingkit.fencing_token", token);
             }
             // Busy and timeout are answers, not faults: only failures carry an error.
             if outcome == Outcome::Failure {
@@ -416,6 +418,19 @@ impl Telemetry {
         };
         self.renewals.add(1, attrs);
     }
+}
+
+/// OpenTelemetry integers are `i64`, and `tracing-opentelemetry` turns a `u64` field into a
+/// string; recording an `i64` keeps counts and tokens numeric, and the rare value beyond
+/// `i64::MAX` stays exact as text.
+fn record_u64(span: &Span, field: &str, value: u64) {
+    if span.is_disabled() {
+        return;
+    }
+    match i64::try_from(value) {
+        Ok(value) => span.record(field, value),
+        Err(_) => span.record(field, tracing::field::display(value)),
+    };
 }
 
 fn record_error(span: &Span, error: &LockError) {

@@ -3,6 +3,3 @@
 
 pub mod bench_postgres;
 pub mod postgres;
-
-pub mod bench_postgres;
-pub mod postgres;

@@ -1,0 +1,1164 @@
+//! Telemetry as SPEC §8 lists it, read back through the OpenTelemetry SDK: spans bridged by
+//! `tracing-opentelemetry` into the in-memory span exporter, metrics through a manual reader.
+//!
+//! Every test runs on a current-thread runtime with its own thread-local subscriber and its own
+//! meter provider, so tests never see each other's telemetry. Lease timing runs on paused tokio
+//! time, which makes durations exact.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::Poll;
+use std::time::Duration;
+
+use lockingkit::providers::memory::MemoryLease;
+use lockingkit::{
+    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
+    LossReason, MemoryBackend, MemoryStore, RenewalFault,
+};
+use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
+use opentelemetry::{KeyValue, Value};
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, Metric, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::reader::MetricReader;
+use opentelemetry_sdk::metrics::{
+    InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
+};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, SubscriberExt as _};
+use tracing_subscriber::Layer;
+
+/// A key no telemetry may ever contain; its middle part is searched for on its own too, in case
+/// something recorded a fragment or an encoding of it.
+const KEY: &str = "customer-7f3a91/orders/secret-5521";
+const KEY_FRAGMENT: &str = "7f3a91";
+
+// ---------------------------------------------------------------------------------------------
+// Recording fixture
+// ---------------------------------------------------------------------------------------------
+
+/// The manual reader, shared between the meter provider (which owns a reader) and the test
+/// (which collects from it).
+#[derive(Clone, Debug)]
+struct SharedReader(Arc<ManualReader>);
+
+impl MetricReader for SharedReader {
+    fn register_pipeline(&self, pipeline: Weak<Pipeline>) {
+        self.0.register_pipeline(pipeline)
+    }
+    fn collect(&self, rm: &mut ResourceMetrics) -> OTelSdkResult {
+        self.0.collect(rm)
+    }
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+    fn temporality(&self, kind: InstrumentKind) -> Temporality {
+        self.0.temporality(kind)
+    }
+}
+
+/// Writes every span field and event field that reaches the subscriber into one string, so the
+/// key search covers log events as well as what the OpenTelemetry bridge keeps.
+#[derive(Clone, Default)]
+struct FieldLog(Arc<Mutex<String>>);
+
+struct FieldWriter<'a>(&'a mut String);
+
+impl Visit for FieldWriter<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let _ = write!(self.0, " {}={:?}", field.name(), value);
+    }
+}
+
+impl FieldLog {
+    fn write(&self, line: impl FnOnce(&mut String)) {
+        let mut log = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        line(&mut log);
+        log.push('\n');
+    }
+
+    fn text(&self) -> String {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for FieldLog {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: Context<'_, S>,
+    ) {
+        self.write(|log| {
+            log.push_str(attrs.metadata().name());
+            attrs.record(&mut FieldWriter(log));
+        });
+    }
+
+    fn on_record(
+        &self,
+        _: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        _: Context<'_, S>,
+    ) {
+        self.write(|log| {
+            log.push_str("record");
+            values.record(&mut FieldWriter(log));
+        });
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        self.write(|log| {
+            log.push_str(event.metadata().target());
+            event.record(&mut FieldWriter(log));
+        });
+    }
+}
+
+/// One test's telemetry pipeline: an SDK tracer and meter provider and a thread-local subscriber.
+struct Recording {
+    spans: InMemorySpanExporter,
+    reader: SharedReader,
+    meter_provider: SdkMeterProvider,
+    _tracer_provider: SdkTracerProvider,
+    log: FieldLog,
+    _subscriber: tracing::subscriber::DefaultGuard,
+}
+
+impl Recording {
+    fn start() -> Self {
+        let spans = InMemorySpanExporter::default();
+        let tracer_provider = SdkTracerProvider::builder()
+            .with_simple_exporter(spans.clone())
+            .build();
+        let reader = SharedReader(Arc::new(ManualReader::builder().build()));
+        let meter_provider = SdkMeterProvider::builder()
+            .with_reader(reader.clone())
+            .build();
+        let log = FieldLog::default();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(tracer_provider.tracer("host")))
+            .with(log.clone());
+        Recording {
+            spans,
+            reader,
+            meter_provider,
+            _tracer_provider: tracer_provider,
+            log,
+            _subscriber: tracing::subscriber::set_default(subscriber),
+        }
+    }
+
+    /// A lock named `Jobs` on `backend`, recording on this test's meter provider.
+    fn lock_on<B: LockBackend>(&self, backend: B) -> DistributedLock {
+        DistributedLock::builder(backend)
+            .name("Jobs")
+            .meter(lockingkit::telemetry::meter(&self.meter_provider))
+            .build()
+            .expect("valid options")
+    }
+
+    fn lock(&self, store: &MemoryStore) -> DistributedLock {
+        self.lock_on(MemoryBackend::new(store.clone()))
+    }
+
+    /// A lock with 3 s leases: renewed every second, lost 2.7 s after the last renewal was sent.
+    fn short_lease_lock(&self, store: &MemoryStore) -> DistributedLock {
+        self.lock_on(MemoryBackend::with_lease(
+            store.clone(),
+            Duration::from_secs(3),
+        ))
+    }
+
+    fn finished_spans(&self) -> Vec<SpanData> {
+        self.spans
+            .get_finished_spans()
+            .expect("span exporter is up")
+    }
+
+    /// The one finished span called `name`.
+    fn span(&self, name: &str) -> SpanData {
+        let mut found: Vec<SpanData> = self
+            .finished_spans()
+            .into_iter()
+            .filter(|s| s.name == name)
+            .collect();
+        assert_eq!(found.len(), 1, "expected one span {name:?}, got {found:#?}");
+        found.remove(0)
+    }
+
+    fn spans_named(&self, name: &str) -> Vec<SpanData> {
+        self.finished_spans()
+            .into_iter()
+            .filter(|s| s.name == name)
+            .collect()
+    }
+
+    fn collect(&self) -> Metrics {
+        let mut rm = ResourceMetrics::default();
+        self.reader
+            .collect(&mut rm)
+            .expect("manual reader collects");
+        Metrics(rm)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading spans
+// ---------------------------------------------------------------------------------------------
+
+fn attr<'a>(span: &'a SpanData, key: &str) -> Option<&'a Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| &kv.value)
+}
+
+fn str_attr(span: &SpanData, key: &str) -> Option<String> {
+    attr(span, key).map(|v| v.as_str().into_owned())
+}
+
+fn int_attr(span: &SpanData, key: &str) -> Option<i64> {
+    match attr(span, key) {
+        Some(Value::I64(v)) => Some(*v),
+        Some(other) => panic!("{key} should be an integer, is {other:?}"),
+        None => None,
+    }
+}
+
+/// What every LockingKit span carries, whatever happened.
+fn assert_common(span: &SpanData, operation: &str) {
+    assert_eq!(span.span_kind, SpanKind::Client, "{}", span.name);
+    assert_eq!(str_attr(span, "lockingkit.lock").as_deref(), Some("Jobs"));
+    assert_eq!(
+        str_attr(span, "lockingkit.provider").as_deref(),
+        Some("in_memory")
+    );
+    assert_eq!(
+        str_attr(span, "lockingkit.operation").as_deref(),
+        Some(operation)
+    );
+}
+
+/// Outcomes that are answers, not faults: no error status and no error attributes.
+fn assert_no_error(span: &SpanData) {
+    assert_eq!(span.status, Status::Unset, "{}", span.name);
+    assert_eq!(attr(span, "error.type"), None);
+    assert_eq!(attr(span, "lockingkit.error.kind"), None);
+}
+
+fn assert_error(span: &SpanData, code: &str, kind: &str) {
+    assert!(
+        matches!(span.status, Status::Error { .. }),
+        "{} should have error status, has {:?}",
+        span.name,
+        span.status
+    );
+    assert_eq!(
+        str_attr(span, "lockingkit.outcome").as_deref(),
+        Some("failure")
+    );
+    assert_eq!(str_attr(span, "error.type").as_deref(), Some(code));
+    assert_eq!(
+        str_attr(span, "lockingkit.error.kind").as_deref(),
+        Some(kind)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading metrics
+// ---------------------------------------------------------------------------------------------
+
+struct Metrics(ResourceMetrics);
+
+/// One data point: its full attribute set, and its value (a sum's value, a histogram's sum) and
+/// count (1 for a sum).
+#[derive(Debug, Clone, PartialEq)]
+struct Point {
+    attrs: BTreeMap<String, String>,
+    value: f64,
+    count: u64,
+}
+
+fn attr_map<'a>(attrs: impl Iterator<Item = &'a KeyValue>) -> BTreeMap<String, String> {
+    attrs
+        .map(|kv| (kv.key.to_string(), kv.value.as_str().into_owned()))
+        .collect()
+}
+
+fn points_of<T: Copy + std::fmt::Debug>(
+    data: &MetricData<T>,
+    as_f64: impl Fn(T) -> f64,
+) -> Vec<Point> {
+    match data {
+        MetricData::Sum(sum) => sum
+            .data_points()
+            .map(|p| Point {
+                attrs: attr_map(p.attributes()),
+                value: as_f64(p.value()),
+                count: 1,
+            })
+            .collect(),
+        MetricData::Histogram(h) => h
+            .data_points()
+            .map(|p| Point {
+                attrs: attr_map(p.attributes()),
+                value: as_f64(p.sum()),
+                count: p.count(),
+            })
+            .collect(),
+        other => panic!("unexpected aggregation {other:?}"),
+    }
+}
+
+/// The kinds of instrument SPEC §8 names.
+#[derive(Debug, PartialEq)]
+enum Shape {
+    F64Histogram,
+    U64Histogram,
+    UpDownCounter,
+    Counter,
+}
+
+impl Metrics {
+    fn metric(&self, name: &str) -> Option<&Metric> {
+        self.0
+            .scope_metrics()
+            .filter(|scope| scope.scope().name() == "lockingkit")
+            .flat_map(|scope| scope.metrics())
+            .find(|m| m.name() == name)
+    }
+
+    fn shape(&self, name: &str) -> Shape {
+        let metric = self
+            .metric(name)
+            .unwrap_or_else(|| panic!("no metric {name}"));
+        match metric.data() {
+            AggregatedMetrics::F64(MetricData::Histogram(_)) => Shape::F64Histogram,
+            AggregatedMetrics::U64(MetricData::Histogram(_)) => Shape::U64Histogram,
+            AggregatedMetrics::I64(MetricData::Sum(s)) if !s.is_monotonic() => Shape::UpDownCounter,
+            AggregatedMetrics::U64(MetricData::Sum(s)) if s.is_monotonic() => Shape::Counter,
+            other => panic!("{name} has unexpected data {other:?}"),
+        }
+    }
+
+    fn points(&self, name: &str) -> Vec<Point> {
+        let Some(metric) = self.metric(name) else {
+            return Vec::new();
+        };
+        match metric.data() {
+            AggregatedMetrics::F64(data) => points_of(data, |v| v),
+            AggregatedMetrics::U64(data) => points_of(data, |v| v as f64),
+            AggregatedMetrics::I64(data) => points_of(data, |v| v as f64),
+        }
+    }
+
+    /// The point whose attributes are exactly `lockingkit.lock=Jobs`,
+    /// `lockingkit.provider=<provider>` and `extra`.
+    fn point_for(&self, name: &str, provider: &str, extra: &[(&str, &str)]) -> Option<Point> {
+        let mut want: BTreeMap<String, String> = extra
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        want.insert("lockingkit.lock".into(), "Jobs".into());
+        want.insert("lockingkit.provider".into(), provider.into());
+        self.points(name).into_iter().find(|p| p.attrs == want)
+    }
+
+    fn point(&self, name: &str, extra: &[(&str, &str)]) -> Option<Point> {
+        self.point_for(name, "in_memory", extra)
+    }
+
+    /// A counter's value, 0 when nothing was recorded under these attributes.
+    fn value(&self, name: &str, extra: &[(&str, &str)]) -> f64 {
+        self.point(name, extra).map_or(0.0, |p| p.value)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driving the lock
+// ---------------------------------------------------------------------------------------------
+
+/// Polls `future` once, so an acquire runs up to its first wait (queued or backing off).
+async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Option<F::Output> {
+    std::future::poll_fn(|cx| {
+        Poll::Ready(match future.as_mut().poll(cx) {
+            Poll::Ready(output) => Some(output),
+            Poll::Pending => None,
+        })
+    })
+    .await
+}
+
+/// Waits until the keeper has declared `handle` lost and ended the hold (the hold's end, which
+/// records the loss, is what frees the key in the provider's waiting room).
+async fn loss_recorded(locks: &DistributedLock, handle: &LockHandle) {
+    handle.lost_token().cancelled().await;
+    for _ in 0..1000 {
+        if locks.active_keys() == 0 {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("the hold never ended after the loss");
+}
+
+/// Another "process" on the same store.
+fn other_process(store: &MemoryStore) -> DistributedLock {
+    DistributedLock::in_memory_shared(store)
+}
+
+/// A session-held backend (like PostgreSQL): the in-memory store checked every second, so a
+/// failed check is `connection_lost`. Built on the public trait as a user's own backend would be.
+struct SessionStore(MemoryBackend);
+
+impl LockBackend for SessionStore {
+    type Lease = MemoryLease;
+
+    fn provider(&self) -> &str {
+        "session_store"
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::ConnectionHeld(Duration::from_secs(1))
+    }
+
+    fn try_acquire(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Acquired<MemoryLease>>, BackendError>> + Send {
+        self.0.try_acquire(key)
+    }
+
+    fn renew(&self, lease: &MemoryLease) -> impl Future<Output = Result<(), BackendError>> + Send {
+        self.0.renew(lease)
+    }
+
+    fn release(
+        &self,
+        lease: &MemoryLease,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        self.0.release(lease)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spans
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn try_acquire_and_release_are_client_spans_named_after_the_lock() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    let token = handle.fencing_token();
+    let span = rec.span("try_acquire Jobs");
+    assert_common(&span, "try_acquire");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("acquired")
+    );
+    assert_eq!(int_attr(&span, "lockingkit.acquire.attempts"), Some(1));
+    assert_eq!(
+        int_attr(&span, "lockingkit.fencing_token"),
+        Some(i64::try_from(token).expect("small token"))
+    );
+
+    handle.release().await.expect("confirmed");
+    let span = rec.span("release Jobs");
+    assert_common(&span, "release");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("released")
+    );
+    assert_eq!(
+        int_attr(&span, "lockingkit.fencing_token"),
+        Some(i64::try_from(token).expect("small token"))
+    );
+    assert_eq!(attr(&span, "lockingkit.acquire.attempts"), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn acquire_span_records_attempts_and_token_of_a_wait_that_succeeds() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let holder = other_process(&store).try_acquire(KEY).await.expect("free");
+
+    let before = store.attempts();
+    let waiter = locks.acquire(KEY, Duration::from_secs(10));
+    tokio::pin!(waiter);
+    assert!(poll_once(waiter.as_mut()).await.is_none(), "busy at first");
+    holder.release().await.expect("confirmed");
+    let handle = waiter.await.expect("acquired once free");
+    let attempts = store.attempts() - before;
+    assert!(attempts >= 2, "one busy attempt and one that won");
+
+    let span = rec.span("acquire Jobs");
+    assert_common(&span, "acquire");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("acquired")
+    );
+    assert_eq!(
+        int_attr(&span, "lockingkit.acquire.attempts"),
+        Some(attempts as i64)
+    );
+    assert_eq!(
+        int_attr(&span, "lockingkit.fencing_token"),
+        Some(handle.fencing_token() as i64)
+    );
+
+    let metrics = rec.collect();
+    let recorded = metrics
+        .point("lockingkit.acquire.attempts", &[])
+        .expect("attempts histogram");
+    assert_eq!((recorded.count, recorded.value), (1, attempts as f64));
+}
+
+#[tokio::test(start_paused = true)]
+async fn busy_is_an_outcome_not_an_error() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let _elsewhere = other_process(&store).try_acquire(KEY).await.expect("free");
+
+    let err = locks.try_acquire(KEY).await.expect_err("held elsewhere");
+    assert_eq!(err.kind(), ErrorKind::Busy);
+    let span = rec.span("try_acquire Jobs");
+    assert_common(&span, "try_acquire");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("busy")
+    );
+    assert_eq!(int_attr(&span, "lockingkit.acquire.attempts"), Some(1));
+    assert_eq!(attr(&span, "lockingkit.fencing_token"), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn busy_through_the_same_lock_makes_no_backend_attempt() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let _held = locks.try_acquire(KEY).await.expect("free");
+
+    let err = locks.try_acquire(KEY).await.expect_err("not reentrant");
+    assert_eq!(err.kind(), ErrorKind::Busy);
+    let spans = rec.spans_named("try_acquire Jobs");
+    let busy = spans
+        .iter()
+        .find(|s| str_attr(s, "lockingkit.outcome").as_deref() == Some("busy"))
+        .expect("a busy span");
+    assert_no_error(busy);
+    assert_eq!(int_attr(busy, "lockingkit.acquire.attempts"), Some(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn timeout_is_an_outcome_not_an_error() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let _elsewhere = other_process(&store).try_acquire(KEY).await.expect("free");
+
+    let before = store.attempts();
+    let err = locks
+        .acquire(KEY, Duration::from_secs(1))
+        .await
+        .expect_err("stays busy");
+    assert_eq!(err.kind(), ErrorKind::Timeout);
+    let attempts = store.attempts() - before;
+
+    let span = rec.span("acquire Jobs");
+    assert_common(&span, "acquire");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("timeout")
+    );
+    assert_eq!(
+        int_attr(&span, "lockingkit.acquire.attempts"),
+        Some(attempts as i64)
+    );
+    assert!(attempts >= 2, "it retried: {attempts}");
+
+    let metrics = rec.collect();
+    let duration = metrics
+        .point(
+            "lockingkit.acquire.duration",
+            &[
+                ("lockingkit.operation", "acquire"),
+                ("lockingkit.outcome", "timeout"),
+            ],
+        )
+        .expect("duration of the timed-out wait");
+    assert_eq!(duration.count, 1);
+    assert!(
+        (duration.value - 1.0).abs() < 1e-3,
+        "waited the whole timeout on the paused clock: {}",
+        duration.value
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unreachable_backend_is_a_failure_with_error_type_and_kind() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    store.set_unavailable(true);
+
+    let err = locks.try_acquire(KEY).await.expect_err("down");
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    let span = rec.span("try_acquire Jobs");
+    assert_common(&span, "try_acquire");
+    assert_error(&span, "locking.unavailable", "unavailable");
+    assert_eq!(int_attr(&span, "lockingkit.acquire.attempts"), Some(1));
+    assert_eq!(attr(&span, "lockingkit.fencing_token"), None);
+
+    let err = locks
+        .acquire(KEY, Duration::from_secs(1))
+        .await
+        .expect_err("down for the whole wait");
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    let span = rec.span("acquire Jobs");
+    assert_common(&span, "acquire");
+    assert_error(&span, "locking.unavailable", "unavailable");
+
+    let metrics = rec.collect();
+    for operation in ["try_acquire", "acquire"] {
+        let point = metrics
+            .point(
+                "lockingkit.acquire.duration",
+                &[
+                    ("lockingkit.operation", operation),
+                    ("lockingkit.outcome", "failure"),
+                ],
+            )
+            .expect("failure duration");
+        assert_eq!(point.count, 1, "{operation}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_invalid_key_is_a_failure_without_attempts() {
+    let rec = Recording::start();
+    let locks = rec.lock(&MemoryStore::new());
+
+    let err = locks.try_acquire("").await.expect_err("empty key");
+    assert_eq!(err.kind(), ErrorKind::InvalidKey);
+    let span = rec.span("try_acquire Jobs");
+    assert_error(&span, "locking.invalid_key", "invalid_key");
+    assert_eq!(int_attr(&span, "lockingkit.acquire.attempts"), Some(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_acquire_queued_behind_a_local_holder_is_cancelled() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let _held = locks.try_acquire(KEY).await.expect("free");
+
+    {
+        let waiter = locks.acquire(KEY, Duration::from_secs(30));
+        tokio::pin!(waiter);
+        assert!(poll_once(waiter.as_mut()).await.is_none(), "queued");
+        assert_eq!(rec.collect().value("lockingkit.waiters", &[]), 1.0);
+    }
+
+    let span = rec.span("acquire Jobs");
+    assert_common(&span, "acquire");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("cancelled")
+    );
+    assert_eq!(int_attr(&span, "lockingkit.acquire.attempts"), Some(0));
+
+    let metrics = rec.collect();
+    assert_eq!(metrics.value("lockingkit.waiters", &[]), 0.0);
+    let cancelled = metrics
+        .point(
+            "lockingkit.acquire.duration",
+            &[
+                ("lockingkit.operation", "acquire"),
+                ("lockingkit.outcome", "cancelled"),
+            ],
+        )
+        .expect("cancelled duration");
+    assert_eq!(cancelled.count, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_acquire_that_was_retrying_is_cancelled_with_its_attempts() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let _elsewhere = other_process(&store).try_acquire(KEY).await.expect("free");
+
+    let before = store.attempts();
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(500),
+        locks.acquire(KEY, Duration::from_secs(30)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the caller's own timeout dropped it");
+    let attempts = store.attempts() - before;
+    assert!(attempts >= 2, "it had retried: {attempts}");
+
+    let span = rec.span("acquire Jobs");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("cancelled")
+    );
+    assert_eq!(
+        int_attr(&span, "lockingkit.acquire.attempts"),
+        Some(attempts as i64)
+    );
+    let metrics = rec.collect();
+    let histogram = metrics
+        .point("lockingkit.acquire.attempts", &[])
+        .expect("attempts histogram");
+    assert_eq!((histogram.count, histogram.value), (1, attempts as f64));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_the_backend_refuses_is_a_failure_span() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    assert!(store.break_lease(KEY));
+
+    let err = handle.release().await.expect_err("lease was broken");
+    assert_eq!(err.kind(), ErrorKind::Lost);
+    let span = rec.span("release Jobs");
+    assert_common(&span, "release");
+    assert_error(&span, "locking.lost", "lost");
+}
+
+#[tokio::test(start_paused = true)]
+async fn releasing_a_lock_already_lost_is_a_failure_span() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    assert!(store.break_lease(KEY));
+    loss_recorded(&locks, &handle).await;
+
+    let err = handle.release().await.expect_err("already lost");
+    assert_eq!(err.kind(), ErrorKind::Lost);
+    let span = rec.span("release Jobs");
+    assert_common(&span, "release");
+    assert_error(&span, "locking.lost", "lost");
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_handle_records_the_background_release() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    let token = handle.fencing_token();
+    drop(handle);
+
+    // The next local waiter gets its turn only once the background release has finished.
+    let next = locks
+        .acquire(KEY, Duration::from_secs(5))
+        .await
+        .expect("free after the release");
+    let span = rec.span("release Jobs");
+    assert_common(&span, "release");
+    assert_no_error(&span);
+    assert_eq!(
+        str_attr(&span, "lockingkit.outcome").as_deref(),
+        Some("released")
+    );
+    assert_eq!(
+        int_attr(&span, "lockingkit.fencing_token"),
+        Some(token as i64)
+    );
+    drop(next);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn every_instrument_has_the_specified_name_shape_and_unit() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    {
+        let waiter = locks.acquire(KEY, Duration::from_secs(30));
+        tokio::pin!(waiter);
+        assert!(poll_once(waiter.as_mut()).await.is_none(), "queued");
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await; // one renewal
+    assert!(store.break_lease(KEY));
+    loss_recorded(&locks, &handle).await;
+
+    let metrics = rec.collect();
+    let expected = [
+        ("lockingkit.acquire.duration", Shape::F64Histogram, "s"),
+        (
+            "lockingkit.acquire.attempts",
+            Shape::U64Histogram,
+            "{attempt}",
+        ),
+        ("lockingkit.hold.duration", Shape::F64Histogram, "s"),
+        ("lockingkit.locks.held", Shape::UpDownCounter, "{lock}"),
+        ("lockingkit.waiters", Shape::UpDownCounter, "{waiter}"),
+        ("lockingkit.renewals", Shape::Counter, "{renewal}"),
+        ("lockingkit.lost", Shape::Counter, "{lock}"),
+    ];
+    for (name, shape, unit) in &expected {
+        let metric = metrics.metric(name).unwrap_or_else(|| panic!("no {name}"));
+        assert_eq!(&metrics.shape(name), shape, "{name}");
+        assert_eq!(metric.unit(), *unit, "{name}");
+        assert!(!metric.description().is_empty(), "{name} is described");
+        for point in metrics.points(name) {
+            assert_eq!(point.attrs["lockingkit.lock"], "Jobs", "{name}");
+            assert_eq!(point.attrs["lockingkit.provider"], "in_memory", "{name}");
+        }
+    }
+    let names: Vec<&str> = metrics
+        .0
+        .scope_metrics()
+        .flat_map(|s| s.metrics())
+        .map(|m| m.name())
+        .collect();
+    assert_eq!(
+        names.len(),
+        expected.len(),
+        "no unlisted metrics: {names:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_released_hold_is_measured_and_leaves_locks_held() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    let metrics = rec.collect();
+    assert_eq!(metrics.value("lockingkit.locks.held", &[]), 1.0);
+    let acquired = metrics
+        .point(
+            "lockingkit.acquire.duration",
+            &[
+                ("lockingkit.operation", "try_acquire"),
+                ("lockingkit.outcome", "acquired"),
+            ],
+        )
+        .expect("acquire duration");
+    assert_eq!(acquired.count, 1);
+    assert_eq!(acquired.value, 0.0, "no time passes on the paused clock");
+    assert_eq!(metrics.points("lockingkit.hold.duration"), vec![]);
+
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    handle.release().await.expect("confirmed");
+
+    let metrics = rec.collect();
+    assert_eq!(metrics.value("lockingkit.locks.held", &[]), 0.0);
+    let hold = metrics
+        .point(
+            "lockingkit.hold.duration",
+            &[("lockingkit.end", "released")],
+        )
+        .expect("hold duration");
+    assert_eq!(hold.count, 1);
+    assert!((hold.value - 5.0).abs() < 1e-6, "held 5 s: {}", hold.value);
+    assert_eq!(
+        metrics.point("lockingkit.hold.duration", &[("lockingkit.end", "lost")]),
+        None
+    );
+    assert_eq!(metrics.points("lockingkit.lost"), vec![]);
+    assert_eq!(
+        metrics.points("lockingkit.renewals"),
+        vec![],
+        "a 30 s lease is first renewed at 10 s"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_counts_local_callers_queued_for_a_key() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let holder = locks.try_acquire(KEY).await.expect("free");
+
+    let first = locks.acquire(KEY, Duration::from_secs(30));
+    let second = locks.acquire(KEY, Duration::from_secs(30));
+    tokio::pin!(first, second);
+    assert!(poll_once(first.as_mut()).await.is_none());
+    assert!(poll_once(second.as_mut()).await.is_none());
+    assert_eq!(rec.collect().value("lockingkit.waiters", &[]), 2.0);
+
+    holder.release().await.expect("confirmed");
+    let handle = first.await.expect("next in line");
+    assert_eq!(rec.collect().value("lockingkit.waiters", &[]), 1.0);
+
+    handle.release().await.expect("confirmed");
+    let last = second.await.expect("last in line");
+    let metrics = rec.collect();
+    assert_eq!(metrics.value("lockingkit.waiters", &[]), 0.0);
+    assert_eq!(metrics.value("lockingkit.locks.held", &[]), 1.0);
+    drop(last);
+}
+
+#[tokio::test(start_paused = true)]
+async fn renewals_are_counted_and_failing_renewals_end_in_a_deadline_loss() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+
+    // Renewals at 1 s and 2 s succeed; from 2.5 s on they fail, so the lock is lost 2.7 s
+    // after the last successful renewal was sent: at 4.7 s.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        rec.collect()
+            .value("lockingkit.renewals", &[("lockingkit.outcome", "ok")]),
+        2.0
+    );
+    store.set_renewal_fault(RenewalFault::Fail);
+    loss_recorded(&locks, &handle).await;
+    assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
+
+    let metrics = rec.collect();
+    assert_eq!(
+        metrics.value("lockingkit.renewals", &[("lockingkit.outcome", "ok")]),
+        2.0
+    );
+    assert!(metrics.value("lockingkit.renewals", &[("lockingkit.outcome", "failed")]) >= 1.0);
+    assert_eq!(
+        metrics.value("lockingkit.lost", &[("lockingkit.loss.reason", "deadline")]),
+        1.0
+    );
+    assert_eq!(
+        metrics.points("lockingkit.lost").len(),
+        1,
+        "one reason only"
+    );
+    let hold = metrics
+        .point("lockingkit.hold.duration", &[("lockingkit.end", "lost")])
+        .expect("hold ended by loss");
+    assert_eq!(hold.count, 1);
+    assert!(
+        (hold.value - 4.7).abs() < 1e-6,
+        "lost at 4.7 s: {}",
+        hold.value
+    );
+    assert_eq!(metrics.value("lockingkit.locks.held", &[]), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_renewal_is_lost_at_the_deadline_and_counted_as_failed() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    store.set_renewal_fault(RenewalFault::Hang);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+
+    loss_recorded(&locks, &handle).await;
+    let metrics = rec.collect();
+    assert_eq!(
+        metrics.value("lockingkit.renewals", &[("lockingkit.outcome", "failed")]),
+        1.0,
+        "the renewal sent at 1 s never answered"
+    );
+    assert_eq!(
+        metrics.value("lockingkit.renewals", &[("lockingkit.outcome", "ok")]),
+        0.0
+    );
+    assert_eq!(
+        metrics.value("lockingkit.lost", &[("lockingkit.loss.reason", "deadline")]),
+        1.0
+    );
+    let hold = metrics
+        .point("lockingkit.hold.duration", &[("lockingkit.end", "lost")])
+        .expect("hold ended by loss");
+    assert!(
+        (hold.value - 2.7).abs() < 1e-6,
+        "lost at 2.7 s: {}",
+        hold.value
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unreachable_backend_while_held_is_a_deadline_loss() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    store.set_unavailable(true);
+
+    loss_recorded(&locks, &handle).await;
+    let metrics = rec.collect();
+    assert_eq!(
+        metrics.value("lockingkit.lost", &[("lockingkit.loss.reason", "deadline")]),
+        1.0
+    );
+    assert!(metrics.value("lockingkit.renewals", &[("lockingkit.outcome", "failed")]) >= 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_lease_is_lost_with_reason_lease_gone() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    assert!(store.break_lease(KEY));
+
+    loss_recorded(&locks, &handle).await;
+    assert_eq!(handle.loss_reason(), Some(LossReason::LeaseGone));
+    let metrics = rec.collect();
+    assert_eq!(
+        metrics.value(
+            "lockingkit.lost",
+            &[("lockingkit.loss.reason", "lease_gone")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metrics.value("lockingkit.renewals", &[("lockingkit.outcome", "failed")]),
+        1.0
+    );
+    let hold = metrics
+        .point("lockingkit.hold.duration", &[("lockingkit.end", "lost")])
+        .expect("hold ended by loss");
+    assert!(
+        (hold.value - 1.0).abs() < 1e-6,
+        "lost at the first renewal: {}",
+        hold.value
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_connection_check_is_lost_with_reason_connection_lost() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock_on(SessionStore(MemoryBackend::new(store.clone())));
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    tokio::time::sleep(Duration::from_millis(1500)).await; // one good check
+    store.set_unavailable(true);
+
+    loss_recorded(&locks, &handle).await;
+    assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
+    let metrics = rec.collect();
+    let lost = metrics
+        .point_for(
+            "lockingkit.lost",
+            "session_store",
+            &[("lockingkit.loss.reason", "connection_lost")],
+        )
+        .expect("connection_lost recorded under the backend's provider name");
+    assert_eq!(lost.value, 1.0);
+    let checks = |outcome| {
+        metrics
+            .point_for(
+                "lockingkit.renewals",
+                "session_store",
+                &[("lockingkit.outcome", outcome)],
+            )
+            .map(|p| p.value)
+    };
+    assert_eq!(checks("ok"), Some(1.0));
+    assert_eq!(checks("failed"), Some(1.0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys are never recorded
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn the_key_appears_in_no_span_event_or_metric() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.short_lease_lock(&store);
+    let elsewhere = other_process(&store);
+
+    // acquired, busy (local and remote), timeout, cancelled, failure, released, dropped,
+    // renewed, lost (lease gone, deadline), release of a lost lock.
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    let _ = locks.try_acquire(KEY).await.expect_err("busy locally");
+    {
+        let waiter = locks.acquire(KEY, Duration::from_secs(30));
+        tokio::pin!(waiter);
+        assert!(poll_once(waiter.as_mut()).await.is_none());
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    handle.release().await.expect("confirmed");
+
+    let remote = elsewhere.try_acquire(KEY).await.expect("free");
+    let _ = locks.try_acquire(KEY).await.expect_err("busy remotely");
+    let _ = locks
+        .acquire(KEY, Duration::from_millis(300))
+        .await
+        .expect_err("timeout");
+    remote.release().await.expect("confirmed");
+
+    let dropped = locks.try_acquire(KEY).await.expect("free");
+    drop(dropped);
+    let handle = locks
+        .acquire(KEY, Duration::from_secs(1))
+        .await
+        .expect("free after the background release");
+    assert!(store.break_lease(KEY));
+    loss_recorded(&locks, &handle).await;
+    let _ = handle.release().await.expect_err("already lost");
+
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    store.set_renewal_fault(RenewalFault::Fail);
+    loss_recorded(&locks, &handle).await;
+    store.set_renewal_fault(RenewalFault::None);
+
+    store.set_unavailable(true);
+    let _ = locks.try_acquire(KEY).await.expect_err("down");
+    store.set_unavailable(false);
+
+    let mut recorded = format!("{:#?}", rec.finished_spans());
+    recorded.push_str(&format!("{:#?}", rec.collect().0));
+    recorded.push_str(&rec.log.text());
+
+    // The dump really holds what happened, so the search below cannot pass on an empty string.
+    for expected in [
+        "try_acquire Jobs",
+        "acquire Jobs",
+        "release Jobs",
+        "\"cancelled\"",
+        "\"timeout\"",
+        "\"busy\"",
+        "locking.unavailable",
+        "lease_gone",
+        "deadline",
+        "lock lost while held",
+        "renewal failed",
+        "lockingkit.hold.duration",
+    ] {
+        assert!(recorded.contains(expected), "dump lacks {expected:?}");
+    }
+    assert!(!recorded.contains(KEY), "the key was recorded");
+    assert!(
+        !recorded.contains(KEY_FRAGMENT),
+        "part of the key was recorded"
+    );
+}

@@ -8,5 +8,7 @@ for setup in scripts/setup-*.sh; do
   [ -e "$setup" ] && bash "$setup"
 done
 
-cargo nextest run --workspace --all-features --all-targets --no-fail-fast
+# Examples and benchmarks must keep compiling even though the test run does not execute them.
+cargo build --workspace --all-features --all-targets
+cargo nextest run --workspace --all-features --no-fail-fast
 cargo test --workspace --all-features --doc

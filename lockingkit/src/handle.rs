@@ -20,7 +20,7 @@ pub(crate) trait HeldLock: Send + Sync {
     /// Claims the lock for release before returning, then releases when polled (or in the
     /// background if the returned future is dropped first).
     fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>>;
-    fn release_in_background(&self);
+    fn release_in_background(self: Arc<Self>);
     #[cfg_attr(not(feature = "azure"), allow(dead_code))]
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync);
 }
@@ -159,7 +159,7 @@ impl LockHandle {
 
 impl Drop for LockHandle {
     fn drop(&mut self) {
-        self.held.release_in_background();
+        self.held.clone().release_in_background();
     }
 }
 

@@ -4,11 +4,13 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::orphan::Orphanable;
+use super::scheduler::{Keep, ScheduleKey};
 use super::waiting_room::Turn;
 use super::Engine;
 use crate::backend::{Acquired, LeaseTiming, LockBackend};
@@ -41,6 +43,10 @@ pub(crate) struct Held<B: LockBackend> {
     deadline_nanos: AtomicU64,
     taken_at: Instant,
     turn: Mutex<Option<Turn>>,
+    /// The runtime the lock was taken on; drop releases and keepers run there.
+    runtime: Handle,
+    /// Where this hold waits in the renewal schedule until its keeper starts.
+    schedule_key: ScheduleKey,
 }
 
 /// The instant at which an expiring lease must be considered lost: 90% of the lease after the
@@ -63,12 +69,16 @@ pub(crate) fn deadline_after(timing: LeaseTiming, sent: Instant) -> Instant {
 impl<B: LockBackend> Held<B> {
     pub(super) fn new(
         engine: Arc<Engine<B>>,
+        runtime: Handle,
         turn: Turn,
         acquired: Acquired<B::Lease>,
         sent: Instant,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
+        let schedule_key = engine.scheduler.key(sent + engine.first_renewal_after());
         Held {
+            runtime,
+            schedule_key,
             key: turn.key().clone(),
             fencing_token: acquired.fencing_token,
             lease: acquired.lease,
@@ -92,14 +102,26 @@ impl<B: LockBackend> Held<B> {
         self.origin + Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire))
     }
 
-    fn claim(&self, to: u8) -> bool {
-        self.state
-            .compare_exchange(HELD, to, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+    /// Enters the hold in the renewal schedule; its keeper starts when the first renewal is due.
+    pub(super) fn schedule(self: &Arc<Self>) {
+        let keep: Arc<dyn Keep> = self.clone();
+        self.engine
+            .scheduler
+            .schedule(&self.runtime, self.schedule_key, keep);
     }
 
-    pub(super) fn was_dropped(&self) -> bool {
-        self.state.load(Ordering::Acquire) == DROPPED
+    /// Moves the lock out of `HELD`; only one caller ever succeeds.
+    fn claim(&self, to: u8) -> bool {
+        let claimed = self
+            .state
+            .compare_exchange(HELD, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if claimed {
+            // The hold is ending, so it must not start a keeper any more (and the schedule
+            // must not keep it alive).
+            self.engine.scheduler.cancel(&self.schedule_key);
+        }
+        claimed
     }
 
     /// Ends the hold: telemetry, then the turn passes to the next local waiter.
@@ -139,9 +161,7 @@ impl<B: LockBackend> Held<B> {
     /// Called by the keeper when it can no longer vouch for the lock.
     pub(super) async fn declare_lost(&self, reason: LossReason) {
         if !self.claim(LOST) {
-            if self.was_dropped() {
-                let _ = self.release_claimed().await;
-            }
+            // Released or dropped meanwhile: whoever claimed it releases it.
             return;
         }
         self.loss.store(reason as u8 + 1, Ordering::Release);
@@ -208,15 +228,27 @@ impl<B: LockBackend> HeldLock for Held<B> {
         Orphanable::finishing(async move { self.release_claimed().await })
     }
 
-    fn release_in_background(&self) {
+    fn release_in_background(self: Arc<Self>) {
         if self.claim(DROPPED) {
-            // The keeper task wakes on this and performs the release.
             self.lost.cancel();
+            let runtime = self.runtime.clone();
+            // If the runtime is gone, the task is dropped unrun; the lease then expires or the
+            // connection closes with the lease, which frees the lock at the backend.
+            runtime.spawn(async move {
+                let _ = self.release_claimed().await;
+            });
         }
     }
 
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync) {
         &self.lease
+    }
+}
+
+impl<B: LockBackend> Keep for Held<B> {
+    fn start_keeper(self: Arc<Self>, runtime: &Handle) {
+        let sent = self.origin;
+        runtime.spawn(super::renewal::keep(self, sent));
     }
 }
 

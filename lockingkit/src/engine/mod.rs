@@ -6,6 +6,7 @@ mod held;
 mod options;
 mod orphan;
 mod renewal;
+mod scheduler;
 mod waiting_room;
 
 use std::sync::Arc;
@@ -27,6 +28,7 @@ use crate::BoxFuture;
 use backoff::Backoff;
 use held::Held;
 pub(crate) use orphan::Orphanable;
+use scheduler::RenewalScheduler;
 use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
 
 /// What `DistributedLock` needs from an engine, without the backend type.
@@ -52,7 +54,16 @@ pub(crate) struct Engine<B: LockBackend> {
     timing: LeaseTiming,
     options: LockOptions,
     room: Arc<WaitingRoom>,
+    scheduler: Arc<RenewalScheduler>,
     telemetry: Telemetry,
+}
+
+impl<B: LockBackend> Drop for Engine<B> {
+    fn drop(&mut self) {
+        // Every hold keeps the engine alive, so nothing is scheduled any more; this ends the
+        // idle driver task.
+        self.scheduler.close();
+    }
 }
 
 /// The result of one backend attempt, with the turn it was made under.
@@ -105,7 +116,16 @@ impl<B: LockBackend> Engine<B> {
             backend: Arc::new(backend),
             options,
             room: Arc::new(WaitingRoom::default()),
+            scheduler: Arc::new(RenewalScheduler::default()),
             telemetry,
+        }
+    }
+
+    /// How long after the acquire was sent the first renewal (or check) is due.
+    fn first_renewal_after(&self) -> Duration {
+        match self.timing {
+            LeaseTiming::Expiring(lease) => self.options.renew_every.unwrap_or(lease / 3),
+            LeaseTiming::ConnectionHeld(interval) => interval,
         }
     }
 
@@ -147,9 +167,15 @@ impl<B: LockBackend> Engine<B> {
         sent: Instant,
     ) -> LockHandle {
         turn.mark_held();
-        let held = Arc::new(Held::new(self.clone(), turn, acquired, sent));
+        let held = Arc::new(Held::new(
+            self.clone(),
+            runtime.clone(),
+            turn,
+            acquired,
+            sent,
+        ));
         self.telemetry.lock_taken();
-        runtime.spawn(renewal::keep(held.clone(), sent));
+        held.schedule();
         LockHandle::new(held)
     }
 

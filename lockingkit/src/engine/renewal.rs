@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::{sleep, sleep_until, Instant};
+use tokio::time::{sleep_until, Instant};
 
 use super::backoff::Backoff;
 use super::held::{deadline_after, loss_deadline, Held};
@@ -11,7 +11,7 @@ use crate::backend::{BackendErrorKind, LeaseTiming, LockBackend};
 use crate::telemetry::LossReason;
 
 enum Exit {
-    /// Released or dropped: the lost token fired and the state says what to do.
+    /// Released or dropped: the lost token fired, and whoever did it releases.
     Stopped,
     Lost(LossReason),
 }
@@ -21,14 +21,11 @@ enum Exit {
 pub(crate) async fn keep<B: LockBackend>(held: Arc<Held<B>>, sent: Instant) {
     let exit = match held.engine.timing {
         LeaseTiming::Expiring(lease) => renew_expiring(&held, lease, sent).await,
-        LeaseTiming::ConnectionHeld(interval) => check_connection(&held, interval).await,
+        LeaseTiming::ConnectionHeld(interval) => check_connection(&held, interval, sent).await,
     };
-    match exit {
-        Exit::Lost(reason) => held.declare_lost(reason).await,
-        Exit::Stopped if held.was_dropped() => {
-            let _ = held.release_claimed().await;
-        }
-        Exit::Stopped => {}
+    // A stopped keeper has nothing left to do: release() or drop released the lock.
+    if let Exit::Lost(reason) = exit {
+        held.declare_lost(reason).await;
     }
 }
 
@@ -84,15 +81,22 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
 
 /// Checks the held connection every `interval`; a check that fails or takes longer than the
 /// interval is loss.
-async fn check_connection<B: LockBackend>(held: &Held<B>, interval: Duration) -> Exit {
+async fn check_connection<B: LockBackend>(
+    held: &Held<B>,
+    interval: Duration,
+    sent: Instant,
+) -> Exit {
     let engine = &held.engine;
+    // Checks are scheduled from the acquire's send time, not from when this task started.
+    let mut next = sent + interval;
     loop {
         tokio::select! {
             biased;
             _ = held.lost.cancelled() => return Exit::Stopped,
-            _ = sleep(interval) => {}
+            _ = sleep_until(next) => {}
         }
         let sent = Instant::now();
+        next = sent + interval;
         let result = tokio::select! {
             biased;
             _ = held.lost.cancelled() => return Exit::Stopped,

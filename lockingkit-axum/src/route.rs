@@ -16,10 +16,16 @@ use crate::PathTemplate;
 /// [`hold_until_body_ends`](LockLayer::hold_until_body_ends) or
 /// [`map_rejection`](LockLayer::map_rejection). See [`PathTemplate`] for the template syntax.
 ///
+/// `Router::route_layer` wraps every route added *before* it, so routes that need different
+/// locks (or one lock in different modes) each take theirs on the method router:
+/// `post(ship).route_layer(lock_route(…))`. Two layers locking the same key on one request
+/// refuse it, because locks are not reentrant; the layer logs a warning when that happens.
+///
 /// ```
+/// use std::time::Duration;
 /// use axum::{extract::Path, routing::{get, post}, Router};
 /// use lockingkit::DistributedLock;
-/// use lockingkit_axum::{lock_route, HeldLock};
+/// use lockingkit_axum::{lock_route, lock_route_waiting, HeldLock};
 ///
 /// async fn pay(Path(id): Path<String>, lock: HeldLock) -> String {
 ///     format!("paid {id} under token {}", lock.fencing_token())
@@ -29,9 +35,14 @@ use crate::PathTemplate;
 /// let app: Router = Router::new()
 ///     // Only the routes above `route_layer` are locked …
 ///     .route("/orders/{id}/pay", post(pay))
-///     .route_layer(lock_route(locks, "orders/{id}"))
+///     .route_layer(lock_route(locks.clone(), "orders/{id}"))
 ///     // … so reads stay lock-free.
-///     .route("/orders/{id}", get(|| async { "order" }));
+///     .route("/orders/{id}", get(|| async { "order" }))
+///     // A route with its own lock mode takes it on its method router.
+///     .route(
+///         "/orders/{id}/refund",
+///         post(pay).route_layer(lock_route_waiting(locks, "orders/{id}", Duration::from_secs(5))),
+///     );
 /// # let _ = app;
 /// ```
 pub fn lock_route(locks: DistributedLock, template: &str) -> LockLayer {

@@ -252,10 +252,14 @@ async fn losing_the_lock_mid_handler_stops_the_handler_and_answers_503() {
 async fn invalid_or_missing_keys_are_400() {
     let locks = DistributedLock::in_memory();
     let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .route_layer(lock_route(locks.clone(), "orders/{id}"))
-        .route("/carts/{cart}/pay", post(show_lock))
-        .route_layer(lock_route(locks, "carts/{cart_id}"));
+        .route(
+            "/orders/{id}/ship",
+            post(show_lock).route_layer(lock_route(locks.clone(), "orders/{id}")),
+        )
+        .route(
+            "/carts/{cart}/pay",
+            post(show_lock).route_layer(lock_route(locks, "carts/{cart_id}")),
+        );
     let addr = serve(app).await;
 
     let too_long = "x".repeat(600);

@@ -48,6 +48,8 @@ pin_project! {
         Acquiring {
             acquire: BoxFuture<Result<LockHandle, LockError>>,
             pending: Option<(S, Request<ReqBody>)>,
+            // An outer lock layer already holds this key for this request.
+            nested: bool,
         },
         Calling {
             #[pin]
@@ -83,6 +85,10 @@ where
         let request = Request::from_parts(parts, body);
         let state = match key {
             Some(key) => {
+                let nested = request
+                    .extensions()
+                    .get::<RequestLock>()
+                    .is_some_and(|outer| outer.key() == key);
                 let locks = config.locks.clone();
                 let wait = config.wait;
                 State::Acquiring {
@@ -93,6 +99,7 @@ where
                         }
                     }),
                     pending: Some((service, request)),
+                    nested,
                 }
             }
             None if config.pass_through_without_key => State::Unlocked {
@@ -130,7 +137,11 @@ where
                         return Poll::Ready(Ok(this.mapper.rejection_response(rejection)));
                     }
                 }
-                StateProj::Acquiring { acquire, pending } => {
+                StateProj::Acquiring {
+                    acquire,
+                    pending,
+                    nested,
+                } => {
                     let acquired = ready!(acquire.as_mut().poll(cx));
                     let pending = pending.take();
                     match (acquired, pending) {
@@ -148,6 +159,15 @@ where
                         }
                         (Err(error), _) => {
                             let config: &LockConfig = this.config;
+                            if *nested && error.is_contention() {
+                                tracing::warn!(
+                                    lock = config.locks.name(),
+                                    "a lock layer found its key already held by an outer lock \
+                                     layer on the same request; locks are not reentrant, so the \
+                                     request is refused (with axum, each Router::route_layer \
+                                     wraps every route added before it)"
+                                );
+                            }
                             let rejection = LockRejection::acquire(
                                 error,
                                 config.busy_retry_after,

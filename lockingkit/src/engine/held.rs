@@ -7,9 +7,8 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
-use super::orphan::Orphanable;
+use super::orphan::{traced, within, Orphanable};
 use super::scheduler::{Keep, ScheduleKey};
 use super::waiting_room::Turn;
 use super::Engine;
@@ -142,13 +141,15 @@ impl<B: LockBackend> Held<B> {
         let telemetry = &self.engine.telemetry;
         let span = telemetry.release_span(self.fencing_token);
         let timeout = self.engine.options.release_timeout;
-        let result = tokio::time::timeout(timeout, self.engine.backend.release(&self.lease))
-            .instrument(span.clone())
-            .await;
+        let result = traced(
+            span.clone(),
+            within(timeout, self.engine.backend.release(&self.lease)),
+        )
+        .await;
         let result = match result {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(error.into_lock_error()),
-            Err(_) => Err(LockError::new(
+            Some(Ok(())) => Ok(()),
+            Some(Err(error)) => Err(error.into_lock_error()),
+            None => Err(LockError::new(
                 ErrorKind::Unavailable,
                 format!("the backend did not confirm the release within {timeout:?}"),
             )),
@@ -170,7 +171,7 @@ impl<B: LockBackend> Held<B> {
         // giving it up now lets the next holder in before it would expire. After other losses
         // it lets the backend clean up (a PostgreSQL provider discards the broken connection).
         let timeout = self.engine.options.release_timeout;
-        let _ = tokio::time::timeout(timeout, self.engine.backend.release(&self.lease)).await;
+        let _ = within(timeout, self.engine.backend.release(&self.lease)).await;
         self.finish(Some(reason));
     }
 }

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tracing::Instrument;
 
 pub(crate) use options::misconfigured;
 pub use options::LockOptions;
@@ -151,8 +150,7 @@ impl<B: LockBackend> Engine<B> {
         Orphanable::new(work, move |(turn, _, result)| {
             Box::pin(async move {
                 if let Ok(Some(acquired)) = result {
-                    let _ = tokio::time::timeout(release_timeout, backend.release(&acquired.lease))
-                        .await;
+                    let _ = orphan::within(release_timeout, backend.release(&acquired.lease)).await;
                 }
                 drop(turn);
             })
@@ -271,14 +269,10 @@ impl<B: LockBackend> Engine<B> {
         };
         let result = match operation {
             Operation::TryAcquire => {
-                self.try_acquire_inner(key, &mut record.attempts)
-                    .instrument(span)
-                    .await
+                orphan::traced(span, self.try_acquire_inner(key, &mut record.attempts)).await
             }
             Operation::Acquire => {
-                self.acquire_inner(key, timeout, &mut record.attempts)
-                    .instrument(span)
-                    .await
+                orphan::traced(span, self.acquire_inner(key, timeout, &mut record.attempts)).await
             }
         };
         record.finish(&result);

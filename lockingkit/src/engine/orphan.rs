@@ -98,3 +98,26 @@ where
         }
     }
 }
+
+/// Runs `work` with a time limit, arming the timer only if the work does not finish on its
+/// first poll: most releases and in-memory calls complete at once, and a timer (a clock read
+/// and a timer-wheel entry) would be most of their cost. `None` means the limit passed.
+pub(crate) async fn within<F: Future>(limit: std::time::Duration, work: F) -> Option<F::Output> {
+    let mut work = std::pin::pin!(work);
+    let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
+    match first {
+        Poll::Ready(output) => Some(output),
+        Poll::Pending => tokio::time::timeout(limit, work).await.ok(),
+    }
+}
+
+/// Runs `work` inside `span` only when the span is enabled, which saves entering and leaving
+/// a disabled span on every poll.
+pub(crate) async fn traced<F: Future>(span: tracing::Span, work: F) -> F::Output {
+    use tracing::Instrument;
+    if span.is_disabled() {
+        work.await
+    } else {
+        work.instrument(span).await
+    }
+}

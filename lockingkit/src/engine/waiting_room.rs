@@ -56,13 +56,15 @@ impl WaitingRoom {
 
     /// Takes the turn for `key` if nobody here is attempting, holding or waiting for it.
     pub(crate) fn try_enter(self: &Arc<Self>, key: &str) -> Option<Turn> {
-        let mut slots = self.slots();
-        if slots.contains_key(key) {
-            return None;
-        }
-        let id = self.new_id();
         let key: Arc<str> = Arc::from(key);
-        slots.insert(key.clone(), Slot::new(id));
+        let id = self.new_id();
+        // One hash lookup: the key is allocated up front because the turn needs it anyway.
+        match self.slots().entry(key.clone()) {
+            std::collections::hash_map::Entry::Occupied(_) => return None,
+            std::collections::hash_map::Entry::Vacant(vacant) => {
+                vacant.insert(Slot::new(id));
+            }
+        }
         Some(Turn {
             room: self.clone(),
             key,
@@ -101,9 +103,11 @@ impl WaitingRoom {
     /// Gives the turn of `id` to the next waiter, or forgets the key when nobody waits.
     fn pass_on(&self, key: &Arc<str>, id: u64) {
         let mut slots = self.slots();
-        let Some(slot) = slots.get_mut(key) else {
+        let std::collections::hash_map::Entry::Occupied(mut occupied) = slots.entry(key.clone())
+        else {
             return;
         };
+        let slot = occupied.get_mut();
         if slot.active != id {
             return;
         }
@@ -114,7 +118,7 @@ impl WaitingRoom {
                 next.wake.notify_one();
             }
             None => {
-                slots.remove(key);
+                occupied.remove();
             }
         }
     }

@@ -58,9 +58,11 @@ async fn main() -> Result<(), LockError> {
 
     // 4. Loss: run work under the lock; when the lease is lost the work is dropped. A 3 s lease
     //    (renewed every second) keeps the demo short; the default is 30 s.
-    let short_leases =
-        DistributedLock::builder(MemoryBackend::with_lease(store.clone(), Duration::from_secs(3)))
-            .build()?;
+    let short_leases = DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_secs(3),
+    ))
+    .build()?;
     let report = short_leases.try_acquire("reports/daily").await?;
     let lost = report.lost_token();
     // Simulate another client breaking the lease (the in-memory store has test controls).

@@ -49,13 +49,18 @@ pub use error::{ErrorKind, LockError};
 pub use handle::LockHandle;
 pub use keys::PostgresLockKeys;
 pub use lock::{DistributedLock, DistributedLockBuilder, DEFAULT_NAME};
-pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
-pub use registry::{Locking, LockingConfig};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobLease, AzureBlobOptions};
+pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresLease, PostgresOptions};
+pub use registry::{Locking, LockingConfig};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
+
+/// The README's Rust examples, compiled as doc tests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -227,6 +227,7 @@ impl<B: LockBackend> Engine<B> {
                     return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
                 };
                 *attempts += 1;
+                let hint = self.backend.release_hint(current.key());
                 let (current, sent, result) = self.attempt(current).await;
                 match result {
                     Ok(Some(acquired)) => return Ok(self.hold(&runtime, current, acquired, sent)),
@@ -236,12 +237,14 @@ impl<B: LockBackend> Engine<B> {
                 }
                 turn = Some(current);
                 let wake = Instant::now() + backoff.next_delay();
-                if wake >= deadline {
-                    // No attempt would start before the deadline: wait for the deadline to end
-                    // the wait, holding the turn so local waiters behind us stay quiet.
-                    std::future::pending::<()>().await
+                // The backend's hint, if it has one, cuts the sleep short. A sleep that would
+                // end at or after the deadline is not armed: the deadline ends the wait, and the
+                // turn stays with us so local waiters behind us stay quiet.
+                tokio::select! {
+                    biased;
+                    _ = hint => {}
+                    _ = tokio::time::sleep_until(wake), if wake < deadline => {}
                 }
-                tokio::time::sleep_until(wake).await;
             }
         })
         .await;

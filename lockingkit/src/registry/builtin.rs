@@ -106,13 +106,15 @@ fn postgres(section: &ProviderSection, _: Assembly<'_>) -> Result<DistributedLoc
 }
 
 #[cfg(feature = "postgres")]
-fn postgres(section: &ProviderSection, _: Assembly<'_>) -> Result<DistributedLock, LockError> {
-    // Extension point: bind `PostgresOptions` with `bind_checked(section, PostgresOptions::problems)`
-    // and assemble its backend once the provider lands.
-    Err(problem_list(vec![format!(
-        "{}.provider is postgres, which this build of lockingkit cannot configure yet",
-        section.path()
-    )]))
+fn postgres(
+    section: &ProviderSection,
+    assembly: Assembly<'_>,
+) -> Result<DistributedLock, LockError> {
+    use crate::providers::postgres::{PostgresBackend, PostgresOptions};
+    let options = bind_checked(section, PostgresOptions::problems)?;
+    let backend = PostgresBackend::new(options)
+        .map_err(|e| retarget(&e, "Locking.Postgres", section.path()))?;
+    assembly.assemble(backend)
 }
 
 #[cfg(not(feature = "azure"))]
@@ -124,11 +126,44 @@ fn azure_blob(section: &ProviderSection, _: Assembly<'_>) -> Result<DistributedL
 }
 
 #[cfg(feature = "azure")]
-fn azure_blob(section: &ProviderSection, _: Assembly<'_>) -> Result<DistributedLock, LockError> {
-    // Extension point: bind `AzureBlobOptions` with `bind_checked(section, AzureBlobOptions::problems)`
-    // and assemble its backend once the provider lands.
-    Err(problem_list(vec![format!(
-        "{}.provider is azure_blob, which this build of lockingkit cannot configure yet",
-        section.path()
-    )]))
+fn azure_blob(
+    section: &ProviderSection,
+    assembly: Assembly<'_>,
+) -> Result<DistributedLock, LockError> {
+    use crate::providers::azure::{AzureBlobBackend, AzureBlobOptions};
+    let options = bind_checked(section, AzureBlobOptions::problems)?;
+    let backend = match (
+        &options.service_url,
+        assembly.context.azure_credential.cloned(),
+    ) {
+        (Some(_), Some(credential)) => AzureBlobBackend::with_credential(options, credential),
+        (Some(_), None) => {
+            return Err(problem_list(vec![format!(
+                "{}.service_url needs a token credential: give one to \
+                 LockingBuilder::azure_credential, or use connection_string",
+                section.path()
+            )]))
+        }
+        (None, _) => AzureBlobBackend::new(options),
+    }
+    .map_err(|e| retarget(&e, "AzureBlobOptions", section.path()))?;
+    assembly.assemble(backend)
+}
+
+/// A provider constructor's error with its own section name replaced by the real one.
+#[cfg(any(feature = "postgres", feature = "azure"))]
+pub(super) fn retarget(error: &LockError, own: &str, path: &str) -> LockError {
+    let message = error
+        .message()
+        .strip_prefix("invalid lock configuration: ")
+        .unwrap_or(error.message());
+    problem_list(
+        message
+            .split("; ")
+            .map(|problem| match problem.strip_prefix(own) {
+                Some(rest) => format!("{path}{rest}"),
+                None => problem.to_owned(),
+            })
+            .collect(),
+    )
 }

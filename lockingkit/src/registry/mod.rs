@@ -146,8 +146,20 @@ type Registration = Box<dyn FnOnce(Assembly<'_>) -> Result<DistributedLock, Lock
 pub(crate) struct Assembly<'a> {
     name: &'a str,
     options: LockOptions,
-    meter: Option<&'a Meter>,
+    context: Context<'a>,
 }
+
+/// What the builder gives every provider alike.
+#[derive(Clone, Copy)]
+pub(crate) struct Context<'a> {
+    meter: Option<&'a Meter>,
+    /// The identity for Azure sections that name a `service_url`.
+    #[cfg(feature = "azure")]
+    pub(crate) azure_credential: Option<&'a AzureCredential>,
+}
+
+#[cfg(feature = "azure")]
+type AzureCredential = Arc<dyn azure_core::credentials::TokenCredential>;
 
 impl Assembly<'_> {
     /// Wraps `backend` in the engine, as every provider is.
@@ -155,7 +167,7 @@ impl Assembly<'_> {
         let builder = DistributedLock::builder(backend)
             .name(self.name)
             .options(self.options);
-        match self.meter {
+        match self.context.meter {
             Some(meter) => builder.meter(meter.clone()),
             None => builder,
         }
@@ -172,6 +184,8 @@ pub struct LockingBuilder {
     custom: Vec<(String, Factory)>,
     required: Vec<String>,
     meter: Option<Meter>,
+    #[cfg(feature = "azure")]
+    azure_credential: Option<AzureCredential>,
 }
 
 impl LockingBuilder {
@@ -182,6 +196,90 @@ impl LockingBuilder {
             MemoryBackend::new(MemoryStore::new()),
             LockOptions::default(),
         )
+    }
+
+    /// Adds a PostgreSQL provider; its options are checked when the registry is built.
+    #[cfg(feature = "postgres")]
+    pub fn postgres(
+        self,
+        name: impl Into<String>,
+        postgres: crate::providers::postgres::PostgresOptions,
+        options: LockOptions,
+    ) -> Self {
+        self.deferred(name, options, move |path, _| {
+            let problems = postgres.problems(path);
+            if !problems.is_empty() {
+                return Err(section::problem_list(problems));
+            }
+            crate::providers::postgres::PostgresBackend::new(postgres)
+                .map_err(|e| builtin::retarget(&e, "Locking.Postgres", path))
+        })
+    }
+
+    /// Adds an Azure Blob lease provider; its options are checked when the registry is built.
+    ///
+    /// Options that name a `service_url` authenticate with the
+    /// [`azure_credential`](Self::azure_credential) given to this builder.
+    #[cfg(feature = "azure")]
+    pub fn azure_blob(
+        self,
+        name: impl Into<String>,
+        azure: crate::providers::azure::AzureBlobOptions,
+        options: LockOptions,
+    ) -> Self {
+        self.deferred(name, options, move |path, context| {
+            use crate::providers::azure::AzureBlobBackend;
+            let problems = azure.problems(path);
+            if !problems.is_empty() {
+                return Err(section::problem_list(problems));
+            }
+            match (&azure.service_url, context.azure_credential) {
+                (Some(_), Some(credential)) => {
+                    AzureBlobBackend::with_credential(azure, credential.clone())
+                }
+                _ => AzureBlobBackend::new(azure),
+            }
+            .map_err(|e| builtin::retarget(&e, "AzureBlobOptions", path))
+        })
+    }
+
+    /// The Microsoft Entra identity (for example a managed identity from `azure_identity`) of
+    /// every Azure Blob provider whose options name a `service_url` instead of a connection
+    /// string, whether added in code or from configuration.
+    #[cfg(feature = "azure")]
+    pub fn azure_credential(
+        mut self,
+        credential: Arc<dyn azure_core::credentials::TokenCredential>,
+    ) -> Self {
+        self.azure_credential = Some(credential);
+        self
+    }
+
+    /// Registers a provider whose backend is made, and checked, only when the registry is
+    /// built, so its problems join everyone else's.
+    #[cfg(any(feature = "postgres", feature = "azure"))]
+    fn deferred<B: LockBackend>(
+        mut self,
+        name: impl Into<String>,
+        options: LockOptions,
+        make: impl FnOnce(&str, Context<'_>) -> Result<B, LockError> + Send + 'static,
+    ) -> Self {
+        let register: Registration = Box::new(move |assembly: Assembly<'_>| {
+            let path = format!("Locking.{}", assembly.name);
+            let mut problems = options.problems(&path);
+            let backend =
+                make(&path, assembly.context).map_err(|e| problems.push(e.message().to_owned()));
+            match backend {
+                Ok(backend) if problems.is_empty() => Assembly {
+                    options,
+                    ..assembly
+                }
+                .assemble(backend),
+                _ => Err(section::problem_list(problems)),
+            }
+        });
+        self.registrations.push((name.into(), register));
+        self
     }
 
     /// Adds a provider on `backend`, built-in or your own, with engine `options`.
@@ -283,7 +381,14 @@ impl LockingBuilder {
             custom,
             required,
             meter,
+            #[cfg(feature = "azure")]
+            azure_credential,
         } = self;
+        let context = Context {
+            meter: meter.as_ref(),
+            #[cfg(feature = "azure")]
+            azure_credential: azure_credential.as_ref(),
+        };
         let mut problems = Vec::new();
         let mut built: Vec<DistributedLock> = Vec::new();
         let mut seen: Vec<String> = Vec::new();
@@ -306,7 +411,7 @@ impl LockingBuilder {
             let assembly = Assembly {
                 name: &name,
                 options: LockOptions::default(),
-                meter: meter.as_ref(),
+                context,
             };
             collect(
                 register(assembly),
@@ -326,14 +431,7 @@ impl LockingBuilder {
                 problems.push(format!("{path} must be a table of settings"));
                 continue;
             };
-            let result = build_section(
-                &name,
-                &path,
-                settings,
-                &custom,
-                meter.as_ref(),
-                &mut problems,
-            );
+            let result = build_section(&name, &path, settings, &custom, context, &mut problems);
             if let Some((result, settings)) = result {
                 collect(result, &path, Some(&settings), &mut built, &mut problems);
             }
@@ -443,7 +541,7 @@ fn build_section(
     path: &str,
     settings: Map<String, Value>,
     custom: &[(String, Factory)],
-    meter: Option<&Meter>,
+    context: Context<'_>,
     problems: &mut Vec<String>,
 ) -> Option<(Result<DistributedLock, LockError>, Map<String, Value>)> {
     let shared_fields = lenient::struct_fields::<LockOptions>().unwrap_or(&[]);
@@ -497,7 +595,7 @@ fn build_section(
     let assembly = Assembly {
         name,
         options: options.filter(|_| options_ok).unwrap_or_default(),
-        meter,
+        context,
     };
     let result = if let Some(builtin) = BUILT_IN.iter().find(|b| canonical(b.name) == wanted) {
         (builtin.build)(&section, assembly)

@@ -391,3 +391,112 @@ fn secrets_stay_out_of_every_rendering_of_config_and_errors() {
         .to_string()
         .contains("Locking.Default.connection_string is not a setting"));
 }
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+
+    #[tokio::test]
+    async fn postgres_sections_bind_build_and_report_under_their_own_name() {
+        let locking = Locking::from_config(config(json!({
+            "DEFAULT": {
+                "PROVIDER": "postgres",
+                "CONNECTION_STRING": "host=127.0.0.1 user=app password=hunter2 dbname=app",
+                "POOL_SIZE": "4",
+                "CHECK_INTERVAL": "2s",
+            },
+        })))
+        .unwrap();
+        assert_eq!(locking.default().provider(), "postgres");
+        assert!(!format!("{locking:?}").contains("hunter2"));
+
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {"provider": "postgres", "pool_size": 0},
+            "Jobs": {
+                "provider": "postgres",
+                "connection_string": "postgres://app:hunter2@db/app?sslmode=sometimes",
+                "fencing_schema": "Bad Schema",
+            },
+        }))));
+        assert!(
+            shown.contains("Locking.Default.connection_string is required"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("Locking.Default.pool_size must be at least 1"),
+            "{shown}"
+        );
+        assert!(shown.contains("Locking.Jobs.connection_string:"), "{shown}");
+        assert!(
+            shown.contains("Locking.Jobs.fencing_schema must be"),
+            "{shown}"
+        );
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
+
+    #[test]
+    fn postgres_in_code_is_validated_at_build_with_everything_else() {
+        let shown = misconfigured(
+            Locking::builder()
+                .postgres(
+                    "Default",
+                    crate::PostgresOptions::new("password=hunter2 sslmode=bogus"),
+                    LockOptions::default(),
+                )
+                .in_memory("Jobs")
+                .in_memory("jobs")
+                .build(),
+        );
+        assert!(
+            shown.contains("Locking.Default.connection_string:"),
+            "{shown}"
+        );
+        assert!(shown.contains("Locking.jobs is defined twice"), "{shown}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
+}
+
+#[cfg(feature = "azure")]
+mod azure {
+    use super::*;
+
+    const ACCOUNT_KEY: &str = "c2VjcmV0LWFjY291bnQta2V5LWZvci10ZXN0cw==";
+
+    #[tokio::test]
+    async fn azure_sections_bind_build_and_report_under_their_own_name() {
+        let connection_string = format!(
+            "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={ACCOUNT_KEY};BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1"
+        );
+        let locking = Locking::from_config(config(json!({
+            "default": {
+                "provider": "AzureBlob",
+                "ConnectionString": connection_string,
+                "Container": "locks",
+                "LeaseDuration": "20s",
+            },
+        })))
+        .unwrap();
+        assert_eq!(locking.default().provider(), "azure_blob");
+
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {
+                "provider": "azure_blob",
+                "connection_string": format!("AccountName=a;AccountKey={ACCOUNT_KEY};Bogus=1"),
+                "lease_duration": "90s",
+                "container": "Bad_Name",
+            },
+            "Jobs": {"provider": "azure_blob", "service_url": "https://acct.blob.core.windows.net"},
+        }))));
+        assert!(
+            shown.contains("Locking.Default.lease_duration must be between 15s and 60s"),
+            "{shown}"
+        );
+        assert!(shown.contains("Locking.Default.container:"), "{shown}");
+        assert!(
+            shown.contains("Locking.Jobs.service_url needs a token credential"),
+            "{shown}"
+        );
+        assert!(!shown.contains(ACCOUNT_KEY), "{shown}");
+        assert!(!shown.contains("c2VjcmV0"), "{shown}");
+    }
+}

@@ -36,6 +36,20 @@ pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
 ///
 /// The layer is cheap to clone. Keys never appear in responses or logs.
 ///
+/// Costs and edge cases worth knowing:
+/// - The release is one backend round trip added to each response's latency. If the backend
+///   does not answer, the response waits for the provider's release timeout (10 s by default)
+///   and is then sent anyway; the lease runs out on its own.
+/// - If the lock is lost after the inner service has produced its response but before the
+///   release, the response is sent as is and a warning is logged: the work is done, and the
+///   fencing token is what protects its writes.
+/// - The inner service is asked for readiness before the lock is taken, and the instance that
+///   was polled ready is kept while waiting for the lock (in wait mode), so a concurrency
+///   limit inside the layer counts waiting requests too. Put such limits outside the layer to
+///   count only requests that hold their lock.
+/// - If the client goes away, the response future is dropped: a pending acquisition is
+///   cancelled and a held lock is released in the background.
+///
 /// ```
 /// use http::{request::Parts, Request, Response};
 /// use lockingkit::DistributedLock;

@@ -29,7 +29,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// Writes a duration in the form [`parse_duration`] reads.
 pub fn format_duration(duration: Duration) -> String {
     let millis = duration.as_millis();
-    if millis % 1000 == 0 {
+    if millis.is_multiple_of(1000) {
         format!("{}s", millis / 1000)
     } else {
         format!("{millis}ms")

@@ -131,13 +131,7 @@ impl<B: LockBackend> Engine<B> {
     /// One backend attempt under `turn`. If the caller drops this future while the attempt is
     /// in flight, the attempt finishes in the background, a lease it won is released, and only
     /// then does the turn pass to the next local waiter.
-    fn attempt(
-        &self,
-        turn: Turn,
-    ) -> Orphanable<
-        AttemptResult<B::Lease>,
-        impl FnOnce(AttemptResult<B::Lease>) -> BoxFuture<'static, ()> + Send + 'static,
-    > {
+    fn attempt(&self, turn: Turn) -> Orphanable<AttemptResult<B::Lease>, ReleaseWon<B>> {
         let backend = self.backend.clone();
         let release_timeout = self.options.release_timeout;
         let work = async move {
@@ -146,15 +140,13 @@ impl<B: LockBackend> Engine<B> {
             turn.note_attempt(!matches!(&result, Err(e) if !e.reached()));
             (turn, sent, result)
         };
-        let backend = self.backend.clone();
-        Orphanable::new(work, move |(turn, _, result)| {
-            Box::pin(async move {
-                if let Ok(Some(acquired)) = result {
-                    let _ = orphan::within(release_timeout, backend.release(&acquired.lease)).await;
-                }
-                drop(turn);
-            })
-        })
+        Orphanable::new(
+            work,
+            ReleaseWon {
+                backend: self.backend.clone(),
+                release_timeout,
+            },
+        )
     }
 
     fn hold(
@@ -317,6 +309,24 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
 
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync) {
         &*self.backend
+    }
+}
+
+/// Releases whatever an attempt won after its caller went away, then passes the turn on.
+pub(crate) struct ReleaseWon<B> {
+    backend: Arc<B>,
+    release_timeout: Duration,
+}
+
+impl<B: LockBackend> orphan::Cleanup<AttemptResult<B::Lease>> for ReleaseWon<B> {
+    fn clean_up(self, (turn, _, result): AttemptResult<B::Lease>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            if let Ok(Some(acquired)) = result {
+                let _ = orphan::within(self.release_timeout, self.backend.release(&acquired.lease))
+                    .await;
+            }
+            drop(turn);
+        })
     }
 }
 

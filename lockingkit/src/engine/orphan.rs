@@ -12,23 +12,27 @@ use std::task::{Context, Poll};
 
 use crate::BoxFuture;
 
-/// The clean-up of work that needs none.
-pub(crate) type NoCleanup<T> = fn(T) -> BoxFuture<'static, ()>;
+/// What to do with the output of work whose caller went away.
+pub(crate) trait Cleanup<T>: Send + 'static {
+    fn clean_up(self, output: T) -> BoxFuture<'static, ()>;
+}
+
+/// The clean-up of work that needs none: running to the end is enough.
+pub(crate) struct NoCleanup;
+
+impl<T> Cleanup<T> for NoCleanup {
+    fn clean_up(self, _output: T) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
+}
 
 /// The clean-up is stored inline (not boxed): this sits on every acquire's hot path.
-pub(crate) struct Orphanable<T: Send + 'static, C = NoCleanup<T>>
-where
-    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
-{
+pub(crate) struct Orphanable<T: Send + 'static, C: Cleanup<T> = NoCleanup> {
     work: Option<BoxFuture<'static, T>>,
     cleanup: Option<C>,
 }
 
-impl<T, C> Orphanable<T, C>
-where
-    T: Send + 'static,
-    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
-{
+impl<T: Send + 'static, C: Cleanup<T>> Orphanable<T, C> {
     /// `cleanup` runs on the result only if the caller dropped the future before it finished.
     pub(crate) fn new(work: impl Future<Output = T> + Send + 'static, cleanup: C) -> Self {
         Orphanable {
@@ -49,16 +53,9 @@ impl<T: Send + 'static> Orphanable<T> {
 }
 
 // Nothing is pinned structurally: the work is boxed and the clean-up is only moved out.
-impl<T: Send + 'static, C> Unpin for Orphanable<T, C> where
-    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static
-{
-}
+impl<T: Send + 'static, C: Cleanup<T>> Unpin for Orphanable<T, C> {}
 
-impl<T, C> Future for Orphanable<T, C>
-where
-    T: Send + 'static,
-    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
-{
+impl<T: Send + 'static, C: Cleanup<T>> Future for Orphanable<T, C> {
     type Output = T;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
@@ -77,10 +74,7 @@ where
     }
 }
 
-impl<T: Send + 'static, C> Drop for Orphanable<T, C>
-where
-    C: FnOnce(T) -> BoxFuture<'static, ()> + Send + 'static,
-{
+impl<T: Send + 'static, C: Cleanup<T>> Drop for Orphanable<T, C> {
     fn drop(&mut self) {
         let Some(work) = self.work.take() else {
             return;
@@ -92,7 +86,7 @@ where
             runtime.spawn(async move {
                 let output = work.await;
                 if let Some(cleanup) = cleanup {
-                    cleanup(output).await;
+                    cleanup.clean_up(output).await;
                 }
             });
         }

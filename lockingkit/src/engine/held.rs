@@ -155,7 +155,11 @@ impl<B: LockBackend> Held<B> {
             )),
         };
         telemetry.release_finished(&span, &result);
-        self.finish(None);
+        // A backend that answers "lease gone" to the release says the lock was lost before we
+        // gave it up: the hold ended in loss, whatever the caller intended.
+        let lost = matches!(&result, Err(e) if e.kind() == ErrorKind::Lost)
+            .then_some(LossReason::LeaseGone);
+        self.finish(lost);
         result
     }
 

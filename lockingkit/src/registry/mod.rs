@@ -308,7 +308,12 @@ impl LockingBuilder {
         self
     }
 
-    /// Adds every section of `config` (see [`LockingConfig`]); may be called more than once.
+    /// Adds every section of `config` (see [`LockingConfig`]).
+    ///
+    /// Call it once per source, lowest precedence first (a file, then environment variables):
+    /// each later source is laid over the earlier ones with [`LockingConfig::overlay`], setting
+    /// by setting and ignoring case, so `LOCKING__DEFAULT__LEASE_DURATION` overrides the
+    /// `lease_duration` of a file's `[Locking.Default]`.
     pub fn config(mut self, config: LockingConfig) -> Self {
         self.configs.push(config);
         self
@@ -422,7 +427,11 @@ impl LockingBuilder {
             );
         }
 
-        for (name, section) in configs.into_iter().flat_map(LockingConfig::into_sections) {
+        let config = configs
+            .into_iter()
+            .reduce(LockingConfig::overlay)
+            .unwrap_or_default();
+        for (name, section) in config.into_sections() {
             let Some(name) = registry_name(&name, &mut seen, &mut problems) else {
                 continue;
             };

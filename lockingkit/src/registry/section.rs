@@ -53,6 +53,53 @@ impl LockingConfig {
         self
     }
 
+    /// Lays `overrides` over this configuration, setting by setting, as a layered source
+    /// would: a later value wins.
+    ///
+    /// Unlike a generic layering, names match the way the registry reads them: sections
+    /// ignoring ASCII case, settings ignoring ASCII case, `_` and `-`. That matters because
+    /// configuration crates keep a file's keys as written (`[Locking.Default]`) but lower-case
+    /// environment variables (`LOCKING__DEFAULT__LEASE_DURATION` becomes
+    /// `default.lease_duration`), so the two would otherwise never meet. The earlier spelling
+    /// of a name is kept.
+    ///
+    /// ```
+    /// use lockingkit::LockingConfig;
+    /// use serde_json::json;
+    ///
+    /// let file = LockingConfig::new()
+    ///     .with_section("Default", json!({ "provider": "in_memory", "lease_duration": "30s" }));
+    /// let env = LockingConfig::new().with_section("default", json!({ "LEASE_DURATION": "20s" }));
+    /// let merged = file.overlay(env);
+    /// assert_eq!(
+    ///     merged.section("DEFAULT"),
+    ///     Some(&json!({ "provider": "in_memory", "lease_duration": "20s" }))
+    /// );
+    /// ```
+    pub fn overlay(mut self, overrides: LockingConfig) -> Self {
+        for (name, section) in overrides.sections {
+            let existing = self
+                .sections
+                .iter_mut()
+                .find(|(own, _)| own.eq_ignore_ascii_case(&name));
+            match existing {
+                Some((_, current)) => overlay_value(current, section),
+                None => {
+                    self.sections.insert(name, section);
+                }
+            }
+        }
+        self
+    }
+
+    /// The section called `name` (ignoring ASCII case), as bound from the source.
+    pub fn section(&self, name: &str) -> Option<&Value> {
+        self.sections
+            .iter()
+            .find(|(own, _)| own.eq_ignore_ascii_case(name))
+            .map(|(_, section)| section)
+    }
+
     /// The section names, as written in the source.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.sections.keys().map(String::as_str)
@@ -79,6 +126,24 @@ impl fmt::Debug for LockingConfig {
             map.entry(name, &format_args!("{provider}"));
         }
         map.finish()
+    }
+}
+
+/// Lays `later` over `current`: tables merge by canonical key, anything else is replaced.
+fn overlay_value(current: &mut Value, later: Value) {
+    match (current, later) {
+        (Value::Object(current), Value::Object(later)) => {
+            for (key, value) in later {
+                let wanted = canonical(&key);
+                match current.iter_mut().find(|(own, _)| canonical(own) == wanted) {
+                    Some((_, existing)) => overlay_value(existing, value),
+                    None => {
+                        current.insert(key, value);
+                    }
+                }
+            }
+        }
+        (current, later) => *current = later,
     }
 }
 

@@ -500,3 +500,25 @@ mod azure {
         assert!(!shown.contains("c2VjcmV0"), "{shown}");
     }
 }
+
+#[test]
+fn later_sources_override_earlier_ones_setting_by_setting_ignoring_case() {
+    let file = config(json!({
+        "Default": {"provider": "in_memory", "lease_duration": "30s", "max_retry_delay": "2s"},
+        "Jobs": {"provider": "in_memory"},
+    }));
+    let env = config(json!({
+        "default": {"LEASE_DURATION": "20s"},
+        "reports": {"provider": "in_memory"},
+    }));
+    let locking = Locking::builder().config(file).config(env).build().unwrap();
+    assert_eq!(
+        locking.names().collect::<Vec<_>>(),
+        ["Default", "Jobs", "reports"]
+    );
+    let default = locking.default().backend::<MemoryBackend>().unwrap();
+    assert_eq!(
+        default.timing(),
+        LeaseTiming::Expiring(Duration::from_secs(20))
+    );
+}

@@ -1,5 +1,7 @@
 //! Test fixtures shared by the integration suites: real backends started on loopback.
 #![allow(missing_docs)]
 
+pub mod azurite;
+pub mod bench_azure;
 pub mod bench_postgres;
 pub mod postgres;

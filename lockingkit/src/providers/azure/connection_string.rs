@@ -189,22 +189,15 @@ impl Settings {
         };
 
         let endpoint = match (&self.blob_endpoint, &self.account_name) {
-            (Some(endpoint), _) => {
-                if self.endpoint_suffix.is_some() || self.protocol.is_some() {
-                    problems.push(
-                        "BlobEndpoint cannot be combined with DefaultEndpointsProtocol or \
-                         EndpointSuffix"
-                            .to_owned(),
-                    );
+            // An explicit endpoint wins over DefaultEndpointsProtocol and EndpointSuffix, as in
+            // the other Azure SDKs (Azurite's documented string carries both).
+            (Some(endpoint), _) => match super::parse_service_url(endpoint) {
+                Ok(url) => Some(url),
+                Err(problem) => {
+                    problems.push(format!("BlobEndpoint: {problem}"));
+                    None
                 }
-                match super::parse_service_url(endpoint) {
-                    Ok(url) => Some(url),
-                    Err(problem) => {
-                        problems.push(format!("BlobEndpoint: {problem}"));
-                        None
-                    }
-                }
-            }
+            },
             (None, Some(account)) => {
                 let protocol = self.protocol.as_deref().unwrap_or("https");
                 if !(protocol.eq_ignore_ascii_case("https")
@@ -311,6 +304,16 @@ mod tests {
             cs.blob_endpoint.as_str(),
             "http://127.0.0.1:10000/devstoreaccount1"
         );
+    }
+
+    #[test]
+    fn azurites_documented_connection_string_is_accepted() {
+        let cs = ConnectionString::parse(&format!(
+            "DefaultEndpointsProtocol=http;AccountName={DEVELOPMENT_ACCOUNT};AccountKey={DEVELOPMENT_KEY};\
+             BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;"
+        ))
+        .unwrap();
+        assert_eq!(cs.blob_endpoint.as_str(), DEVELOPMENT_ENDPOINT);
     }
 
     #[test]

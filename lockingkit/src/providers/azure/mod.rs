@@ -44,9 +44,13 @@ mod options;
 mod shared_key;
 mod transport;
 
+/// The SDK crates this provider is built on, re-exported so callers use the same versions.
+pub use azure_core;
+pub use azure_storage_blob;
 pub use errors::AzureRequestError;
 pub use guard_blob::FENCING_TOKEN_METADATA;
 pub use options::{AzureBlobOptions, MAX_LEASE_DURATION, MAX_RETRIES_LIMIT, MIN_LEASE_DURATION};
+pub use shared_key::SharedKeyPolicy;
 
 use connection_string::{ConnectionString, Credential};
 use guard_blob::GuardBlobs;
@@ -91,9 +95,9 @@ impl AzureBlobBackend {
         let mut container_url = container_url(&connection.blob_endpoint, &options.container);
         let mut client_options = client_options(&options)?;
         match connection.credential {
-            Credential::SharedKey { account, key } => client_options
-                .per_try_policies
-                .push(Arc::new(shared_key::SharedKeyPolicy::new(account, key))),
+            Credential::SharedKey { account, key } => client_options.per_try_policies.push(
+                Arc::new(shared_key::SharedKeyPolicy::from_decoded(account, key)),
+            ),
             Credential::Sas(sas) => container_url.set_query(Some(&sas)),
         }
         let container =
@@ -421,6 +425,23 @@ mod tests {
         assert!(!text.contains("hunter2"), "{text}");
     }
 
+    #[derive(Debug)]
+    struct FixedToken;
+
+    #[async_trait::async_trait]
+    impl TokenCredential for FixedToken {
+        async fn get_token(
+            &self,
+            _scopes: &[&str],
+            _options: Option<azure_core::credentials::TokenRequestOptions<'_>>,
+        ) -> azure_core::Result<azure_core::credentials::AccessToken> {
+            Ok(azure_core::credentials::AccessToken::new(
+                "token",
+                azure_core::time::OffsetDateTime::now_utc() + azure_core::time::Duration::HOUR,
+            ))
+        }
+    }
+
     #[test]
     fn a_service_url_needs_a_credential_and_a_connection_string_refuses_one() {
         let error = AzureBlobBackend::new(AzureBlobOptions::from_service_url(
@@ -428,5 +449,28 @@ mod tests {
         ))
         .unwrap_err();
         assert!(error.to_string().contains("with_credential"));
+
+        let credential: Arc<dyn TokenCredential> = Arc::new(FixedToken);
+        let backend = AzureBlobBackend::with_credential(
+            AzureBlobOptions::from_service_url("https://a.blob.core.windows.net"),
+            credential.clone(),
+        )
+        .unwrap();
+        assert_eq!(
+            backend.guard_blob("orders/42").url().as_str(),
+            "https://a.blob.core.windows.net/locks/orders%2F42"
+        );
+        let over_http = AzureBlobBackend::with_credential(
+            AzureBlobOptions::from_service_url("http://a.blob.core.windows.net"),
+            credential.clone(),
+        )
+        .unwrap_err();
+        assert!(over_http.to_string().contains("https"), "{over_http}");
+        let both = AzureBlobBackend::with_credential(
+            AzureBlobOptions::from_connection_string("UseDevelopmentStorage=true"),
+            credential,
+        )
+        .unwrap_err();
+        assert_eq!(both.kind(), ErrorKind::Misconfigured);
     }
 }

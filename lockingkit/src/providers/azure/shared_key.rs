@@ -14,15 +14,48 @@ use azure_core::time::{to_rfc7231, OffsetDateTime};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-/// Signs every try of a request with the account key.
+use crate::config::SecretString;
+use crate::error::{ErrorKind, LockError};
+
+/// An SDK pipeline policy that signs every try of a request with a storage account key.
+///
+/// The lock backend installs it by itself for connection strings with an `AccountKey`. It is
+/// public for your own SDK clients of the same account (the GA SDK has no Shared Key
+/// support): add it to `ClientOptions::per_try_policies` and pass no token credential.
+///
+/// ```
+/// use std::sync::Arc;
+/// use lockingkit::config::SecretString;
+/// use lockingkit::providers::azure::SharedKeyPolicy;
+///
+/// let key = SecretString::new("a2V5LWJ5dGVzLWZvci10ZXN0cw==");
+/// let policy = SharedKeyPolicy::new("myaccount", &key)?;
+/// let mut client_options = azure_core::http::ClientOptions::default();
+/// client_options.per_try_policies.push(Arc::new(policy));
+/// # Ok::<(), lockingkit::LockError>(())
+/// ```
 #[derive(Clone)]
-pub(crate) struct SharedKeyPolicy {
+pub struct SharedKeyPolicy {
     account: String,
     key: Arc<[u8]>,
 }
 
 impl SharedKeyPolicy {
-    pub(crate) fn new(account: String, key: Vec<u8>) -> Self {
+    /// A policy for `account` with its base64 `account_key`.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) if the key is
+    /// not base64; the error never contains the key.
+    pub fn new(account: impl Into<String>, account_key: &SecretString) -> Result<Self, LockError> {
+        match azure_core::base64::decode(account_key.expose().trim()) {
+            Ok(key) if !key.is_empty() => Ok(Self::from_decoded(account.into(), key)),
+            _ => Err(LockError::new(
+                ErrorKind::Misconfigured,
+                "the storage account key is not valid base64",
+            )),
+        }
+    }
+
+    pub(crate) fn from_decoded(account: String, key: Vec<u8>) -> Self {
         SharedKeyPolicy {
             account,
             key: key.into(),
@@ -236,7 +269,7 @@ mod tests {
 
     #[test]
     fn signature_is_the_base64_hmac_of_the_string() {
-        let policy = SharedKeyPolicy::new("acct".into(), b"secret-key".to_vec());
+        let policy = SharedKeyPolicy::from_decoded("acct".into(), b"secret-key".to_vec());
         let mut req = request(Method::Head, "http://h/acct/c/b");
         req.insert_header("x-ms-date", "Mon, 01 Jan 2024 00:00:00 GMT");
         let mut mac = Hmac::<Sha256>::new_from_slice(b"secret-key").unwrap();
@@ -249,8 +282,16 @@ mod tests {
     }
 
     #[test]
+    fn keys_that_are_not_base64_are_refused_without_echo() {
+        let error = SharedKeyPolicy::new("acct", &SecretString::new("hunter2!")).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured);
+        assert!(!error.to_string().contains("hunter2"));
+        assert!(SharedKeyPolicy::new("acct", &SecretString::new("c2VjcmV0")).is_ok());
+    }
+
+    #[test]
     fn debug_redacts_the_key() {
-        let policy = SharedKeyPolicy::new("acct".into(), b"secret-key".to_vec());
+        let policy = SharedKeyPolicy::from_decoded("acct".into(), b"secret-key".to_vec());
         let debug = format!("{policy:?}");
         assert!(
             debug.contains("acct") && !debug.contains("secret"),

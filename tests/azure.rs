@@ -1,0 +1,477 @@
+//! The Azure Blob lease provider against a real Azurite: the contract suite, interop with plain
+//! SDK clients, fenced writes, error mapping and guard-blob hygiene.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use lockingkit::keys::azure_blob_name;
+use lockingkit::providers::azure::azure_core::http::RequestContent;
+use lockingkit::providers::azure::azure_storage_blob::models::{
+    BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResultHeaders,
+    BlobClientBreakLeaseOptions, BlobClientGetPropertiesResultHeaders, BlobClientUploadOptions,
+};
+use lockingkit::providers::azure::azure_storage_blob::BlobClient;
+use lockingkit::providers::azure::{
+    AzureBlobBackend, AzureBlobOptions, AzureRequestError, FENCING_TOKEN_METADATA,
+};
+use lockingkit::{DistributedLock, ErrorKind, LockError, LossReason};
+use lockingkit_tests::azurite::Azurite;
+
+/// The shortest lease Azure grants, so renewal and loss cases finish soonest.
+const LEASE: Duration = Duration::from_secs(15);
+
+fn options(azurite: &Azurite) -> AzureBlobOptions {
+    AzureBlobOptions::from_connection_string(azurite.connection_string())
+        .lease_duration(LEASE)
+        .request_timeout(Duration::from_secs(2))
+}
+
+fn lock_with(options: AzureBlobOptions) -> DistributedLock {
+    let backend = AzureBlobBackend::new(options).expect("valid Azure options");
+    DistributedLock::builder(backend)
+        .options(lockingkit::testing::quick_polling())
+        .build()
+        .expect("valid lock options")
+}
+
+fn unique(case: &str) -> String {
+    lockingkit::testing::unique_prefix(case)
+}
+
+fn plain_guard(azurite: &Azurite, key: &str) -> BlobClient {
+    azurite
+        .plain_container_client("locks")
+        .blob_client(&azure_blob_name(key))
+}
+
+fn request_error(error: &LockError) -> Option<&AzureRequestError> {
+    std::error::Error::source(error).and_then(|s| s.downcast_ref::<AzureRequestError>())
+}
+
+fn status_of(error: &lockingkit::providers::azure::azure_core::Error) -> Option<u16> {
+    error.http_status().map(u16::from)
+}
+
+mod contract {
+    use super::*;
+    use lockingkit::testing::ContractBackend;
+    use lockingkit::LockOptions;
+
+    /// Each "process" is its own backend: its own HTTP client, pipeline and token memory.
+    pub struct AzuriteContract {
+        azurite: Azurite,
+    }
+
+    impl ContractBackend for AzuriteContract {
+        async fn new_process(&self, options: LockOptions) -> DistributedLock {
+            let backend =
+                AzureBlobBackend::new(super::options(&self.azurite)).expect("valid Azure options");
+            DistributedLock::builder(backend)
+                .options(options)
+                .build()
+                .expect("valid lock options")
+        }
+
+        fn lease_period(&self) -> Duration {
+            LEASE
+        }
+    }
+
+    lockingkit::contract_tests!(async {
+        AzuriteContract {
+            azurite: Azurite::start().await,
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_by_a_plain_sdk_client_makes_the_lock_busy_until_released() {
+    let azurite = Azurite::start().await;
+    let locks = lock_with(options(&azurite));
+    let key = unique("interop");
+    let guard = plain_guard(&azurite, &key);
+    guard
+        .upload(
+            RequestContent::from(Vec::new()),
+            Some(BlobClientUploadOptions::default()),
+        )
+        .await
+        .expect("plain upload of the guard");
+    let lease = guard
+        .acquire_lease(15, None)
+        .await
+        .expect("plain acquire")
+        .lease_id()
+        .expect("lease id header")
+        .expect("a lease id");
+
+    let busy = locks.try_acquire(&key).await.unwrap_err();
+    assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+    let timeout = locks
+        .acquire(&key, Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert_eq!(timeout.kind(), ErrorKind::Timeout, "{timeout}");
+
+    guard
+        .release_lease(lease, None)
+        .await
+        .expect("plain release");
+    let handle = locks
+        .try_acquire(&key)
+        .await
+        .expect("free after the plain release");
+    assert!(handle.is_held());
+    handle.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_gets_the_lock_when_the_plain_client_releases() {
+    let azurite = Azurite::start().await;
+    let locks = lock_with(options(&azurite));
+    let key = unique("interop-wait");
+    let guard = plain_guard(&azurite, &key);
+    guard
+        .upload(RequestContent::from(Vec::new()), None)
+        .await
+        .expect("plain upload");
+    let lease = guard
+        .acquire_lease(15, None)
+        .await
+        .expect("plain acquire")
+        .lease_id()
+        .expect("lease id header")
+        .expect("a lease id");
+    let waiter = {
+        let locks = locks.clone();
+        let key = key.clone();
+        tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await; // let the waiter meet the busy lease
+    assert!(
+        !waiter.is_finished(),
+        "the waiter got a lock the plain client holds"
+    );
+    guard
+        .release_lease(lease, None)
+        .await
+        .expect("plain release");
+    let handle = waiter
+        .await
+        .expect("waiter task")
+        .expect("acquired after release");
+    handle.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_write_succeeds_while_held_and_is_refused_after_the_lease_is_broken() {
+    let azurite = Azurite::start().await;
+    let locks = lock_with(options(&azurite));
+    let key = unique("fenced");
+    let handle = locks.try_acquire(&key).await.expect("acquire");
+    let lease = handle.azure_blob_lease().expect("an Azure lease");
+    assert_eq!(lease.fencing_token(), handle.fencing_token());
+
+    lease
+        .blob_client()
+        .upload(
+            RequestContent::from(b"written under the lock".to_vec()),
+            Some(lease.upload_options()),
+        )
+        .await
+        .expect("a fenced write while held");
+    // Without the lease id the same write is refused: the lease is what fences.
+    let unfenced = plain_guard(&azurite, &key)
+        .upload(RequestContent::from(b"intruder".to_vec()), None)
+        .await
+        .unwrap_err();
+    assert_eq!(status_of(&unfenced), Some(412), "{unfenced}");
+
+    plain_guard(&azurite, &key)
+        .break_lease(Some(BlobClientBreakLeaseOptions {
+            break_period: Some(0),
+            ..Default::default()
+        }))
+        .await
+        .expect("plain break");
+    let late = lease
+        .blob_client()
+        .upload(
+            RequestContent::from(b"late write".to_vec()),
+            Some(lease.upload_options()),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status_of(&late), Some(412), "{late}");
+
+    // The next renewal (every 5 s) is told the lease is broken: loss at once, not at the deadline.
+    let lost = handle.lost_token();
+    tokio::time::timeout(LEASE, lost.cancelled())
+        .await
+        .expect("loss declared after the break");
+    assert_eq!(handle.loss_reason(), Some(LossReason::LeaseGone));
+    assert_eq!(handle.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+
+    // The fenced upload kept the token entry, so the next holder's token is still higher.
+    // The engine frees the key locally once its loss handling is over: wait for that.
+    let next = locks
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("acquire after the break");
+    assert!(next.fencing_token() > lease.fencing_token());
+    next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn existing_guard_content_and_metadata_are_left_alone() {
+    let azurite = Azurite::start().await;
+    let locks = lock_with(options(&azurite));
+    let key = unique("hygiene");
+    let guard = plain_guard(&azurite, &key);
+    let owner = HashMap::from([("owner".to_owned(), "ops-team".to_owned())]);
+    guard
+        .upload(
+            RequestContent::from(b"operator notes".to_vec()),
+            Some(BlobClientUploadOptions {
+                metadata: Some(owner),
+                ..Default::default()
+            }),
+        )
+        .await
+        .expect("plain upload");
+
+    for expected_token in 1..=2u64 {
+        let handle = locks.try_acquire(&key).await.expect("acquire");
+        assert_eq!(handle.fencing_token(), expected_token);
+        handle.release().await.expect("release");
+    }
+
+    let properties = guard.get_properties(None).await.expect("properties");
+    let metadata = properties.metadata().expect("metadata");
+    assert_eq!(metadata.get("owner").map(String::as_str), Some("ops-team"));
+    assert_eq!(
+        metadata.get(FENCING_TOKEN_METADATA).map(String::as_str),
+        Some("2")
+    );
+    assert_eq!(metadata.len(), 2, "{metadata:?}");
+    let content = guard
+        .download(None)
+        .await
+        .expect("download")
+        .body
+        .collect()
+        .await
+        .expect("content");
+    assert_eq!(&content[..], b"operator notes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_guard_is_created_empty_on_first_use() {
+    let azurite = Azurite::start().await;
+    let locks = lock_with(options(&azurite));
+    let key = unique("created/ключ");
+    let guard = plain_guard(&azurite, &key);
+    assert!(!guard.exists().await.expect("exists"));
+    let handle = locks.try_acquire(&key).await.expect("acquire");
+    assert_eq!(handle.fencing_token(), 1);
+    let properties = guard.get_properties(None).await.expect("the guard exists");
+    assert_eq!(properties.content_length().expect("length"), Some(0));
+    handle.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_token_is_never_reused_after_another_process_wrote() {
+    let azurite = Azurite::start().await;
+    let first = lock_with(options(&azurite));
+    let second = lock_with(options(&azurite));
+    let key = unique("memory");
+    let mut last = 0;
+    // first, first (its own memory is current), second, first (its memory is stale), …
+    for lock in [&first, &first, &second, &first, &second, &second, &first] {
+        let handle = lock.try_acquire(&key).await.expect("acquire");
+        assert_eq!(handle.fencing_token(), last + 1);
+        last = handle.fencing_token();
+        handle.release().await.expect("release");
+    }
+    // A write by someone else under a plain lease changes the blob: still no reuse.
+    let guard = plain_guard(&azurite, &key);
+    let lease = guard
+        .acquire_lease(15, None)
+        .await
+        .expect("plain acquire")
+        .lease_id()
+        .expect("header")
+        .expect("lease id");
+    let mut metadata = guard
+        .get_properties(None)
+        .await
+        .expect("properties")
+        .metadata()
+        .expect("metadata");
+    metadata.insert("touched".into(), "yes".into());
+    guard
+        .set_metadata(
+            &metadata,
+            Some(
+                lockingkit::providers::azure::azure_storage_blob::models::BlobClientSetMetadataOptions {
+                    lease_id: Some(lease.clone()),
+                    ..Default::default()
+                },
+            ),
+        )
+        .await
+        .expect("plain metadata write");
+    guard
+        .release_lease(lease, None)
+        .await
+        .expect("plain release");
+    let handle = first.try_acquire(&key).await.expect("acquire");
+    assert_eq!(handle.fencing_token(), last + 1);
+    handle.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_acquire_with_the_same_proposed_lease_id_is_granted_again() {
+    // What makes the SDK's retry of a lost acquire answer safe: the service grants the same
+    // proposed id twice instead of answering 409.
+    let azurite = Azurite::start().await;
+    let guard = plain_guard(&azurite, &unique("proposed"));
+    guard
+        .upload(RequestContent::from(Vec::new()), None)
+        .await
+        .expect("plain upload");
+    let id = "0f8fad5b-d9cb-469f-a165-70867728950e".to_owned();
+    for _ in 0..2 {
+        let granted = guard
+            .acquire_lease(
+                15,
+                Some(BlobClientAcquireLeaseOptions {
+                    proposed_lease_id: Some(id.clone()),
+                    ..Default::default()
+                }),
+            )
+            .await
+            .expect("acquire with the proposed id");
+        assert_eq!(
+            granted.lease_id().expect("header").as_deref(),
+            Some(id.as_str())
+        );
+    }
+    let other = guard.acquire_lease(15, None).await.unwrap_err();
+    assert_eq!(status_of(&other), Some(409));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_account_key_is_misconfigured_because_azurite_checks_the_signature() {
+    let azurite = Azurite::start().await;
+    let wrong =
+        AzureBlobOptions::from_connection_string(azurite.connection_string_with_wrong_key())
+            .lease_duration(LEASE);
+    let locks = lock_with(wrong);
+    let error = locks.try_acquire(&unique("wrong-key")).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert_eq!(
+        request_error(&error).and_then(AzureRequestError::status),
+        Some(403)
+    );
+    // The right key, same everything else, is accepted: the signature is what was judged.
+    let right = lock_with(options(&azurite));
+    right
+        .try_acquire(&unique("right-key"))
+        .await
+        .expect("acquire with the right key")
+        .release()
+        .await
+        .expect("release");
+    // A waiter stops at the first misconfiguration instead of waiting out its timeout.
+    let started = Instant::now();
+    let error = locks
+        .acquire(&unique("wrong-key"), Duration::from_secs(20))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_container_is_misconfigured() {
+    let azurite = Azurite::start().await;
+    let locks = lock_with(options(&azurite).container("no-such-container"));
+    let error = locks.try_acquire(&unique("container")).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert_eq!(
+        request_error(&error).and_then(AzureRequestError::error_code),
+        Some("ContainerNotFound")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_is_unavailable_not_a_timeout() {
+    let mut azurite = Azurite::start().await;
+    if azurite.is_external() {
+        return; // an external service cannot be stopped from here
+    }
+    let locks = lock_with(options(&azurite));
+    azurite.kill();
+    let error = locks.try_acquire(&unique("stopped")).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    let error = locks
+        .acquire(&unique("stopped"), Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_server_fails_a_call_within_the_request_timeout() {
+    let mut azurite = Azurite::start().await;
+    if azurite.is_external() {
+        return;
+    }
+    let timeout = Duration::from_secs(1);
+    let locks = lock_with(options(&azurite).request_timeout(timeout));
+    // A first call opens a pooled connection, so the hung call below is a read that never ends.
+    locks
+        .try_acquire(&unique("warm"))
+        .await
+        .expect("acquire")
+        .release()
+        .await
+        .expect("release");
+    azurite.pause();
+    let started = Instant::now();
+    let error = locks.try_acquire(&unique("hung")).await.unwrap_err();
+    let took = started.elapsed();
+    azurite.resume();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    // The SDK's defaults would take about two minutes here.
+    assert!(
+        took >= timeout && took < timeout * 3,
+        "a hung call took {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fixture_restarts_on_the_same_port_and_keeps_blobs_on_disk() {
+    let mut azurite = Azurite::start_with(lockingkit_tests::azurite::Persistence::OnDisk).await;
+    if azurite.is_external() {
+        return;
+    }
+    let port = azurite.port();
+    let locks = lock_with(options(&azurite));
+    let key = unique("restart");
+    let first = locks.try_acquire(&key).await.expect("acquire");
+    let token = first.fencing_token();
+    first.release().await.expect("release");
+    azurite.restart().await;
+    assert_eq!(azurite.port(), port);
+    let again = locks
+        .try_acquire(&key)
+        .await
+        .expect("acquire after restart");
+    assert!(
+        again.fencing_token() > token,
+        "tokens survive an on-disk restart"
+    );
+    again.release().await.expect("release");
+}

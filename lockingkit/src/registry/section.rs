@@ -245,9 +245,12 @@ pub(super) fn bind_settings<T: DeserializeOwned>(
         for key in settings.keys() {
             let wanted = canonical(key);
             if !fields.iter().any(|field| canonical(field) == wanted) {
+                let shared = struct_fields::<crate::engine::LockOptions>().unwrap_or(&[]);
                 problems.push(format!(
-                    "{path}.{key} is not a setting of the {provider} provider (expected one of: {})",
-                    fields.join(", ")
+                    "{path}.{key} is not a setting of the {provider} provider (its settings: {}, \
+                     plus the engine options {})",
+                    fields.join(", "),
+                    shared.join(", ")
                 ));
             }
         }

@@ -157,13 +157,5 @@ pub(super) fn retarget(error: &LockError, own: &str, path: &str) -> LockError {
         .message()
         .strip_prefix("invalid lock configuration: ")
         .unwrap_or(error.message());
-    problem_list(
-        message
-            .split("; ")
-            .map(|problem| match problem.strip_prefix(own) {
-                Some(rest) => format!("{path}{rest}"),
-                None => problem.to_owned(),
-            })
-            .collect(),
-    )
+    problem_list(vec![message.replace(own, path)])
 }

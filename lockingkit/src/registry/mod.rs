@@ -531,12 +531,11 @@ fn collect(
             let message = message
                 .strip_prefix("invalid lock configuration: ")
                 .unwrap_or(&message);
-            for problem in message.split("; ") {
-                if problem.starts_with(path) {
-                    problems.push(problem.to_owned());
-                } else {
-                    problems.push(format!("{path}: {problem}"));
-                }
+            // Kept whole: a provider's own problems may contain "; " themselves.
+            if message.starts_with(path) {
+                problems.push(message.to_owned());
+            } else {
+                problems.push(format!("{path}: {message}"));
             }
         }
     }

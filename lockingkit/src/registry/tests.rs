@@ -488,9 +488,13 @@ mod azure {
             "Jobs": {"provider": "azure_blob", "service_url": "https://acct.blob.core.windows.net"},
         }))));
         assert!(
-            shown.contains("Locking.Default.lease_duration must be between 15s and 60s"),
-            "{shown}"
+            shown.contains(
+                "Locking.Default.lease_duration must be between 15s and 60s (was 90s); \
+                 infinite leases are not supported"
+            ),
+            "a provider's problem stays whole: {shown}"
         );
+        assert!(!shown.contains("Locking.Default: infinite"), "{shown}");
         assert!(shown.contains("Locking.Default.container:"), "{shown}");
         assert!(
             shown.contains("Locking.Jobs.service_url needs a token credential"),

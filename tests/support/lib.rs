@@ -5,3 +5,4 @@ pub mod azurite;
 pub mod bench_azure;
 pub mod bench_postgres;
 pub mod postgres;
+pub mod proxy;

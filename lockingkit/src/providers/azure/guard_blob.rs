@@ -89,7 +89,7 @@ impl GuardBlobs {
         key: &str,
     ) -> Result<Option<AzureBlobLease>, BackendError> {
         let name = azure_blob_name(key);
-        let blob = self.container.blob_client(&name);
+        let blob = Arc::new(self.container.blob_client(&name));
         // A fresh id per attempt: if the SDK resends the acquire because the first answer was
         // lost, the service sees the same id and grants the lease again instead of saying 409.
         let proposed = Uuid::new_v4().to_string();
@@ -99,13 +99,20 @@ impl GuardBlobs {
                 proposed_lease_id: Some(proposed.clone()),
                 ..Default::default()
             };
-            match self
+            let answer = self
                 .call(
                     "acquire lease",
                     blob.acquire_lease(self.lease_seconds, Some(options)),
                 )
-                .await?
-            {
+                .await;
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(no_answer) => {
+                    self.release_in_background(&blob, &proposed);
+                    return Err(no_answer);
+                }
+            };
+            match answer {
                 Ok(answer) => break answer,
                 Err(e) if BUSY_CODES.iter().any(|code| errors::is(&e, 409, code)) => {
                     return Ok(None)
@@ -120,7 +127,13 @@ impl GuardBlobs {
                         "the guard blob was deleted while it was being created",
                     ));
                 }
-                Err(e) => return Err(classify("acquire lease", &e)),
+                Err(e) => {
+                    let error = classify("acquire lease", &e);
+                    if !error_reached(&error) {
+                        self.release_in_background(&blob, &proposed);
+                    }
+                    return Err(error);
+                }
             }
         };
         let lease_id = match answer.lease_id() {
@@ -133,7 +146,7 @@ impl GuardBlobs {
             .await
         {
             Ok(fencing_token) => Ok(Some(AzureBlobLease {
-                blob: Arc::new(blob),
+                blob,
                 lease_id,
                 fencing_token,
             })),
@@ -144,6 +157,22 @@ impl GuardBlobs {
                 Err(error)
             }
         }
+    }
+
+    /// Gives up a lease this attempt may have been granted without hearing the answer (the
+    /// request timed out or the connection broke after it was sent). The lease id is the one
+    /// we proposed, so the release works if the service did grant it; otherwise it fails
+    /// harmlessly. Without it the key would stay blocked until the lease ran out.
+    fn release_in_background(&self, blob: &Arc<BlobClient>, lease_id: &str) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let blob = blob.clone();
+        let lease_id = lease_id.to_owned();
+        let timeout = self.request_timeout;
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, blob.release_lease(lease_id, None)).await;
+        });
     }
 
     /// Creates the guard empty, only if it does not exist yet.
@@ -267,6 +296,14 @@ impl GuardBlobs {
         .map(drop)
         .map_err(|e| classify("release lease", &e))
     }
+}
+
+/// Whether the service answered before the failure.
+fn error_reached(error: &BackendError) -> bool {
+    !matches!(
+        error.kind(),
+        crate::BackendErrorKind::Transient { reached: false }
+    )
 }
 
 /// A lease lost between being granted and getting its token is not a lost lock (the caller

@@ -222,11 +222,12 @@ impl LockBackend for AzureBlobBackend {
 /// overwrite the guard blob however late its write arrives.
 ///
 /// ```no_run
+/// # use lockingkit::providers::azure::azure_core::Bytes;
 /// # async fn demo(handle: lockingkit::LockHandle) -> Result<(), Box<dyn std::error::Error>> {
 /// let lease = handle.azure_blob_lease().expect("an Azure lock");
 /// lease
 ///     .blob_client()
-///     .upload(b"state written under the lock".to_vec().into(), Some(lease.upload_options()))
+///     .upload(Bytes::from_static(b"state written under the lock").into(), Some(lease.upload_options()))
 ///     .await?; // 412 once the lease is gone
 /// # Ok(()) }
 /// ```

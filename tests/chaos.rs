@@ -361,6 +361,12 @@ fn assert_lost(loss: &Loss, reason: LossReason) {
 /// Asserts `at` falls within `[expected - early, expected + late]`.
 #[track_caller]
 fn assert_near(what: &str, at: Instant, expected: Instant, early: Duration, late: Duration) {
+    // Shown with `--no-capture`: how much of each tolerance a run actually used.
+    if at >= expected {
+        eprintln!("{what}: {:?} after the expected instant", at - expected);
+    } else {
+        eprintln!("{what}: {:?} before the expected instant", expected - at);
+    }
     assert!(
         at + early >= expected && at <= expected + late,
         "{what}: {} than expected (allowed {early:?} early, {late:?} late)",
@@ -655,6 +661,7 @@ async fn proxy_fault(server: Server, fault: Fault) {
     settle(&holder, &watched).await;
     let contender = other.wait_for(&key);
     let holder_token = watched.token;
+    let connections_before = holder.proxy.connections_accepted();
     let faulted = Instant::now();
     holder.proxy.set_fault(fault);
 
@@ -713,6 +720,10 @@ async fn proxy_fault(server: Server, fault: Fault) {
     record(&checker, &key, other.id, token, start);
     handle.release().await.expect("release");
     usable_again(&holder, &key, &checker, token).await;
+    if fault == Fault::Reset {
+        // Reset connections are gone for good: the holder's process came back on new ones.
+        assert!(holder.proxy.connections_accepted() > connections_before);
+    }
     checker.assert_consistent();
 }
 

@@ -3,18 +3,27 @@
 //!
 //! Per pair, LockingKit checks a connection out of its pool, runs the prepared
 //! `SELECT nextval(…) FROM (SELECT pg_try_advisory_lock($1) …) WHERE ok` (lock and fencing
-//! token in one round trip), starts the connection check timer, runs the prepared
-//! `pg_advisory_unlock($1)` and returns the connection to the pool: two round trips. The
-//! baselines send the same two round trips without fencing:
-//! - **raw pooled**: a deadpool-postgres pool, one checkout per pair, cached prepared
-//!   `pg_try_advisory_lock($1)` and `pg_advisory_unlock($1)` — what an application would write;
-//! - **raw dedicated**: one client held for the whole run with the statements prepared once —
-//!   the floor.
+//! token in one round trip), lets the engine start keeping the lock, runs the prepared
+//! `pg_advisory_unlock($1)` and returns the connection to the pool: two round trips, like the
+//! baselines.
+//!
+//! - **raw pooled** (the reference): a deadpool-postgres pool of one connection, one checkout
+//!   per pair, cached prepared `pg_try_advisory_lock($1)` and `pg_advisory_unlock($1)`;
+//! - **raw dedicated**: one client held for the whole run, statements prepared once;
+//! - **raw with fencing**: raw pooled, but locking with LockingKit's statement: what the
+//!   fencing token costs the server;
+//! - **backend alone**: `PostgresBackend` through the `LockBackend` trait without the engine:
+//!   what the provider adds over raw with fencing, and, against `lockingkit`, what the engine
+//!   adds (waiting room, the task that checks the held connection, telemetry).
+//!
+//! The variants run in a fresh random order every round, inside a runtime task, as
+//! application code would.
 
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys};
+use lockingkit::providers::postgres::{DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
+use lockingkit::{DistributedLock, LockBackend, PostgresBackend, PostgresLockKeys};
 
 use crate::postgres::PostgresServer;
 
@@ -39,6 +48,12 @@ pub struct PostgresBenchReport {
     pub raw_pooled: Latency,
     /// Raw prepared try-lock + unlock on one client held throughout.
     pub raw_dedicated: Latency,
+    /// Raw prepared lock-with-fencing statement + unlock on a pooled connection: the server's
+    /// share of LockingKit's cost.
+    pub raw_fenced: Latency,
+    /// The PostgreSQL backend alone (`LockBackend::try_acquire` + `release`), without the
+    /// engine: the engine's share is the difference to `lockingkit`.
+    pub backend_only: Latency,
 }
 
 impl PostgresBenchReport {
@@ -62,13 +77,15 @@ impl PostgresBenchReport {
             )
         };
         format!(
-            "PostgreSQL acquire+release over loopback TCP, {} interleaved pairs each:\n{}{}{}  \
+            "PostgreSQL acquire+release over loopback TCP, {} interleaved pairs each:\n{}{}{}{}{}  \
              ratio lockingkit / raw pooled (median)   {:.3} (goal <= 1.10)\n  \
              ratio lockingkit / raw dedicated (median) {:.3}",
             self.pairs,
             line("lockingkit try_acquire+release", self.lockingkit),
             line("raw prepared, pooled connection", self.raw_pooled),
             line("raw prepared, dedicated connection", self.raw_dedicated),
+            line("raw prepared with fencing, pooled", self.raw_fenced),
+            line("PostgresBackend alone (no engine)", self.backend_only),
             self.ratio(),
             self.ratio_to_dedicated(),
         )
@@ -93,9 +110,12 @@ fn latency(mut samples: Vec<Duration>) -> Latency {
 
 /// Measures `pairs` pairs of each variant, interleaved, after a warm-up.
 pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchReport {
+    let pid = std::process::id();
     let backend = PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
     let locks = DistributedLock::builder(backend).build().expect("lock");
-    let kit_key = format!("bench/lockingkit/{}", std::process::id());
+    let kit_key = format!("bench/lockingkit/{pid}");
+    let bare = PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
+    let bare_key = format!("bench/backend/{pid}");
 
     let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
     let manager = Manager::from_config(
@@ -106,21 +126,37 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
         },
     );
     let pool = Pool::builder(manager).max_size(1).build().expect("pool");
-    let pooled_key =
-        PostgresLockKeys::advisory_key(&format!("bench/pooled/{}", std::process::id()));
+    let pooled_key = PostgresLockKeys::advisory_key(&format!("bench/pooled/{pid}"));
+    let fenced_key = PostgresLockKeys::advisory_key(&format!("bench/fenced/{pid}"));
+    let fenced_lock = format!(
+        "SELECT nextval('{}.{}') FROM (SELECT pg_try_advisory_lock($1) AS ok OFFSET 0) s WHERE ok",
+        DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE
+    );
 
     let dedicated = server.connect().await;
     let try_lock = dedicated.prepare(TRY_LOCK).await.expect("prepare");
     let unlock = dedicated.prepare(UNLOCK).await.expect("prepare");
-    let dedicated_key =
-        PostgresLockKeys::advisory_key(&format!("bench/dedicated/{}", std::process::id()));
+    let dedicated_key = PostgresLockKeys::advisory_key(&format!("bench/dedicated/{pid}"));
 
-    let mut samples = [Vec::new(), Vec::new(), Vec::new()];
+    // The first LockingKit attempt creates the fencing sequence the raw fenced variant uses.
+    locks
+        .try_acquire(&kit_key)
+        .await
+        .expect("first lock")
+        .release()
+        .await
+        .expect("first release");
+
+    const VARIANTS: usize = 5;
+    let mut samples: [Vec<Duration>; VARIANTS] = Default::default();
     let warm_up = 50.min(pairs);
+    let mut order: [usize; VARIANTS] = std::array::from_fn(|v| v);
+    let mut random = Shuffle::seeded();
     for round in 0..warm_up + pairs {
-        // Rotate the order so no variant always runs right after another.
-        for slot in 0..3 {
-            let variant = (round + slot) % 3;
+        // A fresh order every round, so no variant systematically follows another (the
+        // background work a LockingKit release leaves would otherwise land on one neighbour).
+        random.shuffle(&mut order);
+        for variant in order {
             let started = Instant::now();
             match variant {
                 0 => locks
@@ -132,22 +168,9 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
                     .expect("lockingkit release"),
                 1 => {
                     let client = pool.get().await.expect("pooled connection");
-                    let try_lock = client.prepare_cached(TRY_LOCK).await.expect("prepare");
-                    let unlock = client.prepare_cached(UNLOCK).await.expect("prepare");
-                    let taken: bool = client
-                        .query_one(&try_lock, &[&pooled_key])
-                        .await
-                        .expect("raw lock")
-                        .get(0);
-                    assert!(taken, "the raw pooled lock was busy");
-                    let released: bool = client
-                        .query_one(&unlock, &[&pooled_key])
-                        .await
-                        .expect("raw unlock")
-                        .get(0);
-                    assert!(released, "the raw pooled unlock was refused");
+                    raw_pair(&client, TRY_LOCK, pooled_key).await;
                 }
-                _ => {
+                2 => {
                     let taken: bool = dedicated
                         .query_one(&try_lock, &[&dedicated_key])
                         .await
@@ -161,17 +184,79 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
                         .get(0);
                     assert!(released, "the raw dedicated unlock was refused");
                 }
+                3 => {
+                    let client = pool.get().await.expect("pooled connection");
+                    raw_pair(&client, &fenced_lock, fenced_key).await;
+                }
+                _ => {
+                    let acquired = bare
+                        .try_acquire(&bare_key)
+                        .await
+                        .expect("backend acquire")
+                        .expect("backend lock was busy");
+                    bare.release(&acquired.lease)
+                        .await
+                        .expect("backend release");
+                }
             }
             if round >= warm_up {
                 samples[variant].push(started.elapsed());
             }
         }
     }
-    let [kit, pooled, dedicated] = samples;
+    let [kit, pooled, dedicated, fenced, backend_only] = samples;
     PostgresBenchReport {
         pairs,
         lockingkit: latency(kit),
         raw_pooled: latency(pooled),
         raw_dedicated: latency(dedicated),
+        raw_fenced: latency(fenced),
+        backend_only: latency(backend_only),
     }
+}
+
+/// A small xorshift generator: enough to shuffle the order of variants.
+struct Shuffle(u64);
+
+impl Shuffle {
+    fn seeded() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Shuffle(nanos | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            items.swap(i, j);
+        }
+    }
+}
+
+/// One raw pair on a pooled connection: `lock_sql` (answers a row when taken) then unlock.
+async fn raw_pair(client: &deadpool_postgres::Client, lock_sql: &str, key: i64) {
+    let lock = client.prepare_cached(lock_sql).await.expect("prepare");
+    let unlock = client.prepare_cached(UNLOCK).await.expect("prepare");
+    let row = client
+        .query_opt(&lock, &[&key])
+        .await
+        .expect("raw lock")
+        .expect("the raw lock answered no row");
+    if let Ok(taken) = row.try_get::<_, bool>(0) {
+        assert!(taken, "the raw pooled lock was busy");
+    }
+    let released: bool = client
+        .query_one(&unlock, &[&key])
+        .await
+        .expect("raw unlock")
+        .get(0);
+    assert!(released, "the raw pooled unlock was refused");
 }

@@ -277,6 +277,7 @@ impl LocalCluster {
         let owner = server_owner()?;
         let root = scratch_root()?;
         let template = ensure_template(&binaries, &root, owner)?;
+        remove_abandoned_clusters(&binaries, &root, owner);
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         // Short, because the socket path inside must stay under 107 bytes.
         let data = root.join(format!(
@@ -355,15 +356,9 @@ impl LocalCluster {
 
     /// The postmaster and its children.
     fn server_pids(&self) -> Vec<i32> {
-        let Some(postmaster) = fs::read_to_string(self.data.join("postmaster.pid"))
-            .ok()
-            .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()))
-        else {
+        let Some(postmaster) = running_postmaster(&self.data) else {
             return Vec::new();
         };
-        if !process_exists(postmaster) {
-            return Vec::new();
-        }
         let mut pids = vec![postmaster];
         pids.extend(children_of(postmaster));
         pids
@@ -374,6 +369,14 @@ impl LocalCluster {
             signal(pid, libc::SIGCONT);
         }
     }
+}
+
+/// The postmaster of the cluster in `data`, if it runs.
+fn running_postmaster(data: &Path) -> Option<i32> {
+    fs::read_to_string(data.join("postmaster.pid"))
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()))
+        .filter(|&pid| process_exists(pid))
 }
 
 fn wait_until_gone(pids: &[i32]) {
@@ -431,6 +434,40 @@ fn scratch_root() -> io::Result<PathBuf> {
     let root = PathBuf::from("/tmp/lockingkit-pg");
     fs::create_dir_all(&root)?;
     Ok(root)
+}
+
+/// Stops and deletes clusters left by test processes that died without dropping their server
+/// (killed by a test timeout, say): their directory names start with the dead process's id.
+fn remove_abandoned_clusters(binaries: &Path, root: &Path, owner: Option<(u32, u32)>) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix('c')
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() as i32 || process_exists(pid) {
+            continue;
+        }
+        let data = entry.path();
+        if let Some(postmaster) = running_postmaster(&data) {
+            // A server left paused would ignore the stop request.
+            for pid in std::iter::once(postmaster).chain(children_of(postmaster)) {
+                signal(pid, libc::SIGCONT);
+            }
+            let mut stop = Command::new(binaries.join("pg_ctl"));
+            stop.args(["stop", "-m", "immediate", "-w", "-t", "10", "-D"])
+                .arg(&data);
+            as_owner(&mut stop, owner);
+            let _ = checked(&mut stop);
+        }
+        let _ = fs::remove_dir_all(&data);
+    }
 }
 
 /// The template cluster for these binaries, made once per machine under a file lock so that

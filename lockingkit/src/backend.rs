@@ -217,4 +217,16 @@ pub trait LockBackend: Send + Sync + 'static {
         let _ = key;
         std::future::pending()
     }
+
+    /// Optional, for [`LeaseTiming::ConnectionHeld`] backends: a future that resolves as soon
+    /// as the backend knows, without asking the server, that the lease is gone — typically
+    /// because the connection holding it closed (the server then frees the lock at once).
+    ///
+    /// The engine races it against the wait for the next check, so loss is declared within
+    /// moments of the connection ending instead of up to one check interval later. The default
+    /// never resolves, leaving detection to the periodic checks.
+    fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {
+        let _ = lease;
+        std::future::pending()
+    }
 }

@@ -686,3 +686,80 @@ async fn a_release_hint_wakes_the_front_waiter_before_its_backoff_ends() {
     // Without the hint the waiter would sleep at least 5 s (half its 10 s delay).
     assert_eq!(acquired_at - start, Duration::from_secs(2));
 }
+
+/// A connection-held backend that learns of a closed connection without asking.
+struct Closing {
+    closed: tokio::sync::watch::Sender<bool>,
+}
+
+impl LockBackend for Closing {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "closing"
+    }
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::ConnectionHeld(Duration::from_secs(5))
+    }
+    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+        Ok(Some(Acquired {
+            lease: (),
+            fencing_token: 1,
+        }))
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn lease_ended(&self, _lease: &()) -> impl std::future::Future<Output = ()> + Send {
+        let mut closed = self.closed.subscribe();
+        async move {
+            let _ = closed.wait_for(|closed| *closed).await;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_the_backend_sees_close_is_lost_at_once_not_at_the_next_check() {
+    let (closed, _) = tokio::sync::watch::channel(false);
+    let locks = DistributedLock::builder(Closing {
+        closed: closed.clone(),
+    })
+    .build()
+    .unwrap();
+    let start = Instant::now();
+    let handle = locks.try_acquire("k").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    closed.send_replace(true);
+    handle.lost_token().cancelled().await;
+    assert_eq!(start.elapsed(), Duration::from_millis(1500));
+    assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
+}
+
+#[tokio::test(start_paused = true)]
+async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    store.set_unavailable(true);
+    let waiter = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.acquire("k", Duration::from_secs(1)).await }
+    });
+    // A few attempts fail as unreachable; then one hangs, as against a frozen server.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let gate = recording.close_gate();
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert_eq!(
+        locks.active_keys(),
+        1,
+        "the hung attempt still owns the key's turn"
+    );
+
+    let err = locks.try_acquire("k").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    *recording.gate.lock().unwrap() = None;
+    gate.notify_one();
+}

@@ -165,7 +165,15 @@ impl<B: LockBackend> Engine<B> {
             sent,
         ));
         self.telemetry.lock_taken();
-        held.schedule();
+        match self.timing {
+            // A connection-held lock can end at any instant the connection does, and a backend
+            // may notice that without asking (`LockBackend::lease_ended`): keep watch from the
+            // start. Such acquires cost a network round trip, so the task is cheap beside it.
+            LeaseTiming::ConnectionHeld(_) => {
+                runtime.spawn(renewal::keep(held.clone(), sent));
+            }
+            LeaseTiming::Expiring(_) => held.schedule(),
+        }
         LockHandle::new(held)
     }
 
@@ -176,8 +184,17 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
         let runtime = current_runtime()?;
-        let Some(turn) = self.room.try_enter(key) else {
-            return Err(LockError::busy());
+        let turn = match self.room.try_enter(key) {
+            Ok(turn) => turn,
+            Err(WaitEvidence::Contended) => return Err(LockError::busy()),
+            // An earlier attempt for this key is still running here and never reached the
+            // backend: during an outage, say so rather than claim the lock is taken.
+            Err(WaitEvidence::Unreached) => {
+                return Err(LockError::new(
+                    ErrorKind::Unavailable,
+                    "the backend did not answer the last attempt for this key",
+                ))
+            }
         };
         *attempts += 1;
         match self.attempt(turn).await {

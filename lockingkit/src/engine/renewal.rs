@@ -87,12 +87,15 @@ async fn check_connection<B: LockBackend>(
     sent: Instant,
 ) -> Exit {
     let engine = &held.engine;
+    let ended = engine.backend.lease_ended(&held.lease);
+    tokio::pin!(ended);
     // Checks are scheduled from the acquire's send time, not from when this task started.
     let mut next = sent + interval;
     loop {
         tokio::select! {
             biased;
             _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = &mut ended => return Exit::Lost(LossReason::ConnectionLost),
             _ = sleep_until(next) => {}
         }
         let sent = Instant::now();
@@ -100,6 +103,7 @@ async fn check_connection<B: LockBackend>(
         let result = tokio::select! {
             biased;
             _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = &mut ended => return Exit::Lost(LossReason::ConnectionLost),
             result = tokio::time::timeout(interval, engine.backend.renew(&held.lease)) => result,
         };
         match result {

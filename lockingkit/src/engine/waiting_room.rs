@@ -54,18 +54,21 @@ impl WaitingRoom {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Takes the turn for `key` if nobody here is attempting, holding or waiting for it.
-    pub(crate) fn try_enter(self: &Arc<Self>, key: &str) -> Option<Turn> {
+    /// Takes the turn for `key` if nobody here is attempting, holding or waiting for it;
+    /// otherwise says what is known about the key.
+    pub(crate) fn try_enter(self: &Arc<Self>, key: &str) -> Result<Turn, WaitEvidence> {
         let key: Arc<str> = Arc::from(key);
         let id = self.new_id();
         // One hash lookup: the key is allocated up front because the turn needs it anyway.
         match self.slots().entry(key.clone()) {
-            std::collections::hash_map::Entry::Occupied(_) => return None,
+            std::collections::hash_map::Entry::Occupied(occupied) => {
+                return Err(occupied.get().evidence())
+            }
             std::collections::hash_map::Entry::Vacant(vacant) => {
                 vacant.insert(Slot::new(id));
             }
         }
-        Some(Turn {
+        Ok(Turn {
             room: self.clone(),
             key,
             id,
@@ -147,10 +150,7 @@ impl WaitingRoom {
     fn evidence(&self, key: &Arc<str>) -> WaitEvidence {
         let slots = self.slots();
         match slots.get(key) {
-            Some(slot) if slot.held || slot.last_attempt_reached != Some(false) => {
-                WaitEvidence::Contended
-            }
-            Some(_) => WaitEvidence::Unreached,
+            Some(slot) => slot.evidence(),
             // The key was freed in the instant before we looked: it was contended until then.
             None => WaitEvidence::Contended,
         }
@@ -177,6 +177,16 @@ impl WaitingRoom {
 }
 
 impl Slot {
+    /// Held here, or the backend answered: contention. Only attempts that never reached the
+    /// backend (say, one still running against a dead server) mean "unreached".
+    fn evidence(&self) -> WaitEvidence {
+        if self.held || self.last_attempt_reached != Some(false) {
+            WaitEvidence::Contended
+        } else {
+            WaitEvidence::Unreached
+        }
+    }
+
     fn new(active: u64) -> Self {
         Slot {
             active,
@@ -318,7 +328,7 @@ mod tests {
         }
         assert_eq!(room.queued("k"), 3);
         assert!(
-            room.try_enter("k").is_none(),
+            room.try_enter("k").is_err(),
             "try_enter must not jump the queue"
         );
         let ids: Vec<u64> = tickets.iter().map(|t| t.id).collect();

@@ -220,9 +220,11 @@ async fn a_key_held_through_the_same_lock_is_busy_although_session_locks_are_ree
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_holder_sees_loss_within_one_check_interval_when_its_session_is_terminated() {
+async fn the_holder_sees_loss_as_soon_as_its_session_is_terminated() {
     let server = PostgresServer::start().await;
-    let locks = process(&server);
+    // Checks far apart: the loss must come from the connection closing, not from a check.
+    let slow_checks = Duration::from_secs(5);
+    let locks = lock_on(server.options(slow_checks));
     let other = process(&server);
     let key = unique_prefix("loss/terminated");
     let held = locks.try_acquire(&key).await.expect("lock");
@@ -230,13 +232,10 @@ async fn the_holder_sees_loss_within_one_check_interval_when_its_session_is_term
 
     assert_eq!(server.terminate_lock_holders(&key).await, 1);
     let terminated = Instant::now();
-    tokio::time::timeout(
-        CHECK + Duration::from_millis(300),
-        held.lost_token().cancelled(),
-    )
-    .await
-    .expect("loss declared within one check interval");
-    assert!(terminated.elapsed() <= CHECK + Duration::from_millis(300));
+    tokio::time::timeout(Duration::from_secs(1), held.lost_token().cancelled())
+        .await
+        .expect("loss declared as the connection closed, long before the next check");
+    assert!(terminated.elapsed() < slow_checks);
     assert!(!held.is_held());
     assert_eq!(held.loss_reason(), Some(LossReason::ConnectionLost));
     assert_eq!(held.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
@@ -248,6 +247,25 @@ async fn the_holder_sees_loss_within_one_check_interval_when_its_session_is_term
         .expect("free after the session ended");
     assert!(next.fencing_token() > first_token);
     next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stopped_in_immediate_mode_is_loss_within_one_check_interval() {
+    // As after a failover: every session ends and every lock with it.
+    let mut server = PostgresServer::start_local().await;
+    let locks = process(&server);
+    let key = unique_prefix("loss/stopped");
+    let held = locks.try_acquire(&key).await.expect("lock");
+    server.stop_immediate();
+    let stopped = Instant::now();
+    tokio::time::timeout(
+        CHECK + Duration::from_millis(300),
+        held.lost_token().cancelled(),
+    )
+    .await
+    .expect("loss declared within one check interval");
+    assert!(stopped.elapsed() <= CHECK + Duration::from_millis(300));
+    assert_eq!(held.loss_reason(), Some(LossReason::ConnectionLost));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

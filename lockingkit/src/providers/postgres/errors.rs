@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{PoolError, TimeoutType};
+use deadpool::managed::{PoolError, TimeoutType};
 use tokio_postgres::error::SqlState;
 
 use crate::backend::BackendError;
@@ -27,7 +27,11 @@ pub(super) enum Stage {
 }
 
 /// A failure to get a connection from the pool.
-pub(super) fn pool_error(error: PoolError, pool_size: usize, timeout: Duration) -> BackendError {
+pub(super) fn pool_error(
+    error: PoolError<tokio_postgres::Error>,
+    pool_size: usize,
+    timeout: Duration,
+) -> BackendError {
     match error {
         PoolError::Backend(error) => query_error(error, Stage::Connect),
         PoolError::Timeout(TimeoutType::Wait) => BackendError::unreachable(format!(

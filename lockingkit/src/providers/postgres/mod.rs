@@ -2,9 +2,10 @@
 //!
 //! A lock is `pg_try_advisory_lock(k)` on a connection of its own, where `k` is
 //! [`PostgresLockKeys::advisory_key`] of the key. The lock lives exactly as long as that
-//! session, so the engine checks the connection every
-//! [`check_interval`](PostgresOptions::check_interval) and declares the lock lost when a check
-//! fails or does not answer in time.
+//! session. The lock is declared lost the moment its connection closes (a terminated session,
+//! a server that stopped or crashed), and the engine also checks the connection every
+//! [`check_interval`](PostgresOptions::check_interval): a check that fails or does not answer
+//! in time is loss too (a frozen server, a silent network).
 //!
 //! # Guarantees and caveats
 //! - **One connection per held lock**, taken out of the pool's rotation while held. Session
@@ -32,6 +33,7 @@
 mod connection;
 mod errors;
 mod options;
+mod session;
 mod tls;
 
 use std::fmt;
@@ -39,9 +41,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use deadpool_postgres::{
-    ClientWrapper, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime,
-};
+use tokio_util::sync::CancellationToken;
 
 pub use options::{
     PostgresOptions, DEFAULT_CHECK_INTERVAL, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE,
@@ -53,6 +53,7 @@ use crate::engine::misconfigured;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use errors::Stage;
+use session::{Connector, PooledSession, Prepared, Session, SessionPool};
 
 /// The provider name in telemetry.
 pub const PROVIDER: &str = "postgres";
@@ -80,7 +81,7 @@ const CHECK: &str = "SELECT 1";
 /// # Ok(()) }
 /// ```
 pub struct PostgresBackend {
-    pool: Pool,
+    pool: SessionPool,
     pool_size: usize,
     timeout: Duration,
     check_interval: Duration,
@@ -138,19 +139,14 @@ impl PostgresBackend {
         if config.get_application_name().is_none() {
             config.application_name("lockingkit");
         }
-        let manager = Manager::from_config(
-            settings.config,
+        let connector = Connector {
+            config: settings.config,
             tls,
-            ManagerConfig {
-                // A returned connection is clean by construction (see the module docs), so a
-                // checkout needs no round trip to vet it; a closed one is still replaced.
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        };
         let timeout = options.query_timeout;
-        let pool = Pool::builder(manager)
+        let pool = SessionPool::builder(connector)
             .max_size(options.pool_size)
-            .runtime(Runtime::Tokio1)
+            .runtime(deadpool::Runtime::Tokio1)
             .wait_timeout(Some(timeout))
             .create_timeout(Some(timeout))
             .recycle_timeout(Some(timeout))
@@ -212,7 +208,7 @@ impl PostgresBackend {
     }
 
     /// Creates the fencing schema and sequence unless they exist.
-    async fn ensure_fencing(&self, client: &ClientWrapper) -> Result<(), BackendError> {
+    async fn ensure_fencing(&self, client: &tokio_postgres::Client) -> Result<(), BackendError> {
         // Checking first lets a role without CREATE use objects an administrator made:
         // CREATE SCHEMA checks the privilege before IF NOT EXISTS.
         let row = self
@@ -259,17 +255,20 @@ impl LockBackend for PostgresBackend {
         // From here until the answer is read, any exit (an error, a timeout, this future being
         // dropped) closes the connection: the lock may have been taken on it.
         let checkout = self.checkout().await?;
-        let client = checkout.client()?;
+        let session = checkout.session()?;
         if !self.fencing_ready.load(Ordering::Acquire) {
-            self.ensure_fencing(client).await?;
+            self.ensure_fencing(session.client()).await?;
         }
         let statement = self
-            .run(Stage::Attempt, client.prepare_cached(&self.lock))
+            .run(
+                Stage::Attempt,
+                session.statement(Prepared::Lock, &self.lock),
+            )
             .await?;
         let row = self
             .run(
                 Stage::Attempt,
-                client.query_opt(&statement, &[&advisory_key]),
+                session.client().query_opt(&statement, &[&advisory_key]),
             )
             .await?;
         let Some(row) = row else {
@@ -283,31 +282,35 @@ impl LockBackend for PostgresBackend {
         let fencing_token = u64::try_from(token).map_err(|_| {
             BackendError::permanent("the fencing sequence returned a negative value")
         })?;
+        let ended = session.ended().clone();
         Ok(Some(Acquired {
             lease: PostgresLease {
                 advisory_key,
-                connection: tokio::sync::Mutex::new(checkout.into_object()),
+                ended,
+                session: tokio::sync::Mutex::new(checkout.into_session()),
             },
             fencing_token,
         }))
     }
 
     async fn renew(&self, lease: &PostgresLease) -> Result<(), BackendError> {
-        let mut slot = lease.connection.lock().await;
-        let Some(object) = slot.as_ref() else {
+        let mut slot = lease.session.lock().await;
+        let Some(session) = slot.as_ref() else {
             return Err(BackendError::lease_gone(
                 "the lock's PostgreSQL connection was already closed",
             ));
         };
-        if object.is_closed() {
+        if session.is_closed() {
             discard(slot.take());
             return Err(BackendError::lease_gone(
                 "the lock's PostgreSQL connection closed",
             ));
         }
         let checked = async {
-            let statement = self.run(Stage::Held, object.prepare_cached(CHECK)).await?;
-            self.run(Stage::Held, object.query_one(&statement, &[]))
+            let statement = self
+                .run(Stage::Held, session.statement(Prepared::Check, CHECK))
+                .await?;
+            self.run(Stage::Held, session.client().query_one(&statement, &[]))
                 .await
         }
         .await;
@@ -323,17 +326,19 @@ impl LockBackend for PostgresBackend {
     async fn release(&self, lease: &PostgresLease) -> Result<(), BackendError> {
         // Taken out of the lease first, so that if this future is dropped mid-statement the
         // checkout's drop closes the connection instead of leaving it with the lease.
-        let checkout = Checkout(lease.connection.lock().await.take());
-        let client = checkout.client().map_err(|_| {
+        let checkout = Checkout(lease.session.lock().await.take());
+        let session = checkout.session().map_err(|_| {
             BackendError::lease_gone("the lock's PostgreSQL connection was already closed")
         })?;
         let statement = self
-            .run(Stage::Release, client.prepare_cached(UNLOCK))
+            .run(Stage::Release, session.statement(Prepared::Unlock, UNLOCK))
             .await?;
         let row = self
             .run(
                 Stage::Release,
-                client.query_one(&statement, &[&lease.advisory_key]),
+                session
+                    .client()
+                    .query_one(&statement, &[&lease.advisory_key]),
             )
             .await?;
         match row.try_get::<_, bool>(0) {
@@ -348,6 +353,10 @@ impl LockBackend for PostgresBackend {
             )),
         }
     }
+
+    fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {
+        lease.ended.clone().cancelled_owned()
+    }
 }
 
 /// A held PostgreSQL advisory lock: the connection whose session holds it.
@@ -356,7 +365,9 @@ impl LockBackend for PostgresBackend {
 /// frees the lock at the server.
 pub struct PostgresLease {
     advisory_key: i64,
-    connection: tokio::sync::Mutex<Option<Object>>,
+    /// Cancelled when the session ends, whoever ends it.
+    ended: CancellationToken,
+    session: tokio::sync::Mutex<Option<PooledSession>>,
 }
 
 impl PostgresLease {
@@ -375,28 +386,28 @@ impl fmt::Debug for PostgresLease {
 
 impl Drop for PostgresLease {
     fn drop(&mut self) {
-        discard(self.connection.get_mut().take());
+        discard(self.session.get_mut().take());
     }
 }
 
-/// A connection checked out for one operation. Dropped without [`Checkout::return_to_pool`], it
+/// A session checked out for one operation. Dropped without [`Checkout::return_to_pool`], it
 /// closes the connection: whatever happened on it, no lock can be left behind in the pool.
-struct Checkout(Option<Object>);
+struct Checkout(Option<PooledSession>);
 
 impl Checkout {
-    fn client(&self) -> Result<&ClientWrapper, BackendError> {
+    fn session(&self) -> Result<&Session, BackendError> {
         self.0
             .as_deref()
             .ok_or_else(|| BackendError::permanent("internal: the connection was handed on"))
     }
 
-    /// Puts a clean connection (holding no lock) back into the pool.
+    /// Puts a clean session (holding no lock) back into the pool.
     fn return_to_pool(mut self) {
         drop(self.0.take());
     }
 
-    /// Hands the connection on to a lease.
-    fn into_object(mut self) -> Option<Object> {
+    /// Hands the session on to a lease.
+    fn into_session(mut self) -> Option<PooledSession> {
         self.0.take()
     }
 }
@@ -407,10 +418,10 @@ impl Drop for Checkout {
     }
 }
 
-/// Closes a connection instead of returning it to the pool: the session ends and the server
-/// frees its locks.
-fn discard(object: Option<Object>) {
-    if let Some(object) = object {
-        drop(Object::take(object));
+/// Closes a session instead of returning it to the pool: the server ends it and frees its
+/// locks.
+fn discard(session: Option<PooledSession>) {
+    if let Some(session) = session {
+        drop(PooledSession::take(session));
     }
 }

@@ -1,0 +1,124 @@
+//! Pooled PostgreSQL sessions: a client, its prepared statements, and a signal when it ends.
+//!
+//! deadpool-postgres's client hides the task that drives the connection, so nothing could
+//! tell a held lock that its session ended until the next check asked the server. Here the
+//! driving task cancels a token as it finishes, which lets the engine declare the loss within
+//! moments of `pg_terminate_backend` or a server crash instead of up to a check interval later.
+
+use std::sync::OnceLock;
+
+use deadpool::managed::{Manager, Metrics, RecycleError, RecycleResult};
+use tokio::task::JoinHandle;
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, Config, Statement};
+use tokio_postgres_rustls::MakeRustlsConnect;
+use tokio_util::sync::CancellationToken;
+
+/// The statements of the lock protocol, prepared once per session on first use.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Prepared {
+    /// Try-lock with the fencing token in the same round trip.
+    Lock,
+    /// `pg_advisory_unlock($1)`.
+    Unlock,
+    /// `SELECT 1`, the connection check.
+    Check,
+}
+
+/// One PostgreSQL session.
+pub(super) struct Session {
+    client: Client,
+    ended: CancellationToken,
+    statements: [OnceLock<Statement>; 3],
+    driver: JoinHandle<()>,
+}
+
+impl Session {
+    pub(super) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Cancelled once the session is over (closed by either side, or dropped).
+    pub(super) fn ended(&self) -> &CancellationToken {
+        &self.ended
+    }
+
+    pub(super) fn is_closed(&self) -> bool {
+        self.ended.is_cancelled() || self.client.is_closed()
+    }
+
+    /// The prepared statement `which` (with text `sql`), preparing it on first use.
+    pub(super) async fn statement(
+        &self,
+        which: Prepared,
+        sql: &str,
+    ) -> Result<Statement, tokio_postgres::Error> {
+        let (slot, types): (_, &[Type]) = match which {
+            Prepared::Lock => (&self.statements[0], &[Type::INT8]),
+            Prepared::Unlock => (&self.statements[1], &[Type::INT8]),
+            Prepared::Check => (&self.statements[2], &[]),
+        };
+        if let Some(statement) = slot.get() {
+            return Ok(statement.clone());
+        }
+        let statement = self.client.prepare_typed(sql, types).await?;
+        // A session serves one operation at a time, so no other preparation can race this one.
+        let _ = slot.set(statement.clone());
+        Ok(statement)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Stops driving the connection: the socket closes and the server ends the session,
+        // freeing any lock it held.
+        self.driver.abort();
+    }
+}
+
+/// Opens sessions for the pool.
+pub(super) struct Connector {
+    pub(super) config: Config,
+    pub(super) tls: MakeRustlsConnect,
+}
+
+impl Manager for Connector {
+    type Type = Session;
+    type Error = tokio_postgres::Error;
+
+    async fn create(&self) -> Result<Session, tokio_postgres::Error> {
+        let (client, connection) = self.config.connect(self.tls.clone()).await?;
+        let ended = CancellationToken::new();
+        let signal = ended.clone().drop_guard();
+        let driver = tokio::spawn(async move {
+            // Cancels `ended` when the connection finishes or this task is aborted.
+            let _signal = signal;
+            let _ = connection.await;
+        });
+        Ok(Session {
+            client,
+            ended,
+            statements: Default::default(),
+            driver,
+        })
+    }
+
+    async fn recycle(
+        &self,
+        session: &mut Session,
+        _: &Metrics,
+    ) -> RecycleResult<tokio_postgres::Error> {
+        // Sessions come back only clean (see the provider docs), so a closed one is the only
+        // kind to refuse; checking costs no round trip.
+        if session.is_closed() {
+            Err(RecycleError::message("the session has ended"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// The pool of sessions.
+pub(super) type SessionPool = deadpool::managed::Pool<Connector>;
+/// A session checked out of the pool.
+pub(super) type PooledSession = deadpool::managed::Object<Connector>;

@@ -171,6 +171,11 @@ async fn a_fenced_write_succeeds_while_held_and_is_refused_after_the_lease_is_br
     let handle = locks.try_acquire(&key).await.expect("acquire");
     let lease = handle.azure_blob_lease().expect("an Azure lease");
     assert_eq!(lease.fencing_token(), handle.fencing_token());
+    let shown = format!("{lease:?} {handle:?}");
+    assert!(
+        !shown.contains(lease.lease_id()) && !shown.contains("fenced"),
+        "{shown}"
+    );
 
     lease
         .blob_client()
@@ -474,4 +479,12 @@ async fn the_fixture_restarts_on_the_same_port_and_keeps_blobs_on_disk() {
         "tokens survive an on-disk restart"
     );
     again.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn locks_of_other_providers_have_no_azure_lease() {
+    let locks = DistributedLock::in_memory();
+    let handle = locks.try_acquire("orders/42").await.expect("acquire");
+    assert!(handle.azure_blob_lease().is_none());
+    handle.release().await.expect("release");
 }

@@ -63,4 +63,17 @@ pub use tokio_util::sync::CancellationToken;
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
 
+/// The guides' examples, compiled as doc tests with the features they need.
+#[cfg(all(doctest, feature = "postgres"))]
+#[doc = include_str!("../../docs/postgres.md")]
+pub struct PostgresGuideDoctests;
+
+#[cfg(all(doctest, feature = "azure"))]
+#[doc = include_str!("../../docs/azure.md")]
+pub struct AzureGuideDoctests;
+
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/telemetry.md")]
+pub struct TelemetryGuideDoctests;
+
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

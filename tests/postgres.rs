@@ -249,6 +249,69 @@ async fn the_holder_sees_loss_as_soon_as_its_session_is_terminated() {
     next.release().await.expect("release");
 }
 
+/// Whether some session is listening for release notifications (its last statement was the
+/// listener's `LISTEN`).
+async fn release_listener_is_up(server: &PostgresServer) -> bool {
+    let admin = server.connect().await;
+    let row = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN lockingkit'",
+            &[],
+        )
+        .await
+        .expect("pg_stat_activity");
+    row.get::<_, i64>(0) > 0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_ends() {
+    let server = PostgresServer::start().await;
+    // Polling alone would find each release up to a second late.
+    let patient = LockOptions {
+        min_retry_delay: Duration::from_secs(1),
+        max_retry_delay: Duration::from_secs(1),
+        ..LockOptions::default()
+    };
+    let holder = lock_on(server.options(CHECK));
+    let waiter = PostgresBackend::new(server.options(CHECK)).expect("options");
+    let waiter = DistributedLock::builder(waiter)
+        .options(patient)
+        .build()
+        .expect("lock options");
+    let key = unique_prefix("handoff/notify");
+    // Several hand-offs, so that a poll that happened to land just after a release cannot
+    // pass the test by luck (each has about a 15% chance of landing within the bound).
+    for round in 0..3 {
+        let held = holder.try_acquire(&key).await.expect("lock");
+        let waiting = tokio::spawn({
+            let waiter = waiter.clone();
+            let key = key.clone();
+            async move {
+                let handle = waiter
+                    .acquire(&key, Duration::from_secs(10))
+                    .await
+                    .expect("handed over");
+                (Instant::now(), handle)
+            }
+        });
+        eventually("the waiter's first attempt", Duration::from_secs(10), async || {
+            backend(&waiter).pool_connections() > 0 && release_listener_is_up(&server).await
+        })
+        .await;
+        // In the first round the listener's start-up wake-up may be what finds the release;
+        // from the second on, the listener is up and only the notification can.
+        held.release().await.expect("release");
+        let released = Instant::now();
+        let (acquired, handle) = waiting.await.expect("waiter task");
+        let handoff = acquired.saturating_duration_since(released);
+        assert!(
+            handoff < Duration::from_millis(150),
+            "round {round}: hand-off took {handoff:?}, the backoff was 1 s"
+        );
+        handle.release().await.expect("release");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_stopped_in_immediate_mode_is_loss_within_one_check_interval() {
     // As after a failover: every session ends and every lock with it.

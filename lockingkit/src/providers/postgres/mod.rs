@@ -26,12 +26,19 @@
 //!   first use (serialized by a transaction-level advisory lock, so processes starting together
 //!   do not race); a role without CREATE on the database needs them created beforehand, with
 //!   USAGE on the schema and USAGE, UPDATE on the sequence.
+//! - **Hand-off across processes in milliseconds**: a release also sends `NOTIFY lockingkit`
+//!   with the advisory key, and each backend keeps one extra session (opened on its first wait,
+//!   never one of the pool's) listening for it, so a waiting process retries at once instead of
+//!   at its next backoff step. Polling stays the fallback: a lock freed by a session that ended
+//!   (no NOTIFY is sent then) or released while the listener reconnects is found by the next
+//!   attempt, at most the maximum retry delay later.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
 //!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
 //!   or statement pooling mode breaks session locks; use session pooling or connect directly.
 
 mod connection;
 mod errors;
+mod notify;
 mod options;
 mod session;
 mod tls;
@@ -62,7 +69,12 @@ pub const PROVIDER: &str = "postgres";
 /// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
 const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
 
-const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+/// The unlock, and in the same round trip a notification that wakes waiters in other processes
+/// (see `notify`). A notification makes the implicit transaction take a transaction id, so its
+/// commit would wait for a WAL flush; nothing here needs durability, so that wait is turned
+/// off for this one transaction.
+const UNLOCK: &str = "SELECT pg_advisory_unlock($1), pg_notify('lockingkit', $1::text), \
+                      set_config('synchronous_commit', 'off', true)";
 const CHECK: &str = "SELECT 1";
 
 /// The PostgreSQL backend: a connection pool and the statements of the lock protocol.
@@ -91,6 +103,8 @@ pub struct PostgresBackend {
     fencing_setup: String,
     /// Set once the fencing objects are known to exist; cleared if a statement finds them gone.
     fencing_ready: AtomicBool,
+    /// Wakes this process's waiters when another process releases their key.
+    releases: notify::ReleaseWatch,
 }
 
 impl PostgresBackend {
@@ -139,6 +153,7 @@ impl PostgresBackend {
         if config.get_application_name().is_none() {
             config.application_name("lockingkit");
         }
+        let releases = notify::ReleaseWatch::new(settings.config.clone(), tls.clone());
         let connector = Connector {
             config: settings.config,
             tls,
@@ -169,6 +184,7 @@ impl PostgresBackend {
                 FENCING_SETUP_LOCK.0, FENCING_SETUP_LOCK.1, options.fencing_schema
             ),
             fencing_ready: AtomicBool::new(false),
+            releases,
         })
     }
 
@@ -352,6 +368,10 @@ impl LockBackend for PostgresBackend {
                 "PostgreSQL says the session no longer held the lock",
             )),
         }
+    }
+
+    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
+        self.releases.subscribe(PostgresLockKeys::advisory_key(key))
     }
 
     fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {

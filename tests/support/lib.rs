@@ -2,6 +2,7 @@
 #![allow(missing_docs)]
 
 pub mod azurite;
+pub mod bench;
 pub mod bench_azure;
 pub mod bench_postgres;
 pub mod postgres;

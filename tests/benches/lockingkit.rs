@@ -1,0 +1,260 @@
+//! LockingKit's performance goals, each measured next to its baseline in one run: starts a
+//! throwaway PostgreSQL server and Azurite itself and prints a table, then one JSON line.
+//!
+//! ```text
+//! scripts/setup-postgres.sh && scripts/setup-azurite.sh
+//! cargo bench -p lockingkit-tests --bench lockingkit
+//! ```
+//!
+//! Without `--bench` (`cargo test --all-targets`) every measurement runs a few samples as a
+//! smoke test; it lists no tests to nextest.
+
+use std::time::Duration;
+
+use lockingkit::{DistributedLock, PostgresBackend};
+use lockingkit_tests::azurite::Azurite;
+use lockingkit_tests::bench::{self, Percentiles, PollingOnly};
+use lockingkit_tests::postgres::PostgresServer;
+use lockingkit_tests::{bench_azure, bench_postgres};
+
+/// Sample counts: the real run, or a smoke test.
+#[derive(Clone, Copy)]
+struct Sizes {
+    postgres_pairs: usize,
+    azure_pairs: usize,
+    memory_pairs: u32,
+    local_handoffs: usize,
+    remote_handoffs: usize,
+}
+
+const FULL: Sizes = Sizes {
+    postgres_pairs: 5000,
+    azure_pairs: 400,
+    memory_pairs: 300_000,
+    local_handoffs: 2000,
+    remote_handoffs: 60,
+};
+
+const SMOKE: Sizes = Sizes {
+    postgres_pairs: 5,
+    azure_pairs: 5,
+    memory_pairs: 1000,
+    local_handoffs: 5,
+    remote_handoffs: 2,
+};
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn pass(ok: bool) -> &'static str {
+    if ok {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
+
+fn postgres_lock(server: &PostgresServer) -> DistributedLock {
+    let backend = PostgresBackend::new(server.options(Duration::from_secs(30))).expect("options");
+    DistributedLock::builder(backend).build().expect("lock")
+}
+
+fn polling_postgres_lock(server: &PostgresServer) -> DistributedLock {
+    let backend = PostgresBackend::new(server.options(Duration::from_secs(30))).expect("options");
+    DistributedLock::builder(PollingOnly(backend))
+        .build()
+        .expect("lock")
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--list") {
+        // nextest asks a harness-less target for its tests: there are none.
+        return;
+    }
+    let sizes = if args.iter().any(|a| a == "--bench") {
+        FULL
+    } else {
+        SMOKE
+    };
+
+    // Engine-only measurements first, each on a runtime of its own, before any server runs.
+    let (memory_pairs, memory_raw_pairs) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
+    let attempts_one = bench::attempts_while_waiting(1);
+    let attempts_twenty = bench::attempts_while_waiting(20);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (postgres, azure, memory_local, postgres_local, remote_polling, remote_hint) = runtime
+        .block_on(async {
+            // Measured inside tasks, as application code runs.
+            tokio::spawn(async move {
+                let server = PostgresServer::start().await;
+                let postgres = bench_postgres::measure(&server, sizes.postgres_pairs).await;
+
+                let memory_local = bench::local_handoff(
+                    &DistributedLock::in_memory(),
+                    "handoff/local",
+                    sizes.local_handoffs,
+                )
+                .await;
+                let postgres_local = bench::local_handoff(
+                    &postgres_lock(&server),
+                    "handoff/local",
+                    sizes.local_handoffs,
+                )
+                .await;
+
+                let holder = postgres_lock(&server);
+                let remote_polling = bench::cross_process_handoff(
+                    &holder,
+                    &polling_postgres_lock(&server),
+                    "handoff/polling",
+                    sizes.remote_handoffs,
+                )
+                .await;
+                let remote_hint = bench::cross_process_handoff(
+                    &holder,
+                    &postgres_lock(&server),
+                    "handoff/notify",
+                    sizes.remote_handoffs,
+                )
+                .await;
+                drop(server);
+
+                let azurite = Azurite::start().await;
+                let azure = bench_azure::measure(&azurite, sizes.azure_pairs).await;
+                (
+                    postgres,
+                    azure,
+                    memory_local,
+                    postgres_local,
+                    remote_polling,
+                    remote_hint,
+                )
+            })
+            .await
+            .expect("the benchmark task panicked")
+        });
+
+    let twenty_vs_one = attempts_twenty as f64 / attempts_one as f64;
+    let pg = &postgres;
+    let handoff = |name: &str, p: Percentiles, goal: &str, ok: Option<bool>| {
+        println!(
+            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {goal:<14} | {:<6} |",
+            ms(p.p50),
+            ms(p.p99),
+            ok.map_or("", pass)
+        );
+    };
+    println!("{}\n", postgres.render());
+    println!("{}\n", azure.render());
+    println!(
+        "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
+        "measurement", "lockingkit", "baseline", "goal", "result"
+    );
+    println!(
+        "|{:-<54}|{:-<14}|{:-<14}|{:-<16}|{:-<8}|",
+        "", "", "", "", ""
+    );
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "1. PostgreSQL try_acquire+release vs raw, median",
+        ms(pg.lockingkit.median),
+        ms(pg.raw_pooled.median),
+        format!("ratio {:.3}", pg.ratio()),
+        pass(pg.ratio() <= 1.10)
+    );
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "   same, p99",
+        ms(pg.lockingkit.p99),
+        ms(pg.raw_pooled.p99),
+        format!("ratio {:.3}", ms(pg.lockingkit.p99) / ms(pg.raw_pooled.p99)),
+        ""
+    );
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "2. Azure acquire+release vs raw SDK, median",
+        ms(azure.lockingkit),
+        ms(azure.raw_same_requests),
+        format!("ratio {:.3}", azure.ratio()),
+        pass(azure.ratio() <= 1.10)
+    );
+    println!(
+        "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
+        "3. in-memory uncontended pairs, one thread",
+        memory_pairs,
+        memory_raw_pairs,
+        ">= 500000/s",
+        pass(memory_pairs >= 500_000.0)
+    );
+    println!(
+        "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
+        "4. backend attempts in 60 s, 20 local waiters vs 1",
+        attempts_twenty,
+        attempts_one,
+        format!("ratio {twenty_vs_one:.2}"),
+        pass(twenty_vs_one <= 1.0)
+    );
+    println!(
+        "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
+        "5./6. hand-off, release -> next holder", "p50", "p99", "goal", ""
+    );
+    handoff(
+        "5. local, in-memory",
+        memory_local,
+        "p50 < 1 ms",
+        Some(memory_local.p50 < Duration::from_millis(1)),
+    );
+    handoff(
+        "5. local, PostgreSQL",
+        postgres_local,
+        "p50 < 1 ms",
+        Some(postgres_local.p50 < Duration::from_millis(1)),
+    );
+    handoff(
+        "6. cross-process, PostgreSQL, polling only",
+        remote_polling,
+        "baseline",
+        None,
+    );
+    handoff(
+        "6. cross-process, PostgreSQL, LISTEN/NOTIFY hint",
+        remote_hint,
+        "p50 <= 5 ms",
+        Some(remote_hint.p50 <= Duration::from_millis(5)),
+    );
+    println!();
+    println!(
+        "{{\"postgres_pairs\":{},\"postgres_lockingkit_median_us\":{:.1},\"postgres_lockingkit_p99_us\":{:.1},\"postgres_raw_median_us\":{:.1},\"postgres_raw_p99_us\":{:.1},\"postgres_ratio\":{:.3},\
+\"azure_pairs\":{},\"azure_lockingkit_median_ms\":{:.3},\"azure_raw_median_ms\":{:.3},\"azure_ratio\":{:.3},\
+\"in_memory_pairs_per_s\":{memory_pairs:.0},\"in_memory_raw_pairs_per_s\":{memory_raw_pairs:.0},\
+\"attempts_1_waiter\":{attempts_one},\"attempts_20_waiters\":{attempts_twenty},\"attempts_ratio\":{twenty_vs_one:.3},\
+\"local_handoff_memory_p50_ms\":{:.4},\"local_handoff_memory_p99_ms\":{:.4},\"local_handoff_postgres_p50_ms\":{:.4},\"local_handoff_postgres_p99_ms\":{:.4},\
+\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_notify_p50_ms\":{:.3},\"remote_handoff_notify_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
+        pg.pairs,
+        pg.lockingkit.median.as_secs_f64() * 1e6,
+        pg.lockingkit.p99.as_secs_f64() * 1e6,
+        pg.raw_pooled.median.as_secs_f64() * 1e6,
+        pg.raw_pooled.p99.as_secs_f64() * 1e6,
+        pg.ratio(),
+        azure.pairs,
+        ms(azure.lockingkit),
+        ms(azure.raw_same_requests),
+        azure.ratio(),
+        ms(memory_local.p50),
+        ms(memory_local.p99),
+        ms(postgres_local.p50),
+        ms(postgres_local.p99),
+        ms(remote_polling.p50),
+        ms(remote_polling.p99),
+        ms(remote_hint.p50),
+        ms(remote_hint.p99),
+        sizes.remote_handoffs,
+    );
+}

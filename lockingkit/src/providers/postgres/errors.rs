@@ -9,6 +9,7 @@ use std::time::Duration;
 use deadpool::managed::{PoolError, TimeoutType};
 use tokio_postgres::error::SqlState;
 
+use super::session::ConnectError;
 use crate::backend::BackendError;
 
 /// Where a failure happened: the same error means different things on a connection that holds
@@ -28,12 +29,13 @@ pub(super) enum Stage {
 
 /// A failure to get a connection from the pool.
 pub(super) fn pool_error(
-    error: PoolError<tokio_postgres::Error>,
+    error: PoolError<ConnectError>,
     pool_size: usize,
     timeout: Duration,
 ) -> BackendError {
     match error {
-        PoolError::Backend(error) => query_error(error, Stage::Connect),
+        PoolError::Backend(ConnectError::Postgres(error)) => query_error(error, Stage::Connect),
+        PoolError::Backend(ConnectError::TimedOut) => timed_out(Stage::Connect, timeout),
         PoolError::Timeout(TimeoutType::Wait) => BackendError::unreachable(format!(
             "all {pool_size} pooled PostgreSQL connections stayed in use for {timeout:?}; each held lock keeps one, so raise pool_size"
         )),
@@ -41,9 +43,8 @@ pub(super) fn pool_error(
             "PostgreSQL did not accept a connection within {timeout:?}"
         )),
         PoolError::Closed => BackendError::permanent("the PostgreSQL connection pool is closed"),
-        other => BackendError::permanent(format!(
-            "the PostgreSQL connection pool failed ({other})"
-        )),
+        // Hooks and runtime errors: neither is configured here.
+        _ => BackendError::permanent("the PostgreSQL connection pool failed"),
     }
 }
 

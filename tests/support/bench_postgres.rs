@@ -117,15 +117,20 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
     let bare = PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
     let bare_key = format!("bench/backend/{pid}");
 
-    let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
-    let manager = Manager::from_config(
-        config,
-        tokio_postgres::NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    let pool = Pool::builder(manager).max_size(1).build().expect("pool");
+    // Each variant gets a connection of its own, so none is warmer for being used more often.
+    let raw_pool = || {
+        let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
+        let manager = Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        Pool::builder(manager).max_size(1).build().expect("pool")
+    };
+    let pool = raw_pool();
+    let fenced_pool = raw_pool();
     let pooled_key = PostgresLockKeys::advisory_key(&format!("bench/pooled/{pid}"));
     let fenced_key = PostgresLockKeys::advisory_key(&format!("bench/fenced/{pid}"));
     let fenced_lock = format!(
@@ -185,7 +190,7 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
                     assert!(released, "the raw dedicated unlock was refused");
                 }
                 3 => {
-                    let client = pool.get().await.expect("pooled connection");
+                    let client = fenced_pool.get().await.expect("pooled connection");
                     raw_pair(&client, &fenced_lock, fenced_key).await;
                 }
                 _ => {

@@ -741,7 +741,13 @@ async fn a_connection_the_backend_sees_close_is_lost_at_once_not_at_the_next_che
 async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs() {
     let store = MemoryStore::new();
     let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    // Retries at most 100 ms apart, so an attempt starts between the gate closing (500 ms)
+    // and the deadline (1 s) whatever the jitter draws.
+    let locks = DistributedLock::builder(recording.clone())
+        .min_retry_delay(Duration::from_millis(100))
+        .max_retry_delay(Duration::from_millis(100))
+        .build()
+        .unwrap();
     store.set_unavailable(true);
     let waiter = tokio::spawn({
         let locks = locks.clone();

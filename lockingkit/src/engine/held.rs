@@ -74,7 +74,7 @@ impl<B: LockBackend> Held<B> {
         sent: Instant,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
-        let schedule_key = engine.scheduler.key(sent + engine.first_renewal_after());
+        let schedule_key = engine.scheduler.key(sent + engine.keeper_starts_after());
         Held {
             runtime,
             schedule_key,

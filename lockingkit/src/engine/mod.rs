@@ -30,6 +30,11 @@ pub(crate) use orphan::Orphanable;
 use scheduler::RenewalScheduler;
 use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
 
+/// How long a connection-held lock goes unwatched after it is taken (see
+/// `Engine::keeper_starts_after`). Loss through a closed connection is declared at most this
+/// much later than the backend notices it, and still long before the next check.
+const CONNECTION_WATCH_DELAY: Duration = Duration::from_millis(10);
+
 /// What `DistributedLock` needs from an engine, without the backend type.
 pub(crate) trait AnyEngine: Send + Sync {
     fn name(&self) -> &str;
@@ -121,10 +126,16 @@ impl<B: LockBackend> Engine<B> {
     }
 
     /// How long after the acquire was sent the first renewal (or check) is due.
-    fn first_renewal_after(&self) -> Duration {
+    /// How long after the acquire was sent the lock's keeper task starts: when the first
+    /// renewal is due for an expiring lease. A connection-held lock can end any time its
+    /// connection does, and a backend may notice that without asking
+    /// (`LockBackend::lease_ended`), so its keeper starts almost at once — yet not at once:
+    /// a task per acquire costs cross-thread wake-ups that were a third of a PostgreSQL
+    /// try_acquire+release pair, and most holds are shorter than this.
+    fn keeper_starts_after(&self) -> Duration {
         match self.timing {
             LeaseTiming::Expiring(lease) => self.options.renew_every.unwrap_or(lease / 3),
-            LeaseTiming::ConnectionHeld(interval) => interval,
+            LeaseTiming::ConnectionHeld(interval) => interval.min(CONNECTION_WATCH_DELAY),
         }
     }
 
@@ -165,15 +176,7 @@ impl<B: LockBackend> Engine<B> {
             sent,
         ));
         self.telemetry.lock_taken();
-        match self.timing {
-            // A connection-held lock can end at any instant the connection does, and a backend
-            // may notice that without asking (`LockBackend::lease_ended`): keep watch from the
-            // start. Such acquires cost a network round trip, so the task is cheap beside it.
-            LeaseTiming::ConnectionHeld(_) => {
-                runtime.spawn(renewal::keep(held.clone(), sent));
-            }
-            LeaseTiming::Expiring(_) => held.schedule(),
-        }
+        held.schedule();
         LockHandle::new(held)
     }
 

@@ -39,6 +39,8 @@ pub(crate) struct RenewalScheduler {
 struct State {
     due: BTreeMap<ScheduleKey, Arc<dyn Keep>>,
     driver_running: bool,
+    /// When the driver will wake on its own; `None` while it waits for a notification.
+    driver_wakes_at: Option<Instant>,
     closed: bool,
 }
 
@@ -128,7 +130,9 @@ async fn drive(scheduler: Arc<RenewalScheduler>) {
                 }
                 ready.push(entry.remove());
             }
-            (ready, state.due.first_key_value().map(|(key, _)| key.0))
+            let next = state.due.first_key_value().map(|(key, _)| key.0);
+            state.driver_wakes_at = next;
+            (ready, next)
         };
         for held in ready {
             held.start_keeper(&runtime);

@@ -294,9 +294,13 @@ async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_end
                 (Instant::now(), handle)
             }
         });
-        eventually("the waiter's first attempt", Duration::from_secs(10), async || {
-            backend(&waiter).pool_connections() > 0 && release_listener_is_up(&server).await
-        })
+        eventually(
+            "the waiter's first attempt",
+            Duration::from_secs(10),
+            async || {
+                backend(&waiter).pool_connections() > 0 && release_listener_is_up(&server).await
+            },
+        )
         .await;
         // In the first round the listener's start-up wake-up may be what finds the release;
         // from the second on, the listener is up and only the notification can.

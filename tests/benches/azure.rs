@@ -9,24 +9,15 @@
 //! no tests to nextest.
 
 use lockingkit_tests::azurite::Azurite;
+use lockingkit_tests::bench::{two_worker_runtime, BenchMode};
 use lockingkit_tests::bench_azure::measure;
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--list") {
-        // nextest asks a harness-less target for its tests: there are none.
+    let Some(mode) = BenchMode::from_args() else {
         return;
-    }
-    let pairs = if args.iter().any(|a| a == "--bench") {
-        400
-    } else {
-        5
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let pairs = mode.pick(400, 5);
+    let runtime = two_worker_runtime();
     runtime.block_on(async {
         let azurite = Azurite::start().await;
         let report = measure(&azurite, pairs).await;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use lockingkit::{DistributedLock, PostgresBackend};
 use lockingkit_tests::azurite::Azurite;
-use lockingkit_tests::bench::{self, Percentiles, PollingOnly};
+use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, PollingOnly};
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::{bench_azure, bench_postgres};
 
@@ -68,27 +68,17 @@ fn polling_postgres_lock(server: &PostgresServer) -> DistributedLock {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--list") {
-        // nextest asks a harness-less target for its tests: there are none.
+    let Some(mode) = BenchMode::from_args() else {
         return;
-    }
-    let sizes = if args.iter().any(|a| a == "--bench") {
-        FULL
-    } else {
-        SMOKE
     };
+    let sizes = mode.pick(FULL, SMOKE);
 
     // Engine-only measurements first, each on a runtime of its own, before any server runs.
     let (memory_pairs, memory_raw_pairs) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
     let attempts_one = bench::attempts_while_waiting(1);
     let attempts_twenty = bench::attempts_while_waiting(20);
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = two_worker_runtime();
     let (postgres, azure, memory_local, postgres_local, remote_polling, remote_hint) = runtime
         .block_on(async {
             // Measured inside tasks, as application code runs.

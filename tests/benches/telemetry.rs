@@ -36,6 +36,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+use lockingkit_tests::bench::BenchMode;
 use opentelemetry::metrics::{Histogram, UpDownCounter};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::KeyValue;
@@ -48,16 +49,10 @@ use tracing_subscriber::layer::SubscriberExt as _;
 const KEY: &str = "bench/telemetry";
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--list") {
-        // nextest asks a harness-less target for its tests: there are none.
+    let Some(mode) = BenchMode::from_args() else {
         return;
-    }
-    let (pairs, samples) = if args.iter().any(|a| a == "--bench") {
-        (20_000, 15)
-    } else {
-        (200, 2)
     };
+    let (pairs, samples) = mode.pick((20_000, 15), (200, 2));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()

@@ -213,10 +213,23 @@ async fn run_drops_the_work_when_the_lock_is_lost() {
     assert_eq!(dropped.load(Ordering::SeqCst), 1, "the work was dropped");
 }
 
-/// A connection-held backend whose check can be made to hang.
+/// A connection-held backend whose checks can be made to hang, and which can see its
+/// connection close without asking (as `LockBackend::lease_ended` allows).
+#[derive(Clone)]
 struct Connection {
     hang: Arc<std::sync::atomic::AtomicBool>,
     checks: Arc<AtomicUsize>,
+    closed: tokio::sync::watch::Sender<bool>,
+}
+
+impl Connection {
+    fn new() -> Self {
+        Connection {
+            hang: Arc::default(),
+            checks: Arc::default(),
+            closed: tokio::sync::watch::channel(false).0,
+        }
+    }
 }
 
 impl LockBackend for Connection {
@@ -248,18 +261,20 @@ impl LockBackend for Connection {
     async fn release(&self, _lease: &()) -> Result<(), BackendError> {
         Ok(())
     }
+
+    fn lease_ended(&self, _lease: &()) -> impl std::future::Future<Output = ()> + Send {
+        let mut closed = self.closed.subscribe();
+        async move {
+            let _ = closed.wait_for(|closed| *closed).await;
+        }
+    }
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_unanswered_connection_check_is_loss_after_one_interval() {
-    let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let checks = Arc::new(AtomicUsize::new(0));
-    let locks = DistributedLock::builder(Connection {
-        hang: hang.clone(),
-        checks: checks.clone(),
-    })
-    .build()
-    .unwrap();
+    let connection = Connection::new();
+    let (hang, checks) = (connection.hang.clone(), connection.checks.clone());
+    let locks = DistributedLock::builder(connection).build().unwrap();
     let start = Instant::now();
     let handle = locks.try_acquire("k").await.unwrap();
     tokio::time::sleep(Duration::from_secs(12)).await;
@@ -687,47 +702,11 @@ async fn a_release_hint_wakes_the_front_waiter_before_its_backoff_ends() {
     assert_eq!(acquired_at - start, Duration::from_secs(2));
 }
 
-/// A connection-held backend that learns of a closed connection without asking.
-struct Closing {
-    closed: tokio::sync::watch::Sender<bool>,
-}
-
-impl LockBackend for Closing {
-    type Lease = ();
-    fn provider(&self) -> &str {
-        "closing"
-    }
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::ConnectionHeld(Duration::from_secs(5))
-    }
-    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
-        Ok(Some(Acquired {
-            lease: (),
-            fencing_token: 1,
-        }))
-    }
-    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    fn lease_ended(&self, _lease: &()) -> impl std::future::Future<Output = ()> + Send {
-        let mut closed = self.closed.subscribe();
-        async move {
-            let _ = closed.wait_for(|closed| *closed).await;
-        }
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_connection_the_backend_sees_close_is_lost_at_once_not_at_the_next_check() {
-    let (closed, _) = tokio::sync::watch::channel(false);
-    let locks = DistributedLock::builder(Closing {
-        closed: closed.clone(),
-    })
-    .build()
-    .unwrap();
+    let connection = Connection::new();
+    let closed = connection.closed.clone();
+    let locks = DistributedLock::builder(connection).build().unwrap();
     let start = Instant::now();
     let handle = locks.try_acquire("k").await.unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -66,17 +66,20 @@ impl RenewalScheduler {
         if state.closed {
             return;
         }
-        let earliest = state
-            .due
-            .first_key_value()
-            .is_none_or(|(first, _)| key < *first);
+        // The driver is woken only when it would otherwise oversleep this entry. It keeps its
+        // wake-up time when the entries it slept for leave, so in a stream of short holds it
+        // wakes about once per keeper delay, not once per hold.
+        let oversleeps = state.driver_wakes_at.is_none_or(|at| key.0 < at);
         state.due.insert(key, held);
         let start_driver = !state.driver_running;
         state.driver_running = true;
+        if oversleeps {
+            state.driver_wakes_at = Some(key.0);
+        }
         drop(state);
         if start_driver {
             runtime.spawn(drive(self.clone()));
-        } else if earliest {
+        } else if oversleeps {
             self.wake.notify_one();
         }
     }
@@ -108,7 +111,9 @@ struct DriverRunning(Arc<RenewalScheduler>);
 
 impl Drop for DriverRunning {
     fn drop(&mut self) {
-        self.0.state().driver_running = false;
+        let mut state = self.0.state();
+        state.driver_running = false;
+        state.driver_wakes_at = None;
     }
 }
 
@@ -130,7 +135,14 @@ async fn drive(scheduler: Arc<RenewalScheduler>) {
                 }
                 ready.push(entry.remove());
             }
-            let next = state.due.first_key_value().map(|(key, _)| key.0);
+            // A wake-up planned for entries that have left since is kept: forgetting it would
+            // make the next hold wake the driver again, once per hold.
+            let first = state.due.first_key_value().map(|(key, _)| key.0);
+            let planned = state.driver_wakes_at.filter(|at| *at > now);
+            let next = match (first, planned) {
+                (Some(first), Some(planned)) => Some(first.min(planned)),
+                (first, planned) => first.or(planned),
+            };
             state.driver_wakes_at = next;
             (ready, next)
         };
@@ -205,5 +217,29 @@ mod tests {
         );
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(started.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_later_entry_is_started_by_the_wake_up_the_driver_already_planned() {
+        let scheduler = Arc::new(RenewalScheduler::default());
+        let started = Arc::new(AtomicUsize::new(0));
+        let runtime = Handle::current();
+        let now = Instant::now();
+        let first = scheduler.key(now + Duration::from_secs(10));
+        scheduler.schedule(&runtime, first, Arc::new(Counted(started.clone())));
+        tokio::task::yield_now().await;
+        assert!(scheduler.cancel(&first));
+        // Due after the driver's planned wake-up, so it is entered without waking the driver;
+        // the planned wake-up must still lead to it.
+        scheduler.schedule(
+            &runtime,
+            scheduler.key(now + Duration::from_secs(12)),
+            Arc::new(Counted(started.clone())),
+        );
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(started.load(Ordering::SeqCst), 0);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        assert_eq!(scheduler.pending(), 0);
     }
 }

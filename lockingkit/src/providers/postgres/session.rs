@@ -154,6 +154,26 @@ impl Manager for Connector {
     type Error = ConnectError;
 
     async fn create(&self) -> Result<Session, ConnectError> {
+        // Boxed: connecting (TLS handshake included) is a future of many kilobytes, and unboxed
+        // it would sit inside every checkout's future, to be copied on every lock attempt,
+        // though a connection is opened only rarely.
+        Box::pin(self.open()).await
+    }
+
+    async fn recycle(&self, session: &mut Session, _: &Metrics) -> RecycleResult<ConnectError> {
+        // Sessions come back only clean (see the provider docs), so a closed one is the only
+        // kind to refuse; checking costs no round trip.
+        if session.is_closed() {
+            Err(RecycleError::message("the session has ended"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Connector {
+    /// Opens a session: connects within the timeout and starts the task that drives it.
+    async fn open(&self) -> Result<Session, ConnectError> {
         let (client, connection) =
             tokio::time::timeout(self.timeout, self.config.connect(self.tls.clone()))
                 .await
@@ -174,16 +194,6 @@ impl Manager for Connector {
             deadline: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
             driver,
         })
-    }
-
-    async fn recycle(&self, session: &mut Session, _: &Metrics) -> RecycleResult<ConnectError> {
-        // Sessions come back only clean (see the provider docs), so a closed one is the only
-        // kind to refuse; checking costs no round trip.
-        if session.is_closed() {
-            Err(RecycleError::message("the session has ended"))
-        } else {
-            Ok(())
-        }
     }
 }
 

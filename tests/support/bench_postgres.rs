@@ -18,6 +18,9 @@
 //!
 //! The variants run in a fresh random order every round, inside a runtime task, as
 //! application code would.
+//!
+//! For profiling, `LOCKINGKIT_BENCH_VARIANT=<n>` runs variant `n` alone (0 LockingKit, 1 raw
+//! pooled, 2 raw dedicated, 3 raw with fencing, 4 backend alone); the others report zero.
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +29,9 @@ use lockingkit::providers::postgres::{DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SE
 use lockingkit::{DistributedLock, LockBackend, PostgresBackend, PostgresLockKeys};
 
 use crate::postgres::PostgresServer;
+
+/// Names the one variant to run, for profiling it alone.
+const VARIANT_ENV: &str = "LOCKINGKIT_BENCH_VARIANT";
 
 const TRY_LOCK: &str = "SELECT pg_try_advisory_lock($1)";
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
@@ -157,11 +163,17 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
     let warm_up = 50.min(pairs);
     let mut order: [usize; VARIANTS] = std::array::from_fn(|v| v);
     let mut random = Shuffle::seeded();
+    let only: Option<usize> = std::env::var(VARIANT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok());
     for round in 0..warm_up + pairs {
         // A fresh order every round, so no variant systematically follows another (the
         // background work a LockingKit release leaves would otherwise land on one neighbour).
         random.shuffle(&mut order);
         for variant in order {
+            if only.is_some_and(|only| only != variant) {
+                continue;
+            }
             let started = Instant::now();
             match variant {
                 0 => locks

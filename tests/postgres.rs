@@ -249,18 +249,82 @@ async fn the_holder_sees_loss_as_soon_as_its_session_is_terminated() {
     next.release().await.expect("release");
 }
 
-/// Whether some session is listening for release notifications (its last statement was the
-/// listener's `LISTEN`).
-async fn release_listener_is_up(server: &PostgresServer) -> bool {
+/// Whether some session is listening for release notifications and has marked `key` as waited
+/// for: it holds a shared advisory lock on the key's two-`int4` twin (its high and low halves).
+async fn waiter_mark_is_held(server: &PostgresServer, key: &str) -> bool {
+    let advisory_key = PostgresLockKeys::advisory_key(key);
+    let (high, low) = (
+        i64::from((advisory_key >> 32) as u32),
+        i64::from(advisory_key as u32),
+    );
     let admin = server.connect().await;
     let row = admin
         .query_one(
-            "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN lockingkit'",
-            &[],
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.mode = 'ShareLock' \
+             AND l.granted AND l.classid::bigint = $1 AND l.objid::bigint = $2 \
+             AND a.application_name = 'lockingkit'",
+            &[&high, &low],
         )
         .await
-        .expect("pg_stat_activity");
+        .expect("pg_locks");
     row.get::<_, i64>(0) > 0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_release_some_process_waits_for_sends_a_notification() {
+    let server = PostgresServer::start().await;
+    let locks = process(&server);
+    // A plain session listening on LockingKit's channel, as a waiting process's listener does.
+    let (listener, mut connection) =
+        tokio_postgres::connect(&server.connection_string(), tokio_postgres::NoTls)
+            .await
+            .expect("listener connection");
+    let (notified, mut notifications) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            if let tokio_postgres::AsyncMessage::Notification(notification) = message {
+                let _ = notified.send(notification.payload().to_owned());
+            }
+        }
+    });
+    listener
+        .batch_execute("LISTEN lockingkit")
+        .await
+        .expect("LISTEN");
+
+    let unwaited = unique_prefix("notify/unwaited");
+    locks
+        .try_acquire(&unwaited)
+        .await
+        .expect("lock")
+        .release()
+        .await
+        .expect("release");
+
+    // The listener marks the second key as waited for, as a waiting process does.
+    let waited = unique_prefix("notify/waited");
+    let advisory_key = PostgresLockKeys::advisory_key(&waited);
+    let (high, low) = ((advisory_key >> 32) as i32, advisory_key as i32);
+    listener
+        .execute("SELECT pg_advisory_lock_shared($1, $2)", &[&high, &low])
+        .await
+        .expect("waiter mark");
+    locks
+        .try_acquire(&waited)
+        .await
+        .expect("lock")
+        .release()
+        .await
+        .expect("release");
+
+    // Notifications arrive in commit order: had the first release notified, its payload would
+    // come first.
+    let first = tokio::time::timeout(Duration::from_secs(10), notifications.recv())
+        .await
+        .expect("the marked key's release notifies")
+        .expect("listener open");
+    assert_eq!(first, advisory_key.to_string());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,12 +362,13 @@ async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_end
             "the waiter's first attempt",
             Duration::from_secs(10),
             async || {
-                backend(&waiter).pool_connections() > 0 && release_listener_is_up(&server).await
+                backend(&waiter).pool_connections() > 0 && waiter_mark_is_held(&server, &key).await
             },
         )
         .await;
-        // In the first round the listener's start-up wake-up may be what finds the release;
-        // from the second on, the listener is up and only the notification can.
+        // The waiter's process has marked the key, so the release notifies it; in the first
+        // round the wake-up after marking may still be what finds the release, from the
+        // second on only the notification can.
         held.release().await.expect("release");
         let released = Instant::now();
         let (acquired, handle) = waiting.await.expect("waiter task");

@@ -26,10 +26,13 @@
 //!   first use (serialized by a transaction-level advisory lock, so processes starting together
 //!   do not race); a role without CREATE on the database needs them created beforehand, with
 //!   USAGE on the schema and USAGE, UPDATE on the sequence.
-//! - **Hand-off across processes in milliseconds**: a release also sends `NOTIFY lockingkit`
-//!   with the advisory key, and each backend keeps one extra session (opened on its first wait,
-//!   never one of the pool's) listening for it, so a waiting process retries at once instead of
-//!   at its next backoff step. Polling stays the fallback: a lock freed by a session that ended
+//! - **Hand-off across processes in milliseconds**: each backend keeps one extra session
+//!   (opened on its first wait, never one of the pool's) listening on the channel `lockingkit`,
+//!   and marks the keys it waits for with a shared advisory lock on the key's two-`int4` twin
+//!   (its high and low 32 bits). A release of a marked key also sends `NOTIFY lockingkit` with
+//!   the advisory key, so a waiting process retries at once instead of at its next backoff
+//!   step; a release nobody waits for sends nothing, which keeps the unlock as cheap as a plain
+//!   one. Polling stays the fallback: a lock freed by a session that ended
 //!   (no NOTIFY is sent then) or released while the listener reconnects is found by the next
 //!   attempt, at most the maximum retry delay later.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
@@ -70,12 +73,19 @@ pub const PROVIDER: &str = "postgres";
 /// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
 const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
 
-/// The unlock, and in the same round trip a notification that wakes waiters in other processes
-/// (see `notify`). A notification makes the implicit transaction take a transaction id, so its
-/// commit would wait for a WAL flush; nothing here needs durability, so that wait is turned
-/// off for this one transaction.
-const UNLOCK: &str = "SELECT pg_advisory_unlock($1), pg_notify('lockingkit', $1::text), \
-                      set_config('synchronous_commit', 'off', true)";
+/// The unlock, and in the same round trip, only if some process marked the key as waited for
+/// (see `notify`), a notification that wakes its waiters. The mark is tried after the unlock,
+/// so a waiter that marked the key before its last failed attempt is always notified. A
+/// notification makes the implicit transaction take a transaction id, so its commit would wait
+/// for a WAL flush; nothing here needs durability, so that wait is turned off for this one
+/// transaction.
+const UNLOCK: &str = "SELECT released, \
+                             CASE WHEN waited THEN pg_notify('lockingkit', $1::bigint::text) END, \
+                             CASE WHEN waited THEN set_config('synchronous_commit', 'off', true) END \
+                      FROM (SELECT released, \
+                                   released AND NOT pg_try_advisory_xact_lock($2::int4, $3::int4) AS waited \
+                            FROM (SELECT pg_advisory_unlock($1::bigint) AS released OFFSET 0) u \
+                            OFFSET 0) w";
 const CHECK: &str = "SELECT 1";
 
 /// The PostgreSQL backend: a connection pool and the statements of the lock protocol.
@@ -305,7 +315,8 @@ impl LockBackend for PostgresBackend {
         let checkout = self.checkout().await?;
         let session = checkout.session()?;
         if !self.fencing_ready.load(Ordering::Acquire) {
-            self.ensure_fencing(session).await?;
+            // Boxed: it runs once per backend, and inline it would enlarge every attempt.
+            Box::pin(self.ensure_fencing(session)).await?;
         }
         let statement = self
             .run(
@@ -395,13 +406,14 @@ impl LockBackend for PostgresBackend {
                 session.statement(Prepared::Unlock, UNLOCK),
             )
             .await?;
+        let (mark_high, mark_low) = notify::waiter_mark(lease.advisory_key);
         let row = self
             .run(
                 Stage::Release,
                 session,
                 session
                     .client()
-                    .query_one(&statement, &[&lease.advisory_key]),
+                    .query_one(&statement, &[&lease.advisory_key, &mark_high, &mark_low]),
             )
             .await?;
         match row.try_get::<_, bool>(0) {

@@ -141,11 +141,11 @@ impl<B: LockBackend> Held<B> {
         let telemetry = &self.engine.telemetry;
         let span = telemetry.release_span(self.fencing_token);
         let timeout = self.engine.options.release_timeout;
-        let result = traced(
-            span.clone(),
-            within(timeout, self.engine.backend.release(&self.lease)),
-        )
-        .await;
+        // Pinned where it is made and handed on by reference: each layer that took it by value
+        // would copy the backend's future once more on every release.
+        let release = std::pin::pin!(self.engine.backend.release(&self.lease));
+        let limited = std::pin::pin!(within(timeout, release));
+        let result = traced(span.clone(), limited).await;
         let result = match result {
             Some(Ok(())) => Ok(()),
             Some(Err(error)) => Err(error.into_lock_error()),

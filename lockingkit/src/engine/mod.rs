@@ -267,29 +267,39 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
-    async fn recorded(
-        self: Arc<Self>,
-        operation: Operation,
-        key: &str,
-        timeout: Duration,
-    ) -> Result<LockHandle, LockError> {
-        let span = self.telemetry.acquire_span(operation);
-        let mut record = AcquireRecord {
+    /// Starts recording an acquire call: its span, and its outcome when it ends.
+    fn record(&self, operation: Operation) -> AcquireRecord<'_> {
+        AcquireRecord {
             telemetry: &self.telemetry,
-            span: span.clone(),
+            span: self.telemetry.acquire_span(operation),
             operation,
             started: Instant::now(),
             attempts: 0,
             finished: false,
-        };
-        let result = match operation {
-            Operation::TryAcquire => {
-                orphan::traced(span, self.try_acquire_inner(key, &mut record.attempts)).await
-            }
-            Operation::Acquire => {
-                orphan::traced(span, self.acquire_inner(key, timeout, &mut record.attempts)).await
-            }
-        };
+        }
+    }
+
+    // `try_acquire` and `acquire` are recorded by two functions rather than one that matches
+    // on the operation: one future holding either inner future would be as large as the
+    // waiting one, and `try_acquire` would box and copy those kilobytes on every call.
+
+    async fn try_acquire_recorded(self: Arc<Self>, key: &str) -> Result<LockHandle, LockError> {
+        let mut record = self.record(Operation::TryAcquire);
+        let span = record.span.clone();
+        let result = orphan::traced(span, self.try_acquire_inner(key, &mut record.attempts)).await;
+        record.finish(&result);
+        result
+    }
+
+    async fn acquire_recorded(
+        self: Arc<Self>,
+        key: &str,
+        timeout: Duration,
+    ) -> Result<LockHandle, LockError> {
+        let mut record = self.record(Operation::Acquire);
+        let span = record.span.clone();
+        let result =
+            orphan::traced(span, self.acquire_inner(key, timeout, &mut record.attempts)).await;
         record.finish(&result);
         result
     }
@@ -308,7 +318,7 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
         self: Arc<Self>,
         key: &'a str,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>> {
-        Box::pin(self.recorded(Operation::TryAcquire, key, Duration::ZERO))
+        Box::pin(self.try_acquire_recorded(key))
     }
 
     fn acquire<'a>(
@@ -316,7 +326,7 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
         key: &'a str,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>> {
-        Box::pin(self.recorded(Operation::Acquire, key, timeout))
+        Box::pin(self.acquire_recorded(key, timeout))
     }
 
     fn busy_keys(&self) -> usize {

@@ -34,6 +34,7 @@ pub(crate) struct Orphanable<T: Send + 'static, C: Cleanup<T> = NoCleanup> {
 
 impl<T: Send + 'static, C: Cleanup<T>> Orphanable<T, C> {
     /// `cleanup` runs on the result only if the caller dropped the future before it finished.
+    #[inline]
     pub(crate) fn new(work: impl Future<Output = T> + Send + 'static, cleanup: C) -> Self {
         Orphanable {
             work: Some(Box::pin(work)),
@@ -44,6 +45,7 @@ impl<T: Send + 'static, C: Cleanup<T>> Orphanable<T, C> {
 
 impl<T: Send + 'static> Orphanable<T> {
     /// Work that needs no clean-up, only to run to the end.
+    #[inline]
     pub(crate) fn finishing(work: impl Future<Output = T> + Send + 'static) -> Self {
         Orphanable {
             work: Some(Box::pin(work)),

@@ -117,10 +117,12 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
     })
 }
 
-/// Counts attempts that reach the in-memory backend.
+/// Counts attempts that reach the in-memory backend, and how many were in flight at once.
 struct Counting {
     inner: MemoryBackend,
     attempts: Arc<AtomicU64>,
+    in_flight: Arc<AtomicU64>,
+    most_in_flight: Arc<AtomicU64>,
 }
 
 impl LockBackend for Counting {
@@ -133,7 +135,14 @@ impl LockBackend for Counting {
     }
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         self.attempts.fetch_add(1, Ordering::Relaxed);
-        self.inner.try_acquire(key).await
+        let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.most_in_flight.fetch_max(now, Ordering::Relaxed);
+        // A scheduling point inside the attempt: streams the engine failed to merge would
+        // overlap here.
+        tokio::task::yield_now().await;
+        let result = self.inner.try_acquire(key).await;
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        result
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.renew(lease).await
@@ -143,9 +152,18 @@ impl LockBackend for Counting {
     }
 }
 
+/// What reached the backend while local callers waited.
+#[derive(Clone, Copy, Debug)]
+pub struct WaitingAttempts {
+    /// Attempts in all.
+    pub attempts: u64,
+    /// The most attempts in flight at one moment: 1 means a single stream.
+    pub most_at_once: u64,
+}
+
 /// Backend attempts while `waiters` local callers wait 60 s (virtual time) for a key held
 /// by another process.
-pub fn attempts_while_waiting(waiters: usize) -> u64 {
+pub fn attempts_while_waiting(waiters: usize) -> WaitingAttempts {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -154,9 +172,12 @@ pub fn attempts_while_waiting(waiters: usize) -> u64 {
     runtime.block_on(async {
         let store = MemoryStore::new();
         let attempts = Arc::new(AtomicU64::new(0));
+        let most_in_flight = Arc::new(AtomicU64::new(0));
         let locks = DistributedLock::builder(Counting {
             inner: MemoryBackend::new(store.clone()),
             attempts: attempts.clone(),
+            in_flight: Arc::new(AtomicU64::new(0)),
+            most_in_flight: most_in_flight.clone(),
         })
         .build()
         .unwrap();
@@ -172,7 +193,10 @@ pub fn attempts_while_waiting(waiters: usize) -> u64 {
             let _ = task.await;
         }
         drop(held);
-        attempts.load(Ordering::Relaxed)
+        WaitingAttempts {
+            attempts: attempts.load(Ordering::Relaxed),
+            most_at_once: most_in_flight.load(Ordering::Relaxed),
+        }
     })
 }
 

@@ -117,6 +117,56 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
     })
 }
 
+/// One in-memory `try_acquire` + `release` through the engine and through the raw backend,
+/// with the CPU caches evicted before each call: medians of (lockingkit, raw backend) over
+/// `pairs` interleaved pairs.
+///
+/// Against a real backend the engine's code and data are cold on every call: while the
+/// request is on the wire the server process (on the same cores here) and other tenants of
+/// the host evict them. This shows what the engine costs then, which in-memory throughput on
+/// warm caches hides. Writing a buffer larger than the last-level cache stands in for that.
+pub fn cold_cache_pairs(pairs: u32) -> (Duration, Duration) {
+    const EVICTION_BYTES: usize = 64 << 20;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let store = MemoryStore::new();
+        let raw = MemoryBackend::new(MemoryStore::new());
+        let locks = DistributedLock::in_memory_shared(&store);
+        let mut evictor = vec![0u8; EVICTION_BYTES];
+        let mut evict = |round: u32| {
+            // One write per cache line, each round a different value so none is elided.
+            for byte in evictor.iter_mut().step_by(64) {
+                *byte = byte.wrapping_add(round as u8 | 1);
+            }
+            std::hint::black_box(&evictor);
+        };
+        let (mut engine, mut bare) = (Vec::new(), Vec::new());
+        for round in 0..pairs {
+            evict(round);
+            let started = Instant::now();
+            let handle = locks.try_acquire("bench/cold").await.unwrap();
+            let acquiring = started.elapsed();
+            evict(round);
+            let started = Instant::now();
+            handle.release().await.unwrap();
+            engine.push(acquiring + started.elapsed());
+
+            evict(round);
+            let started = Instant::now();
+            let acquired = raw.try_acquire("bench/cold").await.unwrap().unwrap();
+            let acquiring = started.elapsed();
+            evict(round);
+            let started = Instant::now();
+            raw.release(&acquired.lease).await.unwrap();
+            bare.push(acquiring + started.elapsed());
+        }
+        (Percentiles::of(engine).p50, Percentiles::of(bare).p50)
+    })
+}
+
 /// Counts attempts that reach the in-memory backend, and how many were in flight at once.
 struct Counting {
     inner: MemoryBackend,

@@ -220,6 +220,7 @@ struct Connection {
     hang: Arc<std::sync::atomic::AtomicBool>,
     checks: Arc<AtomicUsize>,
     closed: tokio::sync::watch::Sender<bool>,
+    attempts: Arc<AtomicUsize>,
 }
 
 impl Connection {
@@ -228,6 +229,7 @@ impl Connection {
             hang: Arc::default(),
             checks: Arc::default(),
             closed: tokio::sync::watch::channel(false).0,
+            attempts: Arc::default(),
         }
     }
 }
@@ -244,9 +246,10 @@ impl LockBackend for Connection {
     }
 
     async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+        let attempt = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(Some(Acquired {
             lease: (),
-            fencing_token: 1,
+            fencing_token: attempt as u64,
         }))
     }
 
@@ -258,7 +261,11 @@ impl LockBackend for Connection {
         Ok(())
     }
 
+    /// Hangs too while the connection hangs, as a release to a frozen server does.
     async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         Ok(())
     }
 
@@ -284,6 +291,29 @@ async fn an_unanswered_connection_check_is_loss_after_one_interval() {
     // The check sent at 15 s gets 5 s to answer.
     assert_at(start.elapsed(), Duration::from_secs(20));
     assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_loss_local_callers_reach_the_backend_while_its_release_still_hangs() {
+    let connection = Connection::new();
+    let (hang, attempts) = (connection.hang.clone(), connection.attempts.clone());
+    let locks = DistributedLock::builder(connection).build().unwrap();
+    let lost = locks.try_acquire("k").await.unwrap();
+    hang.store(true, Ordering::SeqCst);
+    lost.lost_token().cancelled().await;
+    let declared = Instant::now();
+    // The best-effort release of the lost lock now hangs for up to `release_timeout` (10 s);
+    // the key's turn must not wait for it, so the next caller's attempt goes to the backend.
+    let next = locks
+        .try_acquire("k")
+        .await
+        .expect("the backend, not the hanging release, decides");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(declared.elapsed(), Duration::ZERO);
+    assert!(next.fencing_token() > lost.fencing_token());
+    assert_eq!(lost.release().await.unwrap_err().kind(), ErrorKind::Lost);
+    hang.store(false, Ordering::SeqCst);
+    next.release().await.unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------

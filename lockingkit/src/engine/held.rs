@@ -171,12 +171,16 @@ impl<B: LockBackend> Held<B> {
         }
         self.loss.store(reason as u8 + 1, Ordering::Release);
         self.lost.cancel();
+        // The turn passes on first. Who holds the key next is the backend's call, not this
+        // process's, and the release below can hang as long as the fault that caused the loss
+        // (a frozen server, a silent network): local waiters must not wait for it. Releases
+        // name their lease, so this one can never free a lease a later holder took.
+        self.finish(Some(reason));
         // Best effort: after a deadline loss the lease may still be ours at the backend, and
         // giving it up now lets the next holder in before it would expire. After other losses
         // it lets the backend clean up (a PostgreSQL provider discards the broken connection).
         let timeout = self.engine.options.release_timeout;
         let _ = within(timeout, self.engine.backend.release(&self.lease)).await;
-        self.finish(Some(reason));
     }
 }
 

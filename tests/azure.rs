@@ -488,3 +488,105 @@ async fn locks_of_other_providers_have_no_azure_lease() {
     assert!(handle.azure_blob_lease().is_none());
     handle.release().await.expect("release");
 }
+
+/// Collects every event and span field logged while it is the current subscriber.
+struct Capture(std::sync::Arc<std::sync::Mutex<String>>);
+
+struct Fields<'a>(&'a mut String);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write;
+        let _ = write!(self.0, "{}={value:?} ", field.name());
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let mut line = format!("{} ", event.metadata().target());
+        event.record(&mut Fields(&mut line));
+        let mut all = self.0.lock().expect("capture");
+        all.push_str(&line);
+        all.push('\n');
+    }
+
+    fn on_new_span(
+        &self,
+        attributes: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut line = format!("span {} ", attributes.metadata().name());
+        attributes.record(&mut Fields(&mut line));
+        let mut all = self.0.lock().expect("capture");
+        all.push_str(&line);
+        all.push('\n');
+    }
+}
+
+// On the current thread: the capturing subscriber is this thread's default, and every SDK call
+// (and its logging) runs here.
+#[tokio::test]
+async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let mut azurite = Azurite::start().await;
+    let logged = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    // Only LockingKit's calls are captured, not the test's own plain-client checks.
+    let capture = || {
+        tracing::subscriber::set_default(
+            tracing_subscriber::registry().with(Capture(logged.clone())),
+        )
+    };
+    let capturing = capture();
+
+    let key = unique("customer-4711/invoice");
+    let holder = lock_with(options(&azurite));
+    let other = lock_with(options(&azurite));
+    let handle = holder.try_acquire(&key).await.expect("acquire");
+    // A busy attempt (409) and a renewal-free release, each logged by the SDK.
+    let busy = other.try_acquire(&key).await.unwrap_err();
+    assert_eq!(busy.kind(), ErrorKind::Busy);
+    handle.release().await.expect("release");
+    let again = other.try_acquire(&key).await.expect("free again");
+    again.release().await.expect("release");
+    drop(capturing);
+    let guard_exists = plain_guard(&azurite, &key).exists().await.expect("exists");
+    let placeholder_exists = azurite
+        .plain_container_client("locks")
+        .blob_client("lockingkit-guard")
+        .exists()
+        .await
+        .expect("exists");
+    if !azurite.is_external() {
+        // Failed requests are logged at info level, with their error.
+        azurite.kill();
+        let _capturing = capture();
+        let down = holder.try_acquire(&key).await.unwrap_err();
+        assert_eq!(down.kind(), ErrorKind::Unavailable);
+    }
+
+    let logged = logged.lock().expect("capture").clone();
+    assert!(
+        logged.contains("lockingkit-guard"),
+        "the SDK's request log lines were captured: {logged}"
+    );
+    assert!(
+        azurite.is_external() || logged.contains("Failed response"),
+        "the failed requests were logged too: {logged}"
+    );
+    let name = azure_blob_name(&key);
+    for secret in [
+        "customer-4711".to_owned(),
+        name.clone(),
+        name.replace('/', "%2F"),
+    ] {
+        assert!(
+            !logged.contains(&secret),
+            "{secret:?} reached the logs:\n{logged}"
+        );
+    }
+    // The requests went to the real guard, never to a blob named like the placeholder.
+    assert!(guard_exists);
+    assert!(!placeholder_exists);
+}

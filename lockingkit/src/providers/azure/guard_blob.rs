@@ -12,16 +12,18 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use azure_core::http::{Etag, RequestContent};
+use azure_core::http::{ClientMethodOptions, Etag, RequestContent};
 use azure_core::{Bytes, Uuid};
 use azure_storage_blob::models::{
     BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResultHeaders,
     BlobClientGetPropertiesOptions, BlobClientGetPropertiesResultHeaders,
-    BlobClientSetMetadataOptions, BlobClientUploadOptions,
+    BlobClientReleaseLeaseOptions, BlobClientRenewLeaseOptions, BlobClientSetMetadataOptions,
+    BlobClientUploadOptions,
 };
 use azure_storage_blob::{BlobClient, BlobContainerClient};
 
 use super::errors::{self, classify};
+use super::transport::{GuardPath, PLACEHOLDER_BLOB};
 use super::AzureBlobLease;
 use crate::backend::BackendError;
 use crate::keys::azure_blob_name;
@@ -42,8 +44,12 @@ struct KnownGuard {
 }
 
 /// The guard blobs of one container, reached through one SDK pipeline.
+///
+/// Every request goes to the placeholder blob's client with the guard's real path in its
+/// context (see `transport`), so the SDK's request logs never show a name derived from a key.
 pub(crate) struct GuardBlobs {
     container: BlobContainerClient,
+    placeholder: Arc<BlobClient>,
     lease_seconds: i32,
     request_timeout: Duration,
     known: Mutex<HashMap<String, KnownGuard>>,
@@ -56,6 +62,7 @@ impl GuardBlobs {
         request_timeout: Duration,
     ) -> Self {
         GuardBlobs {
+            placeholder: Arc::new(container.blob_client(PLACEHOLDER_BLOB)),
             container,
             // Validated to 15..=60 whole seconds before we get here.
             lease_seconds: i32::try_from(lease_duration.as_secs()).unwrap_or(60),
@@ -89,7 +96,10 @@ impl GuardBlobs {
         key: &str,
     ) -> Result<Option<AzureBlobLease>, BackendError> {
         let name = azure_blob_name(key);
+        // The real guard's client is for the caller's fenced writes; our own requests go
+        // through the placeholder with this path.
         let blob = Arc::new(self.container.blob_client(&name));
+        let path = GuardPath::of(&blob);
         // A fresh id per attempt: if the SDK resends the acquire because the first answer was
         // lost, the service sees the same id and grants the lease again instead of saying 409.
         let proposed = Uuid::new_v4().to_string();
@@ -97,18 +107,20 @@ impl GuardBlobs {
         let answer = loop {
             let options = BlobClientAcquireLeaseOptions {
                 proposed_lease_id: Some(proposed.clone()),
+                method_options: in_context(&path),
                 ..Default::default()
             };
             let answer = self
                 .call(
                     "acquire lease",
-                    blob.acquire_lease(self.lease_seconds, Some(options)),
+                    self.placeholder
+                        .acquire_lease(self.lease_seconds, Some(options)),
                 )
                 .await;
             let answer = match answer {
                 Ok(answer) => answer,
                 Err(no_answer) => {
-                    self.release_in_background(&blob, &proposed);
+                    self.release_in_background(&path, &proposed);
                     return Err(no_answer);
                 }
             };
@@ -118,7 +130,7 @@ impl GuardBlobs {
                     return Ok(None)
                 }
                 Err(e) if errors::is(&e, 404, "BlobNotFound") && !created => {
-                    self.create_guard(&blob).await?;
+                    self.create_guard(&path).await?;
                     created = true;
                 }
                 Err(e) if errors::is(&e, 404, "BlobNotFound") => {
@@ -130,7 +142,7 @@ impl GuardBlobs {
                 Err(e) => {
                     let error = classify("acquire lease", &e);
                     if !error_reached(&error) {
-                        self.release_in_background(&blob, &proposed);
+                        self.release_in_background(&path, &proposed);
                     }
                     return Err(error);
                 }
@@ -142,18 +154,19 @@ impl GuardBlobs {
         };
         let etag = answer.etag().ok().flatten();
         match self
-            .raise_fencing_token(&blob, &name, &lease_id, etag)
+            .raise_fencing_token(&path, &name, &lease_id, etag)
             .await
         {
             Ok(fencing_token) => Ok(Some(AzureBlobLease {
                 blob,
+                path,
                 lease_id,
                 fencing_token,
             })),
             Err(error) => {
                 // The lease is ours but useless without a token: give it back now rather than
                 // leave the key blocked until the lease runs out.
-                let _ = self.release_lease(&blob, &lease_id).await;
+                let _ = self.release_lease(&path, &lease_id).await;
                 Err(error)
             }
         }
@@ -163,24 +176,36 @@ impl GuardBlobs {
     /// request timed out or the connection broke after it was sent). The lease id is the one
     /// we proposed, so the release works if the service did grant it; otherwise it fails
     /// harmlessly. Without it the key would stay blocked until the lease ran out.
-    fn release_in_background(&self, blob: &Arc<BlobClient>, lease_id: &str) {
+    fn release_in_background(&self, path: &GuardPath, lease_id: &str) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let blob = blob.clone();
+        let blob = self.placeholder.clone();
+        let options = BlobClientReleaseLeaseOptions {
+            method_options: in_context(path),
+            ..Default::default()
+        };
         let lease_id = lease_id.to_owned();
         let timeout = self.request_timeout;
         runtime.spawn(async move {
-            let _ = tokio::time::timeout(timeout, blob.release_lease(lease_id, None)).await;
+            let release = blob.release_lease(lease_id, Some(options));
+            let _ = tokio::time::timeout(timeout, release).await;
         });
     }
 
     /// Creates the guard empty, only if it does not exist yet.
-    async fn create_guard(&self, blob: &BlobClient) -> Result<(), BackendError> {
+    async fn create_guard(&self, path: &GuardPath) -> Result<(), BackendError> {
         let content: RequestContent<Bytes, _> = RequestContent::from(Vec::new());
-        let options = BlobClientUploadOptions::default().if_not_exists();
+        let options = BlobClientUploadOptions {
+            method_options: in_context(path),
+            ..Default::default()
+        }
+        .if_not_exists();
         match self
-            .call("create guard blob", blob.upload(content, Some(options)))
+            .call(
+                "create guard blob",
+                self.placeholder.upload(content, Some(options)),
+            )
             .await?
         {
             Ok(_) => Ok(()),
@@ -198,7 +223,7 @@ impl GuardBlobs {
     /// Reads the token, writes it back plus one with the other metadata kept, under the lease.
     async fn raise_fencing_token(
         &self,
-        blob: &BlobClient,
+        path: &GuardPath,
         name: &str,
         lease_id: &str,
         lease_etag: Option<Etag>,
@@ -215,10 +240,14 @@ impl GuardBlobs {
             None => {
                 let options = BlobClientGetPropertiesOptions {
                     lease_id: Some(lease_id.to_owned()),
+                    method_options: in_context(path),
                     ..Default::default()
                 };
                 let properties = self
-                    .call("read fencing token", blob.get_properties(Some(options)))
+                    .call(
+                        "read fencing token",
+                        self.placeholder.get_properties(Some(options)),
+                    )
                     .await?
                     .map_err(|e| during_acquire(classify("read fencing token", &e)))?;
                 properties
@@ -241,12 +270,13 @@ impl GuardBlobs {
         metadata.insert(FENCING_TOKEN_METADATA.to_owned(), next.to_string());
         let options = BlobClientSetMetadataOptions {
             lease_id: Some(lease_id.to_owned()),
+            method_options: in_context(path),
             ..Default::default()
         };
         let written = self
             .call(
                 "write fencing token",
-                blob.set_metadata(&metadata, Some(options)),
+                self.placeholder.set_metadata(&metadata, Some(options)),
             )
             .await?
             .map_err(|e| during_acquire(classify("write fencing token", &e)))?;
@@ -274,9 +304,14 @@ impl GuardBlobs {
     }
 
     pub(crate) async fn renew(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
+        let options = BlobClientRenewLeaseOptions {
+            method_options: in_context(&lease.path),
+            ..Default::default()
+        };
         self.call(
             "renew lease",
-            lease.blob.renew_lease(lease.lease_id.clone(), None),
+            self.placeholder
+                .renew_lease(lease.lease_id.clone(), Some(options)),
         )
         .await?
         .map(drop)
@@ -284,17 +319,29 @@ impl GuardBlobs {
     }
 
     pub(crate) async fn release(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
-        self.release_lease(&lease.blob, &lease.lease_id).await
+        self.release_lease(&lease.path, &lease.lease_id).await
     }
 
-    async fn release_lease(&self, blob: &BlobClient, lease_id: &str) -> Result<(), BackendError> {
+    async fn release_lease(&self, path: &GuardPath, lease_id: &str) -> Result<(), BackendError> {
+        let options = BlobClientReleaseLeaseOptions {
+            method_options: in_context(path),
+            ..Default::default()
+        };
         self.call(
             "release lease",
-            blob.release_lease(lease_id.to_owned(), None),
+            self.placeholder
+                .release_lease(lease_id.to_owned(), Some(options)),
         )
         .await?
         .map(drop)
         .map_err(|e| classify("release lease", &e))
+    }
+}
+
+/// Options for a call to the guard at `path`, made through the placeholder blob's client.
+fn in_context(path: &GuardPath) -> ClientMethodOptions<'static> {
+    ClientMethodOptions {
+        context: path.context(),
     }
 }
 

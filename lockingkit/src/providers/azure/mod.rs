@@ -239,6 +239,8 @@ impl LockBackend for AzureBlobBackend {
 #[derive(Clone)]
 pub struct AzureBlobLease {
     blob: Arc<BlobClient>,
+    /// Where LockingKit's own requests for this guard go (see `transport`).
+    path: transport::GuardPath,
     lease_id: String,
     fencing_token: u64,
 }

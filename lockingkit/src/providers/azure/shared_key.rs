@@ -62,9 +62,9 @@ impl SharedKeyPolicy {
         }
     }
 
-    /// The `Authorization` header value for `request` as it stands.
-    fn authorization(&self, request: &Request) -> String {
-        let string_to_sign = string_to_sign(&self.account, request);
+    /// The `Authorization` header value for `request` as it stands, sent to `path`.
+    fn authorization(&self, request: &Request, path: &str) -> String {
+        let string_to_sign = string_to_sign(&self.account, request, path);
         // HMAC-SHA256 accepts keys of any length, so this cannot fail; the fallback only keeps
         // the code free of panics.
         let signature = match Hmac::<Sha256>::new_from_slice(&self.key) {
@@ -96,7 +96,10 @@ impl Policy for SharedKeyPolicy {
         next: &[Arc<dyn Policy>],
     ) -> PolicyResult {
         request.insert_header("x-ms-date", to_rfc7231(&OffsetDateTime::now_utc()));
-        let authorization = self.authorization(request);
+        // A guard blob's request carries a placeholder name until the transport sends it;
+        // the signature is for the path actually sent.
+        let path = super::transport::GuardPath::for_request(ctx, request).to_owned();
+        let authorization = self.authorization(request, &path);
         request.insert_header("authorization", authorization);
         match next.split_first() {
             Some((policy, rest)) => policy.send(ctx, request, rest).await,
@@ -109,7 +112,7 @@ impl Policy for SharedKeyPolicy {
 }
 
 /// The Shared Key string to sign (service version 2015-02-21 and later).
-fn string_to_sign(account: &str, request: &Request) -> String {
+fn string_to_sign(account: &str, request: &Request, path: &str) -> String {
     let headers = request.headers();
     let header = |name: &'static str| -> &str {
         headers
@@ -176,7 +179,7 @@ fn string_to_sign(account: &str, request: &Request) -> String {
     let url = request.url();
     out.push('/');
     out.push_str(account);
-    out.push_str(url.path());
+    out.push_str(path);
     let mut params: Vec<(String, String)> = url
         .query_pairs()
         .map(|(name, value)| (name.to_lowercase(), value.into_owned()))
@@ -230,7 +233,10 @@ mod tests {
             x-ms-lease-duration:30\n\
             x-ms-version:2026-02-06\n\
             /devstoreaccount1/devstoreaccount1/locks/orders%2F42\ncomp:lease";
-        assert_eq!(string_to_sign("devstoreaccount1", &req), expected);
+        assert_eq!(
+            string_to_sign("devstoreaccount1", &req, req.url().path()),
+            expected
+        );
     }
 
     #[test]
@@ -239,7 +245,7 @@ mod tests {
             Method::Get,
             "https://acct.blob.core.windows.net/locks?restype=container&comp=list&Prefix=a%2Fb",
         );
-        let signed = string_to_sign("acct", &req);
+        let signed = string_to_sign("acct", &req, req.url().path());
         assert!(
             signed.ends_with("/acct/locks\ncomp:list\nprefix:a/b\nrestype:container"),
             "{signed}"
@@ -250,10 +256,12 @@ mod tests {
     fn a_zero_content_length_is_signed_as_empty() {
         let mut req = request(Method::Put, "http://h/acct/c/b");
         req.insert_header("content-length", "0");
-        assert!(string_to_sign("acct", &req).starts_with("PUT\n\n\n\n"));
+        assert!(string_to_sign("acct", &req, req.url().path()).starts_with("PUT\n\n\n\n"));
         let mut with_body = request(Method::Put, "http://h/acct/c/b");
         with_body.set_body(azure_core::Bytes::from_static(b"12345"));
-        assert!(string_to_sign("acct", &with_body).starts_with("PUT\n\n\n5\n"));
+        assert!(
+            string_to_sign("acct", &with_body, with_body.url().path()).starts_with("PUT\n\n\n5\n")
+        );
     }
 
     #[test]
@@ -261,7 +269,7 @@ mod tests {
         let mut req = request(Method::Put, "http://h/acct/c/b");
         req.insert_header("if-none-match", "*");
         req.insert_header("content-type", "application/octet-stream");
-        let signed = string_to_sign("acct", &req);
+        let signed = string_to_sign("acct", &req, req.url().path());
         let lines: Vec<&str> = signed.split('\n').collect();
         assert_eq!(lines[5], "application/octet-stream");
         assert_eq!(lines[9], "*");
@@ -273,10 +281,10 @@ mod tests {
         let mut req = request(Method::Head, "http://h/acct/c/b");
         req.insert_header("x-ms-date", "Mon, 01 Jan 2024 00:00:00 GMT");
         let mut mac = Hmac::<Sha256>::new_from_slice(b"secret-key").unwrap();
-        mac.update(string_to_sign("acct", &req).as_bytes());
+        mac.update(string_to_sign("acct", &req, req.url().path()).as_bytes());
         let expected = azure_core::base64::encode(mac.finalize().into_bytes());
         assert_eq!(
-            policy.authorization(&req),
+            policy.authorization(&req, req.url().path()),
             format!("SharedKey acct:{expected}")
         );
     }

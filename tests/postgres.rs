@@ -249,9 +249,9 @@ async fn the_holder_sees_loss_as_soon_as_its_session_is_terminated() {
     next.release().await.expect("release");
 }
 
-/// Whether some session is listening for release notifications and has marked `key` as waited
-/// for: it holds a shared advisory lock on the key's two-`int4` twin (its high and low halves).
-async fn waiter_mark_is_held(server: &PostgresServer, key: &str) -> bool {
+/// Whether a LockingKit session is queued for a shared lock on `key`: a waiting process's
+/// watcher, which the server wakes when the key is freed.
+async fn watcher_is_queued(server: &PostgresServer, key: &str) -> bool {
     let advisory_key = PostgresLockKeys::advisory_key(key);
     let (high, low) = (
         i64::from((advisory_key >> 32) as u32),
@@ -261,8 +261,8 @@ async fn waiter_mark_is_held(server: &PostgresServer, key: &str) -> bool {
     let row = admin
         .query_one(
             "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.mode = 'ShareLock' \
-             AND l.granted AND l.classid::bigint = $1 AND l.objid::bigint = $2 \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.mode = 'ShareLock' \
+             AND NOT l.granted AND l.classid::bigint = $1 AND l.objid::bigint = $2 \
              AND a.application_name = 'lockingkit'",
             &[&high, &low],
         )
@@ -271,77 +271,74 @@ async fn waiter_mark_is_held(server: &PostgresServer, key: &str) -> bool {
     row.get::<_, i64>(0) > 0
 }
 
+/// A lock with a one-second backoff: polling alone would find a release up to a second late.
+fn patient(server: &PostgresServer) -> DistributedLock {
+    let backend = PostgresBackend::new(server.options(CHECK)).expect("options");
+    DistributedLock::builder(backend)
+        .options(LockOptions {
+            min_retry_delay: Duration::from_secs(1),
+            max_retry_delay: Duration::from_secs(1),
+            ..LockOptions::default()
+        })
+        .build()
+        .expect("lock options")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_a_release_some_process_waits_for_sends_a_notification() {
+async fn a_waiter_is_woken_at_once_by_a_plain_sql_unlock_and_by_the_holders_session_ending() {
     let server = PostgresServer::start().await;
-    let locks = process(&server);
-    // A plain session listening on LockingKit's channel, as a waiting process's listener does.
-    let (listener, mut connection) =
-        tokio_postgres::connect(&server.connection_string(), tokio_postgres::NoTls)
+    let waiter = patient(&server);
+    let key = unique_prefix("handoff/plain");
+    let advisory_key = PostgresLockKeys::advisory_key(&key);
+    // Round 0: a plain SQL holder unlocks; round 1: a plain SQL holder's session ends. Neither
+    // sends anything a client could listen for; the server's lock queue wakes the watcher.
+    for round in 0..2 {
+        let holder = server.connect().await;
+        holder
+            .execute("SELECT pg_advisory_lock($1)", &[&advisory_key])
             .await
-            .expect("listener connection");
-    let (notified, mut notifications) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Some(Ok(message)) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
-            if let tokio_postgres::AsyncMessage::Notification(notification) = message {
-                let _ = notified.send(notification.payload().to_owned());
+            .expect("plain lock");
+        let waiting = tokio::spawn({
+            let waiter = waiter.clone();
+            let key = key.clone();
+            async move {
+                let handle = waiter
+                    .acquire(&key, Duration::from_secs(10))
+                    .await
+                    .expect("handed over");
+                (Instant::now(), handle)
             }
+        });
+        eventually(
+            "the waiter's watcher",
+            Duration::from_secs(10),
+            async || watcher_is_queued(&server, &key).await,
+        )
+        .await;
+        if round == 0 {
+            holder
+                .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
+                .await
+                .expect("plain unlock");
+        } else {
+            drop(holder);
         }
-    });
-    listener
-        .batch_execute("LISTEN lockingkit")
-        .await
-        .expect("LISTEN");
-
-    let unwaited = unique_prefix("notify/unwaited");
-    locks
-        .try_acquire(&unwaited)
-        .await
-        .expect("lock")
-        .release()
-        .await
-        .expect("release");
-
-    // The listener marks the second key as waited for, as a waiting process does.
-    let waited = unique_prefix("notify/waited");
-    let advisory_key = PostgresLockKeys::advisory_key(&waited);
-    let (high, low) = ((advisory_key >> 32) as i32, advisory_key as i32);
-    listener
-        .execute("SELECT pg_advisory_lock_shared($1, $2)", &[&high, &low])
-        .await
-        .expect("waiter mark");
-    locks
-        .try_acquire(&waited)
-        .await
-        .expect("lock")
-        .release()
-        .await
-        .expect("release");
-
-    // Notifications arrive in commit order: had the first release notified, its payload would
-    // come first.
-    let first = tokio::time::timeout(Duration::from_secs(10), notifications.recv())
-        .await
-        .expect("the marked key's release notifies")
-        .expect("listener open");
-    assert_eq!(first, advisory_key.to_string());
+        let released = Instant::now();
+        let (acquired, handle) = waiting.await.expect("waiter task");
+        let handoff = acquired.saturating_duration_since(released);
+        assert!(
+            handoff < Duration::from_millis(150),
+            "round {round}: hand-off took {handoff:?}, the backoff was 1 s"
+        );
+        handle.release().await.expect("release");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_ends() {
     let server = PostgresServer::start().await;
-    // Polling alone would find each release up to a second late.
-    let patient = LockOptions {
-        min_retry_delay: Duration::from_secs(1),
-        max_retry_delay: Duration::from_secs(1),
-        ..LockOptions::default()
-    };
     let holder = lock_on(server.options(CHECK));
-    let waiter = PostgresBackend::new(server.options(CHECK)).expect("options");
-    let waiter = DistributedLock::builder(waiter)
-        .options(patient)
-        .build()
-        .expect("lock options");
+    let waiter = patient(&server);
     let key = unique_prefix("handoff/notify");
     // Several hand-offs, so that a poll that happened to land just after a release cannot
     // pass the test by luck (each has about a 15% chance of landing within the bound).
@@ -362,13 +359,11 @@ async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_end
             "the waiter's first attempt",
             Duration::from_secs(10),
             async || {
-                backend(&waiter).pool_connections() > 0 && waiter_mark_is_held(&server, &key).await
+                backend(&waiter).pool_connections() > 0 && watcher_is_queued(&server, &key).await
             },
         )
         .await;
-        // The waiter's process has marked the key, so the release notifies it; in the first
-        // round the wake-up after marking may still be what finds the release, from the
-        // second on only the notification can.
+        // The waiter's watcher is queued behind the lock, so the server wakes it on release.
         held.release().await.expect("release");
         let released = Instant::now();
         let (acquired, handle) = waiting.await.expect("waiter task");

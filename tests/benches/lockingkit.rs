@@ -118,7 +118,7 @@ fn main() {
                 let remote_hint = bench::cross_process_handoff(
                     &holder,
                     &postgres_lock(&server),
-                    "handoff/notify",
+                    "handoff/hint",
                     sizes.remote_handoffs,
                 )
                 .await;
@@ -239,7 +239,7 @@ fn main() {
         None,
     );
     handoff(
-        "6. cross-process, PostgreSQL, LISTEN/NOTIFY hint",
+        "6. cross-process, PostgreSQL, watcher wakes waiter",
         remote_hint,
         "p50 <= 5 ms",
         Some(remote_hint.p50 <= Duration::from_millis(5)),
@@ -251,7 +251,7 @@ fn main() {
 \"in_memory_pairs_per_s\":{memory_pairs:.0},\"in_memory_raw_pairs_per_s\":{memory_raw_pairs:.0},\"cold_cache_pair_us\":{:.2},\"cold_cache_raw_pair_us\":{:.2},\
 \"attempts_1_waiter\":{},\"attempts_20_waiters\":{},\"most_attempts_at_once_20_waiters\":{},\"attempts_ratio\":{twenty_vs_one:.3},\
 \"local_handoff_memory_p50_ms\":{:.4},\"local_handoff_memory_p99_ms\":{:.4},\"local_handoff_postgres_p50_ms\":{:.4},\"local_handoff_postgres_p99_ms\":{:.4},\
-\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_notify_p50_ms\":{:.3},\"remote_handoff_notify_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
+\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
         pg.lockingkit.p99.as_secs_f64() * 1e6,

@@ -279,7 +279,7 @@ pub async fn local_handoff(locks: &DistributedLock, key: &str, samples: usize) -
 }
 
 /// Cross-process hand-off: `holder` and `waiter` are two `DistributedLock`s with backends of
-/// their own (two pools, two listeners), as two processes have. Each sample: `holder` takes
+/// their own (two pools, two sets of watchers), as two processes have. Each sample: `holder` takes
 /// the key, `waiter` starts waiting, the hold lasts a varying `hold` (so releases land at
 /// every point of the waiter's backoff), then from the start of the release to the moment
 /// `waiter` holds the key.

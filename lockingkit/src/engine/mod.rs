@@ -241,6 +241,9 @@ impl<B: LockBackend> Engine<B> {
                 *attempts += 1;
                 let hint = self.backend.release_hint(current.key());
                 let (current, sent, result) = self.attempt(current).await;
+                // Only a busy answer waits for the hint: after a failure the lock may well be
+                // free, and a hint that fires whenever it is would turn backoff into a spin.
+                let busy = matches!(result, Ok(None));
                 match result {
                     Ok(Some(acquired)) => return Ok(self.hold(&runtime, current, acquired, sent)),
                     Ok(None) => reached = true,
@@ -254,8 +257,10 @@ impl<B: LockBackend> Engine<B> {
                 // turn stays with us so local waiters behind us stay quiet.
                 tokio::select! {
                     biased;
-                    _ = hint => {}
+                    _ = hint, if busy => {}
                     _ = tokio::time::sleep_until(wake), if wake < deadline => {}
+                    // Neither: the deadline (outside) ends the wait.
+                    else => std::future::pending::<()>().await,
                 }
             }
         })

@@ -26,25 +26,22 @@
 //!   first use (serialized by a transaction-level advisory lock, so processes starting together
 //!   do not race); a role without CREATE on the database needs them created beforehand, with
 //!   USAGE on the schema and USAGE, UPDATE on the sequence.
-//! - **Hand-off across processes in milliseconds**: each backend keeps one extra session
-//!   (opened on its first wait, never one of the pool's) listening on the channel `lockingkit`,
-//!   and marks the keys it waits for with a shared advisory lock on the key's two-`int4` twin
-//!   (its high and low 32 bits). A release of a marked key also sends `NOTIFY lockingkit` with
-//!   the advisory key, so a waiting process retries at once instead of at its next backoff
-//!   step; a release nobody waits for sends nothing, which keeps the unlock as cheap as a plain
-//!   one. Polling stays the fallback: a lock freed by a session that ended
-//!   (no NOTIFY is sent then) or released while the listener reconnects is found by the next
-//!   attempt, at most the maximum retry delay later.
+//! - **Hand-off across processes in milliseconds**: for each key a process waits for, its
+//!   backend keeps a watcher session (never one of the pool's) queued for a shared lock on the
+//!   same advisory key. The server grants it the moment the lock is freed — by LockingKit, by
+//!   plain SQL or by the holder's session ending — and the waiter retries at once instead of
+//!   at its next backoff step. The release is a plain `pg_advisory_unlock`. Polling stays the
+//!   fallback (more than 16 keys waited for at once, a server that cannot be reached).
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
 //!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
 //!   or statement pooling mode breaks session locks; use session pooling or connect directly.
 
 mod connection;
 mod errors;
-mod notify;
 mod options;
 mod session;
 mod tls;
+mod watch;
 
 use std::fmt;
 use std::future::Future;
@@ -73,19 +70,8 @@ pub const PROVIDER: &str = "postgres";
 /// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
 const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
 
-/// The unlock, and in the same round trip, only if some process marked the key as waited for
-/// (see `notify`), a notification that wakes its waiters. The mark is tried after the unlock,
-/// so a waiter that marked the key before its last failed attempt is always notified. A
-/// notification makes the implicit transaction take a transaction id, so its commit would wait
-/// for a WAL flush; nothing here needs durability, so that wait is turned off for this one
-/// transaction.
-const UNLOCK: &str = "SELECT released, \
-                             CASE WHEN waited THEN pg_notify('lockingkit', $1::bigint::text) END, \
-                             CASE WHEN waited THEN set_config('synchronous_commit', 'off', true) END \
-                      FROM (SELECT released, \
-                                   released AND NOT pg_try_advisory_xact_lock($2::int4, $3::int4) AS waited \
-                            FROM (SELECT pg_advisory_unlock($1::bigint) AS released OFFSET 0) u \
-                            OFFSET 0) w";
+/// The unlock. Waiters in other processes learn of it from the server itself (see `watch`).
+const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
 const CHECK: &str = "SELECT 1";
 
 /// The PostgreSQL backend: a connection pool and the statements of the lock protocol.
@@ -114,8 +100,8 @@ pub struct PostgresBackend {
     fencing_setup: String,
     /// Set once the fencing objects are known to exist; cleared if a statement finds them gone.
     fencing_ready: AtomicBool,
-    /// Wakes this process's waiters when another process releases their key.
-    releases: notify::ReleaseWatch,
+    /// Wakes this process's waiters when their key is freed.
+    releases: watch::ReleaseWatch,
 }
 
 impl PostgresBackend {
@@ -164,7 +150,7 @@ impl PostgresBackend {
         if config.get_application_name().is_none() {
             config.application_name("lockingkit");
         }
-        let releases = notify::ReleaseWatch::new(settings.config.clone(), tls.clone());
+        let releases = watch::ReleaseWatch::new(settings.config.clone(), tls.clone());
         let timeout = options.query_timeout;
         let connector = Connector {
             config: settings.config,
@@ -406,14 +392,13 @@ impl LockBackend for PostgresBackend {
                 session.statement(Prepared::Unlock, UNLOCK),
             )
             .await?;
-        let (mark_high, mark_low) = notify::waiter_mark(lease.advisory_key);
         let row = self
             .run(
                 Stage::Release,
                 session,
                 session
                     .client()
-                    .query_one(&statement, &[&lease.advisory_key, &mark_high, &mark_low]),
+                    .query_one(&statement, &[&lease.advisory_key]),
             )
             .await?;
         match row.try_get::<_, bool>(0) {

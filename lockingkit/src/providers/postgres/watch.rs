@@ -358,3 +358,38 @@ async fn watch_key(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{PostgresBackend, PostgresOptions};
+    use crate::LockBackend;
+    use std::time::Duration;
+
+    fn unreachable_backend() -> PostgresBackend {
+        // Nothing listens on port 1 of loopback: connecting is refused at once.
+        PostgresBackend::new(PostgresOptions::new("postgres://nobody@127.0.0.1:1/none"))
+            .expect("valid options")
+    }
+
+    #[tokio::test]
+    async fn a_hint_that_is_never_polled_starts_no_watcher() {
+        let backend = unreachable_backend();
+        // The engine makes a hint before every attempt and polls it only after a busy answer.
+        let hint = backend.release_hint("jobs/nightly");
+        tokio::task::yield_now().await;
+        assert_eq!(backend.releases.shared.keys().watchers, 0);
+        drop(hint);
+    }
+
+    #[tokio::test]
+    async fn a_watcher_that_cannot_connect_wakes_its_waiter_and_holds_new_ones_back() {
+        let backend = unreachable_backend();
+        let hint = backend.release_hint("jobs/nightly");
+        tokio::time::timeout(Duration::from_secs(10), hint)
+            .await
+            .expect("woken, so the waiter polls instead of waiting on a dead watcher");
+        let keys = backend.releases.shared.keys();
+        assert_eq!(keys.watchers, 0);
+        assert!(keys.quiet_until.is_some(), "no new watcher for a while");
+    }
+}

@@ -284,6 +284,49 @@ fn patient(server: &PostgresServer) -> DistributedLock {
         .expect("lock options")
 }
 
+/// Starts `waiter` waiting up to 10 s for `key`, held elsewhere, and returns once its watcher
+/// is queued behind the holder: from then on, only a wake-up can hand the key over quickly.
+async fn wait_behind_the_holder(
+    server: &PostgresServer,
+    waiter: &DistributedLock,
+    key: &str,
+) -> tokio::task::JoinHandle<(Instant, LockHandle)> {
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        let key = key.to_owned();
+        async move {
+            let handle = waiter
+                .acquire(&key, Duration::from_secs(10))
+                .await
+                .expect("handed over");
+            (Instant::now(), handle)
+        }
+    });
+    eventually(
+        "the waiter's watcher",
+        Duration::from_secs(10),
+        async || watcher_is_queued(server, key).await,
+    )
+    .await;
+    waiting
+}
+
+/// Checks that the waiter got the key well within its 1 s backoff of the release at
+/// `released`, then releases it.
+async fn assert_handed_over_quickly(
+    waiting: tokio::task::JoinHandle<(Instant, LockHandle)>,
+    released: Instant,
+    round: usize,
+) {
+    let (acquired, handle) = waiting.await.expect("waiter task");
+    let handoff = acquired.saturating_duration_since(released);
+    assert!(
+        handoff < Duration::from_millis(150),
+        "round {round}: hand-off took {handoff:?}, the backoff was 1 s"
+    );
+    handle.release().await.expect("release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_is_woken_at_once_by_a_plain_sql_unlock_and_by_the_holders_session_ending() {
     let server = PostgresServer::start().await;
@@ -298,23 +341,7 @@ async fn a_waiter_is_woken_at_once_by_a_plain_sql_unlock_and_by_the_holders_sess
             .execute("SELECT pg_advisory_lock($1)", &[&advisory_key])
             .await
             .expect("plain lock");
-        let waiting = tokio::spawn({
-            let waiter = waiter.clone();
-            let key = key.clone();
-            async move {
-                let handle = waiter
-                    .acquire(&key, Duration::from_secs(10))
-                    .await
-                    .expect("handed over");
-                (Instant::now(), handle)
-            }
-        });
-        eventually(
-            "the waiter's watcher",
-            Duration::from_secs(10),
-            async || watcher_is_queued(&server, &key).await,
-        )
-        .await;
+        let waiting = wait_behind_the_holder(&server, &waiter, &key).await;
         if round == 0 {
             holder
                 .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
@@ -323,14 +350,7 @@ async fn a_waiter_is_woken_at_once_by_a_plain_sql_unlock_and_by_the_holders_sess
         } else {
             drop(holder);
         }
-        let released = Instant::now();
-        let (acquired, handle) = waiting.await.expect("waiter task");
-        let handoff = acquired.saturating_duration_since(released);
-        assert!(
-            handoff < Duration::from_millis(150),
-            "round {round}: hand-off took {handoff:?}, the backoff was 1 s"
-        );
-        handle.release().await.expect("release");
+        assert_handed_over_quickly(waiting, Instant::now(), round).await;
     }
 }
 
@@ -339,40 +359,15 @@ async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_end
     let server = PostgresServer::start().await;
     let holder = lock_on(server.options(CHECK));
     let waiter = patient(&server);
-    let key = unique_prefix("handoff/notify");
+    let key = unique_prefix("handoff/release");
     // Several hand-offs, so that a poll that happened to land just after a release cannot
     // pass the test by luck (each has about a 15% chance of landing within the bound).
     for round in 0..3 {
         let held = holder.try_acquire(&key).await.expect("lock");
-        let waiting = tokio::spawn({
-            let waiter = waiter.clone();
-            let key = key.clone();
-            async move {
-                let handle = waiter
-                    .acquire(&key, Duration::from_secs(10))
-                    .await
-                    .expect("handed over");
-                (Instant::now(), handle)
-            }
-        });
-        eventually(
-            "the waiter's first attempt",
-            Duration::from_secs(10),
-            async || {
-                backend(&waiter).pool_connections() > 0 && watcher_is_queued(&server, &key).await
-            },
-        )
-        .await;
+        let waiting = wait_behind_the_holder(&server, &waiter, &key).await;
         // The waiter's watcher is queued behind the lock, so the server wakes it on release.
         held.release().await.expect("release");
-        let released = Instant::now();
-        let (acquired, handle) = waiting.await.expect("waiter task");
-        let handoff = acquired.saturating_duration_since(released);
-        assert!(
-            handoff < Duration::from_millis(150),
-            "round {round}: hand-off took {handoff:?}, the backoff was 1 s"
-        );
-        handle.release().await.expect("release");
+        assert_handed_over_quickly(waiting, Instant::now(), round).await;
     }
 }
 

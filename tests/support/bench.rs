@@ -254,40 +254,33 @@ pub fn attempts_while_waiting(waiters: usize) -> WaitingAttempts {
 /// the same `DistributedLock`, already waiting, holds the key. Call from a multi-thread
 /// runtime.
 pub async fn local_handoff(locks: &DistributedLock, key: &str, samples: usize) -> Percentiles {
-    let mut taken = Vec::with_capacity(samples);
-    for _ in 0..samples {
-        let held = locks.try_acquire(key).await.unwrap();
-        let waiter = tokio::spawn({
-            let locks = locks.clone();
-            let key = key.to_owned();
-            async move {
-                let handle = locks.acquire(&key, Duration::from_secs(5)).await.unwrap();
-                let at = Instant::now();
-                handle.release().await.unwrap();
-                at
-            }
-        });
-        while locks.waiting(key) == 0 {
-            tokio::task::yield_now().await;
-        }
-        let released = Instant::now();
-        held.release().await.unwrap();
-        let acquired = waiter.await.unwrap();
-        taken.push(acquired.saturating_duration_since(released));
-    }
-    Percentiles::of(taken)
+    handoff(locks, locks, key, samples, |_| Duration::ZERO).await
 }
 
 /// Cross-process hand-off: `holder` and `waiter` are two `DistributedLock`s with backends of
-/// their own (two pools, two sets of watchers), as two processes have. Each sample: `holder` takes
-/// the key, `waiter` starts waiting, the hold lasts a varying `hold` (so releases land at
-/// every point of the waiter's backoff), then from the start of the release to the moment
-/// `waiter` holds the key.
+/// their own (two pools, two sets of watchers), as two processes have. The hold lasts from
+/// 20 ms to about 1 s, so that releases land at every point of the waiter's backoff (50 ms
+/// doubling to 1 s by default).
 pub async fn cross_process_handoff(
     holder: &DistributedLock,
     waiter: &DistributedLock,
     key: &str,
     samples: usize,
+) -> Percentiles {
+    handoff(holder, waiter, key, samples, |i| {
+        Duration::from_millis(20 + (i as u64 * 389) % 1000)
+    })
+    .await
+}
+
+/// Each sample: `holder` takes the key, `waiter` starts waiting, the hold lasts `hold(i)`, then
+/// from the start of the release to the moment `waiter` holds the key.
+async fn handoff(
+    holder: &DistributedLock,
+    waiter: &DistributedLock,
+    key: &str,
+    samples: usize,
+    hold: impl Fn(usize) -> Duration,
 ) -> Percentiles {
     let mut taken = Vec::with_capacity(samples);
     for i in 0..samples {
@@ -305,9 +298,10 @@ pub async fn cross_process_handoff(
         while waiter.waiting(key) == 0 {
             tokio::task::yield_now().await;
         }
-        // 20 ms to about 1 s, spread over the default backoff (50 ms doubling to 1 s).
-        let hold = Duration::from_millis(20 + (i as u64 * 389) % 1000);
-        tokio::time::sleep(hold).await;
+        let hold = hold(i);
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
         let released = Instant::now();
         held.release().await.unwrap();
         let acquired = waiting.await.unwrap();

@@ -16,6 +16,7 @@ use lockingkit::providers::azure::{
 };
 use lockingkit::{DistributedLock, ErrorKind, LockError, LossReason};
 use lockingkit_tests::azurite::Azurite;
+use lockingkit_tests::field_log::FieldLog;
 
 /// The shortest lease Azure grants, so renewal and loss cases finish soonest.
 const LEASE: Duration = Duration::from_secs(15);
@@ -489,41 +490,6 @@ async fn locks_of_other_providers_have_no_azure_lease() {
     handle.release().await.expect("release");
 }
 
-/// Collects every event and span field logged while it is the current subscriber.
-struct Capture(std::sync::Arc<std::sync::Mutex<String>>);
-
-struct Fields<'a>(&'a mut String);
-
-impl tracing::field::Visit for Fields<'_> {
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-        use std::fmt::Write;
-        let _ = write!(self.0, "{}={value:?} ", field.name());
-    }
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        let mut line = format!("{} ", event.metadata().target());
-        event.record(&mut Fields(&mut line));
-        let mut all = self.0.lock().expect("capture");
-        all.push_str(&line);
-        all.push('\n');
-    }
-
-    fn on_new_span(
-        &self,
-        attributes: &tracing::span::Attributes<'_>,
-        _: &tracing::span::Id,
-        _: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        let mut line = format!("span {} ", attributes.metadata().name());
-        attributes.record(&mut Fields(&mut line));
-        let mut all = self.0.lock().expect("capture");
-        all.push_str(&line);
-        all.push('\n');
-    }
-}
-
 // On the current thread: the capturing subscriber is this thread's default, and every SDK call
 // (and its logging) runs here.
 #[tokio::test]
@@ -531,13 +497,10 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
     use tracing_subscriber::layer::SubscriberExt;
 
     let mut azurite = Azurite::start().await;
-    let logged = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let logged = FieldLog::default();
     // Only LockingKit's calls are captured, not the test's own plain-client checks.
-    let capture = || {
-        tracing::subscriber::set_default(
-            tracing_subscriber::registry().with(Capture(logged.clone())),
-        )
-    };
+    let capture =
+        || tracing::subscriber::set_default(tracing_subscriber::registry().with(logged.clone()));
     let capturing = capture();
 
     let key = unique("customer-4711/invoice");
@@ -566,7 +529,7 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
         assert_eq!(down.kind(), ErrorKind::Unavailable);
     }
 
-    let logged = logged.lock().expect("capture").clone();
+    let logged = logged.text();
     assert!(
         logged.contains("lockingkit-guard"),
         "the SDK's request log lines were captured: {logged}"

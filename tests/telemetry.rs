@@ -6,10 +6,9 @@
 //! time, which makes durations exact.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
     LossReason, MemoryBackend, MemoryStore, RenewalFault,
 };
+use lockingkit_tests::field_log::FieldLog;
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -27,9 +27,7 @@ use opentelemetry_sdk::metrics::{
     InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
 };
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-use tracing::field::{Field, Visit};
-use tracing_subscriber::layer::{Context, SubscriberExt as _};
-use tracing_subscriber::Layer;
+use tracing_subscriber::layer::SubscriberExt as _;
 
 /// A key no telemetry may ever contain; its middle part is searched for on its own too, in case
 /// something recorded a fragment or an encoding of it.
@@ -60,67 +58,6 @@ impl MetricReader for SharedReader {
     }
     fn temporality(&self, kind: InstrumentKind) -> Temporality {
         self.0.temporality(kind)
-    }
-}
-
-/// Writes every span field and event field that reaches the subscriber into one string, so the
-/// key search covers log events as well as what the OpenTelemetry bridge keeps.
-#[derive(Clone, Default)]
-struct FieldLog(Arc<Mutex<String>>);
-
-struct FieldWriter<'a>(&'a mut String);
-
-impl Visit for FieldWriter<'_> {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        let _ = write!(self.0, " {}={:?}", field.name(), value);
-    }
-}
-
-impl FieldLog {
-    fn write(&self, line: impl FnOnce(&mut String)) {
-        let mut log = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        line(&mut log);
-        log.push('\n');
-    }
-
-    fn text(&self) -> String {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-}
-
-impl<S: tracing::Subscriber> Layer<S> for FieldLog {
-    fn on_new_span(
-        &self,
-        attrs: &tracing::span::Attributes<'_>,
-        _: &tracing::span::Id,
-        _: Context<'_, S>,
-    ) {
-        self.write(|log| {
-            log.push_str(attrs.metadata().name());
-            attrs.record(&mut FieldWriter(log));
-        });
-    }
-
-    fn on_record(
-        &self,
-        _: &tracing::span::Id,
-        values: &tracing::span::Record<'_>,
-        _: Context<'_, S>,
-    ) {
-        self.write(|log| {
-            log.push_str("record");
-            values.record(&mut FieldWriter(log));
-        });
-    }
-
-    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
-        self.write(|log| {
-            log.push_str(event.metadata().target());
-            event.record(&mut FieldWriter(log));
-        });
     }
 }
 

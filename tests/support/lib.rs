@@ -5,5 +5,6 @@ pub mod azurite;
 pub mod bench;
 pub mod bench_azure;
 pub mod bench_postgres;
+pub mod field_log;
 pub mod postgres;
 pub mod proxy;

@@ -148,7 +148,10 @@ impl<B: LockBackend> Engine<B> {
         let work = async move {
             let sent = Instant::now();
             let result = backend.try_acquire(turn.key()).await;
-            turn.note_attempt(!matches!(&result, Err(e) if !e.reached()));
+            turn.note_attempt(
+                !matches!(&result, Err(e) if !e.reached()),
+                matches!(&result, Ok(Some(_))),
+            );
             (turn, sent, result)
         };
         Orphanable::new(
@@ -167,7 +170,6 @@ impl<B: LockBackend> Engine<B> {
         acquired: Acquired<B::Lease>,
         sent: Instant,
     ) -> LockHandle {
-        turn.mark_held();
         let held = Arc::new(Held::new(
             self.clone(),
             runtime.clone(),

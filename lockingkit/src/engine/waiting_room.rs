@@ -220,17 +220,14 @@ impl Turn {
         &self.key
     }
 
-    /// Records whether the latest attempt reached the backend, for queued waiters that time out.
-    pub(crate) fn note_attempt(&self, reached: bool) {
+    /// Records the answer to the latest attempt: whether it reached the backend (for queued
+    /// waiters that time out) and whether it took the lock (the key is then held here). One
+    /// lookup for both, since this runs on every attempt.
+    pub(crate) fn note_attempt(&self, reached: bool, took: bool) {
         self.room.update(&self.key, self.id, |slot| {
-            slot.last_attempt_reached = Some(reached)
+            slot.last_attempt_reached = Some(reached);
+            slot.held = took;
         });
-    }
-
-    /// Marks the key as held by this turn's owner.
-    pub(crate) fn mark_held(&self) {
-        self.room
-            .update(&self.key, self.id, |slot| slot.held = true);
     }
 }
 

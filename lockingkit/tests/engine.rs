@@ -174,6 +174,22 @@ async fn a_lease_gone_answer_is_loss_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_lost_token_asked_for_only_after_the_loss_is_already_cancelled() {
+    let (store, locks) = memory_pair();
+    let handle = locks.try_acquire("report").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert!(store.break_lease("report"));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(!handle.is_held());
+    let lost = handle.lost_token();
+    assert!(
+        lost.is_cancelled(),
+        "a token made after the loss starts cancelled"
+    );
+    assert_eq!(handle.loss_reason(), Some(LossReason::LeaseGone));
+}
+
+#[tokio::test(start_paused = true)]
 async fn renewal_keeps_the_lock_over_many_lease_periods() {
     let (store, locks) = memory_pair();
     let handle = locks.try_acquire("report").await.unwrap();

@@ -1,7 +1,7 @@
 //! The engine's record of one held lock, behind every `LockHandle`.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use tokio::runtime::Handle;
@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::orphan::{traced, within, Orphanable};
-use super::scheduler::{Keep, ScheduleKey};
+use super::scheduler::Keep;
 use super::waiting_room::Turn;
 use super::Engine;
 use crate::backend::{Acquired, LeaseTiming, LockBackend};
@@ -24,18 +24,24 @@ const HELD: u8 = 0;
 const RELEASING: u8 = 1;
 /// The handle was dropped; the keeper task releases in the background.
 const DROPPED: u8 = 2;
-/// The keeper declared the lock lost.
+/// The keeper declared the lock lost; the reason is `state - LOST`, so that whoever sees the
+/// lock lost also sees why, in the same load.
 const LOST: u8 = 3;
+
+fn lost_state(reason: LossReason) -> u8 {
+    LOST + reason as u8
+}
 
 pub(crate) struct Held<B: LockBackend> {
     pub(super) engine: Arc<Engine<B>>,
     key: Arc<str>,
     fencing_token: u64,
     pub(super) lease: B::Lease,
-    /// Fires on loss and on release; the keeper task stops when it fires.
-    pub(super) lost: CancellationToken,
+    /// Fires on loss and on release; the keeper task stops when it fires. Made on first use
+    /// (see [`Held::lost_signal`]): most holds end before anyone asks for it, and a token costs
+    /// an allocation and a locked tree on every release.
+    lost: OnceLock<CancellationToken>,
     state: AtomicU8,
-    loss: AtomicU8,
     /// The monotonic instant the acquiring request was sent; deadlines are offsets from it.
     origin: Instant,
     /// The loss deadline, in nanoseconds after `origin`.
@@ -44,8 +50,8 @@ pub(crate) struct Held<B: LockBackend> {
     turn: Mutex<Option<Turn>>,
     /// The runtime the lock was taken on; drop releases and keepers run there.
     runtime: Handle,
-    /// Where this hold waits in the renewal schedule until its keeper starts.
-    schedule_key: ScheduleKey,
+    /// When this hold's keeper is due to start (see `Engine::keeper_starts_after`).
+    keeper_due: Instant,
 }
 
 /// The instant at which an expiring lease must be considered lost: 90% of the lease after the
@@ -74,16 +80,15 @@ impl<B: LockBackend> Held<B> {
         sent: Instant,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
-        let schedule_key = engine.scheduler.key(sent + engine.keeper_starts_after());
+        let keeper_due = sent + engine.keeper_starts_after();
         Held {
             runtime,
-            schedule_key,
+            keeper_due,
             key: turn.key().clone(),
             fencing_token: acquired.fencing_token,
             lease: acquired.lease,
-            lost: CancellationToken::new(),
+            lost: OnceLock::new(),
             state: AtomicU8::new(HELD),
-            loss: AtomicU8::new(0),
             origin: sent,
             deadline_nanos: AtomicU64::new(nanos_between(sent, deadline)),
             taken_at: sent,
@@ -103,22 +108,37 @@ impl<B: LockBackend> Held<B> {
 
     /// Enters the hold in the renewal schedule; its keeper starts when the first renewal is due.
     pub(super) fn schedule(self: &Arc<Self>) {
-        let keep: Arc<dyn Keep> = self.clone();
+        let keep: std::sync::Weak<dyn Keep> = Arc::downgrade(self) as _;
         self.engine
             .scheduler
-            .schedule(&self.runtime, self.schedule_key, keep);
+            .schedule(&self.runtime, self.keeper_due, keep);
     }
 
-    /// Moves the lock out of `HELD`; only one caller ever succeeds.
+    /// The token that fires when the hold ends (loss, release or drop), made on first use.
+    pub(super) fn lost_signal(&self) -> &CancellationToken {
+        let token = self.lost.get_or_init(CancellationToken::new);
+        // Pairs with the fence in `claim`: either the claimer sees this token and cancels it,
+        // or this load sees the claim. A token made after the hold ended starts cancelled.
+        fence(Ordering::SeqCst);
+        if self.state.load(Ordering::Acquire) != HELD {
+            token.cancel();
+        }
+        token
+    }
+
+    /// Moves the lock out of `HELD` and fires the lost token; only one caller ever succeeds.
     fn claim(&self, to: u8) -> bool {
         let claimed = self
             .state
             .compare_exchange(HELD, to, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         if claimed {
-            // The hold is ending, so it must not start a keeper any more (and the schedule
-            // must not keep it alive).
-            self.engine.scheduler.cancel(&self.schedule_key);
+            // The hold is ending, so it will not start a keeper any more.
+            self.engine.scheduler.left();
+            fence(Ordering::SeqCst);
+            if let Some(token) = self.lost.get() {
+                token.cancel();
+            }
         }
         claimed
     }
@@ -165,12 +185,10 @@ impl<B: LockBackend> Held<B> {
 
     /// Called by the keeper when it can no longer vouch for the lock.
     pub(super) async fn declare_lost(&self, reason: LossReason) {
-        if !self.claim(LOST) {
+        if !self.claim(lost_state(reason)) {
             // Released or dropped meanwhile: whoever claimed it releases it.
             return;
         }
-        self.loss.store(reason as u8 + 1, Ordering::Release);
-        self.lost.cancel();
         // The turn passes on first. Who holds the key next is the backend's call, not this
         // process's, and the release below can hang as long as the fault that caused the loss
         // (a frozen server, a silent network): local waiters must not wait for it. Releases
@@ -194,7 +212,7 @@ impl<B: LockBackend> HeldLock for Held<B> {
     }
 
     fn lost_token(&self) -> &CancellationToken {
-        &self.lost
+        self.lost_signal()
     }
 
     fn is_held(&self) -> bool {
@@ -204,16 +222,11 @@ impl<B: LockBackend> HeldLock for Held<B> {
     }
 
     fn loss_reason(&self) -> Option<LossReason> {
-        match self.loss.load(Ordering::Acquire) {
-            1 => Some(LossReason::Deadline),
-            2 => Some(LossReason::LeaseGone),
-            3 => Some(LossReason::ConnectionLost),
-            _ if self.state.load(Ordering::Acquire) == HELD
-                && Instant::now() >= self.deadline() =>
-            {
-                Some(LossReason::Deadline)
-            }
-            _ => None,
+        let state = self.state.load(Ordering::Acquire);
+        match state {
+            HELD if Instant::now() >= self.deadline() => Some(LossReason::Deadline),
+            HELD | RELEASING | DROPPED => None,
+            lost => LossReason::ALL.get(usize::from(lost - LOST)).copied(),
         }
     }
 
@@ -233,13 +246,12 @@ impl<B: LockBackend> HeldLock for Held<B> {
             telemetry.release_finished(&span, &result);
             return Orphanable::finishing(std::future::ready(result));
         }
-        self.lost.cancel();
-        Orphanable::finishing(async move { self.release_claimed().await })
+        let f = async move { self.release_claimed().await };
+        Orphanable::finishing(f)
     }
 
     fn release_in_background(self: Arc<Self>) {
         if self.claim(DROPPED) {
-            self.lost.cancel();
             let runtime = self.runtime.clone();
             // If the runtime is gone, the task is dropped unrun; the lease then expires or the
             // connection closes with the lease, which frees the lock at the backend.
@@ -256,6 +268,9 @@ impl<B: LockBackend> HeldLock for Held<B> {
 
 impl<B: LockBackend> Keep for Held<B> {
     fn start_keeper(self: Arc<Self>, runtime: &Handle) {
+        if self.state.load(Ordering::Acquire) != HELD {
+            return;
+        }
         let sent = self.origin;
         runtime.spawn(super::renewal::keep(self, sent));
     }

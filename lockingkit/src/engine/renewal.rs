@@ -43,14 +43,14 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
     loop {
         tokio::select! {
             biased;
-            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = held.lost_signal().cancelled() => return Exit::Stopped,
             _ = sleep_until(deadline) => return Exit::Lost(LossReason::Deadline),
             _ = sleep_until(next) => {}
         }
         let sent = Instant::now();
         let result = tokio::select! {
             biased;
-            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = held.lost_signal().cancelled() => return Exit::Stopped,
             _ = sleep_until(deadline) => {
                 // The renewal in flight never answered: it failed, as a timed-out check does.
                 engine.telemetry.renewal(false);
@@ -94,7 +94,7 @@ async fn check_connection<B: LockBackend>(
     loop {
         tokio::select! {
             biased;
-            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = held.lost_signal().cancelled() => return Exit::Stopped,
             _ = &mut ended => return Exit::Lost(LossReason::ConnectionLost),
             _ = sleep_until(next) => {}
         }
@@ -102,7 +102,7 @@ async fn check_connection<B: LockBackend>(
         next = sent + interval;
         let result = tokio::select! {
             biased;
-            _ = held.lost.cancelled() => return Exit::Stopped,
+            _ = held.lost_signal().cancelled() => return Exit::Stopped,
             _ = &mut ended => return Exit::Lost(LossReason::ConnectionLost),
             result = tokio::time::timeout(interval, engine.backend.renew(&held.lease)) => result,
         };

@@ -11,33 +11,44 @@
 //! driver that runs late (a starved runtime) can delay renewal but never postpone loss:
 //! `LockHandle::is_held` checks the deadline itself, and a late keeper finds it passed at once.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::{sleep_until, Instant};
 
+/// Holds that left the schedule early are swept out once there are at least this many, and
+/// they outnumber the rest: the memory they keep is bounded, and a sweep is rare.
+const SWEEP_AFTER: usize = 1024;
+
 /// A held lock whose keeper can be started.
 pub(crate) trait Keep: Send + Sync {
-    /// Spawns the lock's keeper task on `runtime`.
+    /// Spawns the lock's keeper task on `runtime`, unless the hold has already ended.
     fn start_keeper(self: Arc<Self>, runtime: &Handle);
 }
-
-/// Where a hold sits in the schedule: when its keeper is due, and a tie-breaking id.
-pub(crate) type ScheduleKey = (Instant, u64);
 
 #[derive(Default)]
 pub(crate) struct RenewalScheduler {
     state: Mutex<State>,
-    next_id: AtomicU64,
+    /// Holds that ended since the last sweep (see [`RenewalScheduler::left`]).
+    left: AtomicUsize,
     wake: Notify,
+}
+
+/// A hold waiting for its keeper. Weak, so a hold that ends is freed at once; its entry stays
+/// until it is due or swept, which costs the hot path nothing.
+struct Entry {
+    due: Instant,
+    hold: Weak<dyn Keep>,
 }
 
 #[derive(Default)]
 struct State {
-    due: BTreeMap<ScheduleKey, Arc<dyn Keep>>,
+    /// In the order the keepers are due. An engine's keeper delay is fixed, so a new hold
+    /// almost always goes at the back.
+    due: VecDeque<Entry>,
     driver_running: bool,
     /// When the driver will wake on its own; `None` while it waits for a notification.
     driver_wakes_at: Option<Instant>,
@@ -46,35 +57,38 @@ struct State {
 
 impl RenewalScheduler {
     fn state(&self) -> MutexGuard<'_, State> {
-        // Every critical section leaves the map consistent, so poisoning carries no meaning.
+        // Every critical section leaves the queue consistent, so poisoning carries no meaning.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A key for a hold whose keeper is due at `at`.
-    pub(crate) fn key(&self, at: Instant) -> ScheduleKey {
-        (at, self.next_id.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Enters a hold; its keeper starts at `key.0` unless [`cancel`](Self::cancel) comes first.
-    pub(crate) fn schedule(
-        self: &Arc<Self>,
-        runtime: &Handle,
-        key: ScheduleKey,
-        held: Arc<dyn Keep>,
-    ) {
+    /// Enters a hold whose keeper is due at `due`. The keeper starts then, unless the hold has
+    /// ended by that time.
+    pub(crate) fn schedule(self: &Arc<Self>, runtime: &Handle, due: Instant, hold: Weak<dyn Keep>) {
         let mut state = self.state();
         if state.closed {
             return;
         }
+        let left = self.left.load(Ordering::Relaxed);
+        if left >= SWEEP_AFTER && left * 2 >= state.due.len() {
+            self.left.store(0, Ordering::Relaxed);
+            state.due.retain(|entry| entry.hold.strong_count() > 0);
+        }
+        let entry = Entry { due, hold };
+        if state.due.back().is_none_or(|last| last.due <= due) {
+            state.due.push_back(entry);
+        } else {
+            // Holds taken at once can answer out of order; the few that do are sorted in.
+            let at = state.due.partition_point(|entry| entry.due <= due);
+            state.due.insert(at, entry);
+        }
         // The driver is woken only when it would otherwise oversleep this entry. It keeps its
         // wake-up time when the entries it slept for leave, so in a stream of short holds it
         // wakes about once per keeper delay, not once per hold.
-        let oversleeps = state.driver_wakes_at.is_none_or(|at| key.0 < at);
-        state.due.insert(key, held);
+        let oversleeps = state.driver_wakes_at.is_none_or(|at| due < at);
         let start_driver = !state.driver_running;
         state.driver_running = true;
         if oversleeps {
-            state.driver_wakes_at = Some(key.0);
+            state.driver_wakes_at = Some(due);
         }
         drop(state);
         if start_driver {
@@ -84,9 +98,11 @@ impl RenewalScheduler {
         }
     }
 
-    /// Takes a hold out of the schedule; `true` if its keeper had not been started.
-    pub(crate) fn cancel(&self, key: &ScheduleKey) -> bool {
-        self.state().due.remove(key).is_some()
+    /// Notes that a scheduled hold ended before its keeper was due. Its entry is not looked
+    /// up: the keeper will not start for an ended hold, and the entry leaves when it is due or
+    /// at the next sweep. This keeps a short hold's end free of the schedule's lock.
+    pub(crate) fn left(&self) {
+        self.left.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Stops the driver; used when the engine goes away.
@@ -98,7 +114,7 @@ impl RenewalScheduler {
         self.wake.notify_one();
     }
 
-    /// How many holds wait for their keeper (for tests).
+    /// How many entries wait in the schedule, ended holds included (for tests).
     #[cfg(test)]
     pub(crate) fn pending(&self) -> usize {
         self.state().due.len()
@@ -129,15 +145,21 @@ async fn drive(scheduler: Arc<RenewalScheduler>) {
             }
             let now = Instant::now();
             let mut ready = Vec::new();
-            while let Some(entry) = state.due.first_entry() {
-                if entry.key().0 > now {
+            while let Some(entry) = state.due.front() {
+                if entry.due <= now {
+                    if let Some(hold) = entry.hold.upgrade() {
+                        ready.push(hold);
+                    }
+                } else if entry.hold.strong_count() > 0 {
                     break;
                 }
-                ready.push(entry.remove());
+                // Due, or an ended hold at the front: either way it leaves now, so the driver
+                // plans its next wake-up for a hold that still needs it.
+                state.due.pop_front();
             }
             // A wake-up planned for entries that have left since is kept: forgetting it would
             // make the next hold wake the driver again, once per hold.
-            let first = state.due.first_key_value().map(|(key, _)| key.0);
+            let first = state.due.front().map(|entry| entry.due);
             let planned = state.driver_wakes_at.filter(|at| *at > now);
             let next = match (first, planned) {
                 (Some(first), Some(planned)) => Some(first.min(planned)),
@@ -175,27 +197,41 @@ mod tests {
         }
     }
 
+    fn counted(started: &Arc<AtomicUsize>) -> Arc<dyn Keep> {
+        Arc::new(Counted(started.clone()))
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn starts_keepers_when_due_and_never_for_cancelled_holds() {
+    async fn starts_keepers_when_due_and_never_for_ended_holds() {
         let scheduler = Arc::new(RenewalScheduler::default());
         let started = Arc::new(AtomicUsize::new(0));
         let runtime = Handle::current();
         let now = Instant::now();
-        let kept = scheduler.key(now + Duration::from_secs(10));
-        let released = scheduler.key(now + Duration::from_secs(5));
-        scheduler.schedule(&runtime, kept, Arc::new(Counted(started.clone())));
-        scheduler.schedule(&runtime, released, Arc::new(Counted(started.clone())));
-        assert!(scheduler.cancel(&released));
+        let kept = counted(&started);
+        let ended = counted(&started);
+        scheduler.schedule(
+            &runtime,
+            now + Duration::from_secs(10),
+            Arc::downgrade(&kept),
+        );
+        scheduler.schedule(
+            &runtime,
+            now + Duration::from_secs(5),
+            Arc::downgrade(&ended),
+        );
+        drop(ended);
+        scheduler.left();
 
         tokio::time::sleep(Duration::from_secs(9)).await;
         assert_eq!(started.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            scheduler.pending(),
+            1,
+            "the ended hold left when it came to the front"
+        );
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(started.load(Ordering::SeqCst), 1);
         assert_eq!(scheduler.pending(), 0);
-        assert!(
-            !scheduler.cancel(&kept),
-            "a started keeper is no longer scheduled"
-        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -204,19 +240,21 @@ mod tests {
         let started = Arc::new(AtomicUsize::new(0));
         let runtime = Handle::current();
         let now = Instant::now();
+        let (late, early) = (counted(&started), counted(&started));
         scheduler.schedule(
             &runtime,
-            scheduler.key(now + Duration::from_secs(100)),
-            Arc::new(Counted(started.clone())),
+            now + Duration::from_secs(100),
+            Arc::downgrade(&late),
         );
         tokio::task::yield_now().await;
         scheduler.schedule(
             &runtime,
-            scheduler.key(now + Duration::from_secs(1)),
-            Arc::new(Counted(started.clone())),
+            now + Duration::from_secs(1),
+            Arc::downgrade(&early),
         );
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(started.load(Ordering::SeqCst), 1);
+        assert_eq!(scheduler.pending(), 1, "the later hold still waits");
     }
 
     #[tokio::test(start_paused = true)]
@@ -225,21 +263,88 @@ mod tests {
         let started = Arc::new(AtomicUsize::new(0));
         let runtime = Handle::current();
         let now = Instant::now();
-        let first = scheduler.key(now + Duration::from_secs(10));
-        scheduler.schedule(&runtime, first, Arc::new(Counted(started.clone())));
-        tokio::task::yield_now().await;
-        assert!(scheduler.cancel(&first));
-        // Due after the driver's planned wake-up, so it is entered without waking the driver;
-        // the planned wake-up must still lead to it.
+        let first = counted(&started);
         scheduler.schedule(
             &runtime,
-            scheduler.key(now + Duration::from_secs(12)),
-            Arc::new(Counted(started.clone())),
+            now + Duration::from_secs(10),
+            Arc::downgrade(&first),
+        );
+        tokio::task::yield_now().await;
+        drop(first);
+        scheduler.left();
+        // Due after the driver's planned wake-up, so it is entered without waking the driver;
+        // the planned wake-up must still lead to it.
+        let second = counted(&started);
+        scheduler.schedule(
+            &runtime,
+            now + Duration::from_secs(12),
+            Arc::downgrade(&second),
         );
         tokio::time::sleep(Duration::from_secs(11)).await;
         assert_eq!(started.load(Ordering::SeqCst), 0);
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(started.load(Ordering::SeqCst), 1);
         assert_eq!(scheduler.pending(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ended_holds_far_from_due_are_swept_so_memory_stays_bounded() {
+        let scheduler = Arc::new(RenewalScheduler::default());
+        let started = Arc::new(AtomicUsize::new(0));
+        let runtime = Handle::current();
+        let now = Instant::now();
+        let live = counted(&started);
+        scheduler.schedule(
+            &runtime,
+            now + Duration::from_secs(3600),
+            Arc::downgrade(&live),
+        );
+        for _ in 0..3 * SWEEP_AFTER {
+            let hold = counted(&started);
+            scheduler.schedule(
+                &runtime,
+                now + Duration::from_secs(3600),
+                Arc::downgrade(&hold),
+            );
+            drop(hold);
+            scheduler.left();
+        }
+        assert!(
+            scheduler.pending() <= SWEEP_AFTER + 2,
+            "{} entries kept for {} live holds",
+            scheduler.pending(),
+            1
+        );
+        tokio::time::sleep(Duration::from_secs(3601)).await;
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            1,
+            "the live hold's keeper starts"
+        );
+        assert_eq!(scheduler.pending(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn holds_that_answer_out_of_order_start_in_due_order() {
+        let scheduler = Arc::new(RenewalScheduler::default());
+        let started = Arc::new(AtomicUsize::new(0));
+        let runtime = Handle::current();
+        let now = Instant::now();
+        let (later, sooner) = (counted(&started), counted(&started));
+        scheduler.schedule(
+            &runtime,
+            now + Duration::from_secs(20),
+            Arc::downgrade(&later),
+        );
+        scheduler.schedule(
+            &runtime,
+            now + Duration::from_secs(10),
+            Arc::downgrade(&sooner),
+        );
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        assert_eq!(scheduler.pending(), 1);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(started.load(Ordering::SeqCst), 2);
     }
 }

@@ -45,7 +45,9 @@ mod watch;
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use deadpool::managed::{PoolError, TimeoutType, Timeouts};
@@ -61,7 +63,7 @@ use crate::engine::misconfigured;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use errors::Stage;
-use session::{Connector, PooledSession, Prepared, Session, SessionPool};
+use session::{Bounded, Connector, PooledSession, Prepared, Session, SessionPool};
 
 /// The provider name in telemetry.
 pub const PROVIDER: &str = "postgres";
@@ -212,7 +214,9 @@ impl PostgresBackend {
                     create: None,
                     recycle: None,
                 };
-                self.pool.timeout_get(&waiting).await
+                // Boxed: the pool's future is over a kilobyte, and this path is rare; inline it
+                // would enlarge every attempt's future, which is moved into a box per call.
+                Box::pin(self.pool.timeout_get(&waiting)).await
             }
             other => other,
         };
@@ -224,21 +228,17 @@ impl PostgresBackend {
 
     /// Runs one statement on `session` under the statement timeout, classifying its failure
     /// for `stage`.
-    async fn run<T>(
-        &self,
+    fn run<'a, F: Future>(
+        &'a self,
         stage: Stage,
-        session: &Session,
-        statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, BackendError> {
-        match session.bounded(self.timeout, statement).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => {
-                if errors::is_missing_object(&error) {
-                    self.fencing_ready.store(false, Ordering::Release);
-                }
-                Err(errors::query_error(error, stage))
-            }
-            Err(_) => Err(errors::timed_out(stage, self.timeout)),
+        session: &'a Session,
+        statement: F,
+    ) -> Run<'a, F> {
+        Run {
+            bounded: session.bounded(self.timeout, statement),
+            stage,
+            timeout: self.timeout,
+            fencing_ready: &self.fencing_ready,
         }
     }
 
@@ -420,6 +420,38 @@ impl LockBackend for PostgresBackend {
 
     fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {
         lease.ended.clone().cancelled_owned()
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// One statement under the statement timeout (see [`PostgresBackend::run`]). Written out
+    /// rather than as an `async fn`, which would keep the statement's future twice (the
+    /// argument, and the value it awaits): every attempt and release is moved into a box per
+    /// call, so its size costs on every lock.
+    struct Run<'a, F> {
+        #[pin]
+        bounded: Bounded<'a, F>,
+        stage: Stage,
+        timeout: Duration,
+        fencing_ready: &'a AtomicBool,
+    }
+}
+
+impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Run<'_, F> {
+    type Output = Result<T, BackendError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        Poll::Ready(match std::task::ready!(this.bounded.poll(cx)) {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => {
+                if errors::is_missing_object(&error) {
+                    this.fencing_ready.store(false, Ordering::Release);
+                }
+                Err(errors::query_error(error, *this.stage))
+            }
+            Err(_) => Err(errors::timed_out(*this.stage, *this.timeout)),
+        })
     }
 }
 

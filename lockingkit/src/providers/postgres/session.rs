@@ -72,7 +72,9 @@ impl Session {
         if let Some(statement) = slot.get() {
             return Ok(statement.clone());
         }
-        let statement = self.client.prepare_typed(sql, types).await?;
+        // Boxed: preparing runs once per session, and inline its future would enlarge every
+        // lock attempt and release (each is moved into a box per call).
+        let statement = Box::pin(self.client.prepare_typed(sql, types)).await?;
         // A session serves one operation at a time, so no other preparation can race this one.
         let _ = slot.set(statement.clone());
         Ok(statement)

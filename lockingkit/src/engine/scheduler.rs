@@ -4,8 +4,9 @@
 //! default). Spawning a task and arming timers for each of them would cost more than the rest
 //! of the acquire path together. Instead every new hold is entered here with the instant its
 //! first renewal or check is due; one driver task per engine sleeps until the earliest entry and
-//! starts that lock's keeper. A hold that ends before then leaves the schedule again and never
-//! costs a task.
+//! starts that lock's keeper. A hold that ends before then never costs a task, and ending it
+//! does not touch the schedule: its entry is a weak reference that the driver drops when it
+//! comes due (or a sweep drops earlier, if ended holds pile up).
 //!
 //! The keeper, once started, enforces the loss deadline from the acquire's send time, so a
 //! driver that runs late (a starved runtime) can delay renewal but never postpone loss:

@@ -267,11 +267,12 @@ impl<B: LockBackend> HeldLock for Held<B> {
 }
 
 impl<B: LockBackend> Keep for Held<B> {
-    fn start_keeper(self: Arc<Self>, runtime: &Handle) {
+    fn start_keeper(self: Arc<Self>) {
         if self.state.load(Ordering::Acquire) != HELD {
             return;
         }
         let sent = self.origin;
+        let runtime = self.runtime.clone();
         runtime.spawn(super::renewal::keep(self, sent));
     }
 }

@@ -26,8 +26,9 @@ const SWEEP_AFTER: usize = 1024;
 
 /// A held lock whose keeper can be started.
 pub(crate) trait Keep: Send + Sync {
-    /// Spawns the lock's keeper task on `runtime`, unless the hold has already ended.
-    fn start_keeper(self: Arc<Self>, runtime: &Handle);
+    /// Spawns the lock's keeper task on the runtime the lock was taken on, unless the hold
+    /// has already ended.
+    fn start_keeper(self: Arc<Self>);
 }
 
 #[derive(Default)]
@@ -69,9 +70,13 @@ impl RenewalScheduler {
         if state.closed {
             return;
         }
+        // `left` counts ended holds, some of them already gone from the queue, so a sweep
+        // can come early but never later than this. A hold that ended but is still being
+        // released survives its sweep and leaves when it is due; a sweep walks the queue
+        // under the lock, so its cost per hold stays constant only on average.
         let left = self.left.load(Ordering::Relaxed);
         if left >= SWEEP_AFTER && left * 2 >= state.due.len() {
-            self.left.store(0, Ordering::Relaxed);
+            self.left.fetch_sub(left, Ordering::Relaxed);
             state.due.retain(|entry| entry.hold.strong_count() > 0);
         }
         let entry = Entry { due, hold };
@@ -93,7 +98,10 @@ impl RenewalScheduler {
         }
         drop(state);
         if start_driver {
-            runtime.spawn(drive(self.clone()));
+            // The guard is made here, not in the task: a task dropped before it first runs
+            // (its runtime shutting down) must still mark the driver gone, or no keeper would
+            // ever start again.
+            runtime.spawn(drive(DriverRunning(self.clone())));
         } else if oversleeps {
             self.wake.notify_one();
         }
@@ -134,10 +142,8 @@ impl Drop for DriverRunning {
     }
 }
 
-async fn drive(scheduler: Arc<RenewalScheduler>) {
-    let running = DriverRunning(scheduler);
+async fn drive(running: DriverRunning) {
     let scheduler = &running.0;
-    let runtime = Handle::current();
     loop {
         let (ready, next) = {
             let mut state = scheduler.state();
@@ -170,7 +176,7 @@ async fn drive(scheduler: Arc<RenewalScheduler>) {
             (ready, next)
         };
         for held in ready {
-            held.start_keeper(&runtime);
+            held.start_keeper();
         }
         match next {
             None => scheduler.wake.notified().await,
@@ -193,7 +199,7 @@ mod tests {
     struct Counted(Arc<AtomicUsize>);
 
     impl Keep for Counted {
-        fn start_keeper(self: Arc<Self>, _runtime: &Handle) {
+        fn start_keeper(self: Arc<Self>) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
@@ -323,6 +329,35 @@ mod tests {
             "the live hold's keeper starts"
         );
         assert_eq!(scheduler.pending(), 0);
+    }
+
+    #[test]
+    fn a_driver_dropped_before_it_ran_is_replaced_on_the_next_hold() {
+        let scheduler = Arc::new(RenewalScheduler::default());
+        let started = Arc::new(AtomicUsize::new(0));
+        let first = counted(&started);
+        let gone = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let due = Instant::now() + Duration::from_millis(50);
+        scheduler.schedule(gone.handle(), due, Arc::downgrade(&first));
+        // Shutting the runtime down drops its driver task before the task ever ran.
+        drop(gone);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let second = counted(&started);
+            scheduler.schedule(&Handle::current(), due, Arc::downgrade(&second));
+            tokio::time::sleep_until(due + Duration::from_millis(50)).await;
+            assert_eq!(
+                started.load(Ordering::SeqCst),
+                2,
+                "a new driver starts both keepers"
+            );
+        });
     }
 
     #[tokio::test(start_paused = true)]

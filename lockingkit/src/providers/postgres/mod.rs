@@ -428,6 +428,7 @@ pin_project_lite::pin_project! {
     /// rather than as an `async fn`, which would keep the statement's future twice (the
     /// argument, and the value it awaits): every attempt and release is moved into a box per
     /// call, so its size costs on every lock.
+    #[must_use = "a statement does nothing until it is awaited"]
     struct Run<'a, F> {
         #[pin]
         bounded: Bounded<'a, F>,

@@ -42,16 +42,14 @@ pub(crate) struct Held<B: LockBackend> {
     /// an allocation and a locked tree on every release.
     lost: OnceLock<CancellationToken>,
     state: AtomicU8,
-    /// The monotonic instant the acquiring request was sent; deadlines are offsets from it.
+    /// The monotonic instant the acquiring request was sent: deadlines are offsets from it,
+    /// the keeper is due a fixed delay after it, and the hold's duration counts from it.
     origin: Instant,
     /// The loss deadline, in nanoseconds after `origin`.
     deadline_nanos: AtomicU64,
-    taken_at: Instant,
     turn: Mutex<Option<Turn>>,
     /// The runtime the lock was taken on; drop releases and keepers run there.
     runtime: Handle,
-    /// When this hold's keeper is due to start (see `Engine::keeper_starts_after`).
-    keeper_due: Instant,
 }
 
 /// The instant at which an expiring lease must be considered lost: 90% of the lease after the
@@ -80,10 +78,8 @@ impl<B: LockBackend> Held<B> {
         sent: Instant,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
-        let keeper_due = sent + engine.keeper_starts_after();
         Held {
             runtime,
-            keeper_due,
             key: turn.key().clone(),
             fencing_token: acquired.fencing_token,
             lease: acquired.lease,
@@ -91,7 +87,6 @@ impl<B: LockBackend> Held<B> {
             state: AtomicU8::new(HELD),
             origin: sent,
             deadline_nanos: AtomicU64::new(nanos_between(sent, deadline)),
-            taken_at: sent,
             turn: Mutex::new(Some(turn)),
             engine,
         }
@@ -109,9 +104,11 @@ impl<B: LockBackend> Held<B> {
     /// Enters the hold in the renewal schedule; its keeper starts when the first renewal is due.
     pub(super) fn schedule(self: &Arc<Self>) {
         let keep: std::sync::Weak<dyn Keep> = Arc::downgrade(self) as _;
-        self.engine
-            .scheduler
-            .schedule(&self.runtime, self.keeper_due, keep);
+        self.engine.scheduler.schedule(
+            &self.runtime,
+            self.origin + self.engine.keeper_starts_after(),
+            keep,
+        );
     }
 
     /// The token that fires when the hold ends (loss, release or drop), made on first use.
@@ -147,7 +144,7 @@ impl<B: LockBackend> Held<B> {
     fn finish(&self, lost: Option<LossReason>) {
         self.engine
             .telemetry
-            .lock_ended(self.taken_at.elapsed(), lost);
+            .lock_ended(self.origin.elapsed(), lost);
         let turn = self
             .turn
             .lock()
@@ -246,8 +243,7 @@ impl<B: LockBackend> HeldLock for Held<B> {
             telemetry.release_finished(&span, &result);
             return Orphanable::finishing(std::future::ready(result));
         }
-        let f = async move { self.release_claimed().await };
-        Orphanable::finishing(f)
+        Orphanable::finishing(async move { self.release_claimed().await })
     }
 
     fn release_in_background(self: Arc<Self>) {

@@ -211,8 +211,9 @@ pub trait LockBackend: Send + Sync + 'static {
     /// The engine calls this *before* each attempt of the front waiter and, when the attempt
     /// answers busy, races the future against the backoff sleep, so subscribe eagerly (in the
     /// function body, not on first poll) to catch a release that lands between a busy answer
-    /// and the sleep. A spurious wake-up only costs one attempt. The default never resolves: waiting is pure polling,
-    /// which stays the fallback and the cap whatever a backend offers here.
+    /// and the sleep. A spurious wake-up only costs one attempt. The default never resolves:
+    /// waiting is pure polling, which stays the fallback and the cap whatever a backend offers
+    /// here.
     fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
         let _ = key;
         std::future::pending()

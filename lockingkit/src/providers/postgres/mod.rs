@@ -237,8 +237,7 @@ impl PostgresBackend {
         Run {
             bounded: session.bounded(self.timeout, statement),
             stage,
-            timeout: self.timeout,
-            fencing_ready: &self.fencing_ready,
+            backend: self,
         }
     }
 
@@ -433,8 +432,7 @@ pin_project_lite::pin_project! {
         #[pin]
         bounded: Bounded<'a, F>,
         stage: Stage,
-        timeout: Duration,
-        fencing_ready: &'a AtomicBool,
+        backend: &'a PostgresBackend,
     }
 }
 
@@ -447,11 +445,11 @@ impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Run<'_,
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => {
                 if errors::is_missing_object(&error) {
-                    this.fencing_ready.store(false, Ordering::Release);
+                    this.backend.fencing_ready.store(false, Ordering::Release);
                 }
                 Err(errors::query_error(error, *this.stage))
             }
-            Err(_) => Err(errors::timed_out(*this.stage, *this.timeout)),
+            Err(_) => Err(errors::timed_out(*this.stage, this.backend.timeout)),
         })
     }
 }

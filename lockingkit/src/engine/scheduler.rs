@@ -204,144 +204,117 @@ mod tests {
         }
     }
 
-    fn counted(started: &Arc<AtomicUsize>) -> Arc<dyn Keep> {
-        Arc::new(Counted(started.clone()))
+    /// A scheduler, and a count of the keepers it started.
+    struct Fixture {
+        scheduler: Arc<RenewalScheduler>,
+        started: Arc<AtomicUsize>,
+        start: Instant,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            Fixture {
+                scheduler: Arc::new(RenewalScheduler::default()),
+                started: Arc::new(AtomicUsize::new(0)),
+                start: Instant::now(),
+            }
+        }
+
+        /// Enters a hold due `secs` after the fixture was made, on the current runtime. The
+        /// hold lives as long as the returned value, as a `Held` lives with its handle.
+        fn hold_due_in(&self, secs: u64) -> Arc<dyn Keep> {
+            let due = self.start + Duration::from_secs(secs);
+            self.hold_on(&Handle::current(), due)
+        }
+
+        fn hold_on(&self, runtime: &Handle, due: Instant) -> Arc<dyn Keep> {
+            let hold: Arc<dyn Keep> = Arc::new(Counted(self.started.clone()));
+            self.scheduler.schedule(runtime, due, Arc::downgrade(&hold));
+            hold
+        }
+
+        /// Ends a hold the way a released `Held` does: it leaves, and its last reference goes.
+        fn end(&self, hold: Arc<dyn Keep>) {
+            drop(hold);
+            self.scheduler.left();
+        }
+
+        fn started(&self) -> usize {
+            self.started.load(Ordering::SeqCst)
+        }
     }
 
     #[tokio::test(start_paused = true)]
     async fn starts_keepers_when_due_and_never_for_ended_holds() {
-        let scheduler = Arc::new(RenewalScheduler::default());
-        let started = Arc::new(AtomicUsize::new(0));
-        let runtime = Handle::current();
-        let now = Instant::now();
-        let kept = counted(&started);
-        let ended = counted(&started);
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(10),
-            Arc::downgrade(&kept),
-        );
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(5),
-            Arc::downgrade(&ended),
-        );
-        drop(ended);
-        scheduler.left();
+        let f = Fixture::new();
+        let _kept = f.hold_due_in(10);
+        f.end(f.hold_due_in(5));
 
         tokio::time::sleep(Duration::from_secs(9)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 0);
+        assert_eq!(f.started(), 0);
         assert_eq!(
-            scheduler.pending(),
+            f.scheduler.pending(),
             1,
             "the ended hold left when it came to the front"
         );
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 1);
-        assert_eq!(scheduler.pending(), 0);
+        assert_eq!(f.started(), 1);
+        assert_eq!(f.scheduler.pending(), 0);
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_earlier_entry_wakes_the_driver() {
-        let scheduler = Arc::new(RenewalScheduler::default());
-        let started = Arc::new(AtomicUsize::new(0));
-        let runtime = Handle::current();
-        let now = Instant::now();
-        let (late, early) = (counted(&started), counted(&started));
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(100),
-            Arc::downgrade(&late),
-        );
+        let f = Fixture::new();
+        let _late = f.hold_due_in(100);
         tokio::task::yield_now().await;
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(1),
-            Arc::downgrade(&early),
-        );
+        let _early = f.hold_due_in(1);
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 1);
-        assert_eq!(scheduler.pending(), 1, "the later hold still waits");
+        assert_eq!(f.started(), 1);
+        assert_eq!(f.scheduler.pending(), 1, "the later hold still waits");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_later_entry_is_started_by_the_wake_up_the_driver_already_planned() {
-        let scheduler = Arc::new(RenewalScheduler::default());
-        let started = Arc::new(AtomicUsize::new(0));
-        let runtime = Handle::current();
-        let now = Instant::now();
-        let first = counted(&started);
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(10),
-            Arc::downgrade(&first),
-        );
+        let f = Fixture::new();
+        let first = f.hold_due_in(10);
         tokio::task::yield_now().await;
-        drop(first);
-        scheduler.left();
+        f.end(first);
         // Due after the driver's planned wake-up, so it is entered without waking the driver;
         // the planned wake-up must still lead to it.
-        let second = counted(&started);
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(12),
-            Arc::downgrade(&second),
-        );
+        let _second = f.hold_due_in(12);
         tokio::time::sleep(Duration::from_secs(11)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 0);
+        assert_eq!(f.started(), 0);
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 1);
-        assert_eq!(scheduler.pending(), 0);
+        assert_eq!(f.started(), 1);
+        assert_eq!(f.scheduler.pending(), 0);
     }
 
     #[tokio::test(start_paused = true)]
     async fn ended_holds_far_from_due_are_swept_so_memory_stays_bounded() {
-        let scheduler = Arc::new(RenewalScheduler::default());
-        let started = Arc::new(AtomicUsize::new(0));
-        let runtime = Handle::current();
-        let now = Instant::now();
-        let live = counted(&started);
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(3600),
-            Arc::downgrade(&live),
-        );
+        let f = Fixture::new();
+        let _live = f.hold_due_in(3600);
         for _ in 0..3 * SWEEP_AFTER {
-            let hold = counted(&started);
-            scheduler.schedule(
-                &runtime,
-                now + Duration::from_secs(3600),
-                Arc::downgrade(&hold),
-            );
-            drop(hold);
-            scheduler.left();
+            f.end(f.hold_due_in(3600));
         }
         assert!(
-            scheduler.pending() <= SWEEP_AFTER + 2,
-            "{} entries kept for {} live holds",
-            scheduler.pending(),
-            1
+            f.scheduler.pending() <= SWEEP_AFTER + 2,
+            "{} entries kept for one live hold",
+            f.scheduler.pending()
         );
         tokio::time::sleep(Duration::from_secs(3601)).await;
-        assert_eq!(
-            started.load(Ordering::SeqCst),
-            1,
-            "the live hold's keeper starts"
-        );
-        assert_eq!(scheduler.pending(), 0);
+        assert_eq!(f.started(), 1, "the live hold's keeper starts");
+        assert_eq!(f.scheduler.pending(), 0);
     }
 
     #[test]
     fn a_driver_dropped_before_it_ran_is_replaced_on_the_next_hold() {
-        let scheduler = Arc::new(RenewalScheduler::default());
-        let started = Arc::new(AtomicUsize::new(0));
-        let first = counted(&started);
+        let f = Fixture::new();
         let gone = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .expect("runtime");
-        let due = Instant::now() + Duration::from_millis(50);
-        scheduler.schedule(gone.handle(), due, Arc::downgrade(&first));
+        let due = f.start + Duration::from_millis(50);
+        let _first = f.hold_on(gone.handle(), due);
         // Shutting the runtime down drops its driver task before the task ever ran.
         drop(gone);
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -349,38 +322,21 @@ mod tests {
             .build()
             .expect("runtime");
         runtime.block_on(async {
-            let second = counted(&started);
-            scheduler.schedule(&Handle::current(), due, Arc::downgrade(&second));
+            let _second = f.hold_on(&Handle::current(), due);
             tokio::time::sleep_until(due + Duration::from_millis(50)).await;
-            assert_eq!(
-                started.load(Ordering::SeqCst),
-                2,
-                "a new driver starts both keepers"
-            );
+            assert_eq!(f.started(), 2, "a new driver starts both keepers");
         });
     }
 
     #[tokio::test(start_paused = true)]
     async fn holds_that_answer_out_of_order_start_in_due_order() {
-        let scheduler = Arc::new(RenewalScheduler::default());
-        let started = Arc::new(AtomicUsize::new(0));
-        let runtime = Handle::current();
-        let now = Instant::now();
-        let (later, sooner) = (counted(&started), counted(&started));
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(20),
-            Arc::downgrade(&later),
-        );
-        scheduler.schedule(
-            &runtime,
-            now + Duration::from_secs(10),
-            Arc::downgrade(&sooner),
-        );
+        let f = Fixture::new();
+        let _later = f.hold_due_in(20);
+        let _sooner = f.hold_due_in(10);
         tokio::time::sleep(Duration::from_secs(11)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 1);
-        assert_eq!(scheduler.pending(), 1);
+        assert_eq!(f.started(), 1);
+        assert_eq!(f.scheduler.pending(), 1);
         tokio::time::sleep(Duration::from_secs(10)).await;
-        assert_eq!(started.load(Ordering::SeqCst), 2);
+        assert_eq!(f.started(), 2);
     }
 }

@@ -74,17 +74,24 @@ impl Percentiles {
     }
 }
 
-/// Uncontended `try_acquire` + `release` pairs per second on one thread: (lockingkit, the raw
-/// in-memory backend doing the same two calls), each the best of five interleaved rounds.
-pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
+/// Runs `measure` on a current-thread runtime with the raw in-memory backend and a lock on an
+/// in-memory store of its own, the setting of the single-thread in-memory measurements.
+fn on_one_thread<T>(measure: impl AsyncFnOnce(&MemoryBackend, &DistributedLock) -> T) -> T {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     runtime.block_on(async {
-        let store = MemoryStore::new();
-        let raw = MemoryBackend::new(store.clone());
-        let locks = DistributedLock::in_memory_shared(&store);
+        let raw = MemoryBackend::new(MemoryStore::new());
+        let locks = DistributedLock::in_memory_shared(&MemoryStore::new());
+        measure(&raw, &locks).await
+    })
+}
+
+/// Uncontended `try_acquire` + `release` pairs per second on one thread: (lockingkit, the raw
+/// in-memory backend doing the same two calls), each the best of five interleaved rounds.
+pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
+    on_one_thread(async |raw, locks| {
         // Warm up both paths (allocator, hash map capacity).
         for _ in 0..pairs.min(10_000) {
             let acquired = raw.try_acquire("bench").await.unwrap().unwrap();
@@ -127,14 +134,7 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
 /// warm caches hides. Writing a buffer larger than the last-level cache stands in for that.
 pub fn cold_cache_pairs(pairs: u32) -> (Duration, Duration) {
     const EVICTION_BYTES: usize = 64 << 20;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async {
-        let store = MemoryStore::new();
-        let raw = MemoryBackend::new(MemoryStore::new());
-        let locks = DistributedLock::in_memory_shared(&store);
+    on_one_thread(async |raw, locks| {
         let mut evictor = vec![0u8; EVICTION_BYTES];
         let mut evict = |round: u32| {
             // One write per cache line, each round a different value so none is elided.

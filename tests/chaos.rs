@@ -206,7 +206,6 @@ fn lock_through(kind: Kind, port: u16) -> DistributedLock {
             let backend = PostgresBackend::new(PostgresOptions {
                 check_interval: CHECK,
                 query_timeout: QUERY_TIMEOUT,
-                pool_size: 8,
                 ..PostgresOptions::new(connection_string)
             })
             .expect("valid PostgreSQL options");

@@ -64,13 +64,9 @@ mod contract {
 
     impl ContractBackend for PostgresContract {
         async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            // The look-alike case holds 26 locks at once in one process, and each held lock
-            // keeps a connection: size the pool for it, as the README tells users to.
-            let backend = PostgresBackend::new(PostgresOptions {
-                pool_size: 40,
-                ..self.server.options(CHECK)
-            })
-            .expect("options");
+            // Default session budget: the look-alike case holds 26 locks at once in one process
+            // on at most four shared sessions.
+            let backend = PostgresBackend::new(self.server.options(CHECK)).expect("options");
             DistributedLock::builder(backend)
                 .options(options)
                 .build()
@@ -455,31 +451,144 @@ async fn fencing_tokens_keep_growing_across_a_restart_and_a_crash() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_confirmed_release_returns_the_connection_and_the_next_lock_reuses_it() {
+async fn locks_taken_one_after_another_share_one_session() {
     let server = PostgresServer::start().await;
     let locks = process(&server);
-    let key = unique_prefix("pool/reuse");
-    for _ in 0..5 {
-        let held = locks.try_acquire(&key).await.expect("lock");
-        assert_eq!(
-            backend(&locks).idle_connections(),
-            0,
-            "the held connection is out"
+    let prefix = unique_prefix("sessions/sequential");
+    let mut held = Vec::new();
+    for i in 0..20 {
+        held.push(
+            locks
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("lock"),
         );
-        held.release().await.expect("release");
-        assert_eq!(backend(&locks).pool_connections(), 1);
-        assert_eq!(backend(&locks).idle_connections(), 1, "back in the pool");
     }
-    // A busy answer leaves the connection clean, so it goes back too.
-    let other = process(&server);
-    let held = other.try_acquire(&key).await.expect("lock");
-    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
-    assert_eq!(backend(&locks).idle_connections(), 1);
-    held.release().await.expect("release");
+    assert_eq!(
+        backend(&locks).open_sessions(),
+        1,
+        "nothing ran concurrently, so one session serves every lock"
+    );
+    let holders: std::collections::HashSet<i32> = {
+        let mut pids = std::collections::HashSet::new();
+        for i in 0..20 {
+            pids.extend(server.lock_holders(&format!("{prefix}/{i}")).await);
+        }
+        pids
+    };
+    assert_eq!(holders.len(), 1, "one server session holds all 20 locks");
+    for handle in held {
+        handle.release().await.expect("release");
+    }
+    for i in 0..20 {
+        assert!(server
+            .lock_holders(&format!("{prefix}/{i}"))
+            .await
+            .is_empty());
+    }
+    assert_eq!(backend(&locks).open_sessions(), 1, "kept for the next lock");
+}
+
+/// A process whose sessions carry their own `application_name`, so the server can tell them
+/// from every other process's.
+fn named_process(server: &PostgresServer, name: &str, options: PostgresOptions) -> DistributedLock {
+    lock_on(PostgresOptions {
+        connection_string: format!(
+            "{} application_name={name}",
+            server.connection_string_for_database("postgres")
+        )
+        .into(),
+        ..options
+    })
+}
+
+/// The sessions the server has for `application_name`.
+async fn sessions_named(admin: &tokio_postgres::Client, application_name: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&application_name],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0)
+}
+
+/// The advisory locks the server holds, granted or queued.
+async fn advisory_locks(admin: &tokio_postgres::Client) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1",
+            &[],
+        )
+        .await
+        .expect("pg_locks")
+        .get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unconfirmed_unlock_closes_the_connection_instead_of_pooling_it() {
+async fn an_unconfirmed_unlock_keeps_the_sessions_other_locks_and_never_lets_the_key_be_retaken() {
+    let server = PostgresServer::start().await;
+    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let locks = lock_on(PostgresOptions {
+        connection_string: format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+            proxy.port()
+        )
+        .into(),
+        max_sessions: 1,
+        query_timeout: Duration::from_millis(300),
+        // Long enough that no check runs while answers are slow.
+        check_interval: Duration::from_secs(30),
+        ..PostgresOptions::default()
+    });
+    let key = unique_prefix("sessions/unconfirmed");
+    let neighbour = unique_prefix("sessions/neighbour");
+    let held = locks.try_acquire(&key).await.expect("lock");
+    let kept = locks.try_acquire(&neighbour).await.expect("lock");
+    assert_eq!(backend(&locks).open_sessions(), 1, "both on one session");
+
+    // Answers now take longer than the statement timeout: the unlock goes unconfirmed.
+    proxy.set_latency(Duration::from_millis(700));
+    let released = held.release().await;
+    assert_eq!(
+        released.unwrap_err().kind(),
+        ErrorKind::Unavailable,
+        "an unlock that did not answer in time is not a confirmed release"
+    );
+    // Meanwhile the key is not taken again on the session that may still hold it.
+    let retried = locks.try_acquire(&key).await;
+    assert!(
+        retried.is_err(),
+        "the key may still be held by this process's session"
+    );
+    assert!(
+        kept.is_held(),
+        "the neighbour on the same session is untouched"
+    );
+
+    proxy.set_latency(Duration::ZERO);
+    // Once the retried unlock is answered, the server no longer holds the key.
+    eventually(
+        "the retried unlock freeing the key",
+        Duration::from_secs(5),
+        async || server.lock_holders(&key).await.is_empty(),
+    )
+    .await;
+    assert!(kept.is_held());
+    assert_eq!(
+        server.lock_holders(&neighbour).await.len(),
+        1,
+        "the session, and the neighbour's lock with it, stayed"
+    );
+    let again = locks.try_acquire(&key).await.expect("free again");
+    again.release().await.expect("release");
+    kept.release().await.expect("release");
+    assert!(server.lock_holders(&neighbour).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfirmed_unlock_of_a_sessions_last_lock_closes_the_session_which_frees_it() {
     let mut server = PostgresServer::start_local().await;
     let locks = lock_on(PostgresOptions {
         query_timeout: Duration::from_millis(300),
@@ -487,9 +596,9 @@ async fn an_unconfirmed_unlock_closes_the_connection_instead_of_pooling_it() {
         check_interval: Duration::from_secs(30),
         ..server.options(CHECK)
     });
-    let key = unique_prefix("pool/unconfirmed");
+    let key = unique_prefix("sessions/unconfirmed-last");
     let held = locks.try_acquire(&key).await.expect("lock");
-    assert_eq!(backend(&locks).pool_connections(), 1);
+    assert_eq!(backend(&locks).open_sessions(), 1);
 
     server.pause();
     let released = held.release().await;
@@ -500,11 +609,10 @@ async fn an_unconfirmed_unlock_closes_the_connection_instead_of_pooling_it() {
         "an unlock that never answered is not a confirmed release"
     );
     assert_eq!(
-        backend(&locks).pool_connections(),
+        backend(&locks).open_sessions(),
         0,
-        "the connection that may still hold the lock left the pool"
+        "nothing else depended on the session that may still hold the lock, so it closed"
     );
-    // Closing it ended the session, so the server freed the lock.
     eventually(
         "the server freeing the lock",
         Duration::from_secs(5),
@@ -514,7 +622,7 @@ async fn an_unconfirmed_unlock_closes_the_connection_instead_of_pooling_it() {
     let again = locks
         .try_acquire(&key)
         .await
-        .expect("lock again on a new connection");
+        .expect("lock again on a new session");
     again.release().await.expect("release");
 }
 
@@ -609,24 +717,177 @@ async fn processes_starting_together_create_the_fencing_objects_without_racing()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pool_exhausted_by_held_locks_reports_unavailable_and_recovers() {
+async fn ten_thousand_locks_live_on_at_most_max_sessions_and_leave_nothing_behind() {
+    const LOCKS: usize = 10_000;
     let server = PostgresServer::start().await;
+    let admin = server.connect().await;
+    let locks = named_process(&server, "lk_ten_thousand", server.options(CHECK));
+    let rival = process(&server);
+    let prefix = unique_prefix("sessions/many");
+    let keys: Vec<String> = (0..LOCKS).map(|i| format!("{prefix}/{i}")).collect();
+
+    let mut held = Vec::with_capacity(LOCKS);
+    for batch in keys.chunks(500) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for key in batch {
+            let locks = locks.clone();
+            let key = key.clone();
+            tasks.spawn(async move { locks.try_acquire(&key).await });
+        }
+        while let Some(result) = tasks.join_next().await {
+            held.push(result.expect("task").expect("every distinct key is free"));
+        }
+    }
+    let sessions = sessions_named(&admin, "lk_ten_thousand").await;
+    assert!(
+        (1..=4).contains(&sessions),
+        "{LOCKS} locks on {sessions} sessions; the default budget is 4"
+    );
+    assert_eq!(advisory_locks(&admin).await, LOCKS as i64);
+    // Every lock excludes another process.
+    for key in keys.iter().step_by(50) {
+        assert_eq!(kind_of(rival.try_acquire(key).await), ErrorKind::Busy);
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for handle in held {
+        tasks.spawn(handle.release());
+    }
+    while let Some(result) = tasks.join_next().await {
+        result.expect("task").expect("confirmed release");
+    }
+    assert_eq!(advisory_locks(&admin).await, 0, "no advisory lock left");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_short_holds_on_default_options_all_succeed() {
+    let server = PostgresServer::start().await;
+    let locks = lock_on(PostgresOptions::new(server.connection_string()));
+    let prefix = unique_prefix("sessions/thousand");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..1000 {
+        let locks = locks.clone();
+        let key = format!("{prefix}/{i}");
+        tasks.spawn(async move {
+            let handle = locks.try_acquire(&key).await?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            handle.release().await
+        });
+    }
+    let mut failures = Vec::new();
+    while let Some(result) = tasks.join_next().await {
+        if let Err(error) = result.expect("task") {
+            failures.push(error.to_string());
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(backend(&locks).open_sessions() <= 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_shared_session_loses_exactly_its_own_locks() {
+    let server = PostgresServer::start().await;
+    let admin = server.connect().await;
     let locks = lock_on(PostgresOptions {
-        pool_size: 1,
-        query_timeout: Duration::from_millis(300),
+        // Checks far apart: the loss must come from the session ending, not from a check.
+        ..server.options(Duration::from_secs(30))
+    });
+    let prefix = unique_prefix("sessions/terminated");
+    // Taken concurrently, so the locks spread over several sessions.
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..400 {
+        let locks = locks.clone();
+        let key = format!("{prefix}/{i}");
+        tasks.spawn(async move { locks.try_acquire(&key).await.expect("lock") });
+    }
+    let mut held = Vec::new();
+    while let Some(handle) = tasks.join_next().await {
+        held.push(handle.expect("task"));
+    }
+    let mut by_session: std::collections::HashMap<i32, Vec<LockHandle>> =
+        std::collections::HashMap::new();
+    for handle in held {
+        let pid = server.lock_holders(handle.key()).await[0];
+        by_session.entry(pid).or_default().push(handle);
+    }
+    assert!(
+        by_session.len() >= 2,
+        "the locks spread over {} sessions",
+        by_session.len()
+    );
+    let (&victim, _) = by_session
+        .iter()
+        .max_by_key(|(_, handles)| handles.len())
+        .expect("a session");
+    let lost = by_session.remove(&victim).expect("victim");
+    admin
+        .execute("SELECT pg_terminate_backend($1)", &[&victim])
+        .await
+        .expect("pg_terminate_backend");
+    let terminated = Instant::now();
+    for handle in &lost {
+        tokio::time::timeout(Duration::from_secs(1), handle.lost_token().cancelled())
+            .await
+            .expect("every lock on the session is lost within moments");
+        assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
+    }
+    let noticed = terminated.elapsed();
+    assert!(noticed < Duration::from_millis(500), "took {noticed:?}");
+    for handle in &lost {
+        assert!(server.lock_holders(handle.key()).await.is_empty());
+    }
+    for handles in by_session.values() {
+        for handle in handles {
+            assert!(handle.is_held(), "locks on other sessions are untouched");
+            assert_eq!(server.lock_holders(handle.key()).await.len(), 1);
+        }
+    }
+    for handle in by_session.into_values().flatten() {
+        handle.release().await.expect("release");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_lock_table_is_a_clear_error_and_the_session_stays_healthy() {
+    let server = PostgresServer::start().await;
+    let admin = server.connect().await;
+    let locks = lock_on(PostgresOptions {
+        max_sessions: 1,
         ..server.options(CHECK)
     });
-    let first = unique_prefix("pool/one");
-    let second = unique_prefix("pool/two");
-    let held = locks.try_acquire(&first).await.expect("lock");
-    let error = locks.try_acquire(&second).await.unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Unavailable);
-    assert!(error.to_string().contains("pool_size"), "{error}");
-    held.release().await.expect("release");
-    let next = locks
-        .try_acquire(&second)
+    let prefix = unique_prefix("sessions/full");
+    // Fill the server's shared lock table from a plain session until it refuses.
+    let filler = server.connect().await;
+    filler
+        .batch_execute(
+            "DO $$ BEGIN FOR i IN 1..1000000 LOOP PERFORM pg_advisory_lock(-i::bigint); END LOOP; \
+             EXCEPTION WHEN out_of_memory THEN NULL; END $$",
+        )
         .await
-        .expect("a connection is free again");
+        .expect("fill the lock table");
+    let full = locks.try_acquire(&format!("{prefix}/one")).await;
+    let error = full.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable);
+    assert!(
+        error.to_string().contains("max_locks_per_transaction"),
+        "says which setting to raise: {error}"
+    );
+    drop(filler);
+    eventually(
+        "the filler's locks going",
+        Duration::from_secs(5),
+        async || advisory_locks(&admin).await == 0,
+    )
+    .await;
+    let next = locks
+        .try_acquire(&format!("{prefix}/two"))
+        .await
+        .expect("the same session takes locks again");
+    assert_eq!(backend(&locks).open_sessions(), 1);
     next.release().await.expect("release");
 }
 
@@ -682,13 +943,13 @@ async fn tls_modes_follow_libpq_against_a_server_without_tls() {
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
     let error = PostgresBackend::new(PostgresOptions {
-        pool_size: 0,
+        max_sessions: 0,
         query_timeout: Duration::ZERO,
         ..PostgresOptions::default()
     })
     .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
-    for field in ["connection_string", "pool_size", "query_timeout"] {
+    for field in ["connection_string", "max_sessions", "query_timeout"] {
         assert!(error.to_string().contains(field), "{error}");
     }
 }

@@ -6,17 +6,15 @@
 
 use std::time::Duration;
 
-use deadpool::managed::{PoolError, TimeoutType};
 use tokio_postgres::error::SqlState;
 
-use super::session::ConnectError;
 use crate::backend::BackendError;
 
 /// Where a failure happened: the same error means different things on a connection that holds
 /// a lock (the lock is gone) and on one that is only being set up (the server is unreachable).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stage {
-    /// Opening a connection or checking one out of the pool.
+    /// Opening a session.
     Connect,
     /// A statement on a connection that holds no lock yet.
     Attempt,
@@ -25,27 +23,6 @@ pub(super) enum Stage {
     /// The unlock. A failure other than a closed session leaves the release unconfirmed (the
     /// connection is closed, which frees the lock), not the lock lost.
     Release,
-}
-
-/// A failure to get a connection from the pool.
-pub(super) fn pool_error(
-    error: PoolError<ConnectError>,
-    pool_size: usize,
-    timeout: Duration,
-) -> BackendError {
-    match error {
-        PoolError::Backend(ConnectError::Postgres(error)) => query_error(error, Stage::Connect),
-        PoolError::Backend(ConnectError::TimedOut) => timed_out(Stage::Connect, timeout),
-        PoolError::Timeout(TimeoutType::Wait) => BackendError::unreachable(format!(
-            "all {pool_size} pooled PostgreSQL connections stayed in use for {timeout:?}; each held lock keeps one, so raise pool_size"
-        )),
-        PoolError::Timeout(_) => BackendError::unreachable(format!(
-            "PostgreSQL did not accept a connection within {timeout:?}"
-        )),
-        PoolError::Closed => BackendError::permanent("the PostgreSQL connection pool is closed"),
-        // Hooks and runtime errors: neither is configured here.
-        _ => BackendError::permanent("the PostgreSQL connection pool failed"),
-    }
 }
 
 /// A statement or connection that did not answer within its timeout.
@@ -88,6 +65,10 @@ pub(super) fn query_error(error: tokio_postgres::Error, stage: Stage) -> Backend
             "25006" => misconfigured(
                 "the PostgreSQL server is read-only (a standby?); connect to the primary, e.g. with target_session_attrs=read-write",
             ),
+            // The server's shared lock table is full. Not this session's fault: it stays open.
+            "53200" => BackendError::transient(format!(
+                "PostgreSQL's lock table is full (SQLSTATE {sqlstate}, out of shared memory); it holds max_locks_per_transaction × (max_connections + max_prepared_transactions) locks for the whole server: raise max_locks_per_transaction (needs a restart) or hold fewer locks"
+            )),
             // The session ended: shutdown, crash, or pg_terminate_backend.
             "57P01" | "57P02" | "57P03" => gone(format!(
                 "the PostgreSQL session was terminated (SQLSTATE {sqlstate})"
@@ -102,7 +83,7 @@ pub(super) fn query_error(error: tokio_postgres::Error, stage: Stage) -> Backend
                 "a statement on the lock's connection failed (SQLSTATE {sqlstate})"
             )),
             _ if stage == Stage::Release => BackendError::transient(format!(
-                "the unlock failed (SQLSTATE {sqlstate}); the connection was closed instead"
+                "the unlock failed (SQLSTATE {sqlstate}); it is retried in the background"
             )),
             // Out of resources, serialization or deadlock, lock or statement timeouts, I/O
             // trouble on the server: a later attempt may well succeed.

@@ -1,21 +1,24 @@
 //! The PostgreSQL provider: session-level advisory locks (`feature = "postgres"`).
 //!
-//! A lock is `pg_try_advisory_lock(k)` on a connection of its own, where `k` is
-//! [`PostgresLockKeys::advisory_key`] of the key. The lock lives exactly as long as that
-//! session. The lock is declared lost the moment its connection closes (a terminated session,
-//! a server that stopped or crashed), and the engine also checks the connection every
+//! A lock is `pg_try_advisory_lock(k)` on one of a few server sessions that the backend's locks
+//! share, where `k` is [`PostgresLockKeys::advisory_key`] of the key. The lock lives exactly as
+//! long as that session holds it. It is declared lost the moment the session ends (a terminated
+//! session, a server that stopped or crashed), and the session is checked every
 //! [`check_interval`](PostgresOptions::check_interval): a check that fails or does not answer
-//! in time is loss too (a frozen server, a silent network).
+//! in time ends the session, which is loss for every lock on it (a frozen server, a silent
+//! network).
 //!
 //! # Guarantees and caveats
-//! - **One connection per held lock**, taken out of the pool's rotation while held. Session
-//!   locks are reentrant on one connection, so a connection that holds a lock never serves
-//!   another attempt.
-//! - **A connection whose unlock was not confirmed is closed, never reused**: closing ends the
-//!   session, and the server frees every lock it held. The same goes for a connection that
-//!   failed a statement or timed out while it held (or may have just taken) a lock. Only a
-//!   connection whose `pg_advisory_unlock` answered `true`, or whose attempt answered "busy",
-//!   goes back to the pool.
+//! - **Locks share sessions**: at most [`max_sessions`](PostgresOptions::max_sessions) per
+//!   backend, each holding any number of locks; concurrent attempts, unlocks and checks are
+//!   pipelined on them. The connections a process uses do not grow with the locks it holds.
+//! - **Never by re-entrancy**: session locks are reentrant, so a session takes a key at most
+//!   once, and a key whose attempt or unlock went unanswered is not taken on that session
+//!   again until the server has answered an unlock of it.
+//! - **An unconfirmed unlock never drops the other locks on its session**: the session stops
+//!   taking new locks and retries the unlock until the server answers; it closes (freeing
+//!   everything it may hold) only once no other lock depends on it, or when it is broken
+//!   anyway (a failed check).
 //! - **Every statement has its own timeout** ([`query_timeout`](PostgresOptions::query_timeout)):
 //!   a frozen server otherwise hangs a call forever, and TCP keepalive does not notice a
 //!   stopped server process. TCP keepalive is still on, so a vanished network is noticed too.
@@ -26,12 +29,10 @@
 //!   first use (serialized by a transaction-level advisory lock, so processes starting together
 //!   do not race); a role without CREATE on the database needs them created beforehand, with
 //!   USAGE on the schema and USAGE, UPDATE on the sequence.
-//! - **Hand-off across processes in milliseconds**: for each key a process waits for, its
-//!   backend keeps a watcher session (never one of the pool's) queued for a shared lock on the
-//!   same advisory key. The server grants it the moment the lock is freed — by LockingKit, by
-//!   plain SQL or by the holder's session ending — and the waiter retries at once instead of
-//!   at its next backoff step. The release is a plain `pg_advisory_unlock`. Polling stays the
-//!   fallback (more than 16 keys waited for at once, a server that cannot be reached).
+//! - **Hand-off across processes in milliseconds, at no lasting cost to the server**: for each
+//!   key a process waits for, its backend keeps a watcher session queued for a shared lock on
+//!   the same key, in statements that give up after half a second (`lock_timeout`) and are sent
+//!   again, so no snapshot is held for longer (see `watch`). Polling stays the fallback.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
 //!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
 //!   or statement pooling mode breaks session locks; use session pooling or connect directly.
@@ -40,6 +41,7 @@ mod connection;
 mod errors;
 mod options;
 mod session;
+mod sessions;
 mod tls;
 mod watch;
 
@@ -47,15 +49,15 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use deadpool::managed::{PoolError, TimeoutType, Timeouts};
-use tokio_util::sync::CancellationToken;
-
+#[allow(deprecated)]
+pub use options::DEFAULT_POOL_SIZE;
 pub use options::{
     PostgresOptions, DEFAULT_CHECK_INTERVAL, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE,
-    DEFAULT_POOL_SIZE, DEFAULT_QUERY_TIMEOUT,
+    DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WAIT_SESSIONS, DEFAULT_QUERY_TIMEOUT,
 };
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
@@ -63,7 +65,8 @@ use crate::engine::misconfigured;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use errors::Stage;
-use session::{Bounded, Connector, PooledSession, Prepared, Session, SessionPool};
+use session::{Bounded, Prepared, Session};
+use sessions::SessionSet;
 
 /// The provider name in telemetry.
 pub const PROVIDER: &str = "postgres";
@@ -74,6 +77,7 @@ const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "f
 
 /// The unlock. Waiters in other processes learn of it from the server itself (see `watch`).
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+/// The session check.
 const CHECK: &str = "SELECT 1";
 
 /// The PostgreSQL backend: a connection pool and the statements of the lock protocol.
@@ -92,8 +96,8 @@ const CHECK: &str = "SELECT 1";
 /// # Ok(()) }
 /// ```
 pub struct PostgresBackend {
-    pool: SessionPool,
-    pool_size: usize,
+    sessions: SessionSet,
+    max_sessions: usize,
     timeout: Duration,
     check_interval: Duration,
     /// The lock statement with the fencing sequence spliced in.
@@ -107,7 +111,7 @@ pub struct PostgresBackend {
 }
 
 impl PostgresBackend {
-    /// Validates `options` and prepares the pool. No connection is opened until the first
+    /// Validates `options` and prepares the sessions. No connection is opened until the first
     /// attempt, so a server that is down at startup is reported by the attempts, as
     /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable), not here.
     ///
@@ -152,24 +156,18 @@ impl PostgresBackend {
         if config.get_application_name().is_none() {
             config.application_name("lockingkit");
         }
-        let releases = watch::ReleaseWatch::new(settings.config.clone(), tls.clone());
+        let releases = watch::ReleaseWatch::new(
+            settings.config.clone(),
+            tls.clone(),
+            options.max_wait_sessions,
+        );
         let timeout = options.query_timeout;
-        let connector = Connector {
-            config: settings.config,
-            tls,
-            timeout,
-        };
-        let pool = SessionPool::builder(connector)
-            .max_size(options.pool_size)
-            // The most recently returned session first: its socket and statements are warm.
-            .queue_mode(deadpool::managed::QueueMode::Lifo)
-            .runtime(deadpool::Runtime::Tokio1)
-            .build()
-            .map_err(|e| misconfigured(&[format!("{section}: the pool cannot be built ({e})")]))?;
+        let max_sessions = options.session_budget();
+        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout);
         let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
         Ok(PostgresBackend {
-            pool,
-            pool_size: options.pool_size,
+            sessions,
+            max_sessions,
             timeout,
             check_interval: options.check_interval,
             lock: format!(
@@ -187,43 +185,16 @@ impl PostgresBackend {
         })
     }
 
-    /// How many connections the pool holds now, idle or in use (held locks included).
-    pub fn pool_connections(&self) -> usize {
-        self.pool.status().size
+    /// How many sessions are open now for locks (held locks and attempts share them); at most
+    /// [`max_sessions`](PostgresOptions::max_sessions).
+    pub fn open_sessions(&self) -> usize {
+        self.sessions.open()
     }
 
-    /// How many idle connections wait in the pool.
-    pub fn idle_connections(&self) -> usize {
-        self.pool.status().available
-    }
-
-    async fn checkout(&self) -> Result<Checkout, BackendError> {
-        // An idle session is taken without arming any timer: deadpool builds a tokio timeout
-        // for each bounded step even when the step is ready at once, which measurably slows
-        // every lock. Only when every session is in use (held locks) does the checkout wait,
-        // bounded. Opening a session is bounded inside the connector.
-        let at_once = Timeouts {
-            wait: Some(Duration::ZERO),
-            create: None,
-            recycle: None,
-        };
-        let result = match self.pool.timeout_get(&at_once).await {
-            Err(PoolError::Timeout(TimeoutType::Wait)) => {
-                let waiting = Timeouts {
-                    wait: Some(self.timeout),
-                    create: None,
-                    recycle: None,
-                };
-                // Boxed: the pool's future is over a kilobyte, and this path is rare; inline it
-                // would enlarge every attempt's future, which is moved into a box per call.
-                Box::pin(self.pool.timeout_get(&waiting)).await
-            }
-            other => other,
-        };
-        match result {
-            Ok(session) => Ok(Checkout(Some(session))),
-            Err(error) => Err(errors::pool_error(error, self.pool_size, self.timeout)),
-        }
+    /// How many sessions are open now to wake this process's waiters; at most
+    /// [`max_wait_sessions`](PostgresOptions::max_wait_sessions).
+    pub fn wait_sessions(&self) -> usize {
+        self.releases.sessions()
     }
 
     /// Runs one statement on `session` under the statement timeout, classifying its failure
@@ -267,15 +238,40 @@ impl PostgresBackend {
         self.fencing_ready.store(true, Ordering::Release);
         Ok(())
     }
+
+    /// Prepares an attempt on a reserved session: the fencing objects, the lock statement.
+    /// Nothing here can take a lock.
+    async fn prepare_attempt(
+        &self,
+        session: &Session,
+    ) -> Result<tokio_postgres::Statement, BackendError> {
+        if !self.fencing_ready.load(Ordering::Acquire) {
+            // Boxed: it runs once per backend, and inline it would enlarge every attempt.
+            Box::pin(self.ensure_fencing(session)).await?;
+        }
+        self.run(
+            Stage::Attempt,
+            session,
+            session.statement(Prepared::Lock, &self.lock),
+        )
+        .await
+    }
 }
 
 impl fmt::Debug for PostgresBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresBackend")
-            .field("pool_size", &self.pool_size)
+            .field("max_sessions", &self.max_sessions)
             .field("query_timeout", &self.timeout)
             .field("check_interval", &self.check_interval)
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for PostgresBackend {
+    fn drop(&mut self) {
+        // The engine that owned this backend is gone, and every lease with it.
+        self.sessions.close_all();
     }
 }
 
@@ -295,95 +291,97 @@ impl LockBackend for PostgresBackend {
         key: &str,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         let advisory_key = PostgresLockKeys::advisory_key(key);
-        // From here until the answer is read, any exit (an error, a timeout, this future being
-        // dropped) closes the connection: the lock may have been taken on it.
-        let checkout = self.checkout().await?;
-        let session = checkout.session()?;
-        if !self.fencing_ready.load(Ordering::Acquire) {
-            // Boxed: it runs once per backend, and inline it would enlarge every attempt.
-            Box::pin(self.ensure_fencing(session)).await?;
-        }
-        let statement = self
-            .run(
-                Stage::Attempt,
-                session,
-                session.statement(Prepared::Lock, &self.lock),
-            )
-            .await?;
-        let row = self
+        let Some(reservation) = self.sessions.reserve(advisory_key).await? else {
+            // This process holds the key, or may still: on every session it could try.
+            return Ok(None);
+        };
+        let session = reservation.session();
+        let statement = match self.prepare_attempt(session).await {
+            Ok(statement) => statement,
+            Err(error) => {
+                reservation.free();
+                return Err(error);
+            }
+        };
+        // From here until the answer is read, any exit (no answer in time, this future being
+        // dropped) leaves the key possibly held: the reservation's drop settles it.
+        let row = match self
             .run(
                 Stage::Attempt,
                 session,
                 session.client().query_opt(&statement, &[&advisory_key]),
             )
-            .await?;
+            .await
+        {
+            Ok(row) => row,
+            Err(error) if error.reached() => {
+                // The server answered with an error; the lock may have been taken before it.
+                reservation.failed();
+                return Err(error);
+            }
+            Err(error) => return Err(error),
+        };
         let Some(row) = row else {
-            // Busy: the session took nothing, so the connection is clean.
-            checkout.return_to_pool();
+            reservation.free();
             return Ok(None);
         };
-        let token: i64 = row
-            .try_get(0)
-            .map_err(|_| BackendError::permanent("unexpected answer to the lock statement"))?;
-        let fencing_token = u64::try_from(token).map_err(|_| {
-            BackendError::permanent("the fencing sequence returned a negative value")
-        })?;
-        let ended = session.ended().clone();
+        let fencing_token = match row.try_get::<_, i64>(0).map(u64::try_from) {
+            Ok(Ok(token)) => token,
+            _ => {
+                reservation.failed();
+                return Err(BackendError::permanent(
+                    "unexpected answer to the lock statement",
+                ));
+            }
+        };
+        let session = reservation.hold();
         Ok(Some(Acquired {
             lease: PostgresLease {
                 advisory_key,
-                ended,
-                session: tokio::sync::Mutex::new(checkout.into_session()),
+                session,
+                released: AtomicBool::new(false),
+                timeout: self.timeout,
             },
             fencing_token,
         }))
     }
 
     async fn renew(&self, lease: &PostgresLease) -> Result<(), BackendError> {
-        let mut slot = lease.session.lock().await;
-        let Some(session) = slot.as_ref() else {
+        let session = &lease.session;
+        if session.is_closed() || lease.released.load(Ordering::Acquire) {
             return Err(BackendError::lease_gone(
-                "the lock's PostgreSQL connection was already closed",
-            ));
-        };
-        if session.is_closed() {
-            discard(slot.take());
-            return Err(BackendError::lease_gone(
-                "the lock's PostgreSQL connection closed",
+                "the lock's PostgreSQL session ended",
             ));
         }
-        let checked = async {
-            let statement = self
-                .run(
-                    Stage::Held,
-                    session,
-                    session.statement(Prepared::Check, CHECK),
-                )
-                .await?;
-            self.run(
-                Stage::Held,
-                session,
-                session.client().query_one(&statement, &[]),
-            )
-            .await
-        }
-        .await;
-        match checked {
-            Ok(_) => Ok(()),
-            Err(error) => {
-                discard(slot.take());
-                Err(error)
-            }
+        // One check per session per interval vouches for every lock on it.
+        let timeout = self.timeout.min(self.check_interval);
+        if session.check(self.check_interval, timeout).await {
+            Ok(())
+        } else {
+            Err(BackendError::lease_gone(
+                "the lock's PostgreSQL session failed its check",
+            ))
         }
     }
 
     async fn release(&self, lease: &PostgresLease) -> Result<(), BackendError> {
-        // Taken out of the lease first, so that if this future is dropped mid-statement the
-        // checkout's drop closes the connection instead of leaving it with the lease.
-        let checkout = Checkout(lease.session.lock().await.take());
-        let session = checkout.session().map_err(|_| {
-            BackendError::lease_gone("the lock's PostgreSQL connection was already closed")
-        })?;
+        if lease.released.swap(true, Ordering::AcqRel) {
+            return Err(BackendError::lease_gone("the lock was already released"));
+        }
+        let session = &lease.session;
+        if session.is_closed() {
+            return Err(BackendError::lease_gone(
+                "the lock's PostgreSQL session ended",
+            ));
+        }
+        // Until the unlock's answer is read, any exit leaves the key possibly held.
+        let unlocking = Unlocking {
+            session,
+            key: lease.advisory_key,
+            timeout: self.timeout,
+            answered: false,
+            settled: false,
+        };
         let statement = self
             .run(
                 Stage::Release,
@@ -399,14 +397,19 @@ impl LockBackend for PostgresBackend {
                     .client()
                     .query_one(&statement, &[&lease.advisory_key]),
             )
-            .await?;
-        match row.try_get::<_, bool>(0) {
-            Ok(true) => {
-                // This session held exactly this one advisory lock (no attempt ever runs on a
-                // held connection), so after a confirmed unlock it holds none.
-                checkout.return_to_pool();
-                Ok(())
+            .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(error) => {
+                let mut unlocking = unlocking;
+                unlocking.answered = error.reached();
+                return Err(error);
             }
+        };
+        // Either answer means this session no longer holds the key.
+        unlocking.settle();
+        match row.try_get::<_, bool>(0) {
+            Ok(true) => Ok(()),
             _ => Err(BackendError::lease_gone(
                 "PostgreSQL says the session no longer held the lock",
             )),
@@ -418,7 +421,34 @@ impl LockBackend for PostgresBackend {
     }
 
     fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {
-        lease.ended.clone().cancelled_owned()
+        lease.session.ended().clone().cancelled_owned()
+    }
+}
+
+/// An unlock on its way. Dropped unsettled (no answer in time, an error, the caller gone), the
+/// key is left possibly held, and the session settles it (see [`Session::mark_unconfirmed`]).
+struct Unlocking<'a> {
+    session: &'a Arc<Session>,
+    key: i64,
+    timeout: Duration,
+    answered: bool,
+    settled: bool,
+}
+
+impl Unlocking<'_> {
+    fn settle(mut self) {
+        self.settled = true;
+        self.session.mark_free(self.key);
+        self.session.after_release();
+    }
+}
+
+impl Drop for Unlocking<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.session
+                .mark_unconfirmed(self.key, self.timeout, self.answered);
+        }
     }
 }
 
@@ -454,15 +484,15 @@ impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Run<'_,
     }
 }
 
-/// A held PostgreSQL advisory lock: the connection whose session holds it.
+/// A held PostgreSQL advisory lock: the key and the shared session that holds it.
 ///
-/// Dropping a lease that was not released closes its connection, which ends the session and
-/// frees the lock at the server.
+/// Dropping a lease that was not released unlocks its key in the background (or, if no other
+/// lock depends on the session, closes it), so the server never keeps the lock.
 pub struct PostgresLease {
     advisory_key: i64,
-    /// Cancelled when the session ends, whoever ends it.
-    ended: CancellationToken,
-    session: tokio::sync::Mutex<Option<PooledSession>>,
+    session: Arc<Session>,
+    released: AtomicBool,
+    timeout: Duration,
 }
 
 impl PostgresLease {
@@ -481,42 +511,9 @@ impl fmt::Debug for PostgresLease {
 
 impl Drop for PostgresLease {
     fn drop(&mut self) {
-        discard(self.session.get_mut().take());
-    }
-}
-
-/// A session checked out for one operation. Dropped without [`Checkout::return_to_pool`], it
-/// closes the connection: whatever happened on it, no lock can be left behind in the pool.
-struct Checkout(Option<PooledSession>);
-
-impl Checkout {
-    fn session(&self) -> Result<&Session, BackendError> {
-        self.0
-            .as_deref()
-            .ok_or_else(|| BackendError::permanent("internal: the connection was handed on"))
-    }
-
-    /// Puts a clean session (holding no lock) back into the pool.
-    fn return_to_pool(mut self) {
-        drop(self.0.take());
-    }
-
-    /// Hands the session on to a lease.
-    fn into_session(mut self) -> Option<PooledSession> {
-        self.0.take()
-    }
-}
-
-impl Drop for Checkout {
-    fn drop(&mut self) {
-        discard(self.0.take());
-    }
-}
-
-/// Closes a session instead of returning it to the pool: the server ends it and frees its
-/// locks.
-fn discard(session: Option<PooledSession>) {
-    if let Some(session) = session {
-        drop(PooledSession::take(session));
+        if !self.released.load(Ordering::Acquire) && !self.session.is_closed() {
+            self.session
+                .mark_unconfirmed(self.advisory_key, self.timeout, false);
+        }
     }
 }

@@ -14,7 +14,7 @@ use crate::config::SecretString;
 /// use lockingkit::PostgresOptions;
 ///
 /// let options = PostgresOptions {
-///     pool_size: 32,
+///     max_sessions: 2,
 ///     check_interval: Duration::from_secs(2),
 ///     ..PostgresOptions::new("postgres://app:secret@db.internal/app?sslmode=verify-full")
 /// };
@@ -22,10 +22,12 @@ use crate::config::SecretString;
 /// assert!(!format!("{options:?}").contains("secret"));
 /// ```
 ///
-/// Every held lock keeps one pooled connection for as long as it is held, so `pool_size` must
-/// cover the locks this process holds at once plus a few for attempts in flight.
+/// Held locks share sessions: a backend opens at most `max_sessions` connections for its locks
+/// however many it holds, plus at most `max_wait_sessions` while it waits for keys held by
+/// other processes (see the connection budget in the PostgreSQL guide).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[allow(deprecated)]
 pub struct PostgresOptions {
     /// A libpq connection string, as a URL (`postgres://user:pass@host:5432/db?sslmode=require`)
     /// or as `key=value` pairs. `sslmode` is one of `disable`, `prefer` (the default),
@@ -33,7 +35,21 @@ pub struct PostgresOptions {
     /// file whose certificates are the only trusted roots (without it, `verify-*` trusts the
     /// platform's store).
     pub connection_string: SecretString,
-    /// The most connections the pool opens; each held lock keeps one.
+    /// The most sessions (connections) the backend opens for its locks. Every held lock lives
+    /// on one of them, each session holding any number of locks; attempts, unlocks and checks
+    /// are pipelined on them. More sessions spread the work over more server processes.
+    pub max_sessions: usize,
+    /// The most sessions the backend opens to learn the moment a key it waits for is freed by
+    /// another process (one per key waited for; waits beyond this poll). Open only while
+    /// someone waits.
+    pub max_wait_sessions: usize,
+    /// Deprecated: before sessions were shared, each held lock kept a connection of its own and
+    /// this capped them. It is still read as a cap on `max_sessions`, so a configuration that
+    /// sets it never opens more connections than before.
+    #[deprecated(
+        since = "0.2.0",
+        note = "held locks share sessions now; set `max_sessions` (default 4) instead"
+    )]
     pub pool_size: usize,
     /// How often a held lock's connection is checked; a check that fails or does not answer
     /// within this interval is loss.
@@ -49,7 +65,12 @@ pub struct PostgresOptions {
     pub fencing_sequence: String,
 }
 
-/// The default pool size: a handful of held locks with room for attempts in flight.
+/// The default session budget for held locks and attempts.
+pub const DEFAULT_MAX_SESSIONS: usize = 4;
+/// The default budget of sessions that wait for keys held by other processes.
+pub const DEFAULT_MAX_WAIT_SESSIONS: usize = 16;
+/// The former default pool size, now only a cap on `max_sessions` that never binds.
+#[deprecated(since = "0.2.0", note = "see `PostgresOptions::pool_size`")]
 pub const DEFAULT_POOL_SIZE: usize = 16;
 /// The default connection check interval.
 pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(5);
@@ -61,9 +82,12 @@ pub const DEFAULT_FENCING_SCHEMA: &str = "lockingkit";
 pub const DEFAULT_FENCING_SEQUENCE: &str = "fencing_tokens";
 
 impl Default for PostgresOptions {
+    #[allow(deprecated)]
     fn default() -> Self {
         PostgresOptions {
             connection_string: SecretString::default(),
+            max_sessions: DEFAULT_MAX_SESSIONS,
+            max_wait_sessions: DEFAULT_MAX_WAIT_SESSIONS,
             pool_size: DEFAULT_POOL_SIZE,
             check_interval: DEFAULT_CHECK_INTERVAL,
             query_timeout: DEFAULT_QUERY_TIMEOUT,
@@ -82,6 +106,13 @@ impl PostgresOptions {
         }
     }
 
+    /// The sessions for locks the backend may open: `max_sessions`, capped by the deprecated
+    /// `pool_size`.
+    #[allow(deprecated)]
+    pub(super) fn session_budget(&self) -> usize {
+        self.max_sessions.min(self.pool_size)
+    }
+
     /// Lists every problem with these options, prefixed with `section` (such as
     /// `Locking.Default`). An empty list means the options are valid. No message quotes the
     /// connection string.
@@ -92,8 +123,14 @@ impl PostgresOptions {
         } else if let Err(problem) = connection::parse(self.connection_string.expose()) {
             problems.push(format!("{section}.connection_string: {problem}"));
         }
+        if self.max_sessions == 0 {
+            problems.push(format!("{section}.max_sessions must be at least 1"));
+        }
+        #[allow(deprecated)]
         if self.pool_size == 0 {
-            problems.push(format!("{section}.pool_size must be at least 1"));
+            problems.push(format!(
+                "{section}.pool_size must be at least 1 (it is deprecated: set max_sessions instead)"
+            ));
         }
         if self.check_interval.is_zero() {
             problems.push(format!(
@@ -142,9 +179,12 @@ mod tests {
     }
 
     #[test]
+    #[allow(deprecated)]
     fn every_problem_is_listed_without_the_secret() {
         let options = PostgresOptions {
             connection_string: "postgres://app:hunter2@db/app?sslmode=hunter2".into(),
+            max_sessions: 0,
+            max_wait_sessions: 0,
             pool_size: 0,
             check_interval: Duration::ZERO,
             query_timeout: Duration::ZERO,
@@ -152,10 +192,27 @@ mod tests {
             fencing_sequence: String::new(),
         };
         let problems = options.problems("Locking.Jobs");
-        assert_eq!(problems.len(), 6, "{problems:#?}");
+        assert_eq!(problems.len(), 7, "{problems:#?}");
         assert!(problems.iter().all(|p| p.starts_with("Locking.Jobs.")));
         assert!(problems.iter().all(|p| !p.contains("hunter2")));
         assert!(!format!("{options:?}").contains("hunter2"));
+    }
+
+    #[test]
+    #[allow(deprecated)]
+    fn the_deprecated_pool_size_caps_the_sessions_and_never_raises_them() {
+        let options = PostgresOptions::new("host=localhost");
+        assert_eq!(options.session_budget(), DEFAULT_MAX_SESSIONS);
+        let tight = PostgresOptions {
+            pool_size: 2,
+            ..options.clone()
+        };
+        assert_eq!(tight.session_budget(), 2);
+        let generous = PostgresOptions {
+            pool_size: 64,
+            ..options
+        };
+        assert_eq!(generous.session_budget(), DEFAULT_MAX_SESSIONS);
     }
 
     #[test]

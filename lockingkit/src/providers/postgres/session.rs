@@ -1,23 +1,31 @@
-//! Pooled PostgreSQL sessions: a client, its prepared statements, and a signal when it ends.
+//! One shared PostgreSQL session: a pipelined client, the advisory keys it holds, and a signal
+//! when it ends.
 //!
-//! deadpool-postgres's client hides the task that drives the connection, so nothing could
-//! tell a held lock that its session ended until the next check asked the server. Here the
-//! driving task cancels a token as it finishes, which lets the engine declare the loss within
-//! moments of `pg_terminate_backend` or a server crash instead of up to a check interval later.
+//! Many locks live on one session. tokio-postgres pipelines the statements that concurrent
+//! callers send on one client, so attempts, unlocks and checks of different locks do not wait
+//! for each other's round trips. What the session must get right is which keys it holds:
+//! session advisory locks are reentrant, so a key is taken at most once per session, and a key
+//! whose outcome is unknown (an attempt or unlock that did not answer) is not taken on this
+//! session again until the server has said it is free.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use deadpool::managed::{Manager, Metrics, RecycleError, RecycleResult};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, Sleep};
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Config, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
+
+use super::errors::{self, Stage};
+use crate::backend::BackendError;
 
 /// The statements of the lock protocol, prepared once per session on first use.
 #[derive(Clone, Copy, Debug)]
@@ -26,25 +34,80 @@ pub(super) enum Prepared {
     Lock,
     /// `pg_advisory_unlock($1)`.
     Unlock,
-    /// `SELECT 1`, the connection check.
+    /// `SELECT 1`, the session check.
     Check,
 }
 
-/// One PostgreSQL session.
+/// What a session knows about one advisory key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KeyState {
+    /// An attempt is on its way; its answer decides.
+    Attempting,
+    /// The session holds the key for a lease.
+    Held,
+    /// The session may hold the key: an attempt or unlock went unanswered. An unlock is being
+    /// retried; until it answers, the key is not taken on this session.
+    Unconfirmed,
+}
+
+/// One PostgreSQL session shared by many locks.
 pub(super) struct Session {
     client: Client,
     ended: CancellationToken,
     statements: [OnceLock<Statement>; 3],
-    /// The deadline of the statement in flight. One timer per session, moved forward for each
-    /// statement: pushing a registered timer later is an atomic update, while registering a
-    /// fresh one per statement touches the timer wheel and, when no other timer is pending,
-    /// wakes the runtime's driver — measured at 15–20 µs per statement here, a sixth of a
-    /// loopback round trip.
-    deadline: Mutex<Pin<Box<Sleep>>>,
+    keys: Mutex<Keys>,
+    /// Statements sent and not answered yet, to spread new attempts over sessions.
+    in_flight: AtomicUsize,
+    check: Mutex<CheckState>,
     driver: JoinHandle<()>,
 }
 
+#[derive(Default)]
+struct Keys {
+    by_key: HashMap<i64, KeyState>,
+    held: usize,
+    unconfirmed: usize,
+}
+
+#[derive(Default)]
+struct CheckState {
+    /// When the newest successful check was sent.
+    confirmed: Option<Instant>,
+    /// The check in flight: `None` until it answers, then whether the session answered.
+    running: Option<watch::Receiver<Option<bool>>>,
+}
+
 impl Session {
+    /// Opens a session: connects within `timeout` and starts the task that drives it.
+    pub(super) async fn open(
+        config: &Config,
+        tls: &MakeRustlsConnect,
+        timeout: Duration,
+    ) -> Result<Session, BackendError> {
+        let connecting = config.connect(tls.clone());
+        let (client, connection) = match within(timeout, connecting).await {
+            Some(Ok(pair)) => pair,
+            Some(Err(error)) => return Err(errors::query_error(error, Stage::Connect)),
+            None => return Err(errors::timed_out(Stage::Connect, timeout)),
+        };
+        let ended = CancellationToken::new();
+        let signal = ended.clone().drop_guard();
+        let driver = tokio::spawn(async move {
+            // Cancels `ended` when the connection finishes or this task is aborted.
+            let _signal = signal;
+            let _ = connection.await;
+        });
+        Ok(Session {
+            client,
+            ended,
+            statements: Default::default(),
+            keys: Mutex::new(Keys::default()),
+            in_flight: AtomicUsize::new(0),
+            check: Mutex::new(CheckState::default()),
+            driver,
+        })
+    }
+
     pub(super) fn client(&self) -> &Client {
         &self.client
     }
@@ -56,6 +119,106 @@ impl Session {
 
     pub(super) fn is_closed(&self) -> bool {
         self.ended.is_cancelled() || self.client.is_closed()
+    }
+
+    /// Ends the session: the socket closes and the server frees every lock it held.
+    pub(super) fn close(&self) {
+        self.driver.abort();
+        self.ended.cancel();
+    }
+
+    /// Statements in flight on this session.
+    pub(super) fn load(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    fn keys(&self) -> MutexGuard<'_, Keys> {
+        // Every critical section leaves the map consistent.
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the session has unlocks the server has not confirmed: it takes no new locks.
+    pub(super) fn is_draining(&self) -> bool {
+        self.keys().unconfirmed > 0
+    }
+
+    /// How many locks this session holds for leases.
+    pub(super) fn held(&self) -> usize {
+        self.keys().held
+    }
+
+    /// Whether `key` may be attempted here: this session neither holds it, nor may hold it,
+    /// nor is attempting it.
+    pub(super) fn can_take(&self, key: i64) -> bool {
+        !self.keys().by_key.contains_key(&key)
+    }
+
+    /// Reserves `key` for an attempt, unless this session holds it or may hold it.
+    pub(super) fn reserve(&self, key: i64) -> bool {
+        let mut keys = self.keys();
+        if keys.by_key.contains_key(&key) {
+            return false;
+        }
+        keys.by_key.insert(key, KeyState::Attempting);
+        true
+    }
+
+    /// Moves `key` to `to` (`None`: the server says this session does not hold it).
+    fn set(&self, key: i64, to: Option<KeyState>) {
+        let mut keys = self.keys();
+        let from = match to {
+            Some(state) => keys.by_key.insert(key, state),
+            None => keys.by_key.remove(&key),
+        };
+        for (state, step) in [(from, -1), (to, 1)] {
+            let counter = match state {
+                Some(KeyState::Held) => &mut keys.held,
+                Some(KeyState::Unconfirmed) => &mut keys.unconfirmed,
+                _ => continue,
+            };
+            *counter = counter.saturating_add_signed(step);
+        }
+    }
+
+    /// The attempt took `key` for a lease.
+    pub(super) fn mark_held(&self, key: i64) {
+        self.set(key, Some(KeyState::Held));
+    }
+
+    /// The server says this session does not hold `key` (a busy attempt, a confirmed unlock).
+    pub(super) fn mark_free(&self, key: i64) {
+        self.set(key, None);
+    }
+
+    /// An attempt or unlock of `key` did not end cleanly: the session may hold it. It takes no
+    /// new locks until an unlock of `key` is answered, which is retried until it is.
+    ///
+    /// `answered` says the server answered (with an error): the session works, so the unlock
+    /// follows at once. Otherwise (no answer in time, or the caller went away) the session is
+    /// suspect: unless other locks depend on it, it closes, which frees the key at once.
+    pub(super) fn mark_unconfirmed(self: &Arc<Self>, key: i64, timeout: Duration, answered: bool) {
+        self.set(key, Some(KeyState::Unconfirmed));
+        if !answered && self.held() == 0 {
+            self.close();
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(resolve(self.clone(), key, timeout));
+            }
+            // No runtime drives the connection either; it ends with the runtime.
+            Err(_) => self.close(),
+        }
+    }
+
+    /// A held lock was given up: if it was the last one a draining session kept open for, the
+    /// session closes, which frees whatever it may still hold.
+    pub(super) fn after_release(&self) {
+        let keys = self.keys();
+        if keys.unconfirmed > 0 && keys.held == 0 {
+            drop(keys);
+            self.close();
+        }
     }
 
     /// The prepared statement `which` (with text `sql`), preparing it on first use.
@@ -75,53 +238,108 @@ impl Session {
         // Boxed: preparing runs once per session, and inline its future would enlarge every
         // lock attempt and release (each is moved into a box per call).
         let statement = Box::pin(self.client.prepare_typed(sql, types)).await?;
-        // A session serves one operation at a time, so no other preparation can race this one.
-        let _ = slot.set(statement.clone());
-        Ok(statement)
+        // Two callers may prepare at once; either statement serves.
+        Ok(slot.get_or_init(|| statement).clone())
     }
-}
 
-impl Session {
-    /// `statement`, failing with [`Elapsed`] if it does not finish within `timeout`.
+    /// `statement`, failing with [`Elapsed`] if it does not finish within `timeout`, and
+    /// counted as in flight meanwhile.
     pub(super) fn bounded<F: Future>(&self, timeout: Duration, statement: F) -> Bounded<'_, F> {
-        self.deadline
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_mut()
-            .reset(Instant::now() + timeout);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
         Bounded {
             statement,
-            deadline: &self.deadline,
+            sleep: None,
+            timeout,
+            session: self,
         }
+    }
+
+    /// Checks that the session answers, at most once per `interval`: a check sent within the
+    /// last `interval` vouches for every lock on the session, and callers that arrive while a
+    /// check is in flight share its answer. A check that fails or does not answer within
+    /// `timeout` ends the session, which is loss for every lock on it.
+    pub(super) async fn check(self: &Arc<Self>, interval: Duration, timeout: Duration) -> bool {
+        let mut running = {
+            let mut state = self.check.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            if state
+                .confirmed
+                .is_some_and(|sent| now.saturating_duration_since(sent) < interval)
+            {
+                return true;
+            }
+            match &state.running {
+                Some(running) => running.clone(),
+                None => {
+                    let (answer, running) = watch::channel(None);
+                    state.running = Some(running.clone());
+                    // In a task of its own, so that its answer is recorded even if every caller
+                    // went away.
+                    tokio::spawn(run_check(self.clone(), answer, now, timeout));
+                    running
+                }
+            }
+        };
+        let alive = match running.wait_for(Option::is_some).await {
+            Ok(answer) => *answer == Some(true),
+            Err(_) => false,
+        };
+        alive
     }
 }
 
-/// A statement that did not answer in time.
-#[derive(Debug)]
-pub(super) struct Elapsed;
-
-pin_project_lite::pin_project! {
-    /// A statement raced against its session's deadline.
-    pub(super) struct Bounded<'a, F> {
-        #[pin]
-        statement: F,
-        deadline: &'a Mutex<Pin<Box<Sleep>>>,
+async fn run_check(
+    session: Arc<Session>,
+    answer: watch::Sender<Option<bool>>,
+    sent: Instant,
+    timeout: Duration,
+) {
+    let checked = async {
+        let statement = session.statement(Prepared::Check, super::CHECK).await?;
+        session.client.query_one(&statement, &[]).await
+    };
+    let alive = matches!(session.bounded(timeout, checked).await, Ok(Ok(_)));
+    {
+        let mut state = session.check.lock().unwrap_or_else(PoisonError::into_inner);
+        state.running = None;
+        if alive {
+            state.confirmed = Some(sent);
+        }
     }
+    if !alive {
+        session.close();
+    }
+    answer.send_replace(Some(alive));
 }
 
-impl<F: Future> Future for Bounded<'_, F> {
-    type Output = Result<F::Output, Elapsed>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        if let Poll::Ready(output) = this.statement.poll(cx) {
-            return Poll::Ready(Ok(output));
+/// Retries the unlock of an unconfirmed `key` until the server answers it. Either answer means
+/// the session no longer holds the key: statements on one session run in the order sent, so
+/// this unlock runs after the attempt or unlock that went unanswered.
+async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
+    let mut delay = Duration::from_millis(50);
+    loop {
+        if session.is_closed() {
+            return;
         }
-        let mut deadline = this.deadline.lock().unwrap_or_else(PoisonError::into_inner);
-        match deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(Elapsed)),
-            Poll::Pending => Poll::Pending,
+        let unlock = async {
+            let statement = session.statement(Prepared::Unlock, super::UNLOCK).await?;
+            session.client.query_one(&statement, &[&key]).await
+        };
+        match session.bounded(timeout, unlock).await {
+            Ok(Ok(_)) => {
+                session.mark_free(key);
+                return;
+            }
+            Ok(Err(error)) if error.is_closed() => return,
+            // A failed statement or no answer yet: the session's checks decide whether it is
+            // alive; until then, try again.
+            _ => {}
         }
+        tokio::select! {
+            _ = session.ended.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(timeout.max(Duration::from_millis(50)));
     }
 }
 
@@ -133,73 +351,59 @@ impl Drop for Session {
     }
 }
 
-/// Opens sessions for the pool.
-pub(super) struct Connector {
-    pub(super) config: Config,
-    pub(super) tls: MakeRustlsConnect,
-    /// The longest a connection may take to open, TLS and authentication included: a frozen
-    /// server accepts the TCP connection (the kernel does) and then never answers.
-    pub(super) timeout: Duration,
-}
-
-/// Why a session could not be opened.
+/// A statement that did not answer in time.
 #[derive(Debug)]
-pub(super) enum ConnectError {
-    /// The server or the network failed.
-    Postgres(tokio_postgres::Error),
-    /// Nothing answered in time.
-    TimedOut,
-}
+pub(super) struct Elapsed;
 
-impl Manager for Connector {
-    type Type = Session;
-    type Error = ConnectError;
-
-    async fn create(&self) -> Result<Session, ConnectError> {
-        // Boxed: connecting (TLS handshake included) is a future of many kilobytes, and unboxed
-        // it would sit inside every checkout's future, to be copied on every lock attempt,
-        // though a connection is opened only rarely.
-        Box::pin(self.open()).await
+pin_project_lite::pin_project! {
+    /// A statement raced against its own deadline. The timer is armed only once the statement
+    /// is pending, so a statement that answers on its first poll costs none.
+    pub(super) struct Bounded<'a, F> {
+        #[pin]
+        statement: F,
+        sleep: Option<Pin<Box<Sleep>>>,
+        timeout: Duration,
+        session: &'a Session,
     }
 
-    async fn recycle(&self, session: &mut Session, _: &Metrics) -> RecycleResult<ConnectError> {
-        // Sessions come back only clean (see the provider docs), so a closed one is the only
-        // kind to refuse; checking costs no round trip.
-        if session.is_closed() {
-            Err(RecycleError::message("the session has ended"))
-        } else {
-            Ok(())
+    impl<'a, F> PinnedDrop for Bounded<'a, F> {
+        fn drop(this: Pin<&mut Self>) {
+            this.session.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
 
-impl Connector {
-    /// Opens a session: connects within the timeout and starts the task that drives it.
-    async fn open(&self) -> Result<Session, ConnectError> {
-        let (client, connection) =
-            tokio::time::timeout(self.timeout, self.config.connect(self.tls.clone()))
-                .await
-                .map_err(|_| ConnectError::TimedOut)?
-                .map_err(ConnectError::Postgres)?;
-        let ended = CancellationToken::new();
-        let signal = ended.clone().drop_guard();
-        let driver = tokio::spawn(async move {
-            // Cancels `ended` when the connection finishes or this task is aborted.
-            let _signal = signal;
-            let _ = connection.await;
-        });
-        Ok(Session {
-            client,
-            ended,
-            statements: Default::default(),
-            // Set before every statement; until then it only needs to be valid.
-            deadline: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
-            driver,
-        })
+impl<F: Future> Future for Bounded<'_, F> {
+    type Output = Result<F::Output, Elapsed>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(output) = this.statement.poll(cx) {
+            return Poll::Ready(Ok(output));
+        }
+        let timeout = *this.timeout;
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline_in(timeout))));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(Elapsed)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
-/// The pool of sessions.
-pub(super) type SessionPool = deadpool::managed::Pool<Connector>;
-/// A session checked out of the pool.
-pub(super) type PooledSession = deadpool::managed::Object<Connector>;
+/// The instant `timeout` from now; a timeout too long to represent means "a century", which
+/// no statement outlives.
+pub(super) fn deadline_in(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
+/// `future`, or `None` if it does not finish within `timeout`.
+pub(super) async fn within<F: Future>(timeout: Duration, future: F) -> Option<F::Output> {
+    tokio::time::timeout_at(deadline_in(timeout), future)
+        .await
+        .ok()
+}

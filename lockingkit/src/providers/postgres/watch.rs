@@ -1,20 +1,31 @@
-//! Waking another process's waiter the moment a lock is freed, at no cost to the release.
+//! Waking another process's waiter the moment a lock is freed, at no lasting cost to the server.
 //!
 //! Without this, a waiter in another process learns of a release only at its next attempt, up
 //! to the maximum retry delay later. So for each key a process waits for, its backend keeps a
-//! *watcher*: a session of its own (never one of the pool's) that queues for a shared lock on
-//! the same advisory key. The server grants it the moment the lock is freed, however that
+//! *watcher*: a session of its own (never one that holds locks) that queues for a shared lock
+//! on the same advisory key. The server grants it the moment the lock is freed, however that
 //! happens: an unlock by LockingKit or by plain SQL, or the holder's session ending (a crash,
 //! `pg_terminate_backend`). The same statement gives the shared lock straight back, and the
 //! watcher wakes the key's front waiter, which retries at once (see
 //! [`LockBackend::release_hint`](crate::LockBackend::release_hint)). The release itself is a
 //! plain `pg_advisory_unlock`: it pays nothing for this.
 //!
+//! # Costing the server nothing lasting
+//! A statement that waits in a lock queue keeps a snapshot (`backend_xmin`) for as long as it
+//! waits: VACUUM cannot remove rows that died after it, and CREATE INDEX CONCURRENTLY waits for
+//! it — and deadlocks against a holder that runs one. So a watcher never waits long in one
+//! statement: its session sets `lock_timeout` to [`SLICE`] (or half the server's
+//! `deadlock_timeout`, if that is shorter), and a statement that times out is sent again at
+//! once. Each snapshot lives at most one slice; the deadlock detector, which looks only after
+//! `deadlock_timeout`, finds the wait already gone. A release between two slices is seen by the
+//! next one, which is granted at once, so nothing is missed.
+//!
 //! - A watcher starts with the key's first wait and watches again only after its waiter's next
 //!   attempt, so a lock that is free while attempts fail for another reason cannot spin it.
-//! - When nobody waits for the key any more, the watcher closes its session, which also
-//!   withdraws a request still queued; a process that waits for nothing keeps nothing open.
-//! - At most [`MAX_WATCHERS`] keys are watched per backend at once; waits beyond that, and
+//! - When nobody waits for the key any more, the watcher closes its session if a statement is
+//!   still queued (the server drops it when the slice ends) or keeps it idle for [`LINGER`]
+//!   for another wait; a process that waits for nothing keeps nothing open.
+//! - At most `max_wait_sessions` keys are watched per backend at once; waits beyond that, and
 //!   waits while the server cannot be reached, are served by polling, which stays the fallback
 //!   and the cap in every case.
 //! - The shared lock is held only for the instant between the grant and the end of the
@@ -23,28 +34,46 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_postgres::Config;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
+use tokio_postgres::{Config, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
 /// Queues for a shared lock on the key and gives it back in the same statement: it returns
-/// when the key is free. The subquery runs first, so the unlock follows the grant.
+/// when the key is free, or fails with SQLSTATE 55P03 when the session's `lock_timeout` ends
+/// the slice. The subquery runs first, so the unlock follows the grant.
 const WATCH: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
                      FROM (SELECT pg_advisory_lock_shared($1::bigint) OFFSET 0) granted";
 
-/// The most keys one backend watches at once.
-pub(super) const MAX_WATCHERS: usize = 16;
+/// The longest one watch statement (and so its snapshot) lives.
+const SLICE: Duration = Duration::from_millis(500);
+
+/// Sets the session's `lock_timeout` to [`SLICE`], or to half the server's `deadlock_timeout`
+/// when that is shorter (at least 10 ms), so that a wait ends before the deadlock detector
+/// looks at it.
+const SET_SLICE: &str = "SELECT set_config('lock_timeout', \
+     greatest(10, least(500, (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 500)::int))::text || 'ms', \
+     false)";
+
+/// How long a watch statement may go unanswered beyond its slice before the session is
+/// considered broken.
+const SLICE_GRACE: Duration = Duration::from_secs(5);
+
+/// A clean session no watcher uses is kept this long for the next wait, then closed.
+const LINGER: Duration = Duration::from_millis(200);
 
 /// A watcher whose waiters all left keeps its session this long, for the next round of the
 /// same wait (the engine subscribes anew before each attempt).
 const GRACE: Duration = Duration::from_millis(100);
 
-/// A watcher with no new attempt for this long stops, and an idle session this old closes.
+/// A watcher with no new attempt for this long stops.
 const IDLE: Duration = Duration::from_secs(30);
 
 /// How many open sessions a backend keeps for watchers to come.
@@ -67,6 +96,10 @@ struct Shared {
     config: Config,
     tls: MakeRustlsConnect,
     stop: CancellationToken,
+    /// The most keys watched at once (`max_wait_sessions`).
+    max_watchers: usize,
+    /// Sessions open for watchers, busy or idle.
+    open: Arc<AtomicUsize>,
 }
 
 #[derive(Default)]
@@ -77,6 +110,8 @@ struct Keys {
     /// Entries nobody uses are swept out when the map grows past this.
     sweep_at: usize,
     watchers: usize,
+    /// Numbers idle sessions, so a lingering one can be found again.
+    next_session: u64,
     /// No watcher starts before this (set after a failed connect).
     quiet_until: Option<Instant>,
 }
@@ -94,15 +129,22 @@ struct KeyWatch {
 }
 
 impl ReleaseWatch {
-    pub(super) fn new(config: Config, tls: MakeRustlsConnect) -> Self {
+    pub(super) fn new(config: Config, tls: MakeRustlsConnect, max_watchers: usize) -> Self {
         ReleaseWatch {
             shared: Arc::new(Shared {
                 keys: Mutex::new(Keys::default()),
                 config,
                 tls,
                 stop: CancellationToken::new(),
+                max_watchers,
+                open: Arc::new(AtomicUsize::new(0)),
             }),
         }
+    }
+
+    /// Sessions open for watchers now, busy or idle.
+    pub(super) fn sessions(&self) -> usize {
+        self.shared.open.load(Ordering::Relaxed)
     }
 
     /// Resolves when `advisory_key` may have been freed; never resolves if the key is not
@@ -130,6 +172,7 @@ impl ReleaseWatch {
 impl Drop for ReleaseWatch {
     fn drop(&mut self) {
         self.shared.stop.cancel();
+        self.shared.keys().idle.clear();
     }
 }
 
@@ -173,9 +216,12 @@ impl Shared {
         };
         entry.key.attempts.send_modify(|attempts| *attempts += 1);
         let quiet = keys.quiet_until.is_some_and(|until| Instant::now() < until);
-        if let (false, false, true, Some(runtime)) =
-            (entry.watched, quiet, keys.watchers < MAX_WATCHERS, runtime)
-        {
+        if let (false, false, true, Some(runtime)) = (
+            entry.watched,
+            quiet,
+            keys.watchers < self.max_watchers,
+            runtime,
+        ) {
             entry.watched = true;
             keys.watchers += 1;
             runtime.spawn(watcher(self.clone(), advisory_key, entry.key.clone()));
@@ -205,7 +251,7 @@ impl Shared {
 enum End {
     /// Nobody waits any more, or the backend is gone; the session holds nothing and may serve
     /// another key.
-    Clean(WatchSession),
+    Clean(Box<WatchSession>),
     /// Nobody waits any more, but a request was still queued: the session must close.
     Done,
     /// The session could not be opened.
@@ -214,28 +260,35 @@ enum End {
     Failed,
 }
 
-/// A watcher's session. Dropping it closes the connection; the server then withdraws a
-/// request still queued.
+/// A watcher's session. Dropping it closes the connection; the server drops a request still
+/// queued when its slice ends.
 struct WatchSession {
     client: tokio_postgres::Client,
+    /// [`WATCH`], prepared once: a slice is sent every half second while a key stays busy.
+    watch: Statement,
     driver: tokio::task::JoinHandle<()>,
     idle_since: Instant,
+    /// Numbers the session while it lingers idle.
+    id: u64,
+    open: Arc<AtomicUsize>,
 }
 
 impl Drop for WatchSession {
     fn drop(&mut self) {
         self.driver.abort();
+        self.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl Shared {
-    /// An idle session that is still open, or a new one.
+    /// An idle session that is still open, or a new one whose statements give up after a
+    /// slice.
     async fn session(&self) -> Option<WatchSession> {
         loop {
             let idle = self.keys().idle.pop();
             match idle {
                 Some(session)
-                    if !session.client.is_closed() && session.idle_since.elapsed() < IDLE =>
+                    if !session.client.is_closed() && session.idle_since.elapsed() < LINGER =>
                 {
                     return Some(session)
                 }
@@ -243,28 +296,69 @@ impl Shared {
                 None => break,
             }
         }
+        let timeout = self
+            .config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(SLICE_GRACE);
         let connecting = tokio::select! {
             _ = self.stop.cancelled() => return None,
-            connecting = self.config.connect(self.tls.clone()) => connecting,
+            connecting = tokio::time::timeout(timeout, self.config.connect(self.tls.clone())) => connecting,
         };
-        let (client, connection) = connecting.ok()?;
+        let (client, connection) = connecting.ok()?.ok()?;
         let driver = tokio::spawn(async move {
             let _ = connection.await;
         });
+        self.open.fetch_add(1, Ordering::Relaxed);
+        let open = self.open.clone();
+        let setup = async {
+            client.batch_execute(SET_SLICE).await?;
+            client.prepare_typed(WATCH, &[Type::INT8]).await
+        };
+        let setup = tokio::time::timeout(timeout, setup).await;
+        let Ok(Ok(watch)) = setup else {
+            driver.abort();
+            open.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        };
         Some(WatchSession {
             client,
+            watch,
             driver,
             idle_since: Instant::now(),
+            id: 0,
+            open,
         })
     }
 
-    /// Keeps a clean session for the next watcher, up to [`MAX_IDLE`].
-    fn keep_idle(&self, mut session: WatchSession) {
+    /// Keeps a clean session for the next watcher, up to [`MAX_IDLE`], for [`LINGER`].
+    fn keep_idle(self: &Arc<Self>, mut session: WatchSession) {
         session.idle_since = Instant::now();
         let mut keys = self.keys();
-        if keys.idle.len() < MAX_IDLE && !self.stop.is_cancelled() {
-            keys.idle.push(session);
+        if keys.idle.len() >= MAX_IDLE || self.stop.is_cancelled() {
+            return;
         }
+        keys.next_session += 1;
+        let id = keys.next_session;
+        session.id = id;
+        keys.idle.push(session);
+        drop(keys);
+        let shared = Arc::downgrade(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(LINGER).await;
+            if let Some(shared) = shared.upgrade() {
+                // Closed outside the lock: dropping a session aborts its driver.
+                let lingering: Vec<WatchSession> = {
+                    let mut keys = shared.keys();
+                    let (gone, kept) = std::mem::take(&mut keys.idle)
+                        .into_iter()
+                        .partition(|s| s.id == id);
+                    keys.idle = kept;
+                    gone
+                };
+                drop(lingering);
+            }
+        });
     }
 }
 
@@ -276,7 +370,7 @@ async fn watcher(shared: Arc<Shared>, advisory_key: i64, key: Arc<KeyWatch>) {
     };
     let connect_failed = matches!(end, End::ConnectFailed);
     match end {
-        End::Clean(session) => shared.keep_idle(session),
+        End::Clean(session) => shared.keep_idle(*session),
         End::Done => {}
         End::ConnectFailed | End::Failed => {
             // The waiters may have been counting on us: let each look once, then poll.
@@ -313,48 +407,85 @@ async fn watch_key(
                 _ = shared.stop.cancelled() => return End::Done,
                 changed = attempts.changed() => {
                     if changed.is_err() {
-                        return End::Clean(session);
+                        return End::Clean(Box::new(session));
                     }
                 }
                 _ = key.wake.closed() => {
                     // A new attempt while we look whether the wait goes on is served at once.
                     tokio::select! {
-                        left = waiters_left(key) => if left { return End::Clean(session) },
+                        left = waiters_left(key) => if left { return End::Clean(Box::new(session)) },
                         changed = attempts.changed() => {
                             if changed.is_err() {
-                                return End::Clean(session);
+                                return End::Clean(Box::new(session));
                             }
                         }
                     }
                 }
-                _ = tokio::time::sleep(IDLE) => return End::Clean(session),
+                _ = tokio::time::sleep(IDLE) => return End::Clean(Box::new(session)),
             }
             continue;
         }
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&advisory_key];
-        let statement = session.client.query_one(WATCH, &params);
-        tokio::pin!(statement);
-        let freed = loop {
-            tokio::select! {
-                _ = shared.stop.cancelled() => break None,
-                answer = &mut statement => break Some(answer.is_ok()),
-                _ = key.wake.closed() => {
-                    // The statement stays watched while we look whether the wait goes on.
-                    tokio::select! {
-                        answer = &mut statement => break Some(answer.is_ok()),
-                        left = waiters_left(key) => if left { break None },
-                    }
-                }
-            }
-        };
-        match freed {
-            // Still queued: only closing the session withdraws the request.
-            None => return End::Done,
-            Some(false) => return End::Failed,
-            Some(true) => {
+        match watch_until_free(shared, &session, key, advisory_key).await {
+            Slices::Freed => {
                 covered = newest;
                 key.wake.send_replace(());
             }
+            Slices::Left => return End::Clean(Box::new(session)),
+            // Still queued: closing the session ends the request when its slice does.
+            Slices::LeftQueued => return End::Done,
+            Slices::Failed => return End::Failed,
+        }
+    }
+}
+
+/// How a run of watch statements ended.
+enum Slices {
+    /// The key was free.
+    Freed,
+    /// Nobody waits any more; nothing is queued.
+    Left,
+    /// Nobody waits any more, and a statement is still queued.
+    LeftQueued,
+    /// The session failed, or a statement stayed unanswered well past its slice.
+    Failed,
+}
+
+/// Sends watch statements, one slice after another, until one finds the key free or nobody
+/// waits any more.
+async fn watch_until_free(
+    shared: &Shared,
+    session: &WatchSession,
+    key: &KeyWatch,
+    advisory_key: i64,
+) -> Slices {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&advisory_key];
+    loop {
+        if key.wake.receiver_count() == 0 && waiters_left(key).await {
+            return Slices::Left;
+        }
+        let statement = session.client.query_one(&session.watch, &params);
+        tokio::pin!(statement);
+        let overdue = tokio::time::sleep(SLICE + SLICE_GRACE);
+        tokio::pin!(overdue);
+        let answer = loop {
+            tokio::select! {
+                _ = shared.stop.cancelled() => return Slices::LeftQueued,
+                answer = &mut statement => break answer,
+                _ = key.wake.closed() => {
+                    // The statement stays watched while we look whether the wait goes on.
+                    tokio::select! {
+                        answer = &mut statement => break answer,
+                        left = waiters_left(key) => if left { return Slices::LeftQueued },
+                    }
+                }
+                _ = &mut overdue => return Slices::Failed,
+            }
+        };
+        match answer {
+            Ok(_) => return Slices::Freed,
+            // The slice ended with the key still taken: the next one queues again.
+            Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {}
+            Err(_) => return Slices::Failed,
         }
     }
 }

@@ -953,3 +953,229 @@ fn invalid_options_are_refused_at_construction_with_every_problem() {
         assert!(error.to_string().contains(field), "{error}");
     }
 }
+
+/// How long the oldest statement of `application_name` that holds a snapshot has been
+/// running, by the server's clock (zero when none does).
+async fn oldest_snapshot(admin: &tokio_postgres::Client, application_name: &str) -> Duration {
+    let seconds: f64 = admin
+        .query_one(
+            "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - query_start)), 0)::float8 \
+             FROM pg_stat_activity \
+             WHERE application_name = $1 AND backend_xmin IS NOT NULL AND state = 'active'",
+            &[&application_name],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0);
+    Duration::from_secs_f64(seconds.max(0.0))
+}
+
+/// Lock requests of `application_name` the server has queued and not granted.
+async fn queued_requests(admin: &tokio_postgres::Client, application_name: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = $1",
+            &[&application_name],
+        )
+        .await
+        .expect("pg_locks")
+        .get(0)
+}
+
+/// The dead rows VACUUM left in `table` because some snapshot might still see them.
+async fn dead_rows_after_vacuum(admin: &tokio_postgres::Client, table: &str) -> i64 {
+    admin
+        .batch_execute(&format!("VACUUM {table}"))
+        .await
+        .expect("VACUUM");
+    admin
+        .query_one(
+            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = $1",
+            &[&table],
+        )
+        .await
+        .expect("pg_stat_user_tables")
+        .get(0)
+}
+
+/// A process that waits up to `timeout` for `key` in the background.
+fn start_waiting(
+    waiter: &DistributedLock,
+    key: &str,
+    timeout: Duration,
+) -> tokio::task::JoinHandle<Result<LockHandle, LockError>> {
+    let waiter = waiter.clone();
+    let key = key.to_owned();
+    tokio::spawn(async move { waiter.acquire(&key, timeout).await })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_process_holds_no_snapshot_long_so_vacuum_and_concurrent_indexes_proceed() {
+    let server = PostgresServer::start().await;
+    let admin = server.connect().await;
+    admin
+        .batch_execute(
+            "CREATE TABLE churn (id int PRIMARY KEY, v int); \
+             INSERT INTO churn SELECT i, 0 FROM generate_series(1, 1000) i; \
+             CREATE TABLE other (v int); INSERT INTO other SELECT generate_series(1, 1000);",
+        )
+        .await
+        .expect("tables");
+    let holder = process(&server);
+    let waiter = named_process(&server, "lk_snapshot_waiter", server.options(CHECK));
+    let key = unique_prefix("waiting/snapshot");
+    let held = holder.try_acquire(&key).await.expect("lock");
+    let waiting = start_waiting(&waiter, &key, Duration::from_secs(30));
+    eventually(
+        "the waiter queued behind the holder",
+        Duration::from_secs(5),
+        async || queued_requests(&admin, "lk_snapshot_waiter").await > 0,
+    )
+    .await;
+
+    // Sampled for 3 s: no statement of the waiting process keeps a snapshot for over a second.
+    let mut oldest = Duration::ZERO;
+    let sampling = Instant::now();
+    while sampling.elapsed() < Duration::from_secs(3) {
+        oldest = oldest.max(oldest_snapshot(&admin, "lk_snapshot_waiter").await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        oldest > Duration::ZERO,
+        "the sampling saw the waiter's statements"
+    );
+    assert!(
+        oldest < Duration::from_millis(1100),
+        "a waiting statement kept its snapshot for {oldest:?}"
+    );
+
+    // Rows that die while the process waits are removable within a couple of seconds.
+    admin
+        .batch_execute("UPDATE churn SET v = v + 1")
+        .await
+        .expect("UPDATE");
+    let updated = Instant::now();
+    loop {
+        let dead = dead_rows_after_vacuum(&admin, "churn").await;
+        if dead == 0 {
+            break;
+        }
+        assert!(
+            updated.elapsed() < Duration::from_secs(3),
+            "VACUUM still leaves {dead} dead rows {:?} after the update",
+            updated.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Another session's CREATE INDEX CONCURRENTLY does not wait for the holder to let go.
+    tokio::time::timeout(
+        Duration::from_secs(3),
+        admin.batch_execute("CREATE INDEX CONCURRENTLY other_v ON other (v)"),
+    )
+    .await
+    .expect("CREATE INDEX CONCURRENTLY finished while the process waited")
+    .expect("CREATE INDEX CONCURRENTLY");
+
+    assert!(!waiting.is_finished(), "the waiter still waits");
+    held.release().await.expect("release");
+    let handed = waiting.await.expect("task").expect("handed over");
+    handed.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_can_create_an_index_concurrently_under_its_lock_while_another_process_waits() {
+    // Local: the server's log tells whether the deadlock detector killed anyone.
+    let server = PostgresServer::start_local().await;
+    let admin = server.connect().await;
+    admin
+        .batch_execute(
+            "CREATE TABLE migrated (v int); INSERT INTO migrated SELECT generate_series(1, 1000);",
+        )
+        .await
+        .expect("table");
+    let waiter = process(&server);
+    let key = unique_prefix("waiting/migration");
+    let advisory_key = PostgresLockKeys::advisory_key(&key);
+    // The usual migration: one session takes the lock and builds an index concurrently.
+    let migration = server.connect().await;
+    migration
+        .execute("SELECT pg_advisory_lock($1)", &[&advisory_key])
+        .await
+        .expect("lock");
+    let waiting = start_waiting(&waiter, &key, Duration::from_secs(30));
+    eventually(
+        "the waiter's watcher queued",
+        Duration::from_secs(5),
+        async || watcher_is_queued(&server, &key).await,
+    )
+    .await;
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        migration.batch_execute("CREATE INDEX CONCURRENTLY migrated_v ON migrated (v)"),
+    )
+    .await
+    .expect("the index is built while the other process waits")
+    .expect("no deadlock error on the holder's side");
+    assert!(!waiting.is_finished(), "the waiter waited");
+    let log = server.server_log();
+    assert!(
+        !log.contains("deadlock detected"),
+        "the deadlock detector killed a statement:\n{log}"
+    );
+    migration
+        .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
+        .await
+        .expect("unlock");
+    let handed = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("handed over")
+        .expect("task")
+        .expect("no error on the waiter's side either");
+    handed.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_waits_leave_no_queued_request_and_no_session_behind() {
+    let server = PostgresServer::start().await;
+    let admin = server.connect().await;
+    let holder = process(&server);
+    let waiter = named_process(&server, "lk_dropped_waits", server.options(CHECK));
+    let key = unique_prefix("waiting/dropped");
+    let held = holder.try_acquire(&key).await.expect("lock");
+    let waits: Vec<_> = (0..20)
+        .map(|_| start_waiting(&waiter, &key, Duration::from_secs(60)))
+        .collect();
+    eventually(
+        "the waiter queued behind the holder",
+        Duration::from_secs(5),
+        async || queued_requests(&admin, "lk_dropped_waits").await > 0,
+    )
+    .await;
+    assert_eq!(
+        backend(&waiter).wait_sessions(),
+        1,
+        "one session watches the key"
+    );
+
+    for wait in &waits {
+        wait.abort();
+    }
+    let dropped = Instant::now();
+    eventually(
+        "the dropped waits' request and session going",
+        Duration::from_millis(1500),
+        async || {
+            queued_requests(&admin, "lk_dropped_waits").await == 0
+                && sessions_named(&admin, "lk_dropped_waits").await
+                    == backend(&waiter).open_sessions() as i64
+        },
+    )
+    .await;
+    assert_eq!(backend(&waiter).wait_sessions(), 0);
+    let gone = dropped.elapsed();
+    assert!(held.is_held());
+    held.release().await.expect("release");
+    eprintln!("request and session gone {gone:?} after the waits were dropped");
+}

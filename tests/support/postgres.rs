@@ -160,6 +160,11 @@ impl PostgresServer {
         rows.len()
     }
 
+    /// What a local server has written to its log so far.
+    pub fn server_log(&self) -> String {
+        fs::read_to_string(self.local().data.join("server.log")).unwrap_or_default()
+    }
+
     /// Creates a database (advisory locks are per database).
     pub async fn create_database(&self, name: &str) {
         let client = self.connect().await;

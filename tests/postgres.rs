@@ -1179,3 +1179,47 @@ async fn dropped_waits_leave_no_queued_request_and_no_session_behind() {
     held.release().await.expect("release");
     eprintln!("request and session gone {gone:?} after the waits were dropped");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_requests_in_flight_on_a_locked_route_all_succeed_on_default_options() {
+    use lockingkit_tests::http::{orders_route, serve, Connection};
+    let server = PostgresServer::start().await;
+    let locks = lock_on(PostgresOptions::new(server.connection_string()));
+    // Counts the handlers running at once: each holds its request's lock.
+    let running = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = orders_route(Some(locks.clone()), {
+        let (running, most) = (running.clone(), most.clone());
+        move || {
+            let (running, most) = (running.clone(), most.clone());
+            async move {
+                use std::sync::atomic::Ordering::SeqCst;
+                most.fetch_max(running.fetch_add(1, SeqCst) + 1, SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                running.fetch_sub(1, SeqCst);
+            }
+        }
+    });
+    let addr = serve(app).await;
+    let prefix = unique_prefix("http").replace('/', "-");
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..500 {
+        let path = format!("/orders/{prefix}-{i}");
+        requests.spawn(async move { Connection::open(addr).await.post(&path).await });
+    }
+    let mut statuses = std::collections::BTreeMap::new();
+    while let Some(status) = requests.join_next().await {
+        *statuses
+            .entry(status.expect("request").as_u16())
+            .or_insert(0) += 1;
+    }
+    assert_eq!(
+        statuses,
+        [(200, 500)].into(),
+        "every request held its own lock"
+    );
+    let most = most.load(std::sync::atomic::Ordering::SeqCst);
+    // One connection per held lock capped this at the pool size (16).
+    assert!(most >= 64, "only {most} locked handlers ran at once");
+    assert!(backend(&locks).open_sessions() <= 4);
+}

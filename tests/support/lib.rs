@@ -6,5 +6,6 @@ pub mod bench;
 pub mod bench_azure;
 pub mod bench_postgres;
 pub mod field_log;
+pub mod http;
 pub mod postgres;
 pub mod proxy;

@@ -15,7 +15,7 @@ use lockingkit::{DistributedLock, PostgresBackend};
 use lockingkit_tests::azurite::Azurite;
 use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, PollingOnly};
 use lockingkit_tests::postgres::PostgresServer;
-use lockingkit_tests::{bench_azure, bench_postgres};
+use lockingkit_tests::{bench_azure, bench_postgres, bench_sessions};
 
 /// Sample counts: the real run, or a smoke test.
 #[derive(Clone, Copy)]
@@ -26,6 +26,10 @@ struct Sizes {
     cold_pairs: u32,
     local_handoffs: usize,
     remote_handoffs: usize,
+    many_key_rounds: usize,
+    /// Rounds of each side, and each round's length, for throughput and the HTTP shape.
+    load_rounds: usize,
+    load_round: Duration,
 }
 
 const FULL: Sizes = Sizes {
@@ -35,6 +39,9 @@ const FULL: Sizes = Sizes {
     cold_pairs: 400,
     local_handoffs: 2000,
     remote_handoffs: 60,
+    many_key_rounds: 8,
+    load_rounds: 3,
+    load_round: Duration::from_secs(2),
 };
 
 const SMOKE: Sizes = Sizes {
@@ -44,6 +51,9 @@ const SMOKE: Sizes = Sizes {
     cold_pairs: 3,
     local_handoffs: 5,
     remote_handoffs: 2,
+    many_key_rounds: 1,
+    load_rounds: 1,
+    load_round: Duration::from_millis(100),
 };
 
 fn ms(d: Duration) -> f64 {
@@ -87,45 +97,60 @@ fn main() {
     let attempts_twenty = bench::attempts_while_waiting(20);
 
     let runtime = two_worker_runtime();
-    let (postgres, azure, memory_local, postgres_local, remote_polling, remote_hint) = runtime
-        .block_on(async {
-            // Measured inside tasks, as application code runs.
-            tokio::spawn(async move {
-                let server = PostgresServer::start().await;
-                let postgres = bench_postgres::measure(&server, sizes.postgres_pairs).await;
+    let (
+        (postgres, azure, memory_local, postgres_local, remote_polling, remote_hint),
+        (throughput, http, remote_many),
+    ) = runtime.block_on(async {
+        // Measured inside tasks, as application code runs.
+        tokio::spawn(async move {
+            let server = PostgresServer::start().await;
+            let postgres = bench_postgres::measure(&server, sizes.postgres_pairs).await;
 
-                let memory_local = bench::local_handoff(
-                    &DistributedLock::in_memory(),
-                    "handoff/local",
-                    sizes.local_handoffs,
-                )
-                .await;
-                let postgres_local = bench::local_handoff(
-                    &postgres_lock(&server),
-                    "handoff/local",
-                    sizes.local_handoffs,
-                )
-                .await;
+            let memory_local = bench::local_handoff(
+                &DistributedLock::in_memory(),
+                "handoff/local",
+                sizes.local_handoffs,
+            )
+            .await;
+            let postgres_local = bench::local_handoff(
+                &postgres_lock(&server),
+                "handoff/local",
+                sizes.local_handoffs,
+            )
+            .await;
 
-                let holder = postgres_lock(&server);
-                let remote_polling = bench::cross_process_handoff(
-                    &holder,
-                    &polling_postgres_lock(&server),
-                    "handoff/polling",
-                    sizes.remote_handoffs,
-                )
-                .await;
-                let remote_hint = bench::cross_process_handoff(
-                    &holder,
-                    &postgres_lock(&server),
-                    "handoff/hint",
-                    sizes.remote_handoffs,
-                )
-                .await;
-                drop(server);
+            let holder = postgres_lock(&server);
+            let remote_polling = bench::cross_process_handoff(
+                &holder,
+                &polling_postgres_lock(&server),
+                "handoff/polling",
+                sizes.remote_handoffs,
+            )
+            .await;
+            let remote_hint = bench::cross_process_handoff(
+                &holder,
+                &postgres_lock(&server),
+                "handoff/hint",
+                sizes.remote_handoffs,
+            )
+            .await;
+            let remote_many = bench_sessions::handoff_of_many_keys(
+                &holder,
+                &postgres_lock(&server),
+                "handoff/many",
+                16,
+                sizes.many_key_rounds,
+            )
+            .await;
+            let throughput =
+                bench_sessions::throughput(&server, 256, sizes.load_rounds, sizes.load_round).await;
+            let http =
+                bench_sessions::http_shape(&server, 32, sizes.load_rounds, sizes.load_round).await;
+            drop(server);
 
-                let azurite = Azurite::start().await;
-                let azure = bench_azure::measure(&azurite, sizes.azure_pairs).await;
+            let azurite = Azurite::start().await;
+            let azure = bench_azure::measure(&azurite, sizes.azure_pairs).await;
+            (
                 (
                     postgres,
                     azure,
@@ -133,11 +158,13 @@ fn main() {
                     postgres_local,
                     remote_polling,
                     remote_hint,
-                )
-            })
-            .await
-            .expect("the benchmark task panicked")
-        });
+                ),
+                (throughput, http, remote_many),
+            )
+        })
+        .await
+        .expect("the benchmark task panicked")
+    });
 
     let twenty_vs_one = attempts_twenty.attempts as f64 / attempts_one.attempts as f64;
     let pg = &postgres;
@@ -174,6 +201,15 @@ fn main() {
         ms(pg.raw_pooled.p99),
         format!("ratio {:.3}", ms(pg.lockingkit.p99) / ms(pg.raw_pooled.p99)),
         ""
+    );
+    let fenced_ratio = ms(pg.lockingkit.median) / ms(pg.raw_fenced.median);
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "   same vs raw SQL doing the same work (+ fencing)",
+        ms(pg.lockingkit.median),
+        ms(pg.raw_fenced.median),
+        format!("ratio {fenced_ratio:.3}"),
+        pass(fenced_ratio <= 1.10)
     );
     println!(
         "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
@@ -244,6 +280,53 @@ fn main() {
         "p50 <= 5 ms",
         Some(remote_hint.p50 <= Duration::from_millis(5)),
     );
+    handoff(
+        "6. same, while 16 keys are waited for at once",
+        remote_many,
+        "p50 <= 5 ms",
+        Some(remote_many.p50 <= Duration::from_millis(5)),
+    );
+    let connections_ok = throughput.lockingkit_connections * 4 <= throughput.raw_connections;
+    println!(
+        "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
+        "7. PostgreSQL pairs, 256 tasks on distinct keys",
+        throughput.lockingkit_pairs_per_s,
+        throughput.raw_pairs_per_s,
+        format!("ratio {:.3}", throughput.ratio()),
+        pass(throughput.ratio() >= 1.0)
+    );
+    println!(
+        "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
+        "   connections used (raw: pool of 16)",
+        throughput.lockingkit_connections,
+        throughput.raw_connections,
+        "<= 1/4",
+        pass(connections_ok)
+    );
+    println!(
+        "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
+        "8. HTTP, lock_route on PostgreSQL vs no layer",
+        http.locked_per_s,
+        http.plain_per_s,
+        format!("ratio {:.3}", http.ratio()),
+        pass(http.ratio() >= 0.22)
+    );
+    println!(
+        "| {:<52} | {:>9.1} µs | {:>9.1} µs | {:<14} | {:<6} |",
+        "   app CPU per request (server + client)",
+        http.locked_app_cpu.as_secs_f64() * 1e6,
+        http.plain_app_cpu.as_secs_f64() * 1e6,
+        "diagnostic",
+        ""
+    );
+    println!(
+        "| {:<52} | {:>9.1} µs | {:>12} | {:<14} | {:<6} |",
+        "   PostgreSQL CPU per locked request",
+        http.locked_server_cpu.as_secs_f64() * 1e6,
+        "-",
+        "diagnostic",
+        ""
+    );
     println!();
     println!(
         "{{\"postgres_pairs\":{},\"postgres_lockingkit_median_us\":{:.1},\"postgres_lockingkit_p99_us\":{:.1},\"postgres_raw_median_us\":{:.1},\"postgres_raw_p99_us\":{:.1},\"postgres_ratio\":{:.3},\
@@ -251,6 +334,9 @@ fn main() {
 \"in_memory_pairs_per_s\":{memory_pairs:.0},\"in_memory_raw_pairs_per_s\":{memory_raw_pairs:.0},\"cold_cache_pair_us\":{:.2},\"cold_cache_raw_pair_us\":{:.2},\
 \"attempts_1_waiter\":{},\"attempts_20_waiters\":{},\"most_attempts_at_once_20_waiters\":{},\"attempts_ratio\":{twenty_vs_one:.3},\
 \"local_handoff_memory_p50_ms\":{:.4},\"local_handoff_memory_p99_ms\":{:.4},\"local_handoff_postgres_p50_ms\":{:.4},\"local_handoff_postgres_p99_ms\":{:.4},\
+\"remote_handoff_16_keys_p50_ms\":{:.3},\"remote_handoff_16_keys_p99_ms\":{:.3},\"postgres_fenced_ratio\":{fenced_ratio:.3},\
+\"throughput_lockingkit_pairs_per_s\":{:.0},\"throughput_raw_pairs_per_s\":{:.0},\"throughput_lockingkit_connections\":{},\"throughput_raw_connections\":{},\
+\"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1},\
 \"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
@@ -271,6 +357,18 @@ fn main() {
         ms(memory_local.p99),
         ms(postgres_local.p50),
         ms(postgres_local.p99),
+        ms(remote_many.p50),
+        ms(remote_many.p99),
+        throughput.lockingkit_pairs_per_s,
+        throughput.raw_pairs_per_s,
+        throughput.lockingkit_connections,
+        throughput.raw_connections,
+        http.locked_per_s,
+        http.plain_per_s,
+        http.ratio(),
+        http.locked_app_cpu.as_secs_f64() * 1e6,
+        http.plain_app_cpu.as_secs_f64() * 1e6,
+        http.locked_server_cpu.as_secs_f64() * 1e6,
         ms(remote_polling.p50),
         ms(remote_polling.p99),
         ms(remote_hint.p50),

@@ -5,6 +5,7 @@ pub mod azurite;
 pub mod bench;
 pub mod bench_azure;
 pub mod bench_postgres;
+pub mod bench_sessions;
 pub mod field_log;
 pub mod http;
 pub mod postgres;

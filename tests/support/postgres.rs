@@ -160,6 +160,19 @@ impl PostgresServer {
         rows.len()
     }
 
+    /// The CPU time a local server has used so far: the postmaster and every server process,
+    /// live or ended (an ended session's time is counted into the postmaster's children).
+    pub fn cpu_time(&self) -> Duration {
+        let Some(postmaster) = running_postmaster(&self.local().data) else {
+            return Duration::ZERO;
+        };
+        let mut ticks = cpu_ticks(postmaster, true);
+        for child in children_of(postmaster) {
+            ticks += cpu_ticks(child, false);
+        }
+        Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second())
+    }
+
     /// What a local server has written to its log so far.
     pub fn server_log(&self) -> String {
         fs::read_to_string(self.local().data.join("server.log")).unwrap_or_default()
@@ -589,4 +602,41 @@ fn children_of(parent: i32) -> Vec<i32> {
                 == Some(parent)
         })
         .collect()
+}
+
+/// User and system CPU ticks of `pid` (with its waited-for children's when `children`).
+fn cpu_ticks(pid: i32, children: bool) -> u64 {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return 0;
+    };
+    // After the command: state, ppid, … utime is field 14 of the line, the 12th after `)`.
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let take = if children { 4 } else { 2 };
+    fields
+        .iter()
+        .skip(11)
+        .take(take)
+        .filter_map(|f| f.parse::<u64>().ok())
+        .sum()
+}
+
+/// The kernel's clock ticks per second, the unit of `/proc/*/stat` CPU times.
+pub fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as f64
+    } else {
+        100.0
+    }
+}
+
+/// The CPU time this process has used so far.
+pub fn own_cpu_time() -> Duration {
+    Duration::from_secs_f64(
+        cpu_ticks(std::process::id() as i32, false) as f64 / clock_ticks_per_second(),
+    )
 }

@@ -797,16 +797,22 @@ async fn a_terminated_shared_session_loses_exactly_its_own_locks() {
         ..server.options(Duration::from_secs(30))
     });
     let prefix = unique_prefix("sessions/terminated");
-    // Taken concurrently, so the locks spread over several sessions.
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..400 {
-        let locks = locks.clone();
-        let key = format!("{prefix}/{i}");
-        tasks.spawn(async move { locks.try_acquire(&key).await.expect("lock") });
-    }
+    // Taken in concurrent bursts until they spread over several sessions (a session opens
+    // once every open one has many statements in flight).
     let mut held = Vec::new();
-    while let Some(handle) = tasks.join_next().await {
-        held.push(handle.expect("task"));
+    for burst in 0..20 {
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..200 {
+            let locks = locks.clone();
+            let key = format!("{prefix}/{burst}/{i}");
+            tasks.spawn(async move { locks.try_acquire(&key).await.expect("lock") });
+        }
+        while let Some(handle) = tasks.join_next().await {
+            held.push(handle.expect("task"));
+        }
+        if backend(&locks).open_sessions() >= 2 {
+            break;
+        }
     }
     let mut by_session: std::collections::HashMap<i32, Vec<LockHandle>> =
         std::collections::HashMap::new();

@@ -135,6 +135,7 @@ fn main() {
             )
             .await;
             let remote_many = bench_sessions::handoff_of_many_keys(
+                &server,
                 &holder,
                 &postgres_lock(&server),
                 "handoff/many",

@@ -9,7 +9,10 @@
 //! no tests to nextest.
 
 use lockingkit_tests::bench::{two_worker_runtime, BenchMode};
+use std::time::Duration;
+
 use lockingkit_tests::bench_postgres::measure;
+use lockingkit_tests::bench_sessions;
 use lockingkit_tests::postgres::PostgresServer;
 
 fn main() {
@@ -17,16 +20,37 @@ fn main() {
         return;
     };
     let pairs = mode.pick(5000, 5);
+    let (rounds, round) = mode.pick((3, Duration::from_secs(2)), (1, Duration::from_millis(100)));
     let runtime = two_worker_runtime();
     runtime.block_on(async {
         // Measured inside a task, as application code runs, not on the thread that blocks on
         // the runtime: otherwise every answer would cross threads to reach the caller.
-        let report = tokio::spawn(async move {
+        let (report, throughput, http) = tokio::spawn(async move {
             let server = PostgresServer::start().await;
-            measure(&server, pairs).await
+            let report = measure(&server, pairs).await;
+            let throughput = bench_sessions::throughput(&server, 256, rounds, round).await;
+            let http = bench_sessions::http_shape(&server, 32, rounds, round).await;
+            (report, throughput, http)
         })
         .await
         .expect("the benchmark task panicked");
         println!("{}", report.render());
+        println!(
+            "256 tasks on distinct keys: lockingkit {:.0} pairs/s on {} sessions, raw {:.0} pairs/s on {} connections, ratio {:.3}",
+            throughput.lockingkit_pairs_per_s,
+            throughput.lockingkit_connections,
+            throughput.raw_pairs_per_s,
+            throughput.raw_connections,
+            throughput.ratio()
+        );
+        println!(
+            "HTTP, 32 connections: lock_route {:.0}/s, no layer {:.0}/s, ratio {:.3}; CPU per request: app {:.1} µs (no layer {:.1} µs), PostgreSQL {:.1} µs",
+            http.locked_per_s,
+            http.plain_per_s,
+            http.ratio(),
+            http.locked_app_cpu.as_secs_f64() * 1e6,
+            http.plain_app_cpu.as_secs_f64() * 1e6,
+            http.locked_server_cpu.as_secs_f64() * 1e6
+        );
     });
 }

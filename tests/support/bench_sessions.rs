@@ -19,6 +19,21 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys, PostgresOptions};
 
 use crate::bench::Percentiles;
+
+/// Overrides the session budget of the throughput and HTTP rows, to compare budgets.
+const SESSIONS_ENV: &str = "LOCKINGKIT_BENCH_MAX_SESSIONS";
+
+/// The options of the LockingKit side: the defaults, unless [`SESSIONS_ENV`] says otherwise.
+fn lockingkit_options(server: &PostgresServer) -> PostgresOptions {
+    let mut options = PostgresOptions::new(server.connection_string());
+    if let Some(sessions) = std::env::var(SESSIONS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        options.max_sessions = sessions;
+    }
+    options
+}
 use crate::http::{orders_route, serve, Connection};
 use crate::postgres::{own_cpu_time, PostgresServer};
 
@@ -73,8 +88,7 @@ pub async fn throughput(
     length: Duration,
 ) -> Throughput {
     let pid = std::process::id();
-    let backend =
-        PostgresBackend::new(PostgresOptions::new(server.connection_string())).expect("options");
+    let backend = PostgresBackend::new(lockingkit_options(server)).expect("options");
     let locks = DistributedLock::builder(backend).build().expect("lock");
     let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
     let manager = Manager::from_config(
@@ -201,8 +215,7 @@ pub async fn http_shape(
     rounds: usize,
     length: Duration,
 ) -> HttpShape {
-    let backend =
-        PostgresBackend::new(PostgresOptions::new(server.connection_string())).expect("options");
+    let backend = PostgresBackend::new(lockingkit_options(server)).expect("options");
     let locks = DistributedLock::builder(backend).build().expect("lock");
     let locked = serve(orders_route(Some(locks), || async {})).await;
     let plain = serve(orders_route(None, || async {})).await;
@@ -242,6 +255,7 @@ pub async fn http_shape(
 /// takes them all, one waiting task per key starts, and after a hold the keys are released one
 /// by one; each sample is one key's release to its waiter holding it.
 pub async fn handoff_of_many_keys(
+    server: &PostgresServer,
     holder: &DistributedLock,
     waiter: &DistributedLock,
     prefix: &str,
@@ -261,13 +275,10 @@ pub async fn handoff_of_many_keys(
                 let waiter = waiter.clone();
                 let name = name.clone();
                 tokio::spawn(async move {
-                    let handle = waiter
-                        .acquire(&name, Duration::from_secs(30))
-                        .await
-                        .expect("handed over");
+                    let handle = waiter.acquire(&name, Duration::from_secs(30)).await?;
                     let at = tokio::time::Instant::now();
                     handle.release().await.expect("release");
-                    at
+                    Ok::<_, lockingkit::LockError>(at)
                 })
             })
             .collect();
@@ -283,9 +294,36 @@ pub async fn handoff_of_many_keys(
             handle.release().await.expect("release");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        for (released, task) in released_at.into_iter().zip(waiting) {
-            let acquired = task.await.expect("waiter task");
-            taken.push(acquired.saturating_duration_since(released));
+        for ((released, task), name) in released_at.into_iter().zip(waiting).zip(&names) {
+            match task.await.expect("waiter task") {
+                Ok(acquired) => taken.push(acquired.saturating_duration_since(released)),
+                Err(error) => {
+                    let admin = server.connect().await;
+                    let key = PostgresLockKeys::advisory_key(name);
+                    let rows = admin
+                        .query(
+                            "SELECT l.pid, l.mode, l.granted, a.application_name, a.state, a.query \
+                             FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+                             WHERE l.locktype = 'advisory' \
+                             AND ((l.classid::bigint << 32) | l.objid::bigint) = $1",
+                            &[&key],
+                        )
+                        .await
+                        .expect("pg_locks");
+                    for row in rows {
+                        eprintln!(
+                            "pid {} {} granted={} app={} state={:?} query={:?}",
+                            row.get::<_, i32>(0),
+                            row.get::<_, String>(1),
+                            row.get::<_, bool>(2),
+                            row.get::<_, String>(3),
+                            row.get::<_, Option<String>>(4),
+                            row.get::<_, Option<String>>(5)
+                        );
+                    }
+                    panic!("round {round}: {name} was not handed over: {error}");
+                }
+            }
         }
     }
     Percentiles::of(taken)

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -59,6 +59,13 @@ pub(super) struct Session {
     /// Statements sent and not answered yet, to spread new attempts over sessions.
     in_flight: AtomicUsize,
     check: Mutex<CheckState>,
+    /// A timer for statements that run alone, moved forward for each: pushing a registered
+    /// timer later is an atomic update, while registering a fresh one per statement touches
+    /// the timer wheel and, when no other timer is pending, wakes the runtime's driver (see
+    /// the PostgreSQL rows of the benchmark, docs/performance.md). A statement sent while
+    /// another holds it gets a timer of its own.
+    solo_timer: Mutex<Pin<Box<Sleep>>>,
+    solo_taken: AtomicBool,
     driver: JoinHandle<()>,
 }
 
@@ -104,6 +111,9 @@ impl Session {
             keys: Mutex::new(Keys::default()),
             in_flight: AtomicUsize::new(0),
             check: Mutex::new(CheckState::default()),
+            // Reset before every use; until then it only needs to be valid.
+            solo_timer: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
+            solo_taken: AtomicBool::new(false),
             driver,
         })
     }
@@ -248,8 +258,7 @@ impl Session {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         Bounded {
             statement,
-            sleep: None,
-            timeout,
+            timer: Timer::Unarmed(deadline_in(timeout)),
             session: self,
         }
     }
@@ -355,19 +364,30 @@ impl Drop for Session {
 #[derive(Debug)]
 pub(super) struct Elapsed;
 
+/// The deadline of one statement, armed once the statement is pending.
+enum Timer {
+    Unarmed(Instant),
+    /// The session's solo timer, which this statement holds.
+    Solo,
+    Own(Pin<Box<Sleep>>),
+}
+
 pin_project_lite::pin_project! {
     /// A statement raced against its own deadline. The timer is armed only once the statement
     /// is pending, so a statement that answers on its first poll costs none.
     pub(super) struct Bounded<'a, F> {
         #[pin]
         statement: F,
-        sleep: Option<Pin<Box<Sleep>>>,
-        timeout: Duration,
+        timer: Timer,
         session: &'a Session,
     }
 
     impl<'a, F> PinnedDrop for Bounded<'a, F> {
         fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if matches!(this.timer, Timer::Solo) {
+                this.session.solo_taken.store(false, Ordering::Release);
+            }
             this.session.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -381,13 +401,39 @@ impl<F: Future> Future for Bounded<'_, F> {
         if let Poll::Ready(output) = this.statement.poll(cx) {
             return Poll::Ready(Ok(output));
         }
-        let timeout = *this.timeout;
-        let sleep = this
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline_in(timeout))));
-        match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(Elapsed)),
-            Poll::Pending => Poll::Pending,
+        let session = *this.session;
+        if let Timer::Unarmed(deadline) = *this.timer {
+            *this.timer = if session
+                .solo_taken
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                session
+                    .solo_timer
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .as_mut()
+                    .reset(deadline);
+                Timer::Solo
+            } else {
+                Timer::Own(Box::pin(tokio::time::sleep_until(deadline)))
+            };
+        }
+        let elapsed = match this.timer {
+            Timer::Own(sleep) => sleep.as_mut().poll(cx).is_ready(),
+            Timer::Solo => session
+                .solo_timer
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_mut()
+                .poll(cx)
+                .is_ready(),
+            Timer::Unarmed(_) => false,
+        };
+        if elapsed {
+            Poll::Ready(Err(Elapsed))
+        } else {
+            Poll::Pending
         }
     }
 }

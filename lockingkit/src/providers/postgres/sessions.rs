@@ -3,8 +3,9 @@
 //! This is not a pool: no session is ever handed to one caller. Every attempt, unlock and
 //! check of every lock is sent on one of at most `max` open sessions, pipelined with the others,
 //! so the connections a process uses do not grow with the locks it holds. Sessions open on
-//! demand: a new one only when every open one has statements in flight, up to `max`. A session
-//! that ends leaves the set at once, and the next attempt that needs one opens a replacement.
+//! demand, one at a time: a new one only when every open one has [`PIPELINE_DEPTH`] statements
+//! in flight, up to `max`. A session that ends leaves the set at once, and the next attempt
+//! that needs one opens a replacement.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -15,6 +16,13 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::session::{deadline_in, Session};
 use crate::backend::BackendError;
+
+/// Statements in flight on every open session before another one opens. Statements that
+/// queue on one session reach the server in fewer packets and cost it less per lock; past
+/// this depth a further session spreads the work over another server process. 32 kept the
+/// HTTP row of the benchmark on one session with the best requests/s, while 256 busy tasks
+/// still spread over four (the fleet rows of docs/performance.md compare depths 1 to 64).
+const PIPELINE_DEPTH: usize = 32;
 
 pub(super) struct SessionSet {
     slots: Mutex<Slots>,
@@ -104,7 +112,10 @@ impl SessionSet {
     fn look(&self, key: i64) -> Step {
         let mut slots = self.slots();
         slots.open.retain(|s| !s.is_closed());
-        let room = slots.open.len() + slots.connecting < self.max;
+        // One session opens at a time, and only when every open one is busy: a burst of
+        // attempts at startup waits for the first session instead of opening them all, and
+        // statements batch on few sessions, which costs the server less per lock.
+        let room = slots.connecting == 0 && slots.open.len() < self.max;
         let mut best: Option<&Arc<Session>> = None;
         let mut holds_key = false;
         for session in &slots.open {
@@ -120,7 +131,7 @@ impl SessionSet {
             }
         }
         match best {
-            Some(session) if session.load() == 0 || !room => {
+            Some(session) if session.load() < PIPELINE_DEPTH || !room => {
                 let session = session.clone();
                 if session.reserve(key) {
                     Step::Use(Reservation::new(session, key, self.timeout))
@@ -132,8 +143,10 @@ impl SessionSet {
                 slots.connecting += 1;
                 Step::Connect
             }
-            None if holds_key => Step::HeldHere,
-            // Sessions are opening, or every one is draining.
+            None if holds_key && slots.connecting == 0 && slots.open.len() >= self.max => {
+                Step::HeldHere
+            }
+            // A session is opening, or every one is draining.
             _ => Step::Wait,
         }
     }

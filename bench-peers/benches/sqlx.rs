@@ -1,0 +1,159 @@
+//! LockingKit's PostgreSQL try_acquire + release next to sqlx's `PgAdvisoryLock`, the most
+//! used Rust PostgreSQL lock, and raw prepared tokio-postgres statements, interleaved in one run
+//! against one throwaway server.
+//!
+//! ```text
+//! scripts/setup-postgres.sh
+//! cd bench-peers && cargo bench
+//! ```
+//!
+//! Variants, in a fresh random order every round:
+//! - LockingKit `try_acquire` + `release` with the default options;
+//! - sqlx `PgAdvisoryLock::try_acquire` + `release_now` on a `PgPool` of 4, the checkout timed;
+//! - sqlx on one dedicated `PgConnection`;
+//! - raw prepared `pg_try_advisory_lock` + `pg_advisory_unlock` on one tokio-postgres client.
+
+use std::time::{Duration, Instant};
+
+use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys, PostgresOptions};
+use lockingkit_tests::postgres::PostgresServer;
+use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::{ConnectOptions, Either};
+
+const PAIRS: usize = 5000;
+const WARM_UP: usize = 200;
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort_unstable();
+    samples.get(samples.len() / 2).copied().unwrap_or_default()
+}
+
+fn main() {
+    let pairs = if std::env::args().any(|a| a == "--bench") {
+        PAIRS
+    } else {
+        20
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        tokio::spawn(measure(pairs)).await.expect("bench task");
+    });
+}
+
+async fn measure(pairs: usize) {
+    let server = PostgresServer::start().await;
+    let pid = std::process::id();
+    let backend =
+        PostgresBackend::new(PostgresOptions::new(server.connection_string())).expect("options");
+    let locks = DistributedLock::builder(backend).build().expect("lock");
+    let kit_key = format!("peers/lockingkit/{pid}");
+
+    let options: PgConnectOptions = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?sslmode=disable",
+        server.port()
+    )
+    .parse()
+    .expect("sqlx options");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.clone())
+        .await
+        .expect("sqlx pool");
+    let pooled_lock = PgAdvisoryLock::new(format!("peers/sqlx-pool/{pid}"));
+    let mut dedicated: PgConnection = options.connect().await.expect("sqlx connection");
+    let dedicated_lock = PgAdvisoryLock::new(format!("peers/sqlx-dedicated/{pid}"));
+
+    let raw = server.connect().await;
+    let try_lock = raw
+        .prepare("SELECT pg_try_advisory_lock($1)")
+        .await
+        .expect("prepare");
+    let unlock = raw
+        .prepare("SELECT pg_advisory_unlock($1)")
+        .await
+        .expect("prepare");
+    let raw_key = PostgresLockKeys::advisory_key(&format!("peers/raw/{pid}"));
+
+    let mut samples: [Vec<Duration>; 4] = Default::default();
+    let mut order = [0usize, 1, 2, 3];
+    let mut seed = (pid as u64) << 17 | 1;
+    for round in 0..WARM_UP + pairs {
+        for i in (1..order.len()).rev() {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            order.swap(i, (seed % (i as u64 + 1)) as usize);
+        }
+        for variant in order {
+            let started = Instant::now();
+            match variant {
+                0 => locks
+                    .try_acquire(&kit_key)
+                    .await
+                    .expect("lockingkit acquire")
+                    .release()
+                    .await
+                    .expect("lockingkit release"),
+                1 => {
+                    let connection = pool.acquire().await.expect("sqlx checkout");
+                    match pooled_lock.try_acquire(connection).await.expect("sqlx lock") {
+                        Either::Left(guard) => {
+                            guard.release_now().await.expect("sqlx release");
+                        }
+                        Either::Right(_) => panic!("the sqlx pooled lock was busy"),
+                    }
+                }
+                2 => match dedicated_lock
+                    .try_acquire(&mut dedicated)
+                    .await
+                    .expect("sqlx lock")
+                {
+                    Either::Left(guard) => {
+                        guard.release_now().await.expect("sqlx release");
+                    }
+                    Either::Right(_) => panic!("the sqlx dedicated lock was busy"),
+                },
+                _ => {
+                    let taken: bool = raw
+                        .query_one(&try_lock, &[&raw_key])
+                        .await
+                        .expect("raw lock")
+                        .get(0);
+                    assert!(taken);
+                    let released: bool = raw
+                        .query_one(&unlock, &[&raw_key])
+                        .await
+                        .expect("raw unlock")
+                        .get(0);
+                    assert!(released);
+                }
+            }
+            if round >= WARM_UP {
+                samples[variant].push(started.elapsed());
+            }
+        }
+    }
+    let [kit, sqlx_pool, sqlx_dedicated, raw] = samples.map(median);
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!("PostgreSQL try-lock + release, {pairs} interleaved pairs each, medians:");
+    println!("  lockingkit try_acquire+release (default options)   {:>8.1} µs", us(kit));
+    println!("  sqlx PgAdvisoryLock, PgPool of 4 (checkout timed)  {:>8.1} µs", us(sqlx_pool));
+    println!("  sqlx PgAdvisoryLock, one dedicated connection      {:>8.1} µs", us(sqlx_dedicated));
+    println!("  raw prepared tokio-postgres pair                   {:>8.1} µs", us(raw));
+    println!(
+        "  ratio lockingkit / sqlx pooled                     {:>8.3} (goal <= 1.00)",
+        us(kit) / us(sqlx_pool)
+    );
+    println!(
+        "{{\"pairs\":{pairs},\"lockingkit_us\":{:.1},\"sqlx_pool_us\":{:.1},\"sqlx_dedicated_us\":{:.1},\"raw_us\":{:.1},\"ratio_to_sqlx_pool\":{:.3}}}",
+        us(kit),
+        us(sqlx_pool),
+        us(sqlx_dedicated),
+        us(raw),
+        us(kit) / us(sqlx_pool)
+    );
+}

@@ -216,6 +216,38 @@ async fn a_key_held_through_the_same_lock_is_busy_although_session_locks_are_ree
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_of_one_backend_share_its_session_and_never_take_a_key_twice_by_reentrancy() {
+    let server = PostgresServer::start().await;
+    let shared = PostgresBackend::new(PostgresOptions {
+        max_sessions: 1,
+        ..server.options(CHECK)
+    })
+    .expect("options");
+    let first = DistributedLock::builder(shared.clone())
+        .build()
+        .expect("lock");
+    let second = DistributedLock::builder(shared).build().expect("lock");
+    let key = unique_prefix("reentrancy/shared-session");
+
+    let held = first.try_acquire(&key).await.expect("first");
+    // Both engines send on the one session that holds the key: only the provider stands
+    // between the second attempt and a re-entrant grant.
+    assert_eq!(kind_of(second.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        kind_of(second.acquire(&key, Duration::from_millis(200)).await),
+        ErrorKind::Timeout
+    );
+    assert_eq!(backend(&second).open_sessions(), 1, "one session for both");
+    held.release().await.expect("release");
+    assert!(
+        server.lock_holders(&key).await.is_empty(),
+        "one unlock freed it: the session held it once"
+    );
+    let next = second.try_acquire(&key).await.expect("free now");
+    next.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_holder_sees_loss_as_soon_as_its_session_is_terminated() {
     let server = PostgresServer::start().await;
     // Checks far apart: the loss must come from the connection closing, not from a check.

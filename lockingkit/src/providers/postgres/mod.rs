@@ -95,7 +95,17 @@ const CHECK: &str = "SELECT 1";
 /// handle.release().await?;
 /// # Ok(()) }
 /// ```
+///
+/// Clones share the sessions, the watchers and the fencing state: two `DistributedLock`s built
+/// from clones of one backend use one connection budget, and a key one of them holds is busy
+/// for the other (never taken twice by re-entrancy on a shared session).
+#[derive(Clone)]
 pub struct PostgresBackend {
+    inner: Arc<Backend>,
+}
+
+/// What the clones of one [`PostgresBackend`] share.
+struct Backend {
     sessions: SessionSet,
     max_sessions: usize,
     timeout: Duration,
@@ -166,6 +176,7 @@ impl PostgresBackend {
         let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout);
         let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
         Ok(PostgresBackend {
+            inner: Arc::new(Backend {
             sessions,
             max_sessions,
             timeout,
@@ -182,19 +193,20 @@ impl PostgresBackend {
             ),
             fencing_ready: AtomicBool::new(false),
             releases,
+            }),
         })
     }
 
     /// How many sessions are open now for locks (held locks and attempts share them); at most
     /// [`max_sessions`](PostgresOptions::max_sessions).
     pub fn open_sessions(&self) -> usize {
-        self.sessions.open()
+        self.inner.sessions.open()
     }
 
     /// How many sessions are open now to wake this process's waiters; at most
     /// [`max_wait_sessions`](PostgresOptions::max_wait_sessions).
     pub fn wait_sessions(&self) -> usize {
-        self.releases.sessions()
+        self.inner.releases.sessions()
     }
 
     /// Runs one statement on `session` under the statement timeout, classifying its failure
@@ -206,7 +218,7 @@ impl PostgresBackend {
         statement: F,
     ) -> Run<'a, F> {
         Run {
-            bounded: session.bounded(self.timeout, statement),
+            bounded: session.bounded(self.inner.timeout, statement),
             stage,
             backend: self,
         }
@@ -221,7 +233,7 @@ impl PostgresBackend {
             .run(
                 Stage::Attempt,
                 session,
-                client.query_one(&self.fencing_exists, &[]),
+                client.query_one(&self.inner.fencing_exists, &[]),
             )
             .await?;
         let exists: bool = row
@@ -231,11 +243,11 @@ impl PostgresBackend {
             self.run(
                 Stage::Attempt,
                 session,
-                client.batch_execute(&self.fencing_setup),
+                client.batch_execute(&self.inner.fencing_setup),
             )
             .await?;
         }
-        self.fencing_ready.store(true, Ordering::Release);
+        self.inner.fencing_ready.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -245,14 +257,14 @@ impl PostgresBackend {
         &self,
         session: &Session,
     ) -> Result<tokio_postgres::Statement, BackendError> {
-        if !self.fencing_ready.load(Ordering::Acquire) {
+        if !self.inner.fencing_ready.load(Ordering::Acquire) {
             // Boxed: it runs once per backend, and inline it would enlarge every attempt.
             Box::pin(self.ensure_fencing(session)).await?;
         }
         self.run(
             Stage::Attempt,
             session,
-            session.statement(Prepared::Lock, &self.lock),
+            session.statement(Prepared::Lock, &self.inner.lock),
         )
         .await
     }
@@ -261,16 +273,17 @@ impl PostgresBackend {
 impl fmt::Debug for PostgresBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresBackend")
-            .field("max_sessions", &self.max_sessions)
-            .field("query_timeout", &self.timeout)
-            .field("check_interval", &self.check_interval)
+            .field("max_sessions", &self.inner.max_sessions)
+            .field("query_timeout", &self.inner.timeout)
+            .field("check_interval", &self.inner.check_interval)
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for PostgresBackend {
+impl Drop for Backend {
     fn drop(&mut self) {
-        // The engine that owned this backend is gone, and every lease with it.
+        // Every clone is gone, and every lease with it (a lease keeps its engine, and so its
+        // backend, alive).
         self.sessions.close_all();
     }
 }
@@ -283,7 +296,7 @@ impl LockBackend for PostgresBackend {
     }
 
     fn timing(&self) -> LeaseTiming {
-        LeaseTiming::ConnectionHeld(self.check_interval)
+        LeaseTiming::ConnectionHeld(self.inner.check_interval)
     }
 
     async fn try_acquire(
@@ -291,7 +304,7 @@ impl LockBackend for PostgresBackend {
         key: &str,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         let advisory_key = PostgresLockKeys::advisory_key(key);
-        let Some(reservation) = self.sessions.reserve(advisory_key).await? else {
+        let Some(reservation) = self.inner.sessions.reserve(advisory_key).await? else {
             // This process holds the key, or may still: on every session it could try.
             return Ok(None);
         };
@@ -340,7 +353,7 @@ impl LockBackend for PostgresBackend {
                 advisory_key,
                 session,
                 released: AtomicBool::new(false),
-                timeout: self.timeout,
+                timeout: self.inner.timeout,
             },
             fencing_token,
         }))
@@ -354,8 +367,8 @@ impl LockBackend for PostgresBackend {
             ));
         }
         // One check per session per interval vouches for every lock on it.
-        let timeout = self.timeout.min(self.check_interval);
-        if session.check(self.check_interval, timeout).await {
+        let timeout = self.inner.timeout.min(self.inner.check_interval);
+        if session.check(self.inner.check_interval, timeout).await {
             Ok(())
         } else {
             Err(BackendError::lease_gone(
@@ -378,7 +391,7 @@ impl LockBackend for PostgresBackend {
         let unlocking = Unlocking {
             session,
             key: lease.advisory_key,
-            timeout: self.timeout,
+            timeout: self.inner.timeout,
             answered: false,
             settled: false,
         };
@@ -417,7 +430,9 @@ impl LockBackend for PostgresBackend {
     }
 
     fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        self.releases.subscribe(PostgresLockKeys::advisory_key(key))
+        self.inner
+            .releases
+            .subscribe(PostgresLockKeys::advisory_key(key))
     }
 
     fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {
@@ -475,11 +490,14 @@ impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Run<'_,
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => {
                 if errors::is_missing_object(&error) {
-                    this.backend.fencing_ready.store(false, Ordering::Release);
+                    this.backend
+                        .inner
+                        .fencing_ready
+                        .store(false, Ordering::Release);
                 }
                 Err(errors::query_error(error, *this.stage))
             }
-            Err(_) => Err(errors::timed_out(*this.stage, this.backend.timeout)),
+            Err(_) => Err(errors::timed_out(*this.stage, this.backend.inner.timeout)),
         })
     }
 }

@@ -508,7 +508,7 @@ mod tests {
         // The engine makes a hint before every attempt and polls it only after a busy answer.
         let hint = backend.release_hint("jobs/nightly");
         tokio::task::yield_now().await;
-        assert_eq!(backend.releases.shared.keys().watchers, 0);
+        assert_eq!(backend.inner.releases.shared.keys().watchers, 0);
         drop(hint);
     }
 
@@ -519,7 +519,7 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), hint)
             .await
             .expect("woken, so the waiter polls instead of waiting on a dead watcher");
-        let keys = backend.releases.shared.keys();
+        let keys = backend.inner.releases.shared.keys();
         assert_eq!(keys.watchers, 0);
         assert!(keys.quiet_until.is_some(), "no new watcher for a while");
     }

@@ -1261,3 +1261,46 @@ async fn five_hundred_requests_in_flight_on_a_locked_route_all_succeed_on_defaul
     assert!(most >= 64, "only {most} locked handlers ran at once");
     assert!(backend(&locks).open_sessions() <= 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_check_per_session_per_interval_vouches_for_every_lock_on_it() {
+    let server = PostgresServer::start().await;
+    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let interval = Duration::from_millis(200);
+    let locks = lock_on(PostgresOptions {
+        connection_string: format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+            proxy.port()
+        )
+        .into(),
+        check_interval: interval,
+        ..PostgresOptions::default()
+    });
+    let prefix = unique_prefix("sessions/checks");
+    let mut held = Vec::new();
+    for i in 0..50 {
+        held.push(
+            locks
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("lock"),
+        );
+    }
+    assert_eq!(backend(&locks).open_sessions(), 1);
+    // Five check intervals with nothing else on the line: every exchange is a check.
+    let since = Instant::now();
+    tokio::time::sleep(interval * 5).await;
+    let checks = proxy
+        .exchanges()
+        .iter()
+        .filter(|exchange| exchange.sent >= since)
+        .count();
+    assert!(
+        (3..=8).contains(&checks),
+        "{checks} checks in five intervals for 50 locks on one session (one per lock would be 250)"
+    );
+    for handle in held {
+        assert!(handle.is_held());
+        handle.release().await.expect("release");
+    }
+}

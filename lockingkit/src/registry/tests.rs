@@ -402,16 +402,31 @@ mod postgres {
             "DEFAULT": {
                 "PROVIDER": "postgres",
                 "CONNECTION_STRING": "host=127.0.0.1 user=app password=hunter2 dbname=app",
-                "POOL_SIZE": "4",
+                "MAX_SESSIONS": "2",
+                "MAX_WAIT_SESSIONS": "8",
                 "CHECK_INTERVAL": "2s",
+            },
+            // The deprecated name still binds, as a cap on the sessions.
+            "Legacy": {
+                "provider": "postgres",
+                "connection_string": "host=127.0.0.1 user=app dbname=app",
+                "pool_size": 4,
             },
         })))
         .unwrap();
         assert_eq!(locking.default().provider(), "postgres");
+        let shown = format!(
+            "{:?}",
+            locking.default().backend::<crate::PostgresBackend>()
+        );
+        assert!(shown.contains("max_sessions: 2"), "{shown}");
+        let legacy = locking.get("Legacy").unwrap();
+        let shown = format!("{:?}", legacy.backend::<crate::PostgresBackend>());
+        assert!(shown.contains("max_sessions: 4"), "{shown}");
         assert!(!format!("{locking:?}").contains("hunter2"));
 
         let shown = misconfigured(Locking::from_config(config(json!({
-            "Default": {"provider": "postgres", "pool_size": 0},
+            "Default": {"provider": "postgres", "pool_size": 0, "max_sessions": 0},
             "Jobs": {
                 "provider": "postgres",
                 "connection_string": "postgres://app:hunter2@db/app?sslmode=sometimes",
@@ -424,6 +439,10 @@ mod postgres {
         );
         assert!(
             shown.contains("Locking.Default.pool_size must be at least 1"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("Locking.Default.max_sessions must be at least 1"),
             "{shown}"
         );
         assert!(shown.contains("Locking.Jobs.connection_string:"), "{shown}");

@@ -324,8 +324,13 @@ async fn run_check(
 /// Retries the unlock of an unconfirmed `key` until the server answers it. Either answer means
 /// the session no longer holds the key: statements on one session run in the order sent, so
 /// this unlock runs after the attempt or unlock that went unanswered.
+///
+/// A session that leaves [`UNANSWERED_UNLOCKS`] retries in a row unanswered is broken, whatever
+/// else depends on it: it closes, which frees every lock it holds (and is loss for them). The
+/// session's checks would find the same, but only while some lock keeps checking it.
 async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
     let mut delay = Duration::from_millis(50);
+    let mut unanswered = 0;
     loop {
         if session.is_closed() {
             return;
@@ -340,9 +345,15 @@ async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
                 return;
             }
             Ok(Err(error)) if error.is_closed() => return,
-            // A failed statement or no answer yet: the session's checks decide whether it is
-            // alive; until then, try again.
-            _ => {}
+            // The server answered, with an error: try again.
+            Ok(Err(_)) => unanswered = 0,
+            Err(Elapsed) => {
+                unanswered += 1;
+                if unanswered >= UNANSWERED_UNLOCKS {
+                    session.close();
+                    return;
+                }
+            }
         }
         tokio::select! {
             _ = session.ended.cancelled() => return,
@@ -351,6 +362,9 @@ async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
         delay = (delay * 2).min(timeout.max(Duration::from_millis(50)));
     }
 }
+
+/// Unanswered unlock retries after which a session is closed as broken.
+const UNANSWERED_UNLOCKS: u32 = 5;
 
 impl Drop for Session {
     fn drop(&mut self) {

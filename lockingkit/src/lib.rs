@@ -31,6 +31,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 mod backend;
+mod clock;
 pub mod config;
 mod engine;
 mod error;

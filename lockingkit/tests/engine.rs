@@ -471,6 +471,80 @@ async fn waiting_ends_in_timeout_when_busy_and_unavailable_when_unreachable() {
     assert_eq!(locks.active_keys(), 0);
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_outage_after_contention_ends_the_wait_unavailable_with_its_cause() {
+    let (store, locks) = memory_pair();
+    let other = DistributedLock::in_memory_shared(&store);
+    let _held = other.try_acquire("k").await.unwrap();
+    let waiting = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.acquire("k", Duration::from_secs(3)).await }
+    });
+    // The first attempts answer busy; then the backend goes down.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.set_unavailable(true);
+    let err = waiting.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let cause = std::error::Error::source(&err).expect("the latest cause is kept");
+    assert!(err.to_string().contains(&cause.to_string()), "{err}");
+    assert!(!err.to_string().contains("\"k\""), "{err}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn contention_after_an_outage_ends_the_wait_in_timeout() {
+    let (store, locks) = memory_pair();
+    let other = DistributedLock::in_memory_shared(&store);
+    let _held = other.try_acquire("k").await.unwrap();
+    store.set_unavailable(true);
+    let waiting = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.acquire("k", Duration::from_secs(3)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The backend is back, and the key is still taken: contention, not an outage.
+    store.set_unavailable(false);
+    let err = waiting.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+}
+
+/// Answers busy once, then never answers again: an outage that hangs requests.
+struct BusyThenHanging(AtomicUsize);
+
+impl LockBackend for BusyThenHanging {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "busy_then_hanging"
+    }
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::Expiring(Duration::from_secs(30))
+    }
+    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+        if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+            Ok(None)
+        } else {
+            std::future::pending().await
+        }
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_that_stops_answering_after_a_busy_answer_is_unavailable_not_busy() {
+    let locks = DistributedLock::builder(BusyThenHanging(AtomicUsize::new(0)))
+        .build()
+        .unwrap();
+    let err = locks
+        .acquire("k", Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+}
+
 /// A backend that refuses every request as misconfigured.
 struct Refusing(Arc<AtomicUsize>);
 

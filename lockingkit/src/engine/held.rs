@@ -57,7 +57,7 @@ pub(crate) struct Held<B: LockBackend> {
 /// send, so this is a 10% safety margin before it could expire there, valid while the client's
 /// clock runs within 10% of the backend's.
 pub(crate) fn loss_deadline(sent: Instant, lease: Duration) -> Instant {
-    sent + lease * 9 / 10
+    crate::clock::after(sent, crate::clock::nine_tenths(lease))
 }
 
 /// The loss deadline after a successful acquire or check sent at `sent`.
@@ -65,7 +65,9 @@ pub(crate) fn deadline_after(timing: LeaseTiming, sent: Instant) -> Instant {
     match timing {
         LeaseTiming::Expiring(lease) => loss_deadline(sent, lease),
         // The next check starts one interval later and must answer within another.
-        LeaseTiming::ConnectionHeld(interval) => sent + interval * 2,
+        LeaseTiming::ConnectionHeld(interval) => {
+            crate::clock::after(sent, interval.saturating_mul(2))
+        }
     }
 }
 
@@ -98,7 +100,10 @@ impl<B: LockBackend> Held<B> {
     }
 
     fn deadline(&self) -> Instant {
-        self.origin + Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire))
+        crate::clock::after(
+            self.origin,
+            Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire)),
+        )
     }
 
     /// Enters the hold in the renewal schedule; its keeper starts when the first renewal is due.
@@ -106,7 +111,7 @@ impl<B: LockBackend> Held<B> {
         let keep: std::sync::Weak<dyn Keep> = Arc::downgrade(self) as _;
         self.engine.scheduler.schedule(
             &self.runtime,
-            self.origin + self.engine.keeper_starts_after(),
+            crate::clock::after(self.origin, self.engine.keeper_starts_after()),
             keep,
         );
     }

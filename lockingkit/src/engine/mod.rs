@@ -92,7 +92,7 @@ impl<B: LockBackend> Engine<B> {
             }
             LeaseTiming::Expiring(d) => {
                 if let Some(every) = options.renew_every {
-                    if every >= d * 9 / 10 {
+                    if every >= crate::clock::nine_tenths(d) {
                         problems.push(format!(
                             "Locking.{name}.renew_every ({every:?}) must be shorter than 90% of the lease ({d:?})"
                         ));
@@ -217,7 +217,7 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
         let runtime = current_runtime()?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::clock::in_(timeout);
         let turn = match self.room.enter(key) {
             Entry::Front(turn) => turn,
             Entry::Queued(ticket) => {
@@ -233,7 +233,10 @@ impl<B: LockBackend> Engine<B> {
             }
         };
         let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
-        let mut reached = false;
+        // What the latest finished attempt found, and when the one in flight (if any) was sent:
+        // they decide between `Timeout` and `Unavailable` (see `wait_outcome`).
+        let mut latest = Latest::NoAnswer;
+        let mut in_flight: Option<Instant> = None;
         let mut turn = Some(turn);
         let waited = tokio::time::timeout_at(deadline, async {
             loop {
@@ -242,18 +245,23 @@ impl<B: LockBackend> Engine<B> {
                 };
                 *attempts += 1;
                 let hint = self.backend.release_hint(current.key());
+                in_flight = Some(Instant::now());
                 let (current, sent, result) = self.attempt(current).await;
+                in_flight = None;
                 // Only a busy answer waits for the hint: after a failure the lock may well be
                 // free, and a hint that fires whenever it is would turn backoff into a spin.
                 let busy = matches!(result, Ok(None));
                 match result {
                     Ok(Some(acquired)) => return Ok(self.hold(&runtime, current, acquired, sent)),
-                    Ok(None) => reached = true,
-                    Err(error) if error.is_transient() => reached |= error.reached(),
+                    Ok(None) => latest = Latest::Answered,
+                    Err(error) if error.is_transient() && error.reached() => {
+                        latest = Latest::Answered
+                    }
+                    Err(error) if error.is_transient() => latest = Latest::Unreached(error),
                     Err(error) => return Err(attempt_error(error)),
                 }
                 turn = Some(current);
-                let wake = Instant::now() + backoff.next_delay();
+                let wake = crate::clock::in_(backoff.next_delay());
                 // The backend's hint, if it has one, cuts the sleep short. A sleep that would
                 // end at or after the deadline is not armed: the deadline ends the wait, and the
                 // turn stays with us so local waiters behind us stay quiet.
@@ -269,8 +277,12 @@ impl<B: LockBackend> Engine<B> {
         .await;
         match waited {
             Ok(result) => result,
-            Err(_) if reached => Err(timeout_error(timeout)),
-            Err(_) => Err(unreachable_error(timeout)),
+            Err(_) => Err(wait_outcome(
+                timeout,
+                latest,
+                in_flight,
+                self.options.max_retry_delay,
+            )),
         }
     }
 
@@ -456,4 +468,52 @@ fn unreachable_error(timeout: Duration) -> LockError {
         ErrorKind::Unavailable,
         format!("no attempt reached the backend within the timeout of {timeout:?}"),
     )
+}
+
+/// What the latest finished attempt of a wait found.
+enum Latest {
+    /// No attempt has finished yet.
+    NoAnswer,
+    /// The backend answered: busy, or a failure it reported itself.
+    Answered,
+    /// The attempt could not reach the backend, for this reason.
+    Unreached(BackendError),
+}
+
+/// How a wait that ran out of time ends: `Timeout` only if the backend was answering at the
+/// end, `Unavailable` (with the latest cause) if the latest attempts could not reach it.
+///
+/// The latest *finished* attempt decides, except that an attempt still unanswered at the
+/// deadline after `patience` (the longest the engine sleeps between attempts: a backend that
+/// answers takes far less) counts as not reaching the backend, so an outage that hangs
+/// requests after a busy answer is not reported as contention either.
+fn wait_outcome(
+    timeout: Duration,
+    latest: Latest,
+    in_flight: Option<Instant>,
+    patience: Duration,
+) -> LockError {
+    if let Some(sent) = in_flight {
+        let unanswered = sent.elapsed();
+        if unanswered >= patience {
+            return LockError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "the backend did not answer the latest attempt within {unanswered:?}, and the timeout of {timeout:?} ran out"
+                ),
+            );
+        }
+    }
+    match latest {
+        Latest::Answered => timeout_error(timeout),
+        Latest::NoAnswer => unreachable_error(timeout),
+        Latest::Unreached(cause) => LockError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "the latest attempt could not reach the backend ({}), and the timeout of {timeout:?} ran out",
+                cause.message()
+            ),
+        )
+        .with_source(cause),
+    }
 }

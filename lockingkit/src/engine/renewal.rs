@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use tokio::time::{sleep_until, Instant};
 
+use crate::clock::after;
+
 use super::backoff::Backoff;
 use super::held::{deadline_after, loss_deadline, Held};
 use crate::backend::{BackendErrorKind, LeaseTiming, LockBackend};
@@ -35,7 +37,7 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
     let engine = &held.engine;
     let every = engine.options.renew_every.unwrap_or(lease / 3);
     let mut deadline = loss_deadline(sent, lease);
-    let mut next = sent + every;
+    let mut next = after(sent, every);
     let mut retry = Backoff::new(
         engine.options.min_retry_delay,
         engine.options.max_retry_delay,
@@ -63,7 +65,7 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
                 engine.telemetry.renewal(true);
                 deadline = loss_deadline(sent, lease);
                 held.set_deadline(deadline);
-                next = sent + every;
+                next = after(sent, every);
                 retry.reset();
             }
             Err(error) if error.kind() == BackendErrorKind::LeaseGone => {
@@ -73,7 +75,7 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
             Err(error) => {
                 engine.telemetry.renewal(false);
                 tracing::debug!(target: "lockingkit", %error, "lease renewal failed; retrying until the deadline");
-                next = Instant::now() + retry.next_delay();
+                next = crate::clock::in_(retry.next_delay());
             }
         }
     }
@@ -90,7 +92,7 @@ async fn check_connection<B: LockBackend>(
     let ended = engine.backend.lease_ended(&held.lease);
     tokio::pin!(ended);
     // Checks are scheduled from the acquire's send time, not from when this task started.
-    let mut next = sent + interval;
+    let mut next = after(sent, interval);
     loop {
         tokio::select! {
             biased;
@@ -99,7 +101,7 @@ async fn check_connection<B: LockBackend>(
             _ = sleep_until(next) => {}
         }
         let sent = Instant::now();
-        next = sent + interval;
+        next = after(sent, interval);
         let result = tokio::select! {
             biased;
             _ = held.lost_signal().cancelled() => return Exit::Stopped,

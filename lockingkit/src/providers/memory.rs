@@ -192,7 +192,7 @@ impl LockBackend for MemoryBackend {
         let lease_id = store.inner.next_lease.fetch_add(1, Ordering::Relaxed);
         let entry = Entry {
             lease_id,
-            expires_at: now + self.lease,
+            expires_at: crate::clock::after(now, self.lease),
         };
         let key = match leases.get_key_value(key) {
             Some((_, current)) if current.expires_at > now => return Ok(None),
@@ -232,7 +232,7 @@ impl LockBackend for MemoryBackend {
         let now = Instant::now();
         match store.leases().get_mut(&*lease.key) {
             Some(entry) if entry.lease_id == lease.id && entry.expires_at > now => {
-                entry.expires_at = now + self.lease;
+                entry.expires_at = crate::clock::after(now, self.lease);
                 Ok(())
             }
             _ => Err(BackendError::lease_gone("the lease expired or was broken")),

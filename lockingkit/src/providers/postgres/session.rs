@@ -258,7 +258,7 @@ impl Session {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         Bounded {
             statement,
-            timer: Timer::Unarmed(deadline_in(timeout)),
+            timer: Timer::Unarmed(crate::clock::in_(timeout)),
             session: self,
         }
     }
@@ -359,7 +359,9 @@ async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
             _ = session.ended.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        delay = (delay * 2).min(timeout.max(Duration::from_millis(50)));
+        delay = delay
+            .saturating_mul(2)
+            .min(timeout.max(Duration::from_millis(50)));
     }
 }
 
@@ -452,18 +454,9 @@ impl<F: Future> Future for Bounded<'_, F> {
     }
 }
 
-/// The instant `timeout` from now; a timeout too long to represent means "a century", which
-/// no statement outlives.
-pub(super) fn deadline_in(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
-        .unwrap_or(now)
-}
-
 /// `future`, or `None` if it does not finish within `timeout`.
 pub(super) async fn within<F: Future>(timeout: Duration, future: F) -> Option<F::Output> {
-    tokio::time::timeout_at(deadline_in(timeout), future)
+    tokio::time::timeout_at(crate::clock::in_(timeout), future)
         .await
         .ok()
 }

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::session::{deadline_in, Session};
+use super::session::Session;
 use crate::backend::BackendError;
 
 /// Statements in flight on every open session before another one opens. Statements that
@@ -82,7 +82,7 @@ impl SessionSet {
     /// open one, or a new one while every open one is busy and the set has room. `None`: this
     /// process holds the key (or may still hold it) on every session it could use.
     pub(super) async fn reserve(&self, key: i64) -> Result<Option<Reservation>, BackendError> {
-        let give_up = deadline_in(self.timeout);
+        let give_up = crate::clock::in_(self.timeout);
         loop {
             let changed = self.changed.notified();
             match self.look(key) {

@@ -1,10 +1,12 @@
 //! Axum integration for [LockingKit](lockingkit) distributed locks.
 //!
 //! - [`lock_route`] builds a [`LockLayer`] whose key is a template over the route's path
-//!   parameters (`"orders/{id}"`), for `Router::route_layer`. Each request takes the lock
-//!   before the handler runs; a busy lock is `409 Conflict` as an RFC 9457 problem document
-//!   with code `locking.busy`; if the lock is lost while the handler runs, the handler's future
-//!   is dropped and the client gets `503`. [`lock_route_waiting`] waits for the lock instead.
+//!   parameters (`"orders/{id}"`), for `Router::route_layer` (or `Router::layer`: a request
+//!   that matches no route passes through unlocked, so `404` stays `404`). Each request takes
+//!   the lock before the handler runs; a busy lock is `409 Conflict` as an RFC 9457 problem
+//!   document with code `locking.busy`; if the lock is lost while the handler runs, the
+//!   handler's future is dropped and the client gets `503`. [`lock_route_waiting`] waits for
+//!   the lock instead.
 //! - [`HeldLock`] is the extractor that gives the handler the key, the fencing token and the
 //!   loss signal.
 //! - [`lock_route_from_state`] takes the `DistributedLock` from the application state through

@@ -9,7 +9,7 @@ use lockingkit_tower::LockLayer;
 use crate::PathTemplate;
 
 /// A layer that locks `template` (e.g. `"orders/{id}"`) filled from the route's path
-/// parameters, for `Router::route_layer`.
+/// parameters, for `Router::route_layer` (or `Router::layer`).
 ///
 /// One attempt per request: a busy lock is `409` with code `locking.busy`. The returned
 /// [`LockLayer`] can be configured further, e.g. [`wait`](LockLayer::wait),
@@ -20,6 +20,13 @@ use crate::PathTemplate;
 /// locks (or one lock in different modes) each take theirs on the method router:
 /// `post(ship).route_layer(lock_route(…))`. Two layers locking the same key on one request
 /// refuse it, because locks are not reentrant; the layer logs a warning when that happens.
+///
+/// `Router::layer` also wraps the router's fallback, on merged and nested routers too. A
+/// request that matched no route passes through such a layer unlocked, so the fallback's
+/// answer stands (`404` stays `404`). A request whose route matched but lacks a parameter the
+/// template names is refused with `400` (`locking.invalid_key`) and a logged warning, rather
+/// than served unlocked: with `Router::layer`, every route of the router needs the template's
+/// parameters, so routes of other shapes belong outside it or behind their own `route_layer`.
 ///
 /// ```
 /// use std::time::Duration;

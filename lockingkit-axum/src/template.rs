@@ -5,7 +5,8 @@ use std::future::Future;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
-use axum::extract::{FromRequestParts, RawPathParams};
+use axum::extract::rejection::RawPathParamsRejection;
+use axum::extract::{FromRequestParts, MatchedPath, RawPathParams};
 use http::request::Parts;
 use lockingkit_tower::LockKey;
 
@@ -14,12 +15,15 @@ use lockingkit_tower::LockKey;
 /// `{name}` is replaced by the value of the route's path parameter `name`, percent-decoded as
 /// axum's `Path` extractor sees it, so `/orders/42` and `/orders/%34%32` lock the same key.
 /// `{*name}` also names the parameter of a wildcard route. Everything else is copied as is;
-/// `{{` and `}}` stand for literal braces. The template is matched against the parameters of
-/// the route that matched, so the layer must be added with `Router::route_layer`.
+/// `{{` and `}}` stand for literal braces. The template is filled from the parameters of the
+/// route that matched, so the layer belongs inside the router: `Router::route_layer`,
+/// `Router::layer` or a method router's own `route_layer`.
 ///
-/// A request whose route lacks a parameter the template names yields no key (the layer answers
-/// `400`, or passes the request through if configured to), and a warning naming the missing
-/// parameter is logged once per request.
+/// A request that matched no route is not the template's business: it passes through unlocked,
+/// so the router's fallback answers it (`404` stays `404`). A request whose route matched but
+/// lacks a parameter the template names yields no key: the layer answers `400` (or passes it
+/// through if built with `pass_through_without_key`), and a warning naming the missing
+/// parameter is logged. A layer outside the router sees no route at all and answers the same.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PathTemplate {
     source: Box<str>,
@@ -108,25 +112,48 @@ fn is_param_name(name: &str) -> bool {
     !bare.is_empty() && !bare.contains(['{', '}', '/', '*'])
 }
 
+/// The path parameters axum stored when it routed the request; `None` only if the extractor
+/// ever stops completing at once.
+fn raw_path_params(request: &mut Parts) -> Option<Result<RawPathParams, RawPathParamsRejection>> {
+    // `RawPathParams` extraction is synchronous inside its async signature (it only reads the
+    // request extensions), so one poll always completes it.
+    let extraction = pin!(<RawPathParams as FromRequestParts<()>>::from_request_parts(
+        request,
+        &(),
+    ));
+    match extraction.poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(result) => Some(result),
+        Poll::Pending => None,
+    }
+}
+
 impl LockKey for PathTemplate {
+    fn applies_to(&self, request: &mut Parts) -> bool {
+        // axum stores path parameters (perhaps none) on every request it routes, fallbacks
+        // included, but a `MatchedPath` only when a route matched. Parameters without a matched
+        // path mean the request is bound for a fallback, whose answer a lock layer must not
+        // change (404 stays 404), whether the layer came with `Router::layer`, `merge` or
+        // `nest`. A request without parameters was never routed: the layer sits outside the
+        // router, and it is refused rather than quietly served unlocked.
+        request.extensions.get::<MatchedPath>().is_some()
+            || matches!(
+                raw_path_params(request),
+                Some(Err(RawPathParamsRejection::MissingPathParams(_)))
+            )
+    }
+
     fn lock_key(&self, request: &mut Parts) -> Option<String> {
-        // `RawPathParams` extraction is synchronous inside its async signature (it only reads
-        // the request extensions), so one poll always completes it.
-        let extraction = pin!(<RawPathParams as FromRequestParts<()>>::from_request_parts(
-            request,
-            &(),
-        ));
-        let params = match extraction.poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(params)) => params,
-            Poll::Ready(Err(rejection)) => {
+        let params = match raw_path_params(request)? {
+            Ok(params) => params,
+            Err(rejection) => {
                 tracing::warn!(
                     template = %self.source,
                     error = %rejection.body_text(),
-                    "no path parameters for a lock route; was it added with Router::route_layer?"
+                    "no path parameters for a lock route; the lock layer must be added inside \
+                     the router (Router::route_layer or Router::layer)"
                 );
                 return None;
             }
-            Poll::Pending => return None,
         };
         let rendered = self.render(|name| {
             params

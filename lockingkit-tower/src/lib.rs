@@ -17,8 +17,9 @@
 //! | misconfigured or failing backend | 500 | `locking.misconfigured`, `locking.backend` |
 //!
 //! A custom mapper ([`LockLayer::map_rejection`]) can replace these responses. The layer works
-//! with `tower::ServiceBuilder`, axum's `Router::route_layer` and any server built on
-//! `tower-service` (hyper-util, tonic, …). Keys never appear in responses or logs.
+//! with `tower::ServiceBuilder`, axum's `Router::route_layer` and `Router::layer`, and any
+//! server built on `tower-service` (hyper-util, tonic, …). Keys never appear in responses or
+//! logs.
 //!
 //! For axum, `lockingkit-axum` adds an extractor and a route helper that builds keys from path
 //! parameters.

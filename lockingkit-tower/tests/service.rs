@@ -15,7 +15,7 @@ use http_body_util::Full;
 use lockingkit::{
     BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, MemoryBackend, MemoryStore,
 };
-use lockingkit_tower::{LockLayer, RequestLock};
+use lockingkit_tower::{LockKey, LockLayer, RequestLock};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
 
@@ -207,4 +207,52 @@ async fn work_tied_to_the_request_lock_stops_when_the_layer_releases_it() {
         !format!("{lock:?}").contains("secret"),
         "Debug must not show the key"
     );
+}
+
+/// Locks `orders/…` paths and leaves every other request to the inner service.
+struct OrdersOnly;
+
+impl LockKey for OrdersOnly {
+    fn lock_key(&self, request: &mut Parts) -> Option<String> {
+        path_key(request).filter(|key| key != "orders/")
+    }
+
+    fn applies_to(&self, request: &mut Parts) -> bool {
+        request.uri.path().starts_with("/orders/")
+    }
+}
+
+#[tokio::test]
+async fn requests_a_lock_key_does_not_apply_to_reach_the_inner_service_unlocked() {
+    let locks = DistributedLock::in_memory();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::with_key(locks.clone(), OrdersOnly))
+        .service(service_fn(|request: Request<()>| async move {
+            let mut response = empty();
+            if request.extensions().get::<RequestLock>().is_none() {
+                *response.status_mut() = StatusCode::NOT_FOUND;
+            }
+            Ok::<_, Infallible>(response)
+        }));
+    let held = locks.try_acquire("orders/3").await.expect("free");
+
+    // Not for this layer: the inner service answers, even though no key is derivable.
+    let response = guarded(service.clone().oneshot(request("/nowhere")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    // For this layer: a missing key is still refused, and a held key is still busy.
+    let response = guarded(service.clone().oneshot(request("/orders/")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let response = guarded(service.clone().oneshot(request("/orders/3")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    held.release().await.expect("release");
+    let response = guarded(service.oneshot(request("/orders/3")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::OK);
 }

@@ -11,8 +11,9 @@ use lockingkit_tower::PROBLEM_JSON;
 
 /// Rejection of [`HeldLock`](crate::HeldLock) when the request carries no lock.
 ///
-/// The route is not behind a lock layer — typically [`lock_route`](crate::lock_route) was
-/// added with `Router::layer` after the route instead of `Router::route_layer`, or not at all.
+/// The route is not behind a lock layer — typically the route was added after the
+/// `route_layer(lock_route(…))` call, which wraps only the routes added before it, or no lock
+/// layer was added at all.
 /// That is a server bug, so the response is `500 Internal Server Error`, as an RFC 9457 problem
 /// document with code `locking.misconfigured`.
 #[derive(Clone, Copy, Default, PartialEq, Eq)]

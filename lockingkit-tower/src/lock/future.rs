@@ -81,7 +81,12 @@ where
         mapper: Arc<M>,
     ) -> Self {
         let (mut parts, body) = request.into_parts();
-        let key = config.key.lock_key(&mut parts);
+        let applies = config.key.applies_to(&mut parts);
+        let key = if applies {
+            config.key.lock_key(&mut parts)
+        } else {
+            None
+        };
         let request = Request::from_parts(parts, body);
         let state = match key {
             Some(key) => {
@@ -102,7 +107,7 @@ where
                     nested,
                 }
             }
-            None if config.pass_through_without_key => State::Unlocked {
+            None if !applies || config.pass_through_without_key => State::Unlocked {
                 response: service.call(request),
             },
             None => State::Rejected {

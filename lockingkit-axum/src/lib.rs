@@ -30,6 +30,39 @@
 //!
 //! Everything about the lock itself — modes, rejections, body holding, custom responses — is
 //! configured on the returned [`LockLayer`], documented in `lockingkit-tower`.
+//!
+//! A [`LockRejection`] is axum's `IntoResponse` (the RFC 9457 problem document), so a rejection
+//! mapper can answer some cases itself and hand the rest back, and a handler that takes another
+//! lock itself can answer as the layer would with `?`:
+//!
+//! ```
+//! use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::post, Router};
+//! use lockingkit::{DistributedLock, ErrorKind};
+//! use lockingkit_axum::{lock_route, HeldLock, LockRejection};
+//!
+//! async fn reserve(
+//!     State(locks): State<DistributedLock>,
+//!     lock: HeldLock,
+//! ) -> Result<String, LockRejection> {
+//!     // Busy stock is `409` with code `locking.busy`, like a busy order.
+//!     let stock = locks.try_acquire("inventory/widgets").await?;
+//!     stock.release().await?;
+//!     Ok(format!("reserved under fencing token {}", lock.fencing_token()))
+//! }
+//!
+//! let locks = DistributedLock::in_memory();
+//! let layer = lock_route(locks.clone(), "orders/{id}").map_rejection(|rejection: LockRejection| {
+//!     match rejection.kind() {
+//!         ErrorKind::Busy => (StatusCode::TOO_MANY_REQUESTS, "try again").into_response(),
+//!         _ => rejection.into_response(),
+//!     }
+//! });
+//! let app: Router = Router::new()
+//!     .route("/orders/{id}/reserve", post(reserve))
+//!     .route_layer(layer)
+//!     .with_state(locks);
+//! # let _ = app;
+//! ```
 
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
@@ -43,3 +76,8 @@ pub use extract::HeldLock;
 pub use lockingkit_tower::{LockLayer, LockRejection, RequestLock};
 pub use route::{lock_route, lock_route_from_state, lock_route_waiting};
 pub use template::PathTemplate;
+
+/// The HTTP guide's examples, compiled as doc tests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/http.md")]
+pub struct HttpGuideDoctests;

@@ -211,7 +211,9 @@ impl<M> LockLayer<M> {
     ///
     /// `mapper` receives every [`LockRejection`] and returns a response with the inner
     /// service's body type. [`LockRejection::problem_response`] is the default, for the cases
-    /// a mapper does not want to handle itself.
+    /// a mapper does not want to handle itself. Under axum the body type is axum's `Body`, so
+    /// each arm ends in `.into_response()`, and `rejection.into_response()` is the default
+    /// (with the `axum` feature).
     ///
     /// ```
     /// use bytes::Bytes;

@@ -8,6 +8,8 @@ use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 use lockingkit::{ErrorKind, LockError};
 
+use super::layer::{DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER};
+
 /// The media type of a problem document (RFC 9457).
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
@@ -25,6 +27,12 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 /// | `Misconfigured`, `Backend` | 500 Internal Server Error | no |
 ///
 /// A rejection never carries the lock key, so it is safe to log and to show to clients.
+///
+/// With the `axum` feature (on whenever `lockingkit-axum` is used) a rejection is axum's
+/// `IntoResponse`, answering [`problem_response`](Self::problem_response): a rejection mapper
+/// can end in `rejection.into_response()`, and a handler can return `Result<_, LockRejection>`.
+/// A handler that meets a [`LockError`] itself — locking another key, or finding its lock lost
+/// — turns it into the layer's own answer with `?` or `LockRejection::from`.
 pub struct LockRejection {
     cause: Cause,
     retry_after: Option<Duration>,
@@ -166,6 +174,31 @@ impl LockRejection {
     }
 }
 
+impl From<LockError> for LockRejection {
+    /// The rejection the layer itself would send for `error`: a [`ErrorKind::Lost`] error is
+    /// the lost-mid-request rejection, any other an acquisition's, with the default
+    /// `Retry-After`s ([`DEFAULT_BUSY_RETRY_AFTER`], [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]).
+    fn from(error: LockError) -> Self {
+        match error.kind() {
+            ErrorKind::Lost => Self::lost(error),
+            _ => Self::acquire(
+                error,
+                DEFAULT_BUSY_RETRY_AFTER,
+                DEFAULT_UNAVAILABLE_RETRY_AFTER,
+            ),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for LockRejection {
+    /// The [`problem_response`](Self::problem_response): status, problem document and
+    /// `Retry-After` where it applies.
+    fn into_response(self) -> axum_core::response::Response {
+        self.problem_response()
+    }
+}
+
 /// `Retry-After` takes whole seconds; rounding up keeps clients from retrying too early, and a
 /// zero would invite a retry storm.
 fn retry_after_seconds(after: Duration) -> u64 {
@@ -273,6 +306,28 @@ mod tests {
         assert_eq!(doc["status"], 409);
         assert_eq!(doc["code"], "locking.busy");
         assert!(doc["detail"].as_str().unwrap().contains("locked"));
+    }
+
+    #[test]
+    fn a_handlers_lock_error_becomes_the_layers_own_rejection() {
+        let lost = LockRejection::from(LockError::new(ErrorKind::Lost, "gone"));
+        assert!(lost.is_lost_mid_request());
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let busy = LockRejection::from(LockError::new(ErrorKind::Busy, "held"));
+        assert_eq!(busy.retry_after(), Some(DEFAULT_BUSY_RETRY_AFTER));
+        let down = LockRejection::from(LockError::new(ErrorKind::Unavailable, "down"));
+        assert_eq!(down.retry_after(), Some(DEFAULT_UNAVAILABLE_RETRY_AFTER));
+    }
+
+    #[cfg(feature = "axum")]
+    #[test]
+    fn into_response_is_the_problem_response() {
+        use axum_core::response::IntoResponse;
+
+        let expected = rejection(ErrorKind::Busy).problem_response::<Bytes>();
+        let response = rejection(ErrorKind::Busy).into_response();
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers(), expected.headers());
     }
 
     #[test]

@@ -74,7 +74,7 @@ mod template;
 pub use extract::rejection::MissingLock;
 pub use extract::HeldLock;
 pub use lockingkit_tower::{LockLayer, LockRejection, RequestLock};
-pub use route::{lock_route, lock_route_from_state, lock_route_waiting};
+pub use route::{lock_route, lock_route_from_state, lock_route_waiting, ProvidesLocks};
 pub use template::PathTemplate;
 
 /// The HTTP guide's examples, compiled as doc tests so they cannot rot.

@@ -62,8 +62,10 @@ pub fn lock_route_waiting(locks: DistributedLock, template: &str, timeout: Durat
     lock_route(locks, template).wait(timeout)
 }
 
-/// Like [`lock_route`], with the lock provider taken from the application state through
-/// [`FromRef`].
+/// Like [`lock_route`], with the lock provider taken from the application state.
+///
+/// The state provides it through a [`FromRef`] impl for [`DistributedLock`] — the same impl
+/// that lets handlers extract `State<DistributedLock>` (see [`ProvidesLocks`]):
 ///
 /// ```
 /// use axum::{extract::FromRef, routing::post, Router};
@@ -88,9 +90,43 @@ pub fn lock_route_waiting(locks: DistributedLock, template: &str, timeout: Durat
 ///     .with_state(state);
 /// # let _ = app;
 /// ```
-pub fn lock_route_from_state<S>(state: &S, template: &str) -> LockLayer
+///
+/// Without that impl the call does not compile, and the error names the missing impl: "the
+/// trait bound `DistributedLock: FromRef<AppState>` is not satisfied".
+///
+/// ```compile_fail,E0277
+/// use lockingkit::DistributedLock;
+/// use lockingkit_axum::lock_route_from_state;
+///
+/// #[derive(Clone)]
+/// struct AppState {
+///     locks: DistributedLock,
+/// }
+///
+/// let state = AppState { locks: DistributedLock::in_memory() };
+/// let _ = lock_route_from_state(&state, "orders/{id}"); // no `FromRef<AppState>` impl
+/// ```
+pub fn lock_route_from_state<S: ProvidesLocks>(state: &S, template: &str) -> LockLayer {
+    lock_route(state.distributed_lock(), template)
+}
+
+/// Application state that provides the [`DistributedLock`], for [`lock_route_from_state`].
+///
+/// Implemented for every state `S` for which `DistributedLock` implements [`FromRef<S>`]:
+/// write that impl, never this trait. The trait exists so that a state without the impl is
+/// reported as such; with a bare `DistributedLock: FromRef<S>` bound, the compiler inferred
+/// `S = DistributedLock` from axum's `FromRef<T> for T` and reported "expected
+/// `&DistributedLock`, found `&AppState`".
+pub trait ProvidesLocks {
+    /// The lock provider held by this state.
+    fn distributed_lock(&self) -> DistributedLock;
+}
+
+impl<S> ProvidesLocks for S
 where
     DistributedLock: FromRef<S>,
 {
-    lock_route(DistributedLock::from_ref(state), template)
+    fn distributed_lock(&self) -> DistributedLock {
+        DistributedLock::from_ref(self)
+    }
 }

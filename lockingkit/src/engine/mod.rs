@@ -35,6 +35,9 @@ use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
 /// much later than the backend notices it, and still long before the next check.
 const CONNECTION_WATCH_DELAY: Duration = Duration::from_millis(10);
 
+/// The shortest lease, check interval or renewal interval the engine accepts.
+const SHORTEST_INTERVAL: Duration = Duration::from_millis(1);
+
 /// What `DistributedLock` needs from an engine, without the backend type.
 pub(crate) trait AnyEngine: Send + Sync {
     fn name(&self) -> &str;
@@ -84,13 +87,20 @@ impl<B: LockBackend> Engine<B> {
         let timing = backend.timing();
         let mut problems = Vec::new();
         match timing {
-            LeaseTiming::Expiring(d) if d.is_zero() => {
-                problems.push("the backend's lease duration must be greater than zero".into())
-            }
-            LeaseTiming::ConnectionHeld(d) if d.is_zero() => {
-                problems.push("the backend's check interval must be greater than zero".into())
-            }
+            // Below a millisecond the keeper would renew or check in a loop that never sleeps
+            // (tokio's timers count in milliseconds), and no backend answers that fast anyway.
+            LeaseTiming::Expiring(d) if d < SHORTEST_INTERVAL => problems.push(format!(
+                "the backend's lease duration ({d:?}) must be at least {SHORTEST_INTERVAL:?}"
+            )),
+            LeaseTiming::ConnectionHeld(d) if d < SHORTEST_INTERVAL => problems.push(format!(
+                "the backend's check interval ({d:?}) must be at least {SHORTEST_INTERVAL:?}"
+            )),
             LeaseTiming::Expiring(d) => {
+                if let Some(every) = options.renew_every.filter(|e| *e < SHORTEST_INTERVAL) {
+                    problems.push(format!(
+                        "Locking.{name}.renew_every ({every:?}) must be at least {SHORTEST_INTERVAL:?}"
+                    ));
+                }
                 if let Some(every) = options.renew_every {
                     if every >= crate::clock::nine_tenths(d) {
                         problems.push(format!(

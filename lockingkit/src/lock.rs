@@ -93,11 +93,19 @@ impl DistributedLock {
 
     /// Waits up to `timeout` for `key`.
     ///
-    /// Retries with capped exponential backoff and equal jitter. Fails with
-    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the lock stayed busy, and with
-    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if no attempt reached the
-    /// backend, so an outage is not mistaken for contention. Stops at the first failure no retry
-    /// can fix. Dropping the future cancels the wait and never leaks the lock.
+    /// Retries with capped exponential backoff and equal jitter. Stops at the first failure no
+    /// retry can fix. Dropping the future cancels the wait and never leaks the lock. Any
+    /// `timeout` is accepted: `Duration::MAX` waits as long as it takes.
+    ///
+    /// When the time runs out, the latest attempt decides how the wait ends:
+    /// - [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the backend answered it (the lock
+    ///   was busy);
+    /// - [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if it could not reach the
+    ///   backend, if no attempt finished, or if the attempt in flight at the deadline had been
+    ///   unanswered for at least `max_retry_delay`. The latest cause is in the message and is
+    ///   the error's `source()`.
+    ///
+    /// So an outage is never mistaken for contention, whichever came first.
     pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockHandle, LockError> {
         self.engine.clone().acquire(key, timeout).await
     }

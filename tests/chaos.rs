@@ -585,9 +585,12 @@ async fn restarted_under_waiters(mut server: Server) {
     const PROCESSES: usize = 4;
     const WAITERS_EACH: usize = 5;
     const TOTAL: usize = PROCESSES * WAITERS_EACH;
+    // Long enough that the restart lands inside a hold, not only between holds.
+    const HOLD: Duration = Duration::from_millis(400);
     let key = unique_prefix("chaos/restart");
     let checker = Arc::new(IntervalChecker::new());
     let done = Arc::new(AtomicUsize::new(0));
+    let holding = Arc::new(AtomicUsize::new(0));
     let progress = Arc::new(tokio::sync::Notify::new());
     let mut processes = Vec::new();
     for id in 0..PROCESSES {
@@ -598,27 +601,47 @@ async fn restarted_under_waiters(mut server: Server) {
         for _ in 0..WAITERS_EACH {
             let (locks, id, key) = (process.locks.clone(), process.id, key.clone());
             let (checker, done, progress) = (checker.clone(), done.clone(), progress.clone());
+            let holding = holding.clone();
             waiters.push(tokio::spawn(async move {
                 // Long enough to ride out the restart and a lease left behind by it.
                 let handle = locks.acquire(&key, Duration::from_secs(120)).await?;
                 let start = Instant::now();
+                holding.fetch_add(1, Ordering::SeqCst);
+                progress.notify_waiters();
                 // The hold ends when the work ends or the lock is lost, whichever comes first.
-                let _ = handle
-                    .run(tokio::time::sleep(Duration::from_millis(50)))
-                    .await;
+                let worked = handle.run(tokio::time::sleep(HOLD)).await;
                 record(&checker, &key, id, handle.fencing_token(), start);
-                // A release cut off by the restart is fine: the backend frees the lock.
-                let _ = handle.release().await;
+                holding.fetch_sub(1, Ordering::SeqCst);
+                let released = handle.release().await;
+                let outcome = match worked {
+                    Ok(()) => {
+                        // The work finished first. A release cut off by the restart is not
+                        // confirmed; the backend frees the lock anyway.
+                        if let Err(error) = &released {
+                            assert_ne!(
+                                error.kind(),
+                                ErrorKind::Lost,
+                                "lost after the work: {error}"
+                            );
+                        }
+                        HoldEnd::Finished
+                    }
+                    Err(error) => {
+                        assert_eq!(error.kind(), ErrorKind::Lost, "{error}");
+                        assert_eq!(released.expect_err("a lost lock").kind(), ErrorKind::Lost);
+                        HoldEnd::Lost
+                    }
+                };
                 done.fetch_add(1, Ordering::SeqCst);
                 progress.notify_waiters();
-                Ok::<_, LockError>(())
+                Ok::<_, LockError>(outcome)
             }));
         }
     }
-    // Restart once a few holds are done and most waiters still wait.
+    // Restart while a hold is in progress, once a few holds are done and most waiters wait.
     loop {
         let notified = progress.notified();
-        if done.load(Ordering::SeqCst) >= 3 {
+        if done.load(Ordering::SeqCst) >= 3 && holding.load(Ordering::SeqCst) == 1 {
             break;
         }
         tokio::time::timeout(PATIENCE, notified)
@@ -628,12 +651,14 @@ async fn restarted_under_waiters(mut server: Server) {
     let before = done.load(Ordering::SeqCst);
     server.restart().await;
     let restarted = Instant::now();
+    let mut lost = 0;
     for waiter in waiters {
-        tokio::time::timeout(Duration::from_secs(150), waiter)
+        let end = tokio::time::timeout(Duration::from_secs(150), waiter)
             .await
             .expect("every waiter finishes")
             .expect("the waiter task")
             .expect("every waiter acquires eventually");
+        lost += usize::from(end == HoldEnd::Lost);
     }
     let holds = checker.holds();
     assert_eq!(holds.len(), TOTAL);
@@ -645,7 +670,18 @@ async fn restarted_under_waiters(mut server: Server) {
         holds.iter().any(|h| h.start > restarted),
         "waiters acquired after the restart"
     );
+    if server.kind() == Kind::Postgres {
+        // Every session ends with the server, and the hold in progress with it.
+        assert!(lost >= 1, "the hold that spanned the restart was lost");
+    }
     checker.assert_consistent();
+}
+
+/// How a hold of the restart case ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HoldEnd {
+    Finished,
+    Lost,
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1062,6 +1098,70 @@ mod postgres {
         handle.release().await.expect("release");
         usable_again(&holder, &key, &checker, token).await;
         checker.assert_consistent();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fencing_refuses_the_old_holders_late_write_after_its_session_ended() {
+        let server = Server::postgres().await;
+        let Server::Postgres(pg) = &server else {
+            unreachable!()
+        };
+        // A resource that enforces fencing: a write carries its writer's token and is
+        // accepted only above the highest token the resource has seen.
+        let resource = pg.connect().await;
+        resource
+            .batch_execute(
+                "CREATE TABLE fenced_resource (id int PRIMARY KEY, token bigint NOT NULL, writer text NOT NULL); \
+                 INSERT INTO fenced_resource VALUES (1, 0, 'nobody');",
+            )
+            .await
+            .expect("the resource");
+        let write = async |token: u64, writer: &str| -> u64 {
+            let token = i64::try_from(token).expect("a token fits a bigint");
+            resource
+                .execute(
+                    "UPDATE fenced_resource SET token = $1, writer = $2 WHERE id = 1 AND token < $1",
+                    &[&token, &writer],
+                )
+                .await
+                .expect("a write")
+        };
+        let key = unique_prefix("chaos/fenced");
+        let (holder, other) = (server.process(0).await, server.process(1).await);
+        let old = holder.locks.try_acquire(&key).await.expect("lock");
+        assert_eq!(
+            write(old.fencing_token(), "old").await,
+            1,
+            "the holder writes"
+        );
+
+        // The holder's session ends under it (a failover, a kill, an operator), and another
+        // process takes the lock, as it may before the holder can know.
+        assert_eq!(pg.terminate_lock_holders(&key).await, 1);
+        let (new, _) = contender_lock(other.wait_for(&key)).await;
+        assert!(new.fencing_token() > old.fencing_token());
+        assert_eq!(
+            write(new.fencing_token(), "new").await,
+            1,
+            "the new holder writes"
+        );
+
+        // The old holder's work was already under way with the token it was given: its late
+        // write is refused by the resource, whatever the old holder believed.
+        assert_eq!(write(old.fencing_token(), "old, late").await, 0);
+        let row = resource
+            .query_one(
+                "SELECT token, writer FROM fenced_resource WHERE id = 1",
+                &[],
+            )
+            .await
+            .expect("the resource");
+        assert_eq!(row.get::<_, String>(1), "new");
+        tokio::time::timeout(PATIENCE, old.lost_token().cancelled())
+            .await
+            .expect("the old holder learns of the loss");
+        assert_eq!(old.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+        new.release().await.expect("release");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -409,6 +409,120 @@ async fn a_missing_container_is_misconfigured() {
         request_error(&error).and_then(AzureRequestError::error_code),
         Some("ContainerNotFound")
     );
+    assert!(
+        error
+            .message()
+            .contains("the container `no-such-container` does not exist"),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_a_missing_container_at_startup_and_ensure_container_creates_it() {
+    let azurite = Azurite::start().await;
+    let backend = AzureBlobBackend::new(options(&azurite).container("fresh-locks"))
+        .expect("valid Azure options");
+    let error = backend.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(
+        error
+            .message()
+            .contains("the container `fresh-locks` does not exist"),
+        "{error}"
+    );
+
+    // The development opt-in creates it; a second call finds it there.
+    backend
+        .ensure_container()
+        .await
+        .expect("create the container");
+    backend
+        .ensure_container()
+        .await
+        .expect("an existing container is fine");
+    backend.verify().await.expect("the container exists now");
+    let locks = DistributedLock::builder(backend)
+        .build()
+        .expect("valid lock options");
+    locks
+        .try_acquire(&unique("fresh"))
+        .await
+        .expect("acquire in the new container")
+        .release()
+        .await
+        .expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_verifies_every_azure_provider_in_one_error() {
+    let azurite = Azurite::start().await;
+    let section = |container: &str| {
+        serde_json::json!({
+            "provider": "azure_blob",
+            "connection_string": azurite.connection_string(),
+            "container": container,
+            "lease_duration": "15s",
+            "request_timeout": "2s",
+        })
+    };
+    let config = lockingkit::LockingConfig::new()
+        .with_section("Default", section("locks"))
+        .with_section("Jobs", section("job-locks"))
+        .with_section("Reports", section("report-locks"))
+        .with_section("Scratch", serde_json::json!({"provider": "in_memory"}));
+    let locking = lockingkit::Locking::from_config(config).expect("valid configuration");
+    let error = locking.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    let shown = error.to_string();
+    assert!(
+        shown.contains("Locking.Jobs: the container `job-locks` does not exist"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("Locking.Reports: the container `report-locks` does not exist"),
+        "{shown}"
+    );
+    assert!(!shown.contains("Locking.Default"), "{shown}");
+
+    azurite.create_container("job-locks").await;
+    azurite.create_container("report-locks").await;
+    locking.verify().await.expect("every container exists now");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_account_name_is_misconfigured_and_says_what_to_check() {
+    let azurite = Azurite::start().await;
+    if azurite.is_external() {
+        return; // a real account name that does not exist fails in DNS instead
+    }
+    // The account renamed everywhere, as when the name is mistyped: Azurite has no such
+    // account and answers 404 ResourceNotFound.
+    let wrong = azurite
+        .connection_string()
+        .replace("devstoreaccount1", "devstoreaccount2");
+    let backend = AzureBlobBackend::new(
+        AzureBlobOptions::from_connection_string(wrong)
+            .lease_duration(LEASE)
+            .request_timeout(Duration::from_secs(2)),
+    )
+    .expect("valid Azure options");
+    let error = backend.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(error.message().contains("AccountName"), "{error}");
+
+    let locks = DistributedLock::builder(backend)
+        .build()
+        .expect("valid lock options");
+    let error = locks.try_acquire(&unique("account")).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(
+        error.message().contains("no such account at this endpoint"),
+        "{error}"
+    );
+    assert_eq!(
+        request_error(&error).and_then(AzureRequestError::status),
+        Some(404)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

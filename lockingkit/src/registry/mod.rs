@@ -125,6 +125,48 @@ impl Locking {
     pub fn is_empty(&self) -> bool {
         self.providers.is_empty()
     }
+
+    /// Checks over the network what [`build`](LockingBuilder::build) cannot, since building
+    /// stays synchronous and offline: for every Azure Blob provider, that the account exists,
+    /// the credential is accepted and the container exists (see
+    /// [`AzureBlobBackend::verify`](crate::providers::azure::AzureBlobBackend::verify)).
+    /// Other providers are not contacted. Call it once at startup, after `build`.
+    ///
+    /// Fails with one [`ErrorKind::Misconfigured`] error listing every provider's problem,
+    /// each prefixed with its section (such as "Locking.Jobs: the container \`job-locks\` does
+    /// not exist …"); when nothing is misconfigured but a service did not answer, with
+    /// [`ErrorKind::Unavailable`].
+    pub async fn verify(&self) -> Result<(), LockError> {
+        let mut misconfigured = Vec::new();
+        let mut other: Option<LockError> = None;
+        for lock in self.providers.iter() {
+            let Err(error) = verify_provider(lock).await else {
+                continue;
+            };
+            let problem = format!("Locking.{}: {}", lock.name(), error.message());
+            if error.kind() == ErrorKind::Misconfigured {
+                misconfigured.push(problem);
+            } else if other.is_none() {
+                other = Some(LockError::new(error.kind(), problem));
+            }
+        }
+        match other {
+            _ if !misconfigured.is_empty() => Err(crate::engine::misconfigured(&misconfigured)),
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The startup check of one provider, for those that have one.
+#[allow(clippy::unused_async)]
+async fn verify_provider(lock: &DistributedLock) -> Result<(), LockError> {
+    #[cfg(feature = "azure")]
+    if let Some(azure) = lock.backend::<crate::providers::azure::AzureBlobBackend>() {
+        return azure.verify().await;
+    }
+    let _ = lock;
+    Ok(())
 }
 
 impl fmt::Debug for Locking {

@@ -89,8 +89,15 @@ pub(crate) fn is(error: &azure_core::Error, status: u16, code: &str) -> bool {
     status_and_code(error) == Some((status, Some(code)))
 }
 
-/// The backend error for a failed `operation`.
-pub(crate) fn classify(operation: &'static str, error: &azure_core::Error) -> BackendError {
+/// The backend error for a failed `operation` on a guard blob of `container`.
+///
+/// The container name is not a secret and names what an operator must create; the blob name
+/// (the key) is never part of the message.
+pub(crate) fn classify(
+    container: &str,
+    operation: &'static str,
+    error: &azure_core::Error,
+) -> BackendError {
     let (status, code) = match status_and_code(error) {
         Some((status, code)) => (Some(status), code.map(str::to_owned)),
         None => (None, None),
@@ -119,11 +126,23 @@ pub(crate) fn classify(operation: &'static str, error: &azure_core::Error) -> Ba
         )),
         (_, Some(401 | 403)) => BackendError::misconfigured(format!(
             "Azure Blob Storage refused the credentials or the permission ({described}); \
-             check the account key, SAS or role assignment (Storage Blob Data Contributor)"
+             check the account name and key, SAS or role assignment (Storage Blob Data \
+             Contributor)"
         )),
         (_, Some(404)) if source.error_code() == Some("ContainerNotFound") => {
             BackendError::misconfigured(format!(
-                "the lock container does not exist ({described}); create it first"
+                "the container `{container}` does not exist in the storage account \
+                 ({described}); create it, or call AzureBlobBackend::ensure_container in \
+                 development"
+            ))
+        }
+        // Azurite (and a custom BlobEndpoint whose path names another account) answers a
+        // request for an account it does not have with a bare 404 ResourceNotFound: nothing
+        // about the key or the container, so it can only be the account or endpoint.
+        (_, Some(404)) if source.error_code() == Some("ResourceNotFound") => {
+            BackendError::misconfigured(format!(
+                "Azure Blob Storage has no such account at this endpoint ({described}); check \
+                 AccountName and BlobEndpoint in the connection string, or service_url"
             ))
         }
         _ if is_lease_gone(error) => {
@@ -185,7 +204,7 @@ mod tests {
     }
 
     fn kind(status: StatusCode, code: Option<&str>) -> BackendErrorKind {
-        classify("op", &http(status, code)).kind()
+        classify("locks", "op", &http(status, code)).kind()
     }
 
     #[test]
@@ -227,6 +246,34 @@ mod tests {
             kind(StatusCode::NotFound, Some("ContainerNotFound")),
             BackendErrorKind::Misconfigured
         );
+        assert_eq!(
+            kind(StatusCode::NotFound, Some("ResourceNotFound")),
+            BackendErrorKind::Misconfigured
+        );
+    }
+
+    #[test]
+    fn a_missing_container_is_named_and_a_missing_account_is_explained() {
+        let container = classify(
+            "job-locks",
+            "acquire lease",
+            &http(StatusCode::NotFound, Some("ContainerNotFound")),
+        );
+        assert!(
+            container
+                .message()
+                .contains("the container `job-locks` does not exist"),
+            "{container}"
+        );
+        let account = classify(
+            "locks",
+            "acquire lease",
+            &http(StatusCode::NotFound, Some("ResourceNotFound")),
+        );
+        assert!(account.message().contains("AccountName"), "{account}");
+        for error in [container, account] {
+            assert!(!error.message().contains("customer-secret-key"), "{error}");
+        }
     }
 
     #[test]
@@ -249,7 +296,7 @@ mod tests {
         for sdk in [SdkErrorKind::Connection, SdkErrorKind::Io] {
             let error = azure_core::Error::with_message(sdk, "connection refused");
             assert_eq!(
-                classify("op", &error).kind(),
+                classify("locks", "op", &error).kind(),
                 BackendErrorKind::Transient { reached: false }
             );
         }
@@ -270,6 +317,7 @@ mod tests {
     #[test]
     fn messages_keep_status_and_code_but_never_the_url() {
         let error = classify(
+            "locks",
             "renew lease",
             &http(StatusCode::Conflict, Some("LeaseLost")),
         );

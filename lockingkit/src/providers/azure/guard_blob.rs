@@ -22,7 +22,7 @@ use azure_storage_blob::models::{
 };
 use azure_storage_blob::{BlobClient, BlobContainerClient};
 
-use super::errors::{self, classify};
+use super::errors;
 use super::transport::{GuardPath, PLACEHOLDER_BLOB};
 use super::AzureBlobLease;
 use crate::backend::BackendError;
@@ -49,6 +49,8 @@ struct KnownGuard {
 /// context (see `transport`), so the SDK's request logs never show a name derived from a key.
 pub(crate) struct GuardBlobs {
     container: BlobContainerClient,
+    /// The container's name, for messages that tell an operator what to create.
+    container_name: String,
     placeholder: Arc<BlobClient>,
     lease_seconds: i32,
     request_timeout: Duration,
@@ -58,12 +60,14 @@ pub(crate) struct GuardBlobs {
 impl GuardBlobs {
     pub(crate) fn new(
         container: BlobContainerClient,
+        container_name: &str,
         lease_duration: Duration,
         request_timeout: Duration,
     ) -> Self {
         GuardBlobs {
             placeholder: Arc::new(container.blob_client(PLACEHOLDER_BLOB)),
             container,
+            container_name: container_name.to_owned(),
             // Validated to 15..=60 whole seconds before we get here.
             lease_seconds: i32::try_from(lease_duration.as_secs()).unwrap_or(60),
             request_timeout,
@@ -77,6 +81,38 @@ impl GuardBlobs {
 
     pub(crate) fn guard(&self, key: &str) -> BlobClient {
         self.container.blob_client(&azure_blob_name(key))
+    }
+
+    fn classify(&self, operation: &'static str, error: &azure_core::Error) -> BackendError {
+        errors::classify(&self.container_name, operation, error)
+    }
+
+    /// Asks for the placeholder blob's properties, the cheapest request that needs what every
+    /// lock needs: the endpoint, the account, a credential allowed to read blobs, and the
+    /// container. "No such blob" is the expected answer and means all four are right.
+    ///
+    /// The placeholder is read, never written: no blob is created by a check.
+    pub(crate) async fn verify(&self) -> Result<(), BackendError> {
+        let answer = self
+            .call("check container", self.placeholder.get_properties(None))
+            .await?;
+        match answer {
+            Ok(_) => Ok(()),
+            Err(e) if errors::is(&e, 404, "BlobNotFound") => Ok(()),
+            Err(e) => Err(self.classify("check container", &e)),
+        }
+    }
+
+    /// Creates the container unless it exists.
+    pub(crate) async fn ensure_container(&self) -> Result<(), BackendError> {
+        let answer = self
+            .call("create container", self.container.create(None))
+            .await?;
+        match answer {
+            Ok(_) => Ok(()),
+            Err(e) if errors::is(&e, 409, "ContainerAlreadyExists") => Ok(()),
+            Err(e) => Err(self.classify("create container", &e)),
+        }
     }
 
     /// Runs one SDK call within the request timeout, retries included.
@@ -140,7 +176,7 @@ impl GuardBlobs {
                     ));
                 }
                 Err(e) => {
-                    let error = classify("acquire lease", &e);
+                    let error = self.classify("acquire lease", &e);
                     if !error_reached(&error) {
                         self.release_in_background(&path, &proposed);
                     }
@@ -216,7 +252,7 @@ impl GuardBlobs {
             {
                 Ok(())
             }
-            Err(e) => Err(classify("create guard blob", &e)),
+            Err(e) => Err(self.classify("create guard blob", &e)),
         }
     }
 
@@ -249,7 +285,7 @@ impl GuardBlobs {
                         self.placeholder.get_properties(Some(options)),
                     )
                     .await?
-                    .map_err(|e| during_acquire(classify("read fencing token", &e)))?;
+                    .map_err(|e| during_acquire(self.classify("read fencing token", &e)))?;
                 properties
                     .metadata()
                     .map_err(|_| errors::unexpected("read fencing token", "unreadable metadata"))?
@@ -279,7 +315,7 @@ impl GuardBlobs {
                 self.placeholder.set_metadata(&metadata, Some(options)),
             )
             .await?
-            .map_err(|e| during_acquire(classify("write fencing token", &e)))?;
+            .map_err(|e| during_acquire(self.classify("write fencing token", &e)))?;
         let etag = written
             .headers()
             .get_optional_str(&azure_core::http::headers::ETAG)
@@ -315,7 +351,7 @@ impl GuardBlobs {
         )
         .await?
         .map(drop)
-        .map_err(|e| classify("renew lease", &e))
+        .map_err(|e| self.classify("renew lease", &e))
     }
 
     pub(crate) async fn release(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
@@ -334,7 +370,7 @@ impl GuardBlobs {
         )
         .await?
         .map(drop)
-        .map_err(|e| classify("release lease", &e))
+        .map_err(|e| self.classify("release lease", &e))
     }
 }
 

@@ -76,7 +76,9 @@ impl AzureBlobBackend {
     ///
     /// Fails with [`ErrorKind::Misconfigured`], listing every problem, when the options are
     /// invalid or name a `service_url` (which needs [`with_credential`](Self::with_credential)).
-    /// Nothing is sent to Azure here: a wrong key or a missing container shows on first use.
+    /// Nothing is sent to Azure here (building stays synchronous and works offline): call
+    /// [`verify`](Self::verify) at startup so that a wrong key, account or missing container
+    /// stops the service there, rather than failing its first lock.
     pub fn new(options: AzureBlobOptions) -> Result<Self, LockError> {
         let mut problems = options.problems(SECTION);
         if options.service_url.is_some() && options.connection_string.is_none() {
@@ -150,11 +152,54 @@ impl AzureBlobBackend {
         AzureBlobBackend {
             guards: Arc::new(GuardBlobs::new(
                 container,
+                &options.container,
                 options.lease_duration,
                 options.request_timeout,
             )),
             lease_duration: options.lease_duration,
         }
+    }
+
+    /// Checks, with one request, that the endpoint answers, the account exists, the
+    /// credential may read blobs and the container exists, so a deployment that cannot lock
+    /// fails at startup.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`] naming what is wrong (for a missing container,
+    /// its name), or [`ErrorKind::Unavailable`] when the service does not answer within
+    /// `request_timeout`. Nothing is created or written. [`Locking::verify`] runs this for
+    /// every Azure provider of a registry.
+    ///
+    /// [`Locking::verify`]: crate::registry::Locking::verify
+    ///
+    /// ```no_run
+    /// # use lockingkit::{AzureBlobBackend, AzureBlobOptions, DistributedLock};
+    /// # async fn run() -> Result<(), lockingkit::LockError> {
+    /// let backend = AzureBlobBackend::new(AzureBlobOptions::from_connection_string(
+    ///     std::env::var("STORAGE").unwrap_or_default(),
+    /// ))?;
+    /// backend.verify().await?; // locking.misconfigured: the container `locks` does not exist …
+    /// let locks = DistributedLock::builder(backend).build()?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn verify(&self) -> Result<(), LockError> {
+        self.guards
+            .verify()
+            .await
+            .map_err(BackendError::into_lock_error)
+    }
+
+    /// Creates the container if it does not exist: for development and tests (a fresh
+    /// Azurite has no containers).
+    ///
+    /// Creating containers needs more rights than locking (the account key, an account SAS
+    /// or *Storage Blob Data Contributor* on the account, not just the container), which a
+    /// production identity should not have; there, create the container with your
+    /// infrastructure and call [`verify`](Self::verify) instead. Fails like `verify`.
+    pub async fn ensure_container(&self) -> Result<(), LockError> {
+        self.guards
+            .ensure_container()
+            .await
+            .map_err(BackendError::into_lock_error)
     }
 
     /// The lease duration.

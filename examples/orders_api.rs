@@ -10,9 +10,17 @@
 //! ```text
 //! LOCKINGKIT_POSTGRES_URL=postgres://user:pass@127.0.0.1:5432/app \
 //!   cargo run -p lockingkit-examples --features postgres --example orders_api
-//! AZURE_STORAGE_CONNECTION_STRING='UseDevelopmentStorage=true' \
+//! AZURE_STORAGE_CONNECTION_STRING='UseDevelopmentStorage=true' LOCKINGKIT_CREATE_CONTAINER=1 \
 //!   cargo run -p lockingkit-examples --features azure --example orders_api
 //! ```
+//!
+//! On Azure the example checks at startup that the `locks` container exists and the
+//! credentials are accepted, and refuses to start with a message saying what is wrong.
+//! `LOCKINGKIT_CREATE_CONTAINER=1` creates the container instead, which a fresh Azurite needs
+//! (creating containers takes more rights than locking: leave it off in production).
+//!
+//! Every refused request is logged to stderr with its error code and message (never the key),
+//! so a lock service that refuses everything is visible, not just a stream of 500s.
 //!
 //! Routes:
 //! - `POST /orders/{id}/ship` — locks `orders/{id}` for one attempt: a second concurrent call
@@ -26,15 +34,17 @@
 
 use std::collections::HashMap;
 use std::error::Error;
+use std::process::ExitCode;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::extract::{FromRef, Path, State};
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use lockingkit::DistributedLock;
-use lockingkit_axum::{lock_route_from_state, HeldLock};
+use lockingkit_axum::{lock_route_from_state, HeldLock, LockRejection};
 
 /// How long the simulated shipping and payment take, so that a second curl can collide.
 const WORK: Duration = Duration::from_secs(3);
@@ -130,8 +140,24 @@ async fn show(State(state): State<AppState>, Path(id): Path<String>) -> (StatusC
     }
 }
 
+/// Logs why a request was refused, then answers with the default problem document.
+///
+/// The rejection carries the error code and message but never the lock key, which is derived
+/// from the order id and may identify a customer.
+fn log_rejection(rejection: LockRejection) -> Response {
+    match rejection.error() {
+        Some(error) => eprintln!("lock refused ({}): {}", rejection.status(), error),
+        None => eprintln!(
+            "lock refused ({}): {}",
+            rejection.status(),
+            rejection.code()
+        ),
+    }
+    rejection.into_response()
+}
+
 /// The lock provider: PostgreSQL or Azure when configured (and compiled in), else in-memory.
-fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
+async fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
     let postgres = std::env::var("LOCKINGKIT_POSTGRES_URL")
         .ok()
         .filter(|v| !v.is_empty());
@@ -156,6 +182,26 @@ fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
         let options = lockingkit::AzureBlobOptions::from_connection_string(connection_string)
             .container("locks");
         let backend = lockingkit::AzureBlobBackend::new(options)?;
+        // Building sends nothing to Azure; this is where a missing container or a wrong
+        // account stops the example instead of every write answering 500.
+        let create = std::env::var("LOCKINGKIT_CREATE_CONTAINER").is_ok_and(|v| v == "1");
+        if create {
+            backend.ensure_container().await?;
+        } else {
+            backend.verify().await.map_err(|error| {
+                use lockingkit::providers::azure::AzureRequestError;
+                let code = Error::source(&error)
+                    .and_then(|source| source.downcast_ref::<AzureRequestError>())
+                    .and_then(AzureRequestError::error_code);
+                match code {
+                    Some("ContainerNotFound") => format!(
+                        "{error}\n(for a fresh Azurite, LOCKINGKIT_CREATE_CONTAINER=1 creates \
+                         the container)"
+                    ),
+                    _ => error.to_string(),
+                }
+            })?;
+        }
         return Ok(DistributedLock::builder(backend).build()?);
     }
     #[cfg(not(feature = "azure"))]
@@ -171,8 +217,10 @@ fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
 fn app(state: AppState) -> Router {
     // Each lock is layered on its own method router: a `Router::route_layer` would also wrap
     // every route added before it, and two layers locking the same key refuse each other.
-    let ship_lock = lock_route_from_state(&state, "orders/{id}");
-    let pay_lock = lock_route_from_state(&state, "orders/{id}").wait(Duration::from_secs(10));
+    let ship_lock = lock_route_from_state(&state, "orders/{id}").map_rejection(log_rejection);
+    let pay_lock = lock_route_from_state(&state, "orders/{id}")
+        .wait(Duration::from_secs(10))
+        .map_rejection(log_rejection);
     Router::new()
         .route("/orders/{id}/ship", post(ship).route_layer(ship_lock))
         .route("/orders/{id}/pay", post(pay).route_layer(pay_lock))
@@ -181,8 +229,19 @@ fn app(state: AppState) -> Router {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn Error>> {
-    let locks = lock_provider()?;
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // Display, not Debug: the message says what is wrong and what to do.
+            eprintln!("orders_api: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn Error>> {
+    let locks = lock_provider().await?;
     let addr = std::env::var("ORDERS_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     let addr = listener.local_addr()?;

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{quick_polling, unique_prefix, ContractBackend, Hold, IntervalChecker};
+use super::{
+    abandon_after_polls, quick_polling, unique_prefix, ContractBackend, Hold, IntervalChecker,
+};
 use crate::{DistributedLock, ErrorKind, LockError, LockHandle, LockOptions};
 
 /// Unwraps a result the contract requires to be `Ok`, failing the case with context otherwise.
@@ -44,6 +46,48 @@ async fn until_queued(lock: &DistributedLock, key: &str, count: usize) {
     while lock.waiting(key) < count {
         assert!(Instant::now() < give_up, "waiters never queued");
         tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// How long a process may take to give a key up at the backend once its holder is gone
+/// (released, dropped, or an attempt whose caller went away): a quarter of a lease period.
+/// A leaked lease frees the key only when it expires — or never, on a connection-held backend,
+/// whose lease period is only the check interval — so it cannot pass for a release in this time.
+fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
+    backend.lease_period() / 4
+}
+
+/// Waits, yielding, until `lock` holds, attempts and queues for nothing, failing the case after
+/// `within`. The engine passes a key on only once its release at the backend has answered, so an
+/// idle process has given every lock it had back to the backend.
+async fn until_idle(lock: &DistributedLock, within: Duration, what: &str) {
+    let give_up = Instant::now() + within;
+    while lock.active_keys() != 0 {
+        assert!(
+            Instant::now() < give_up,
+            "contract broken: {what}: the process still had {} key(s) after {within:?}",
+            lock.active_keys()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Once the holder in `from` is gone, `to` (another process) gets `key` on its first try, well
+/// before a leaked lease could have expired.
+async fn next_process_gets_it_at_once<B: ContractBackend>(
+    backend: &B,
+    from: &DistributedLock,
+    to: &DistributedLock,
+    key: &str,
+    what: &str,
+) -> LockHandle {
+    until_idle(from, release_settles_within(backend), what).await;
+    match to.try_acquire(key).await {
+        Ok(handle) => handle,
+        Err(error) => panic!(
+            "contract broken: {what}: another process could not take the key at once, so the \
+             lock was not released at the backend: {error}"
+        ),
     }
 }
 
@@ -121,10 +165,14 @@ pub async fn release_is_idempotent_and_drop_releases<B: ContractBackend>(backend
     let lost = held.lost_token();
     drop(held);
     assert!(lost.is_cancelled(), "the lost token fires on drop");
-    let next = required(
-        procs[1].acquire(&key, Duration::from_secs(10)).await,
-        "another process after a drop released in the background",
-    );
+    let next = next_process_gets_it_at_once(
+        backend,
+        &procs[0],
+        &procs[1],
+        &key,
+        "a dropped handle is released in the background",
+    )
+    .await;
     required(next.release().await, "release");
     assert_eq!(procs[0].active_keys(), 0, "nothing left behind locally");
 }
@@ -293,20 +341,42 @@ pub async fn cancellation_before_during_and_after_an_attempt_leaks_nothing<B: Co
         let cut = Duration::from_micros(50 + round * 150);
         let attempt = tokio::time::timeout(cut, procs[0].try_acquire(&key)).await;
         drop(attempt);
-        let next = required(
-            procs[1].acquire(&key, Duration::from_secs(20)).await,
-            "another process after a cancelled attempt",
-        );
+        let next = next_process_gets_it_at_once(
+            backend,
+            &procs[0],
+            &procs[1],
+            &key,
+            "a lease won by a cancelled attempt is released",
+        )
+        .await;
+        required(next.release().await, "release");
+    }
+    // During, at chosen points: right after the attempt was first polled (its request sent or
+    // queued), and after more and more of it ran.
+    for polls in 1..=10 {
+        drop(abandon_after_polls(procs[0].try_acquire(&key), polls).await);
+        let next = next_process_gets_it_at_once(
+            backend,
+            &procs[0],
+            &procs[1],
+            &key,
+            "a lease won by an attempt abandoned in flight is released",
+        )
+        .await;
         required(next.release().await, "release");
     }
 
     // After: the attempt won and the handle is dropped at once.
     let won = required(procs[0].try_acquire(&key).await, "acquire");
     drop(won);
-    let next = required(
-        procs[1].acquire(&key, Duration::from_secs(20)).await,
-        "another process after a dropped handle",
-    );
+    let next = next_process_gets_it_at_once(
+        backend,
+        &procs[0],
+        &procs[1],
+        &key,
+        "a handle dropped as soon as it was won is released",
+    )
+    .await;
     required(next.release().await, "release");
 
     let give_up = Instant::now() + Duration::from_secs(20);

@@ -25,15 +25,39 @@
 //!
 //! The cases run in real time against the real backend; they panic with a description when the
 //! backend breaks the contract, like any test assertion.
+//!
+//! Two more cases need the backend itself, not only a `DistributedLock`, and take a function
+//! that makes one "process"'s backend:
+//! [`each_lease_is_released_exactly_once`] counts releases at the backend through a
+//! [`CountingBackend`], and [`a_repeated_or_late_release_never_frees_the_next_holder`] sends
+//! releases directly. Call them from your own tests:
+//!
+//! ```ignore
+//! #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+//! async fn each_lease_is_released_exactly_once() {
+//!     let server = MyServer::start().await;
+//!     lockingkit::testing::each_lease_is_released_exactly_once(
+//!         || MyBackend::connect(&server.url),
+//!         std::time::Duration::from_secs(1),
+//!     )
+//!     .await;
+//! }
+//! ```
 
 mod cases;
+mod counting;
 mod intervals;
+mod release;
 
 use std::future::Future;
 use std::time::Duration;
 
 pub use cases::*;
+pub use counting::{CountedLease, CountingBackend};
 pub use intervals::{Hold, IntervalChecker};
+pub use release::{
+    a_repeated_or_late_release_never_frees_the_next_holder, each_lease_is_released_exactly_once,
+};
 
 use crate::{DistributedLock, LockOptions};
 
@@ -44,7 +68,8 @@ pub trait ContractBackend: Send + Sync {
     fn new_process(&self, options: LockOptions) -> impl Future<Output = DistributedLock> + Send;
 
     /// One lease period: the lease duration of an expiring backend, or the check interval of a
-    /// connection-held one. The renewal case holds a lock for more than three of these.
+    /// connection-held one. The renewal case holds a lock for more than three of these, and a
+    /// process whose holder is gone must have given the key back within a quarter of one.
     fn lease_period(&self) -> Duration;
 }
 
@@ -55,6 +80,23 @@ pub fn quick_polling() -> LockOptions {
         max_retry_delay: Duration::from_millis(100),
         ..LockOptions::default()
     }
+}
+
+/// Polls `work` up to `polls` times, yielding to the runtime in between, and drops it if it has
+/// not finished: a caller that goes away at a chosen point of its attempt. A wall-clock cut
+/// alone is not enough, because tokio's timers count whole milliseconds and a backend on
+/// loopback answers sooner, so no attempt would ever be abandoned in flight.
+async fn abandon_after_polls<F: Future>(work: F, polls: usize) -> Option<F::Output> {
+    use std::task::Poll;
+    let mut work = std::pin::pin!(work);
+    for _ in 0..polls {
+        let polled = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
+        if let Poll::Ready(output) = polled {
+            return Some(output);
+        }
+        tokio::task::yield_now().await;
+    }
+    None
 }
 
 /// A key prefix unique to this run, so repeated runs against one server do not meet.

@@ -1,0 +1,115 @@
+//! A backend wrapper that counts the releases reaching the backend, lease by lease.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::{Acquired, BackendError, LeaseTiming, LockBackend};
+
+/// Wraps a [`LockBackend`] and counts, for every lease it grants, the releases sent for it.
+///
+/// The engine promises a backend that `release` is called at most once per lease, and a lease
+/// won by an attempt whose caller went away is still released: counting at the backend is the
+/// only place where a skipped or doubled release shows, because a leaked lease expires and a
+/// second release is refused without any caller noticing. Clones share their counts.
+pub struct CountingBackend<B> {
+    inner: Arc<B>,
+    /// Releases sent, per lease, in the order the leases were granted.
+    releases: Arc<Mutex<Vec<usize>>>,
+}
+
+impl<B> Clone for CountingBackend<B> {
+    fn clone(&self) -> Self {
+        CountingBackend {
+            inner: self.inner.clone(),
+            releases: self.releases.clone(),
+        }
+    }
+}
+
+/// A lease granted through a [`CountingBackend`]: the wrapped backend's lease and its number.
+pub struct CountedLease<L> {
+    inner: L,
+    index: usize,
+}
+
+impl<L> CountedLease<L> {
+    /// The wrapped backend's lease.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+}
+
+impl<B> CountingBackend<B> {
+    /// Counts what reaches `inner`.
+    pub fn new(inner: B) -> Self {
+        CountingBackend {
+            inner: Arc::new(inner),
+            releases: Arc::default(),
+        }
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
+    /// How many releases were sent for each lease granted so far, in grant order.
+    pub fn releases_per_lease(&self) -> Vec<usize> {
+        self.releases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl<B: LockBackend> LockBackend for CountingBackend<B> {
+    type Lease = CountedLease<B::Lease>;
+
+    fn provider(&self) -> &str {
+        self.inner.provider()
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        let acquired = self.inner.try_acquire(key).await?;
+        Ok(acquired.map(|acquired| {
+            let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
+            releases.push(0);
+            Acquired {
+                lease: CountedLease {
+                    inner: acquired.lease,
+                    index: releases.len() - 1,
+                },
+                fencing_token: acquired.fencing_token,
+            }
+        }))
+    }
+
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.renew(&lease.inner).await
+    }
+
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        // Counted when sent, not when answered: a release that never answers still went out.
+        if let Some(count) = self
+            .releases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(lease.index)
+        {
+            *count += 1;
+        }
+        self.inner.release(&lease.inner).await
+    }
+
+    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
+        self.inner.release_hint(key)
+    }
+
+    fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {
+        self.inner.lease_ended(&lease.inner)
+    }
+}

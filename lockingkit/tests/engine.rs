@@ -31,8 +31,14 @@ struct Recording<B> {
     in_flight: Arc<AtomicUsize>,
     max_in_flight: Arc<AtomicUsize>,
     released: Arc<Notify>,
+    /// Releases sent to the backend, counted when sent.
+    releases: Arc<AtomicUsize>,
+    /// Releases the backend answered.
+    answered: tokio::sync::watch::Sender<usize>,
     /// While set, attempts wait for `gate` before reaching the inner backend.
     gate: Arc<Mutex<Option<Arc<Notify>>>>,
+    /// While set, releases wait for `release_gate` before reaching the inner backend.
+    release_gate: Arc<Mutex<Option<Arc<Notify>>>>,
 }
 
 impl<B> Recording<B> {
@@ -43,8 +49,25 @@ impl<B> Recording<B> {
             in_flight: Arc::default(),
             max_in_flight: Arc::default(),
             released: Arc::new(Notify::new()),
+            releases: Arc::default(),
+            answered: tokio::sync::watch::channel(0).0,
             gate: Arc::default(),
+            release_gate: Arc::default(),
         }
+    }
+
+    fn releases(&self) -> usize {
+        self.releases.load(Ordering::SeqCst)
+    }
+
+    /// Waits until the backend has answered `count` releases in all; fails the test if that
+    /// takes any (virtual) time.
+    async fn until_answered(&self, count: usize) {
+        let mut answered = self.answered.subscribe();
+        tokio::time::timeout(NO_TIME, answered.wait_for(|n| *n >= count))
+            .await
+            .unwrap_or_else(|_| panic!("release {count} never reached the backend"))
+            .unwrap();
     }
 
     fn attempt_times(&self) -> Vec<Instant> {
@@ -54,6 +77,12 @@ impl<B> Recording<B> {
     fn close_gate(&self) -> Arc<Notify> {
         let gate = Arc::new(Notify::new());
         *self.gate.lock().unwrap() = Some(gate.clone());
+        gate
+    }
+
+    fn close_release_gate(&self) -> Arc<Notify> {
+        let gate = Arc::new(Notify::new());
+        *self.release_gate.lock().unwrap() = Some(gate.clone());
         gate
     }
 }
@@ -87,11 +116,21 @@ impl<B: LockBackend> LockBackend for Recording<B> {
     }
 
     async fn release(&self, lease: &B::Lease) -> Result<(), BackendError> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        let gate = self.release_gate.lock().unwrap().clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
         let result = self.inner.release(lease).await;
         self.released.notify_one();
+        self.answered.send_modify(|n| *n += 1);
         result
     }
 }
+
+/// How long a test waits for something the engine does without any time passing: on paused
+/// time, a wait that would hang instead fails after this much virtual time.
+const NO_TIME: Duration = Duration::from_secs(1);
 
 fn memory_pair() -> (MemoryStore, DistributedLock) {
     let store = MemoryStore::new();
@@ -145,6 +184,100 @@ async fn lease_is_lost_27s_after_last_renewal_sent_when_renewal_hangs() {
         "the hung renewal at 20 s was the last one sent"
     );
     assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
+}
+
+/// An in-memory backend whose renewals take [`RENEWAL_LATENCY`] (on tokio's clock) to answer,
+/// as a slow network's would.
+struct SlowRenewals(MemoryBackend);
+
+const RENEWAL_LATENCY: Duration = Duration::from_secs(4);
+
+impl LockBackend for SlowRenewals {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        "slow_renewals"
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.0.timing()
+    }
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        tokio::time::sleep(RENEWAL_LATENCY).await;
+        self.0.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.release(lease).await
+    }
+}
+
+/// Holds "report" with renewals that take 4 s to answer: the renewal sent at 10 s succeeds at
+/// 14 s, then `fault` applies to the one sent at 20 s and every retry. Returns when the lock
+/// was lost, counted from the acquire's send.
+async fn loss_with_slow_renewals(fault: RenewalFault) -> Duration {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(SlowRenewals(MemoryBackend::new(store.clone())))
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let handle = locks.try_acquire("report").await.unwrap();
+    let lost = handle.lost_token();
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert_eq!(
+        store.renewals(),
+        1,
+        "the renewal sent at 10 s answered at 14 s"
+    );
+    assert!(handle.is_held());
+    store.set_renewal_fault(fault);
+
+    // The deadline is 27 s after the good renewal was sent (10 s), not after it answered (14 s).
+    tokio::time::sleep_until(start + Duration::from_secs(37) - TIMER_RESOLUTION).await;
+    assert!(handle.is_held(), "still held just before the deadline");
+    lost.cancelled().await;
+    let lost_at = start.elapsed();
+    assert!(!handle.is_held());
+    assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
+    assert_eq!(handle.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+    lost_at
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_is_lost_27s_after_last_renewal_sent_when_slow_renewals_then_fail() {
+    let lost_at = loss_with_slow_renewals(RenewalFault::Fail).await;
+    assert_at(lost_at, Duration::from_secs(37));
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_is_lost_27s_after_last_renewal_sent_when_slow_renewals_then_hang() {
+    let lost_at = loss_with_slow_renewals(RenewalFault::Hang).await;
+    assert_at(lost_at, Duration::from_secs(37));
+}
+
+/// A holder whose runtime is starved past the loss deadline: its keeper task never got to run,
+/// yet the handle says the lock is lost the moment the holder's own code runs again. Real time
+/// on a current-thread runtime, blocked the way a CPU-bound step or a paused process blocks it.
+#[tokio::test]
+async fn a_stalled_holder_sees_its_lock_lost_before_the_keeper_runs() {
+    let lease = Duration::from_millis(200);
+    let locks = DistributedLock::builder(MemoryBackend::with_lease(MemoryStore::new(), lease))
+        .build()
+        .unwrap();
+    let handle = locks.try_acquire("report").await.unwrap();
+    let lost = handle.lost_token();
+    // Past the deadline (180 ms after the acquire was sent) without yielding once.
+    std::thread::sleep(lease);
+    assert!(
+        !lost.is_cancelled(),
+        "the keeper cannot have run on the blocked runtime"
+    );
+    assert!(!handle.is_held(), "is_held checks the deadline itself");
+    assert_eq!(handle.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+    assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
+    tokio::time::timeout(Duration::from_secs(5), lost.cancelled())
+        .await
+        .expect("the keeper declares the loss once it runs");
 }
 
 #[tokio::test(start_paused = true)]
@@ -658,11 +791,14 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
     *recording.gate.lock().unwrap() = None;
     let released = recording.released.notified();
     gate.notify_one();
-    released.await;
+    tokio::time::timeout(NO_TIME, released)
+        .await
+        .expect("the orphan released the lease it won");
     assert!(
         !store.is_locked("k"),
         "the lease the orphan won was released"
     );
+    assert_eq!(recording.releases(), 1);
     tokio::task::yield_now().await;
     assert_eq!(locks.active_keys(), 0);
     assert!(locks.try_acquire("k").await.is_ok());
@@ -678,8 +814,11 @@ async fn cancelling_after_the_attempt_means_dropping_the_handle_which_releases_i
     let released = recording.released.notified();
     drop(handle);
     assert!(lost.is_cancelled(), "the lost token fires on drop");
-    released.await;
+    tokio::time::timeout(NO_TIME, released)
+        .await
+        .expect("the dropped handle was released in the background");
     assert!(!store.is_locked("k"));
+    assert_eq!(recording.releases(), 1);
     tokio::task::yield_now().await;
     assert_eq!(locks.active_keys(), 0);
 }
@@ -699,6 +838,87 @@ async fn release_is_confirmed_fires_the_lost_token_and_happens_once() {
     assert!(handle.is_held());
     assert!(!handle.lost_token().is_cancelled());
     handle.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_way_a_hold_ends_sends_exactly_one_release() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+
+    locks
+        .try_acquire("k")
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    assert_eq!(recording.releases(), 1, "release()");
+
+    drop(locks.try_acquire("k").await.unwrap());
+    recording.until_answered(2).await;
+    assert_eq!(recording.releases(), 2, "drop");
+
+    let gate = recording.close_gate();
+    let attempt = locks.try_acquire("k");
+    assert!(tokio::time::timeout(Duration::from_millis(10), attempt)
+        .await
+        .is_err());
+    *recording.gate.lock().unwrap() = None;
+    gate.notify_one();
+    recording.until_answered(3).await;
+    assert_eq!(recording.releases(), 3, "a cancelled attempt that won");
+
+    let lost = locks.try_acquire("k").await.unwrap();
+    assert!(store.break_lease("k"));
+    lost.lost_token().cancelled().await;
+    recording.until_answered(4).await;
+    assert_eq!(lost.release().await.unwrap_err().kind(), ErrorKind::Lost);
+    assert_eq!(recording.releases(), 4, "a loss, then release()");
+
+    // Nothing is sent later either.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(recording.releases(), 4);
+    assert_eq!(locks.active_keys(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_late_release_of_a_lost_lock_cannot_free_the_next_holder() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let start = Instant::now();
+    let first = locks.try_acquire("k").await.unwrap();
+    store.set_renewal_fault(RenewalFault::Hang);
+    let release_gate = recording.close_release_gate();
+    first.lost_token().cancelled().await;
+    assert_at(start.elapsed(), Duration::from_secs(27));
+    store.set_renewal_fault(RenewalFault::None);
+
+    // The lost lock's best-effort release is held up; the lease expires at the store at 30 s
+    // and another process takes the key.
+    let other = DistributedLock::in_memory_shared(&store);
+    let next = other.acquire("k", Duration::from_secs(5)).await.unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(37),
+        "within the late release's timeout"
+    );
+    assert!(next.fencing_token() > first.fencing_token());
+
+    release_gate.notify_one();
+    recording.until_answered(1).await;
+    assert_eq!(recording.releases(), 1, "one release for the lost lock");
+    assert!(next.is_held());
+    assert!(
+        store.is_locked("k"),
+        "the late release freed the next holder"
+    );
+    let third = DistributedLock::in_memory_shared(&store);
+    assert_eq!(
+        third.try_acquire("k").await.unwrap_err().kind(),
+        ErrorKind::Busy
+    );
+    next.release().await.unwrap();
 }
 
 #[tokio::test(start_paused = true)]

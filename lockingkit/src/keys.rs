@@ -274,6 +274,53 @@ mod tests {
             }
         }
 
+        /// Keys whose escaped name is within a few characters of the 1024 limit, either side:
+        /// `~` escapes to three characters and `a` stays one, mixed in any order.
+        #[test]
+        fn names_at_and_around_1024_characters_are_hashed_exactly_above_it(
+            escaped_len in 1000usize..=1048,
+            order in any::<u64>(),
+        ) {
+            let tildes = escaped_len / 3;
+            let letters = escaped_len - tildes * 3;
+            let mut key: Vec<char> = std::iter::repeat_n('~', tildes)
+                .chain(std::iter::repeat_n('a', letters))
+                .collect();
+            // A cheap deterministic shuffle from the generated seed.
+            let mut seed = order | 1;
+            for i in (1..key.len()).rev() {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                key.swap(i, (seed % (i as u64 + 1)) as usize);
+            }
+            let key: String = key.into_iter().collect();
+            prop_assert!(validate_key(&key).is_ok());
+            let name = azure_blob_name(&key);
+            if escaped_len <= AZURE_MAX_BLOB_NAME_CHARS {
+                prop_assert_eq!(name.len(), escaped_len);
+                prop_assert_eq!(decode(&name), Some(key));
+            } else {
+                prop_assert!(name.starts_with("~sha256~") && name.len() == 8 + 64, "{}", name.len());
+            }
+        }
+
+        /// Keys of 250 to 258 segments: at most 254 stay readable, more are hashed.
+        #[test]
+        fn names_at_and_around_254_segments_are_hashed_exactly_above_it(
+            segments in 250usize..=258,
+            segment in "[a-z0-9]{1,2}",
+        ) {
+            let key = vec![segment.as_str(); segments].join("/");
+            prop_assume!(validate_key(&key).is_ok());
+            let name = azure_blob_name(&key);
+            if segments <= AZURE_MAX_BLOB_NAME_SEGMENTS {
+                prop_assert_eq!(&name, &key);
+            } else {
+                prop_assert!(name.starts_with("~sha256~") && name.len() == 8 + 64);
+            }
+        }
+
         #[test]
         fn distinct_keys_get_distinct_blob_names(a in key_strategy(), b in key_strategy()) {
             prop_assume!(a != b);

@@ -79,6 +79,16 @@ impl Azurite {
         azurite
     }
 
+    /// A local Azurite this test controls (kill, pause, restart), whatever the environment
+    /// says: tests that inject faults start their own instead of skipping.
+    pub async fn start_local(persistence: Persistence) -> Azurite {
+        let azurite = tokio::task::spawn_blocking(move || Self::spawn_local(persistence))
+            .await
+            .expect("the Azurite start task panicked");
+        azurite.create_container("locks").await;
+        azurite
+    }
+
     fn spawn_local(persistence: Persistence) -> Azurite {
         let workspace = match persistence {
             Persistence::InMemory => None,

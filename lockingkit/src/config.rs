@@ -2,28 +2,36 @@
 
 use std::time::Duration;
 
+/// What a duration setting expects, for messages about one that did not parse.
+pub(crate) const EXPECTED_DURATION: &str =
+    "expected a duration such as \"30s\" or \"250ms\" (units ms, s, m, h; a bare whole number is milliseconds)";
+
+/// The newtype name [`duration`] deserializes through, so the configuration binder can tell a
+/// duration field from any other without reading error text.
+pub(crate) const DURATION_NEWTYPE: &str = "lockingkit::config::Duration";
+
+/// The newtype name [`SecretString`] deserializes through, so the binder knows which settings
+/// to keep out of messages.
+pub(crate) const SECRET_NEWTYPE: &str = "lockingkit::config::SecretString";
+
 /// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"` or `"1h"`; a bare number is milliseconds.
+///
+/// Errors never repeat the text: a secret pasted into a duration setting must not reach a log.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("`{text}` is not a duration such as 250ms, 30s or 2m"))?;
+    let value: f64 = number.parse().map_err(|_| EXPECTED_DURATION.to_owned())?;
     let seconds = match unit.trim() {
         "" | "ms" => value / 1000.0,
         "s" => value,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
-        other => {
-            return Err(format!(
-                "unknown duration unit `{other}` (use ms, s, m or h)"
-            ))
-        }
+        _ => return Err(format!("unknown duration unit: {EXPECTED_DURATION}")),
     };
-    Duration::try_from_secs_f64(seconds).map_err(|_| format!("`{text}` is out of range"))
+    Duration::try_from_secs_f64(seconds).map_err(|_| "the duration is out of range".to_owned())
 }
 
 /// Writes a duration in the form [`parse_duration`] reads.
@@ -40,24 +48,59 @@ pub fn format_duration(duration: Duration) -> String {
 pub mod duration {
     use std::time::Duration;
 
-    use serde::{de, Deserialize, Deserializer, Serializer};
+    use serde::{de, Deserializer, Serializer};
 
     /// Serializes as `"30s"` or `"250ms"`.
     pub fn serialize<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(&super::format_duration(*value))
     }
 
-    /// Accepts `"30s"`-style strings and integers (milliseconds).
+    /// Accepts `"30s"`-style strings and whole numbers (milliseconds).
+    ///
+    /// Anything else (a negative or fractional number, a list) fails with a message that says
+    /// what is expected and does not repeat the value.
     pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Millis(u64),
-            Text(String),
+        deserializer.deserialize_newtype_struct(super::DURATION_NEWTYPE, DurationVisitor)
+    }
+
+    struct DurationVisitor;
+
+    impl<'de> de::Visitor<'de> for DurationVisitor {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&super::EXPECTED_DURATION["expected ".len()..])
         }
-        match Raw::deserialize(deserializer)? {
-            Raw::Millis(ms) => Ok(Duration::from_millis(ms)),
-            Raw::Text(text) => super::parse_duration(&text).map_err(de::Error::custom),
+
+        fn visit_newtype_struct<D: Deserializer<'de>>(
+            self,
+            deserializer: D,
+        ) -> Result<Duration, D::Error> {
+            deserializer.deserialize_any(self)
+        }
+
+        fn visit_u64<E: de::Error>(self, ms: u64) -> Result<Duration, E> {
+            Ok(Duration::from_millis(ms))
+        }
+
+        fn visit_i64<E: de::Error>(self, ms: i64) -> Result<Duration, E> {
+            u64::try_from(ms).map(Duration::from_millis).map_err(|_| {
+                E::custom(format!(
+                    "must not be negative: {}",
+                    super::EXPECTED_DURATION
+                ))
+            })
+        }
+
+        fn visit_f64<E: de::Error>(self, _ms: f64) -> Result<Duration, E> {
+            Err(E::custom(format!(
+                "a bare number is whole milliseconds: {}",
+                super::EXPECTED_DURATION
+            )))
+        }
+
+        fn visit_str<E: de::Error>(self, text: &str) -> Result<Duration, E> {
+            super::parse_duration(text).map_err(E::custom)
         }
     }
 }
@@ -105,6 +148,36 @@ mod tests {
         assert!(parse_duration("5 fortnights").is_err());
     }
 
+    #[derive(Debug, serde::Deserialize)]
+    struct Lease {
+        #[serde(with = "duration")]
+        lease: Duration,
+    }
+
+    fn lease(json: &str) -> Result<Duration, String> {
+        serde_json::from_str::<Lease>(json)
+            .map(|l| l.lease)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_duration_that_does_not_parse_says_what_is_expected_without_the_value() {
+        assert_eq!(lease(r#"{"lease": 250}"#), Ok(Duration::from_millis(250)));
+        assert_eq!(
+            lease(r#"{"lease": "1.5s"}"#),
+            Ok(Duration::from_millis(1500))
+        );
+        for bad in ["-5", "1.5", r#""soon-hunter2""#, "[1]", r#""5 fortnights""#] {
+            let error = lease(&format!(r#"{{"lease": {bad}}}"#)).unwrap_err();
+            assert!(
+                error.contains(r#"a duration such as "30s" or "250ms""#),
+                "{bad}: {error}"
+            );
+            assert!(!error.contains("untagged"), "{bad}: {error}");
+            assert!(!error.contains("hunter2"), "{bad}: {error}");
+        }
+    }
+
     #[test]
     fn formatted_durations_parse_back() {
         for d in [
@@ -121,9 +194,41 @@ mod tests {
 ///
 /// Its `Debug` and `Display` print `[redacted]`, so option structs that hold one can derive
 /// `Debug` without leaking it into logs or errors. Read it with [`SecretString::expose`].
-#[derive(Clone, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(transparent)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct SecretString(String);
+
+impl<'de> serde::Deserialize<'de> for SecretString {
+    /// Reads a string, through a named newtype so the configuration binder knows the setting
+    /// is secret (formats without newtypes pass the string straight through).
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SecretVisitor;
+
+        impl<'de> serde::de::Visitor<'de> for SecretVisitor {
+            type Value = SecretString;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_newtype_struct<D: serde::Deserializer<'de>>(
+                self,
+                deserializer: D,
+            ) -> Result<SecretString, D::Error> {
+                <String as serde::Deserialize>::deserialize(deserializer).map(SecretString)
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<SecretString, E> {
+                Ok(SecretString(text.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<SecretString, E> {
+                Ok(SecretString(text))
+            }
+        }
+
+        deserializer.deserialize_newtype_struct(SECRET_NEWTYPE, SecretVisitor)
+    }
+}
 
 impl SecretString {
     /// Wraps a secret.

@@ -40,10 +40,52 @@ fn match_fields(map: Map<String, Value>, fields: &[&str]) -> Vec<(String, Value)
         .collect()
 }
 
+/// Why a setting did not bind, as data: the binder words its own messages from this and the
+/// field's [`Expected`] type, never from a parser's text (which may quote the value).
+#[derive(Debug)]
+pub(crate) enum BindError {
+    /// A required field is absent.
+    Missing(&'static str),
+    /// A setting no field takes.
+    Unknown(String),
+    /// A value of the wrong type or form; the parser's words are kept only for `Display`.
+    Invalid(String),
+}
+
+impl std::fmt::Display for BindError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BindError::Missing(field) => write!(f, "missing field `{field}`"),
+            BindError::Unknown(field) => write!(f, "unknown field `{field}`"),
+            BindError::Invalid(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for BindError {}
+
+impl de::Error for BindError {
+    fn custom<T: std::fmt::Display>(msg: T) -> Self {
+        BindError::Invalid(msg.to_string())
+    }
+
+    fn missing_field(field: &'static str) -> Self {
+        BindError::Missing(field)
+    }
+
+    fn unknown_field(field: &str, _expected: &'static [&'static str]) -> Self {
+        BindError::Unknown(field.to_owned())
+    }
+}
+
+fn invalid(error: serde_json::Error) -> BindError {
+    BindError::Invalid(error.to_string())
+}
+
 /// A configuration value that binds leniently (see the module docs).
 pub(crate) struct Lenient(pub(crate) Value);
 
-impl<'de> IntoDeserializer<'de, serde_json::Error> for Lenient {
+impl<'de> IntoDeserializer<'de, BindError> for Lenient {
     type Deserializer = Self;
 
     fn into_deserializer(self) -> Self {
@@ -54,7 +96,7 @@ impl<'de> IntoDeserializer<'de, serde_json::Error> for Lenient {
 fn visit_entries<'de, V: Visitor<'de>>(
     entries: Vec<(String, Value)>,
     visitor: V,
-) -> Result<V::Value, serde_json::Error> {
+) -> Result<V::Value, BindError> {
     let mut map = MapDeserializer::new(
         entries
             .into_iter()
@@ -75,17 +117,17 @@ macro_rules! lenient_number {
                         return visitor.$visit(number);
                     }
                 }
-                self.0.$method(visitor)
+                self.0.$method(visitor).map_err(invalid)
             }
         )+
     };
 }
 
 impl<'de> de::Deserializer<'de> for Lenient {
-    type Error = serde_json::Error;
+    type Error = BindError;
 
     fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
-        self.0.deserialize_any(visitor)
+        self.0.deserialize_any(visitor).map_err(invalid)
     }
 
     fn deserialize_bool<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
@@ -96,7 +138,7 @@ impl<'de> de::Deserializer<'de> for Lenient {
                 _ => {}
             }
         }
-        self.0.deserialize_bool(visitor)
+        self.0.deserialize_bool(visitor).map_err(invalid)
     }
 
     lenient_number! {
@@ -136,14 +178,14 @@ impl<'de> de::Deserializer<'de> for Lenient {
                 seq.end()?;
                 Ok(value)
             }
-            other => other.deserialize_seq(visitor),
+            other => other.deserialize_seq(visitor).map_err(invalid),
         }
     }
 
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
         match self.0 {
             Value::Object(map) => visit_entries(map.into_iter().collect(), visitor),
-            other => other.deserialize_map(visitor),
+            other => other.deserialize_map(visitor).map_err(invalid),
         }
     }
 
@@ -155,7 +197,9 @@ impl<'de> de::Deserializer<'de> for Lenient {
     ) -> Result<V::Value, Self::Error> {
         match self.0 {
             Value::Object(map) => visit_entries(match_fields(map, fields), visitor),
-            other => other.deserialize_struct(name, fields, visitor),
+            other => other
+                .deserialize_struct(name, fields, visitor)
+                .map_err(invalid),
         }
     }
 
@@ -165,7 +209,9 @@ impl<'de> de::Deserializer<'de> for Lenient {
         variants: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, Self::Error> {
-        self.0.deserialize_enum(name, variants, visitor)
+        self.0
+            .deserialize_enum(name, variants, visitor)
+            .map_err(invalid)
     }
 
     fn deserialize_tuple<V: Visitor<'de>>(
@@ -242,6 +288,265 @@ impl<'de> de::Deserializer<'de> for FieldProbe {
     }
 }
 
+/// What a field expects, found by asking its `Deserialize` impl which type it wants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Expected {
+    /// An unsigned integer up to `max`.
+    Unsigned(u64),
+    /// A signed integer.
+    Signed,
+    /// A number.
+    Float,
+    /// `true` or `false`.
+    Bool,
+    /// Text.
+    Text,
+    /// A secret ([`SecretString`](crate::config::SecretString)).
+    Secret,
+    /// A duration ([`crate::config::duration`]).
+    Duration,
+    /// Anything else (a list, a table, a custom type).
+    Other,
+}
+
+impl Expected {
+    /// What to write instead, for a setting that did not bind.
+    pub(crate) fn describe(self) -> String {
+        match self {
+            Expected::Unsigned(max) => format!("expected a whole number from 0 to {max}"),
+            Expected::Signed => "expected a whole number".to_owned(),
+            Expected::Float => "expected a number".to_owned(),
+            Expected::Bool => "expected true or false".to_owned(),
+            Expected::Text | Expected::Secret => "expected a string".to_owned(),
+            Expected::Duration => crate::config::EXPECTED_DURATION.to_owned(),
+            Expected::Other => "has the wrong type or form".to_owned(),
+        }
+    }
+}
+
+/// What `field` of `T` expects.
+pub(crate) fn expected<T: de::DeserializeOwned>(field: &'static str) -> Expected {
+    match T::deserialize(OneField(field)) {
+        Err(Probe(expected)) => expected,
+        Ok(_) => Expected::Other,
+    }
+}
+
+/// The answer of a probe, carried as its error.
+#[derive(Debug)]
+struct Probe(Expected);
+
+impl std::fmt::Display for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("type probe")
+    }
+}
+
+impl std::error::Error for Probe {}
+
+impl de::Error for Probe {
+    fn custom<T: std::fmt::Display>(_msg: T) -> Self {
+        Probe(Expected::Other)
+    }
+}
+
+/// A struct with one field set, whose value answers which type it was asked for.
+struct OneField(&'static str);
+
+impl<'de> de::Deserializer<'de> for OneField {
+    type Error = Probe;
+
+    fn deserialize_any<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value, Probe> {
+        Err(Probe(Expected::Other))
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Probe> {
+        visitor.visit_map(MapDeserializer::new(std::iter::once((self.0, TypeProbe))))
+    }
+
+    forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+        ignored_any
+    }
+}
+
+/// A value that fails with the type it was asked for.
+struct TypeProbe;
+
+impl<'de> IntoDeserializer<'de, Probe> for TypeProbe {
+    type Deserializer = Self;
+
+    fn into_deserializer(self) -> Self {
+        self
+    }
+}
+
+macro_rules! probe_as {
+    ($($method:ident => $expected:expr;)+) => {
+        $(
+            fn $method<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value, Probe> {
+                Err(Probe($expected))
+            }
+        )+
+    };
+}
+
+impl<'de> de::Deserializer<'de> for TypeProbe {
+    type Error = Probe;
+
+    probe_as! {
+        deserialize_any => Expected::Other;
+        deserialize_u8 => Expected::Unsigned(u8::MAX.into());
+        deserialize_u16 => Expected::Unsigned(u16::MAX.into());
+        deserialize_u32 => Expected::Unsigned(u32::MAX.into());
+        deserialize_u64 => Expected::Unsigned(u64::MAX);
+        deserialize_i8 => Expected::Signed;
+        deserialize_i16 => Expected::Signed;
+        deserialize_i32 => Expected::Signed;
+        deserialize_i64 => Expected::Signed;
+        deserialize_f32 => Expected::Float;
+        deserialize_f64 => Expected::Float;
+        deserialize_bool => Expected::Bool;
+        deserialize_str => Expected::Text;
+        deserialize_string => Expected::Text;
+        deserialize_char => Expected::Text;
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Probe> {
+        visitor.visit_some(self)
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, Probe> {
+        match name {
+            crate::config::SECRET_NEWTYPE => Err(Probe(Expected::Secret)),
+            crate::config::DURATION_NEWTYPE => Err(Probe(Expected::Duration)),
+            _ => visitor.visit_newtype_struct(self),
+        }
+    }
+
+    forward_to_deserialize_any! {
+        i128 u128 bytes byte_buf unit unit_struct seq tuple tuple_struct map struct enum
+        identifier ignored_any
+    }
+}
+
+/// The required fields of `T` that `present` lacks, found by binding a stand-in value for
+/// every present field and asking serde which field it misses, until it misses none.
+pub(crate) fn missing_fields<T: de::DeserializeOwned>(
+    present: &[&'static str],
+) -> Vec<&'static str> {
+    let mut given = present.to_vec();
+    let mut missing = Vec::new();
+    let limit = struct_fields::<T>().map_or(0, <[_]>::len);
+    for _ in 0..=limit {
+        let entries = given.iter().map(|field| (*field, StandIn));
+        match T::deserialize(StandInStruct(entries.collect())) {
+            Err(BindError::Missing(field)) if !given.contains(&field) => {
+                missing.push(field);
+                given.push(field);
+            }
+            _ => break,
+        }
+    }
+    missing
+}
+
+/// A struct whose given fields hold [`StandIn`] values.
+struct StandInStruct(Vec<(&'static str, StandIn)>);
+
+impl<'de> de::Deserializer<'de> for StandInStruct {
+    type Error = BindError;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_map(MapDeserializer::new(self.0.into_iter()))
+    }
+
+    forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        option unit unit_struct newtype_struct seq tuple tuple_struct map struct enum identifier
+        ignored_any
+    }
+}
+
+/// A value that binds as the zero of whatever type asks for it.
+#[derive(Clone, Copy)]
+struct StandIn;
+
+impl<'de> IntoDeserializer<'de, BindError> for StandIn {
+    type Deserializer = Self;
+
+    fn into_deserializer(self) -> Self {
+        self
+    }
+}
+
+impl<'de> de::Deserializer<'de> for StandIn {
+    type Error = BindError;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_u64(0)
+    }
+
+    fn deserialize_bool<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_bool(false)
+    }
+
+    fn deserialize_i64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_i64(0)
+    }
+
+    fn deserialize_f64<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_f64(0.0)
+    }
+
+    fn deserialize_str<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_str("")
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_none()
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, BindError> {
+        visitor.visit_newtype_struct(self)
+    }
+
+    fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_seq(SeqDeserializer::new(std::iter::empty::<StandIn>()))
+    }
+
+    fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_map(MapDeserializer::new(std::iter::empty::<(&str, StandIn)>()))
+    }
+
+    fn deserialize_unit<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_unit()
+    }
+
+    forward_to_deserialize_any! {
+        i8 i16 i32 i128 u8 u16 u32 u64 u128 f32 char bytes byte_buf unit_struct tuple
+        tuple_struct struct enum identifier ignored_any
+    }
+
+    fn deserialize_string<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, BindError> {
+        visitor.visit_str("")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -261,7 +566,7 @@ mod tests {
         check_every: Option<Duration>,
     }
 
-    fn bind(value: Value) -> Result<Pool, serde_json::Error> {
+    fn bind(value: Value) -> Result<Pool, BindError> {
         Pool::deserialize(Lenient(value))
     }
 
@@ -322,6 +627,35 @@ mod tests {
         assert_eq!(
             struct_fields::<std::collections::HashMap<String, String>>(),
             None
+        );
+    }
+
+    #[test]
+    fn each_field_says_what_it_expects() {
+        assert_eq!(
+            expected::<Pool>("max_connections"),
+            Expected::Unsigned(u32::MAX.into())
+        );
+        assert_eq!(expected::<Pool>("tls"), Expected::Bool);
+        assert_eq!(expected::<Pool>("connection_string"), Expected::Text);
+        assert_eq!(expected::<Pool>("check_every"), Expected::Duration);
+
+        #[derive(Deserialize)]
+        #[allow(dead_code)]
+        struct Vault {
+            token: crate::config::SecretString,
+        }
+        assert_eq!(expected::<Vault>("token"), Expected::Secret);
+    }
+
+    #[test]
+    fn missing_required_fields_are_found_without_reading_error_text() {
+        assert_eq!(
+            missing_fields::<Pool>(&["tls"]),
+            ["connection_string", "max_connections"]
+        );
+        assert!(
+            missing_fields::<Pool>(&["connection_string", "max_connections", "tls"]).is_empty()
         );
     }
 

@@ -2,12 +2,15 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::{Mutex, PoisonError};
 
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::lenient::{canonical, struct_fields, Lenient};
+use super::lenient::{
+    canonical, expected, missing_fields, struct_fields, BindError, Expected, Lenient,
+};
 use crate::error::{ErrorKind, LockError};
 
 /// The `Locking` section of the host's configuration: one sub-section per named provider.
@@ -165,6 +168,8 @@ pub struct ProviderSection {
     path: String,
     provider: String,
     settings: Map<String, Value>,
+    /// The values to keep out of messages, learnt by [`bind`](Self::bind); `None` until then.
+    secrets: Mutex<Option<Vec<String>>>,
 }
 
 impl ProviderSection {
@@ -179,6 +184,7 @@ impl ProviderSection {
             path,
             provider,
             settings,
+            secrets: Mutex::new(None),
         }
     }
 
@@ -205,14 +211,41 @@ impl ProviderSection {
     /// Binds the provider settings to `T`, listing every problem in one `Misconfigured` error.
     ///
     /// Field names match ignoring case, `_` and `-`; a setting no field of `T` takes is a
-    /// problem (for types that deserialize as a plain struct). Error messages never repeat a
-    /// setting's value, so a misplaced secret does not leak into logs.
+    /// problem (for types that deserialize as a plain struct), and so is each setting that does
+    /// not parse, each saying what it expects. Error messages never repeat a setting's value.
+    /// Fields of type [`SecretString`](crate::config::SecretString) are remembered as secret:
+    /// if the factory's own errors quote their values, the registry removes them.
     pub fn bind<T: DeserializeOwned>(&self) -> Result<T, LockError> {
-        let mut problems = Vec::new();
-        let bound = bind_settings::<T>(&self.path, &self.provider, &self.settings, &mut problems);
-        match bound {
-            Some(value) if problems.is_empty() => Ok(value),
-            _ => Err(problem_list(problems)),
+        let bound = self.bind_recorded::<T>();
+        match bound.value {
+            Some(value) if bound.problems.is_empty() => Ok(value),
+            _ => Err(problem_list(
+                bound.problems.iter().map(ToString::to_string).collect(),
+            )),
+        }
+    }
+
+    /// Binds like [`bind`](Self::bind), keeping the partial result and remembering secrets.
+    pub(super) fn bind_recorded<T: DeserializeOwned>(&self) -> Bound<T> {
+        let bound = bind_section::<T>(&self.path, &self.provider, &self.settings);
+        let mut secrets = self.secrets.lock().unwrap_or_else(PoisonError::into_inner);
+        secrets
+            .get_or_insert_with(Vec::new)
+            .extend(bound.secrets.iter().cloned());
+        bound
+    }
+
+    /// The values to keep out of messages: those of secret and unknown settings once the
+    /// section was bound, every string value if it never was (nothing is known about it).
+    pub(super) fn secrets(&self) -> Vec<String> {
+        let secrets = self.secrets.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*secrets {
+            Some(secrets) => secrets.clone(),
+            None => {
+                let mut all = Vec::new();
+                collect_strings(&Value::Object(self.settings.clone()), &mut all);
+                all
+            }
         }
     }
 }
@@ -233,88 +266,151 @@ pub(super) fn problem_list(problems: Vec<String>) -> LockError {
     LockError::new(ErrorKind::Misconfigured, problems.join("; "))
 }
 
-/// Binds `settings` to `T`, pushing one problem per bad setting; `None` when any failed.
-pub(super) fn bind_settings<T: DeserializeOwned>(
+/// One configuration problem: the setting (or section) it is about, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Problem {
+    path: String,
+    message: String,
+    /// Whether the message is a detail after a colon (`path: expected …`) rather than the
+    /// rest of a sentence (`path is required`).
+    detail: bool,
+}
+
+impl Problem {
+    /// `path` followed by the rest of a sentence: `Locking.Jobs.account is required`.
+    pub(crate) fn sentence(path: String, rest: impl Into<String>) -> Self {
+        Problem {
+            path,
+            message: rest.into(),
+            detail: false,
+        }
+    }
+
+    /// `path`, a colon and a detail: `Locking.Jobs.lease_duration: expected a duration …`.
+    pub(crate) fn detail(path: String, detail: impl Into<String>) -> Self {
+        Problem {
+            path,
+            message: detail.into(),
+            detail: true,
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let separator = if self.detail { ": " } else { " " };
+        write!(f, "{}{separator}{}", self.path, self.message)
+    }
+}
+
+/// A section bound as far as it goes.
+pub(crate) struct Bound<T> {
+    /// `T` from every setting that parsed (defaults for the others), unless a required one
+    /// is missing or bad.
+    pub(crate) value: Option<T>,
+    /// One problem per unknown, unparsable or missing setting.
+    pub(crate) problems: Vec<Problem>,
+    /// The fields whose setting did not parse: `value` holds their defaults, so checks that
+    /// involve them would judge a value nobody wrote.
+    pub(crate) unparsed: Vec<&'static str>,
+    /// The values of secret and unknown settings, to keep out of messages.
+    pub(crate) secrets: Vec<String>,
+}
+
+impl<T> Bound<T> {
+    /// `checks` of the bound value, leaving out those about a setting that did not parse.
+    pub(crate) fn checked(&self, checks: impl FnOnce(&T) -> Vec<String>) -> Vec<String> {
+        let Some(value) = &self.value else {
+            return Vec::new();
+        };
+        checks(value)
+            .into_iter()
+            .filter(|problem| !self.unparsed.iter().any(|field| problem.contains(field)))
+            .collect()
+    }
+}
+
+/// Binds `settings` to `T`: each setting on its own, so one bad setting hides nothing, then
+/// `T` from the settings that parsed.
+pub(crate) fn bind_section<T: DeserializeOwned>(
     path: &str,
     provider: &str,
     settings: &Map<String, Value>,
-    problems: &mut Vec<String>,
-) -> Option<T> {
-    let before = problems.len();
-    if let Some(fields) = struct_fields::<T>() {
-        for key in settings.keys() {
-            let wanted = canonical(key);
-            if !fields.iter().any(|field| canonical(field) == wanted) {
-                let shared = struct_fields::<crate::engine::LockOptions>().unwrap_or(&[]);
-                problems.push(format!(
-                    "{path}.{key} is not a setting of the {provider} provider (its settings: {}, \
-                     plus the engine options {})",
+) -> Bound<T> {
+    let mut bound = Bound {
+        value: None,
+        problems: Vec::new(),
+        unparsed: Vec::new(),
+        secrets: Vec::new(),
+    };
+    let Some(fields) = struct_fields::<T>() else {
+        // Not a plain struct (a map, a flattened struct): nothing to go setting by setting.
+        collect_strings(&Value::Object(settings.clone()), &mut bound.secrets);
+        match T::deserialize(Lenient(Value::Object(settings.clone()))) {
+            Ok(value) => bound.value = Some(value),
+            Err(_) => bound.problems.push(Problem::sentence(
+                path.to_owned(),
+                format!("does not match the settings of the {provider} provider"),
+            )),
+        }
+        return bound;
+    };
+    let mut present = Vec::new();
+    let mut parsed = Map::new();
+    for (key, value) in settings {
+        let wanted = canonical(key);
+        let Some(field) = fields.iter().find(|field| canonical(field) == wanted) else {
+            let shared = struct_fields::<crate::engine::LockOptions>().unwrap_or(&[]);
+            bound.problems.push(Problem::sentence(
+                format!("{path}.{key}"),
+                format!(
+                    "is not a setting of the {provider} provider (its settings: {}, plus the \
+                     engine options {})",
                     fields.join(", "),
                     shared.join(", ")
-                ));
-            }
-        }
-    }
-    match T::deserialize(Lenient(Value::Object(settings.clone()))) {
-        Ok(value) if problems.len() == before => Some(value),
-        Ok(_) => None,
-        Err(whole) => {
-            let listed = problems.len();
-            each_field_problem::<T>(path, settings, problems);
-            if problems.len() == listed && listed == before {
-                problems.push(format!("{path}: {}", scrub(&whole.to_string(), settings)));
-            }
-            None
-        }
-    }
-}
-
-/// Binds each setting on its own, so one bad field does not hide the next.
-fn each_field_problem<T: DeserializeOwned>(
-    path: &str,
-    settings: &Map<String, Value>,
-    problems: &mut Vec<String>,
-) {
-    let mut missing = Vec::new();
-    for (key, value) in settings {
-        let single = Map::from_iter([(key.clone(), value.clone())]);
-        let Err(error) = T::deserialize(Lenient(Value::Object(single))) else {
+                ),
+            ));
+            // Perhaps a secret under a mistyped name: it is never shown.
+            collect_strings(value, &mut bound.secrets);
             continue;
         };
-        let message = error.to_string();
-        match missing_field(&message) {
-            // A single setting is always missing the others; only a field absent from the
-            // whole section is a problem.
-            Some(field) => missing.push(field.to_owned()),
-            None if message.starts_with("unknown field") => {}
-            None => problems.push(format!("{path}.{key}: {}", scrub(&message, settings))),
+        let expects = expected::<T>(field);
+        if expects == Expected::Secret {
+            collect_strings(value, &mut bound.secrets);
+        }
+        present.push(*field);
+        let single = Map::from_iter([(key.clone(), value.clone())]);
+        match T::deserialize(Lenient(Value::Object(single))) {
+            // Alone, a setting misses the others; only its own value can be invalid.
+            Err(BindError::Invalid(_)) => {
+                bound
+                    .problems
+                    .push(Problem::detail(format!("{path}.{key}"), expects.describe()));
+                bound.unparsed.push(field);
+            }
+            _ => {
+                parsed.insert(key.clone(), value.clone());
+            }
         }
     }
-    missing.sort();
-    missing.dedup();
-    for field in missing {
-        let wanted = canonical(&field);
-        if !settings.keys().any(|key| canonical(key) == wanted) {
-            problems.push(format!("{path}.{field} is required"));
-        }
+    for field in missing_fields::<T>(&present) {
+        bound
+            .problems
+            .push(Problem::sentence(format!("{path}.{field}"), "is required"));
     }
+    bound.value = T::deserialize(Lenient(Value::Object(parsed))).ok();
+    bound
 }
 
-fn missing_field(message: &str) -> Option<&str> {
-    message
-        .strip_prefix("missing field `")
-        .and_then(|rest| rest.split('`').next())
-}
-
-/// Removes every string value of `settings` that a parser echoed into `message`.
+/// Removes each of `secrets` that a provider's own error quoted.
 ///
-/// serde quotes an unexpected string with `Debug` (`string "…"`) and our parsers with
-/// backticks; a longer value is also removed wherever it appears bare.
-pub(super) fn scrub(message: &str, settings: &Map<String, Value>) -> String {
+/// Only secret values are removed (see [`ProviderSection::secrets`]): a container or schema
+/// name in a message is what the reader needs. serde quotes an unexpected string with `Debug`
+/// (`string "…"`) and our parsers with backticks; a longer secret is also removed wherever it
+/// appears bare.
+pub(super) fn scrub(message: &str, secrets: &[String]) -> String {
     let mut message = message.to_owned();
-    let mut strings = Vec::new();
-    collect_strings(&Value::Object(settings.clone()), &mut strings);
-    for text in strings {
+    for text in secrets {
         let mut forms = vec![format!("{text:?}"), format!("`{text}`")];
         let trimmed = text.trim();
         forms.push(format!("`{trimmed}`"));
@@ -366,6 +462,10 @@ mod tests {
         }
     }
 
+    fn problems_of(bound: &Bound<Account>) -> Vec<String> {
+        bound.problems.iter().map(ToString::to_string).collect()
+    }
+
     #[test]
     fn every_bad_setting_is_listed_not_just_the_first() {
         let s = settings(json!({
@@ -374,23 +474,68 @@ mod tests {
             "max_connections": "many",
             "colour": "blue",
         }));
-        let mut problems = Vec::new();
-        let bound = bind_settings::<Account>("Locking.Jobs", "demo", &s, &mut problems);
-        assert!(bound.is_none());
-        let all = problems.join("\n");
+        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s);
+        assert!(bound.value.is_none());
+        let all = problems_of(&bound).join("\n");
         assert!(
             all.contains("Locking.Jobs.colour is not a setting of the demo provider"),
             "{all}"
         );
-        assert!(all.contains("Locking.Jobs.account_key:"), "{all}");
-        assert!(all.contains("Locking.Jobs.lease_duration:"), "{all}");
-        assert!(all.contains("Locking.Jobs.max_connections:"), "{all}");
+        assert!(
+            all.contains("Locking.Jobs.account_key: expected a string"),
+            "{all}"
+        );
+        assert!(
+            all.contains(r#"Locking.Jobs.lease_duration: expected a duration such as "30s""#),
+            "{all}"
+        );
+        assert!(
+            all.contains(
+                "Locking.Jobs.max_connections: expected a whole number from 0 to 4294967295"
+            ),
+            "{all}"
+        );
         assert!(all.contains("Locking.Jobs.account is required"), "{all}");
-        assert_eq!(problems.len(), 5, "{all}");
+        assert_eq!(bound.problems.len(), 5, "{all}");
+        assert_eq!(
+            bound.unparsed,
+            ["account_key", "lease_duration", "max_connections"]
+        );
     }
 
     #[test]
-    fn a_value_echoed_by_a_parser_is_scrubbed() {
+    fn what_parsed_still_binds_so_its_checks_can_run() {
+        #[derive(Debug, Deserialize)]
+        #[serde(default)]
+        struct Pool {
+            size: u32,
+            #[serde(with = "crate::config::duration")]
+            check: Duration,
+        }
+        impl Default for Pool {
+            fn default() -> Self {
+                Pool {
+                    size: 4,
+                    check: Duration::from_secs(5),
+                }
+            }
+        }
+        let s = settings(json!({"size": -1, "check": "0s"}));
+        let bound = bind_section::<Pool>("Locking.Default", "demo", &s);
+        let pool = bound.value.as_ref().expect("the parsed settings bind");
+        assert_eq!(pool.check, Duration::ZERO);
+        assert_eq!(pool.size, 4, "the unparsed one keeps its default");
+        let checks = bound.checked(|pool| {
+            vec![
+                format!("check must be positive (was {:?})", pool.check),
+                "size must not exceed 2 (a check of a default nobody wrote)".to_owned(),
+            ]
+        });
+        assert_eq!(checks, ["check must be positive (was 0ns)"]);
+    }
+
+    #[test]
+    fn nothing_a_user_wrote_is_repeated_in_a_binding_problem() {
         let secret = "AccountKey=c2VjcmV0LWtleQ==";
         let s = settings(json!({
             "account": "acct",
@@ -398,13 +543,26 @@ mod tests {
             "lease_duration": secret,
             "max_connections": secret,
         }));
-        let mut problems = Vec::new();
-        bind_settings::<Account>("Locking.Jobs", "demo", &s, &mut problems);
-        assert_eq!(problems.len(), 2, "{problems:?}");
-        for problem in &problems {
+        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s);
+        assert_eq!(bound.problems.len(), 2, "{:?}", bound.problems);
+        for problem in problems_of(&bound) {
             assert!(!problem.contains(secret), "{problem}");
             assert!(!problem.contains("c2VjcmV0"), "{problem}");
         }
+        assert_eq!(
+            bound.secrets,
+            ["k"],
+            "only the secret field is kept out of messages"
+        );
+    }
+
+    #[test]
+    fn only_secret_values_are_scrubbed_from_a_providers_message() {
+        let message = "Locking.Az.container: `job_locks` is not valid; key `hunter2-key` refused";
+        assert_eq!(
+            scrub(message, &["hunter2-key".to_owned()]),
+            "Locking.Az.container: `job_locks` is not valid; key [redacted] refused"
+        );
     }
 
     #[test]

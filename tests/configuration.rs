@@ -11,8 +11,8 @@ use std::time::Duration;
 use config::{Config, Environment, File};
 use lockingkit::registry::{MemoryOptions, ProviderSection};
 use lockingkit::{
-    AzureBlobOptions, ErrorKind, LeaseTiming, LockBackend, LockError, Locking, LockingConfig,
-    MemoryBackend, MemoryStore, PostgresOptions,
+    AzureBlobOptions, ErrorKind, LeaseTiming, LockBackend, LockError, LockOptions, Locking,
+    LockingConfig, MemoryBackend, MemoryStore, PostgresOptions,
 };
 
 const PG_PASSWORD: &str = "pg-hunter2-from-file";
@@ -161,10 +161,11 @@ async fn environment_variables_override_the_file_setting_by_setting() {
 
     assert_eq!(lease_of(&locking, "Scratch"), Duration::from_secs(15));
     assert_eq!(lease_of(&locking, "audit"), Duration::from_secs(45));
-    // The file's spelling of a name is kept; the environment adds `audit` as it spells it.
+    // The file's spelling of a name is kept; the environment's `audit` (lower-cased by the
+    // `config` crate) is shown capitalised, as the docs spell section names.
     assert_eq!(
         locking.names().collect::<Vec<_>>(),
-        ["Default", "Jobs", "Scratch", "audit"]
+        ["Default", "Jobs", "Scratch", "Audit"]
     );
 }
 
@@ -261,7 +262,7 @@ lease = "30s"
         "Locking.Reports.provider carrier_pigeon is not a known provider",
         "Locking.Scratch.lease is not a setting of the in_memory provider",
         "Locking.Scratch.release_timeout:",
-        "Locking.exports.provider is missing",
+        "Locking.Exports.provider is missing",
         "Locking.Billing is missing, and this application requires it",
     ];
     for problem in expected {
@@ -340,4 +341,165 @@ fn no_options_type_or_error_shows_a_secret() {
         "{}",
         rendered[6]
     );
+}
+
+#[test]
+fn a_setting_that_does_not_parse_hides_no_other_problem_of_its_section() {
+    let file = TomlFile::new(
+        "one-round",
+        r#"
+[Locking.Default]
+provider = "postgres"
+connection_string = "host=127.0.0.1 user=app"
+pool_size = -1
+check_interval = "0s"
+
+[Locking.Jobs]
+provider = "in_memory"
+lease_duration = "10s"
+renew_every = "9s"
+lease_duraton = "20s"
+
+[Locking.Reports]
+provider = "in_memory"
+min_retry_delay = "soon"
+max_retry_delay = "0s"
+renew_every = "40s"
+"#,
+    );
+    let shown = misconfigured(Locking::from_config(file.locking()));
+    for expected in [
+        "Locking.Default.pool_size: expected a whole number from 0 to",
+        "Locking.Default.check_interval must be greater than zero",
+        "Locking.Jobs.lease_duraton is not a setting of the in_memory provider",
+        "Locking.Jobs.renew_every (9s) must be shorter than 90% of the lease (10s)",
+        "Locking.Reports.min_retry_delay: expected a duration",
+        "Locking.Reports.renew_every (40s) must be shorter than 90% of the lease (30s)",
+    ] {
+        assert!(
+            shown.contains(expected),
+            "missing `{expected}` in:\n{shown}"
+        );
+    }
+    // A check that involves a setting that did not parse would judge its default instead.
+    assert!(
+        !shown.contains("must not exceed max_retry_delay"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn a_duration_that_does_not_parse_says_what_to_write_instead() {
+    for bad in ["-5", "1.5", r#""5 fortnights""#, "[30]"] {
+        let file = TomlFile::new(
+            "durations",
+            &format!("[Locking.Default]\nprovider = \"in_memory\"\nlease_duration = {bad}\n"),
+        );
+        let shown = misconfigured(Locking::from_config(file.locking()));
+        assert!(
+            shown.contains(
+                r#"Locking.Default.lease_duration: expected a duration such as "30s" or "250ms""#
+            ),
+            "{bad}: {shown}"
+        );
+        assert!(!shown.contains("untagged"), "{bad}: {shown}");
+    }
+}
+
+#[test]
+fn renew_every_is_refused_where_locks_are_held_by_a_connection() {
+    let from_file = TomlFile::new(
+        "renew-postgres",
+        r#"
+[Locking.Default]
+provider = "postgres"
+connection_string = "host=127.0.0.1 user=app"
+renew_every = "5s"
+
+[Locking.Jobs]
+provider = "postgres"
+renew_every = "5s"
+"#,
+    );
+    let shown = misconfigured(Locking::from_config(from_file.locking()));
+    assert!(
+        shown.contains(
+            "Locking.Default.renew_every does not apply to the postgres provider: its locks are \
+             held by a connection"
+        ),
+        "{shown}"
+    );
+    // Reported next to the section's other problems, and once.
+    assert!(
+        shown.contains("Locking.Jobs.connection_string is required"),
+        "{shown}"
+    );
+    assert_eq!(
+        shown
+            .matches("Locking.Jobs.renew_every does not apply")
+            .count(),
+        1,
+        "{shown}"
+    );
+
+    let in_code = misconfigured(
+        Locking::builder()
+            .postgres(
+                "Default",
+                PostgresOptions::new("host=127.0.0.1 user=app"),
+                LockOptions {
+                    renew_every: Some(Duration::from_secs(5)),
+                    ..LockOptions::default()
+                },
+            )
+            .build(),
+    );
+    assert!(
+        in_code.contains("Locking.Default.renew_every does not apply to the postgres provider"),
+        "{in_code}"
+    );
+}
+
+#[test]
+fn sections_from_environment_variables_are_named_as_the_docs_spell_them() {
+    let shown = misconfigured(
+        Locking::builder()
+            .config(environment(&[
+                ("LOCKING__DEFAULT__PROVIDER", "in_memory"),
+                ("LOCKING__REPORTS__PROVIDER", "carrier_pigeon"),
+                ("LOCKING__NIGHTLY_JOBS__LEASE_DURATION", "soon"),
+            ]))
+            .build(),
+    );
+    assert!(
+        shown.contains("Locking.Reports.provider carrier_pigeon is not a known provider"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("Locking.Nightly_jobs.provider is missing"),
+        "{shown}"
+    );
+    assert!(!shown.contains("Locking.reports"), "{shown}");
+}
+
+#[test]
+fn only_secrets_are_redacted_and_a_harmless_name_is_shown() {
+    let file = TomlFile::new(
+        "redact-by-field",
+        &format!(
+            r#"
+[Locking.Az]
+provider = "azure_blob"
+connection_string = "AccountName=acct;AccountKey={ACCOUNT_KEY};BlobEndpoint=http://127.0.0.1:1/acct"
+container = "Job_Locks_2024"
+"#
+        ),
+    );
+    let shown = misconfigured(Locking::from_config(file.locking()));
+    assert!(
+        shown.contains("Locking.Az.container: `Job_Locks_2024` is not a valid container name"),
+        "{shown}"
+    );
+    assert!(!shown.contains("[redacted]"), "{shown}");
+    assert!(!shown.contains(ACCOUNT_KEY), "{shown}");
 }

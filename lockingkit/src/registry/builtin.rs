@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::section::{bind_settings, problem_list, ProviderSection};
+use super::section::{problem_list, ProviderSection};
 use super::Assembly;
 use crate::error::LockError;
 use crate::lock::DistributedLock;
@@ -65,36 +65,62 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
     },
 ];
 
-/// Binds `T` from the section and runs its own checks, with every problem listed.
+/// Binds `T` from the section and runs its own checks on whatever bound, so one bad setting
+/// hides no other problem. Returns the options when they can build a backend (everything
+/// parsed and passed its checks; unknown settings aside), and every problem.
 fn bind_checked<T: serde::de::DeserializeOwned>(
     section: &ProviderSection,
     problems_of: impl Fn(&T, &str) -> Vec<String>,
-) -> Result<T, LockError> {
-    let mut problems = Vec::new();
-    let bound = bind_settings::<T>(
-        section.path(),
-        section.provider(),
-        section.settings(),
-        &mut problems,
-    );
-    if let Some(options) = &bound {
-        problems.extend(problems_of(options, section.path()));
+) -> (Option<T>, Vec<String>) {
+    let bound = section.bind_recorded::<T>();
+    let mut problems: Vec<String> = bound.problems.iter().map(ToString::to_string).collect();
+    let own = bound.checked(|options| problems_of(options, section.path()));
+    let usable = own.is_empty() && bound.unparsed.is_empty();
+    problems.extend(own);
+    (bound.value.filter(|_| usable), problems)
+}
+
+/// Builds the provider from options that can build a backend, even when other settings of
+/// the section are wrong, so the engine's checks (renewal cadence against the lease) join the
+/// same error; what is built is dropped unless there is no problem at all.
+fn finish<B: crate::backend::LockBackend>(
+    backend: Option<Result<B, LockError>>,
+    assembly: Assembly<'_>,
+    mut problems: Vec<String>,
+) -> Result<DistributedLock, LockError> {
+    let built = match backend {
+        Some(Ok(backend)) => Some(assembly.assemble(backend)),
+        Some(Err(error)) => Some(Err(error)),
+        None => None,
+    };
+    match built {
+        Some(Ok(lock)) if problems.is_empty() => return Ok(lock),
+        Some(Err(error)) => problems.push(own_message(&error).to_owned()),
+        _ => {}
     }
-    match bound {
-        Some(options) if problems.is_empty() => Ok(options),
-        _ => Err(problem_list(problems)),
-    }
+    Err(problem_list(problems))
+}
+
+/// A `Misconfigured` error's problems without the engine's preamble.
+pub(super) fn own_message(error: &LockError) -> &str {
+    error
+        .message()
+        .strip_prefix("invalid lock configuration: ")
+        .unwrap_or(error.message())
 }
 
 fn in_memory(
     section: &ProviderSection,
     assembly: Assembly<'_>,
 ) -> Result<DistributedLock, LockError> {
-    let options = bind_checked(section, MemoryOptions::problems)?;
-    assembly.assemble(MemoryBackend::with_lease(
-        MemoryStore::new(),
-        options.lease_duration,
-    ))
+    let (options, problems) = bind_checked(section, MemoryOptions::problems);
+    let backend = options.map(|options| {
+        Ok(MemoryBackend::with_lease(
+            MemoryStore::new(),
+            options.lease_duration,
+        ))
+    });
+    finish(backend, assembly, problems)
 }
 
 #[cfg(not(feature = "postgres"))]
@@ -111,10 +137,11 @@ fn postgres(
     assembly: Assembly<'_>,
 ) -> Result<DistributedLock, LockError> {
     use crate::providers::postgres::{PostgresBackend, PostgresOptions};
-    let options = bind_checked(section, PostgresOptions::problems)?;
-    let backend = PostgresBackend::new(options)
-        .map_err(|e| retarget(&e, "Locking.Postgres", section.path()))?;
-    assembly.assemble(backend)
+    let (options, problems) = bind_checked(section, PostgresOptions::problems);
+    let backend = options.map(|options| {
+        PostgresBackend::new(options).map_err(|e| retarget(&e, "Locking.Postgres", section.path()))
+    });
+    finish(backend, assembly, problems)
 }
 
 #[cfg(not(feature = "azure"))]
@@ -131,31 +158,28 @@ fn azure_blob(
     assembly: Assembly<'_>,
 ) -> Result<DistributedLock, LockError> {
     use crate::providers::azure::{AzureBlobBackend, AzureBlobOptions};
-    let options = bind_checked(section, AzureBlobOptions::problems)?;
-    let backend = match (
-        &options.service_url,
-        assembly.context.azure_credential.cloned(),
-    ) {
-        (Some(_), Some(credential)) => AzureBlobBackend::with_credential(options, credential),
-        (Some(_), None) => {
-            return Err(problem_list(vec![format!(
+    let (options, mut problems) = bind_checked(section, AzureBlobOptions::problems);
+    let credential = assembly.context.azure_credential.cloned();
+    let backend = match (options, credential) {
+        (Some(options), Some(credential)) if options.service_url.is_some() => {
+            Some(AzureBlobBackend::with_credential(options, credential))
+        }
+        (Some(options), None) if options.service_url.is_some() => {
+            problems.push(format!(
                 "{}.service_url needs a token credential: give one to \
                  LockingBuilder::azure_credential, or use connection_string",
                 section.path()
-            )]))
+            ));
+            None
         }
-        (None, _) => AzureBlobBackend::new(options),
+        (options, _) => options.map(AzureBlobBackend::new),
     }
-    .map_err(|e| retarget(&e, "AzureBlobOptions", section.path()))?;
-    assembly.assemble(backend)
+    .map(|backend| backend.map_err(|e| retarget(&e, "AzureBlobOptions", section.path())));
+    finish(backend, assembly, problems)
 }
 
 /// A provider constructor's error with its own section name replaced by the real one.
 #[cfg(any(feature = "postgres", feature = "azure"))]
 pub(super) fn retarget(error: &LockError, own: &str, path: &str) -> LockError {
-    let message = error
-        .message()
-        .strip_prefix("invalid lock configuration: ")
-        .unwrap_or(error.message());
-    problem_list(vec![message.replace(own, path)])
+    problem_list(vec![own_message(error).replace(own, path)])
 }

@@ -47,14 +47,14 @@ use serde_json::{Map, Value};
 pub use builtin::MemoryOptions;
 pub use section::{LockingConfig, ProviderSection};
 
-use crate::backend::LockBackend;
+use crate::backend::{LeaseTiming, LockBackend};
 use crate::engine::LockOptions;
 use crate::error::{ErrorKind, LockError};
 use crate::lock::{DistributedLock, DEFAULT_NAME};
 use crate::providers::memory::{MemoryBackend, MemoryStore};
 use builtin::BUILT_IN;
 use lenient::canonical;
-use section::{bind_settings, scrub};
+use section::{bind_section, scrub};
 
 /// Named lock providers, built once at startup.
 ///
@@ -206,6 +206,16 @@ type AzureCredential = Arc<dyn azure_core::credentials::TokenCredential>;
 impl Assembly<'_> {
     /// Wraps `backend` in the engine, as every provider is.
     fn assemble<B: LockBackend>(self, backend: B) -> Result<DistributedLock, LockError> {
+        // The engine would ignore it: a connection-held lock has no lease to renew, and a
+        // setting that silently does nothing misleads whoever tunes it.
+        if let (LeaseTiming::ConnectionHeld(_), Some(_)) =
+            (backend.timing(), self.options.renew_every)
+        {
+            return Err(section::problem_list(vec![renew_every_does_not_apply(
+                &format!("Locking.{}", self.name),
+                backend.provider(),
+            )]));
+        }
         let builder = DistributedLock::builder(backend)
             .name(self.name)
             .options(self.options);
@@ -483,8 +493,8 @@ impl LockingBuilder {
                 continue;
             };
             let result = build_section(&name, &path, settings, &custom, context, &mut problems);
-            if let Some((result, settings)) = result {
-                collect(result, &path, Some(&settings), &mut built, &mut problems);
+            if let Some((result, secrets)) = result {
+                collect(result, &path, Some(&secrets), &mut built, &mut problems);
             }
         }
 
@@ -502,7 +512,14 @@ impl LockingBuilder {
         }
 
         if !problems.is_empty() {
-            return Err(crate::engine::misconfigured(&problems));
+            // A problem found by two checks (a static one and the provider's) is listed once.
+            let mut listed: Vec<String> = Vec::with_capacity(problems.len());
+            for problem in problems {
+                if !listed.contains(&problem) {
+                    listed.push(problem);
+                }
+            }
+            return Err(crate::engine::misconfigured(&listed));
         }
         // Default first, so `Locking::default` is an index, then in registration order.
         built.sort_by_key(|lock| lock.name() != DEFAULT_NAME);
@@ -540,14 +557,11 @@ fn registry_name(name: &str, seen: &mut Vec<String>, problems: &mut Vec<String>)
         problems.push("a lock provider needs a non-empty name".to_owned());
         return None;
     }
-    let name = if name.eq_ignore_ascii_case(DEFAULT_NAME) {
-        DEFAULT_NAME.to_owned()
-    } else {
-        name.to_owned()
-    };
+    let written = name;
+    let name = display_name(name);
     if let Some(earlier) = seen.iter().find(|s| s.eq_ignore_ascii_case(&name)) {
         problems.push(format!(
-            "Locking.{name} is defined twice (as {earlier} too; names ignore case)"
+            "Locking.{written} is defined twice (as {earlier} too; names ignore case)"
         ));
         return None;
     }
@@ -555,19 +569,47 @@ fn registry_name(name: &str, seen: &mut Vec<String>, problems: &mut Vec<String>)
     Some(name)
 }
 
+/// How a provider name is shown (in messages, `name()` and telemetry): a name written in one
+/// case only, as environment variables deliver them (`REPORTS`, or `reports` once a
+/// configuration crate has lower-cased it), is capitalised (`Reports`); a name with both
+/// cases (`NightlyJobs`) is kept as written. So `default` is `Default`, like the docs spell it.
+fn display_name(name: &str) -> String {
+    let has_upper = name.chars().any(|c| c.is_ascii_uppercase());
+    let has_lower = name.chars().any(|c| c.is_ascii_lowercase());
+    if has_upper && has_lower {
+        return name.to_owned();
+    }
+    let mut chars = name.chars();
+    let Some(first) = chars.next() else {
+        return String::new();
+    };
+    let mut shown = first.to_ascii_uppercase().to_string();
+    shown.push_str(&chars.as_str().to_ascii_lowercase());
+    shown
+}
+
+/// The problem of a renewal cadence set on a provider whose locks are not leases.
+fn renew_every_does_not_apply(path: &str, provider: &str) -> String {
+    format!(
+        "{path}.renew_every does not apply to the {provider} provider: its locks are held by a \
+         connection, not renewed as leases (remove it; how often the connection is checked is \
+         the provider's own setting, check_interval for postgres)"
+    )
+}
+
 /// Keeps a built provider, or turns its error into problems prefixed with its section.
 fn collect(
     result: Result<DistributedLock, LockError>,
     path: &str,
-    settings: Option<&Map<String, Value>>,
+    secrets: Option<&[String]>,
     built: &mut Vec<DistributedLock>,
     problems: &mut Vec<String>,
 ) {
     match result {
         Ok(lock) => built.push(lock),
         Err(error) => {
-            let message = match settings {
-                Some(settings) => scrub(error.message(), settings),
+            let message = match secrets {
+                Some(secrets) => scrub(error.message(), secrets),
                 None => error.message().to_owned(),
             };
             let message = message
@@ -584,8 +626,8 @@ fn collect(
 }
 
 /// Binds one configuration section: shared engine options, then the provider's own. Returns
-/// the provider's result and the settings it saw (to scrub its errors), or `None` when the
-/// section could not get as far as its provider.
+/// the provider's result and the values to keep out of its errors, or `None` when the section
+/// could not get as far as its provider.
 fn build_section(
     name: &str,
     path: &str,
@@ -593,7 +635,7 @@ fn build_section(
     custom: &[(String, Factory)],
     context: Context<'_>,
     problems: &mut Vec<String>,
-) -> Option<(Result<DistributedLock, LockError>, Map<String, Value>)> {
+) -> Option<(Result<DistributedLock, LockError>, Vec<String>)> {
     let shared_fields = lenient::struct_fields::<LockOptions>().unwrap_or(&[]);
     let mut provider = None;
     let mut shared = Map::new();
@@ -610,11 +652,26 @@ fn build_section(
     }
 
     let before = problems.len();
-    let options = bind_settings::<LockOptions>(path, "shared", &shared, problems);
-    if let Some(options) = &options {
-        problems.extend(options.problems(path));
-    }
+    let bound = bind_section::<LockOptions>(path, "shared", &shared);
+    problems.extend(bound.problems.iter().map(ToString::to_string));
+    problems.extend(bound.checked(|options| options.problems(path)));
     let options_ok = problems.len() == before;
+    // The options the provider is built with. When some are bad (and listed already), it is
+    // still built with a sound set that keeps renew_every as written, so that the engine's
+    // check of the cadence against the lease is not left for a second round.
+    let options = match bound.value {
+        Some(options) if options_ok => options,
+        Some(options)
+            if !bound.unparsed.contains(&"renew_every")
+                && options.renew_every.is_none_or(|every| !every.is_zero()) =>
+        {
+            LockOptions {
+                renew_every: options.renew_every,
+                ..LockOptions::default()
+            }
+        }
+        _ => LockOptions::default(),
+    };
 
     let known = || {
         BUILT_IN
@@ -639,12 +696,17 @@ fn build_section(
         }
     };
     let wanted = canonical(&provider);
+    // Known without building anything, so it is reported even when the section has other
+    // problems (building the provider would find it too: duplicates are dropped).
+    if wanted == "postgres" && options.renew_every.is_some() {
+        problems.push(renew_every_does_not_apply(path, "postgres"));
+    }
     let section = ProviderSection::new(name.to_owned(), path.to_owned(), provider.clone(), own);
     // When the shared options are bad the provider still checks its own settings, so the one
     // error lists both; what it builds is dropped.
     let assembly = Assembly {
         name,
-        options: options.filter(|_| options_ok).unwrap_or_default(),
+        options,
         context,
     };
     let result = if let Some(builtin) = BUILT_IN.iter().find(|b| canonical(b.name) == wanted) {
@@ -662,7 +724,7 @@ fn build_section(
         Ok(_) if !options_ok => return None,
         other => other,
     };
-    Some((result, section.settings().clone()))
+    Some((result, section.secrets()))
 }
 
 #[cfg(test)]

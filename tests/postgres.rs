@@ -990,8 +990,30 @@ fn invalid_options_are_refused_at_construction_with_every_problem() {
     .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
     for field in ["connection_string", "max_sessions", "query_timeout"] {
-        assert!(error.to_string().contains(field), "{error}");
+        assert!(
+            error.to_string().contains(&format!("PostgresOptions.{field}")),
+            "built in code, problems name the options type, not a section nobody configured: {error}"
+        );
     }
+    assert!(!error.to_string().contains("Locking."), "{error}");
+}
+
+#[test]
+fn renew_every_is_refused_for_a_postgres_lock_built_in_code() {
+    let backend = PostgresBackend::new(PostgresOptions::new("host=127.0.0.1 user=app"))
+        .expect("valid options");
+    let error = DistributedLock::builder(backend)
+        .options(LockOptions {
+            renew_every: Some(Duration::from_secs(1)),
+            ..LockOptions::default()
+        })
+        .build()
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    assert!(
+        error.to_string().contains("renew_every does not apply"),
+        "{error}"
+    );
 }
 
 /// How long the oldest statement of `application_name` that holds a snapshot has been

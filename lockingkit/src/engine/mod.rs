@@ -109,7 +109,13 @@ impl<B: LockBackend> Engine<B> {
                     }
                 }
             }
-            LeaseTiming::ConnectionHeld(_) => {}
+            LeaseTiming::ConnectionHeld(_) => {
+                if options.renew_every.is_some() {
+                    problems.push(format!(
+                        "Locking.{name}.renew_every does not apply to this provider: its locks live as long as a connection, which it checks on its own interval"
+                    ));
+                }
+            }
         }
         if !problems.is_empty() {
             return Err(misconfigured(&problems));

@@ -139,7 +139,7 @@ fn postgres(
     use crate::providers::postgres::{PostgresBackend, PostgresOptions};
     let (options, problems) = bind_checked(section, PostgresOptions::problems);
     let backend = options.map(|options| {
-        PostgresBackend::new(options).map_err(|e| retarget(&e, "Locking.Postgres", section.path()))
+        PostgresBackend::new(options).map_err(|e| retarget(&e, "PostgresOptions", section.path()))
     });
     finish(backend, assembly, problems)
 }

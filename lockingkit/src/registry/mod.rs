@@ -264,7 +264,7 @@ impl LockingBuilder {
                 return Err(section::problem_list(problems));
             }
             crate::providers::postgres::PostgresBackend::new(postgres)
-                .map_err(|e| builtin::retarget(&e, "Locking.Postgres", path))
+                .map_err(|e| builtin::retarget(&e, "PostgresOptions", path))
         })
     }
 

@@ -129,7 +129,7 @@ impl PostgresBackend {
     /// problem, when the options are invalid or the TLS settings cannot be honoured (an
     /// unreadable `sslrootcert`, no trust store for `verify-full`).
     pub fn new(options: PostgresOptions) -> Result<Self, LockError> {
-        let section = "Locking.Postgres";
+        let section = "PostgresOptions";
         let mut problems = options.problems(section);
         if !problems.is_empty() {
             return Err(misconfigured(&problems));

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Mutation testing of the engine and the key mapping against the fast suites (unit, engine,
+# in-memory contract, property tests). Not part of CI: it rebuilds once per mutant.
+#
+#   bash scripts/mutants.sh                 # engine/ and keys.rs
+#   bash scripts/mutants.sh --file 'lockingkit/src/keys.rs'   # narrower
+#
+# Installs cargo-mutants from crates.io if it is missing. Results land in mutants.out/
+# (caught, missed, unviable, timeout); a missed mutant is a change no test noticed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! cargo mutants --version >/dev/null 2>&1; then
+  cargo install cargo-mutants --locked
+fi
+
+files=(--file 'lockingkit/src/engine/**/*.rs' --file 'lockingkit/src/keys.rs')
+if [ "$#" -gt 0 ]; then
+  files=("$@")
+fi
+
+# The fast suites of the lockingkit crate: no server needed. The in-memory contract run and
+# the property tests need the `testing` feature; the providers' features are off so each
+# mutant builds quickly.
+exec cargo mutants --package lockingkit "${files[@]}" \
+  --test-tool nextest --features testing \
+  --timeout 120

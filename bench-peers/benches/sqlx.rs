@@ -16,6 +16,8 @@
 use std::time::{Duration, Instant};
 
 use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys, PostgresOptions};
+use lockingkit_tests::bench::Percentiles;
+use lockingkit_tests::bench_postgres::Shuffle;
 use lockingkit_tests::postgres::PostgresServer;
 use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::{ConnectOptions, Either};
@@ -23,9 +25,8 @@ use sqlx::{ConnectOptions, Either};
 const PAIRS: usize = 5000;
 const WARM_UP: usize = 200;
 
-fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort_unstable();
-    samples.get(samples.len() / 2).copied().unwrap_or_default()
+fn median(samples: Vec<Duration>) -> Duration {
+    Percentiles::of(samples).p50
 }
 
 fn main() {
@@ -80,14 +81,10 @@ async fn measure(pairs: usize) {
 
     let mut samples: [Vec<Duration>; 4] = Default::default();
     let mut order = [0usize, 1, 2, 3];
-    let mut seed = (pid as u64) << 17 | 1;
+    let mut random = Shuffle::seeded();
     for round in 0..WARM_UP + pairs {
-        for i in (1..order.len()).rev() {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            order.swap(i, (seed % (i as u64 + 1)) as usize);
-        }
+        // A fresh order every round, so no variant systematically follows another.
+        random.shuffle(&mut order);
         for variant in order {
             let started = Instant::now();
             match variant {
@@ -100,7 +97,11 @@ async fn measure(pairs: usize) {
                     .expect("lockingkit release"),
                 1 => {
                     let connection = pool.acquire().await.expect("sqlx checkout");
-                    match pooled_lock.try_acquire(connection).await.expect("sqlx lock") {
+                    match pooled_lock
+                        .try_acquire(connection)
+                        .await
+                        .expect("sqlx lock")
+                    {
                         Either::Left(guard) => {
                             guard.release_now().await.expect("sqlx release");
                         }
@@ -140,10 +141,22 @@ async fn measure(pairs: usize) {
     let [kit, sqlx_pool, sqlx_dedicated, raw] = samples.map(median);
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!("PostgreSQL try-lock + release, {pairs} interleaved pairs each, medians:");
-    println!("  lockingkit try_acquire+release (default options)   {:>8.1} µs", us(kit));
-    println!("  sqlx PgAdvisoryLock, PgPool of 4 (checkout timed)  {:>8.1} µs", us(sqlx_pool));
-    println!("  sqlx PgAdvisoryLock, one dedicated connection      {:>8.1} µs", us(sqlx_dedicated));
-    println!("  raw prepared tokio-postgres pair                   {:>8.1} µs", us(raw));
+    println!(
+        "  lockingkit try_acquire+release (default options)   {:>8.1} µs",
+        us(kit)
+    );
+    println!(
+        "  sqlx PgAdvisoryLock, PgPool of 4 (checkout timed)  {:>8.1} µs",
+        us(sqlx_pool)
+    );
+    println!(
+        "  sqlx PgAdvisoryLock, one dedicated connection      {:>8.1} µs",
+        us(sqlx_dedicated)
+    );
+    println!(
+        "  raw prepared tokio-postgres pair                   {:>8.1} µs",
+        us(raw)
+    );
     println!(
         "  ratio lockingkit / sqlx pooled                     {:>8.3} (goal <= 1.00)",
         us(kit) / us(sqlx_pool)

@@ -124,19 +124,8 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
     let bare_key = format!("bench/backend/{pid}");
 
     // Each variant gets a connection of its own, so none is warmer for being used more often.
-    let raw_pool = || {
-        let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
-        let manager = Manager::from_config(
-            config,
-            tokio_postgres::NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        Pool::builder(manager).max_size(1).build().expect("pool")
-    };
-    let pool = raw_pool();
-    let fenced_pool = raw_pool();
+    let pool = raw_pool(server, 1);
+    let fenced_pool = raw_pool(server, 1);
     let pooled_key = PostgresLockKeys::advisory_key(&format!("bench/pooled/{pid}"));
     let fenced_key = PostgresLockKeys::advisory_key(&format!("bench/fenced/{pid}"));
     let fenced_lock = format!(
@@ -232,11 +221,26 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
     }
 }
 
+/// A deadpool-postgres pool of up to `size` plain connections to `server`, as an application
+/// that takes advisory locks by hand would use.
+pub fn raw_pool(server: &PostgresServer, size: usize) -> Pool {
+    let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
+    let manager = Manager::from_config(
+        config,
+        tokio_postgres::NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager).max_size(size).build().expect("pool")
+}
+
 /// A small xorshift generator: enough to shuffle the order of variants.
-struct Shuffle(u64);
+pub struct Shuffle(u64);
 
 impl Shuffle {
-    fn seeded() -> Self {
+    /// Seeded from the clock: a fresh order every run.
+    pub fn seeded() -> Self {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -250,7 +254,8 @@ impl Shuffle {
         self.0
     }
 
-    fn shuffle<T>(&mut self, items: &mut [T]) {
+    /// Shuffles `items` in place.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
             let j = (self.next() % (i as u64 + 1)) as usize;
             items.swap(i, j);

@@ -15,10 +15,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys, PostgresOptions};
 
 use crate::bench::Percentiles;
+use crate::bench_postgres::raw_pool;
 
 /// Overrides the session budget of the throughput and HTTP rows, to compare budgets.
 const SESSIONS_ENV: &str = "LOCKINGKIT_BENCH_MAX_SESSIONS";
@@ -90,15 +90,7 @@ pub async fn throughput(
     let pid = std::process::id();
     let backend = PostgresBackend::new(lockingkit_options(server)).expect("options");
     let locks = DistributedLock::builder(backend).build().expect("lock");
-    let config: tokio_postgres::Config = server.connection_string().parse().expect("config");
-    let manager = Manager::from_config(
-        config,
-        tokio_postgres::NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    let pool = Pool::builder(manager).max_size(16).build().expect("pool");
+    let pool = raw_pool(server, 16);
 
     let kit_pair = {
         let locks = locks.clone();

@@ -1088,3 +1088,61 @@ async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs(
     *recording.gate.lock().unwrap() = None;
     gate.notify_one();
 }
+
+/// Answers every attempt with the same failure.
+struct Failing(fn() -> BackendError);
+
+impl LockBackend for Failing {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "failing"
+    }
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::Expiring(Duration::from_secs(30))
+    }
+    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+        Err((self.0)())
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_gone_before_any_lease_exists_is_unavailable_not_lost() {
+    let locks = DistributedLock::builder(Failing(|| BackendError::lease_gone("connection reset")))
+        .build()
+        .unwrap();
+    let err = locks.try_acquire("k").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_whose_backend_answers_with_failures_ends_in_timeout_as_it_was_answering() {
+    // The backend answered every attempt (a 5xx, say): it is reachable, so the wait is not
+    // reported as an outage; queued local waiters read the same evidence.
+    let locks = DistributedLock::builder(Failing(|| BackendError::transient("server busy")))
+        .build()
+        .unwrap();
+    let err = locks
+        .acquire("k", Duration::from_secs(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_healthy_hold_reports_no_loss_reason_until_it_ends() {
+    let (_store, locks) = memory_pair();
+    let handle = locks.try_acquire("k").await.unwrap();
+    for _ in 0..5 {
+        assert_eq!(handle.loss_reason(), None);
+        assert!(handle.is_held());
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    assert_eq!(handle.loss_reason(), None);
+    handle.release().await.unwrap();
+}

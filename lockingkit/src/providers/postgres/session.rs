@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -59,12 +59,6 @@ pub(super) struct Session {
     /// Statements sent and not answered yet, to spread new attempts over sessions.
     in_flight: AtomicUsize,
     check: Mutex<CheckState>,
-    /// When the session opened: the origin of `answered`.
-    opened: Instant,
-    /// When the newest statement that got an answer was sent, in nanoseconds after `opened`
-    /// (0: none yet). Any answer shows the session alive at its statement's send time, so a
-    /// busy session needs no check of its own: its traffic vouches for it.
-    answered: AtomicU64,
     /// A timer for statements that run alone, moved forward for each: pushing a registered
     /// timer later is an atomic update, while registering a fresh one per statement touches
     /// the timer wheel and, when no other timer is pending, wakes the runtime's driver (see
@@ -84,6 +78,8 @@ struct Keys {
 
 #[derive(Default)]
 struct CheckState {
+    /// When the newest successful check was sent.
+    confirmed: Option<Instant>,
     /// The check in flight: `None` until it answers, then whether the session answered.
     running: Option<watch::Receiver<Option<bool>>>,
 }
@@ -115,8 +111,6 @@ impl Session {
             keys: Mutex::new(Keys::default()),
             in_flight: AtomicUsize::new(0),
             check: Mutex::new(CheckState::default()),
-            opened: Instant::now(),
-            answered: AtomicU64::new(0),
             // Reset before every use; until then it only needs to be valid.
             solo_timer: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
             solo_taken: AtomicBool::new(false),
@@ -262,45 +256,23 @@ impl Session {
     /// counted as in flight meanwhile.
     pub(super) fn bounded<F: Future>(&self, timeout: Duration, statement: F) -> Bounded<'_, F> {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let created = Instant::now();
         Bounded {
             statement,
-            timer: Timer::Unarmed(crate::clock::after(created, timeout)),
-            created,
+            timer: Timer::Unarmed(crate::clock::in_(timeout)),
             session: self,
         }
     }
 
-    /// Notes that a statement sent at `sent` got an answer.
-    fn note_answer(&self, sent: Instant) {
-        let nanos = u64::try_from(sent.saturating_duration_since(self.opened).as_nanos())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        self.answered.fetch_max(nanos, Ordering::AcqRel);
-    }
-
-    /// When the newest statement that got an answer was sent.
-    fn last_answered(&self) -> Option<Instant> {
-        match self.answered.load(Ordering::Acquire) {
-            0 => None,
-            nanos => Some(crate::clock::after(
-                self.opened,
-                Duration::from_nanos(nanos),
-            )),
-        }
-    }
-
-    /// Checks that the session answers, at most once per `interval`: any statement sent within
-    /// the last `interval` that got an answer (a check, or another lock's attempt or unlock)
-    /// vouches for every lock on the session, and callers that arrive while a check is in
-    /// flight share its answer. A check that fails or does not answer within
+    /// Checks that the session answers, at most once per `interval`: a check sent within the
+    /// last `interval` vouches for every lock on the session, and callers that arrive while a
+    /// check is in flight share its answer. A check that fails or does not answer within
     /// `timeout` ends the session, which is loss for every lock on it.
     pub(super) async fn check(self: &Arc<Self>, interval: Duration, timeout: Duration) -> bool {
         let mut running = {
             let mut state = self.check.lock().unwrap_or_else(PoisonError::into_inner);
             let now = Instant::now();
-            if self
-                .last_answered()
+            if state
+                .confirmed
                 .is_some_and(|sent| now.saturating_duration_since(sent) < interval)
             {
                 return true;
@@ -312,7 +284,7 @@ impl Session {
                     state.running = Some(running.clone());
                     // In a task of its own, so that its answer is recorded even if every caller
                     // went away.
-                    tokio::spawn(run_check(self.clone(), answer, timeout));
+                    tokio::spawn(run_check(self.clone(), answer, now, timeout));
                     running
                 }
             }
@@ -325,17 +297,24 @@ impl Session {
     }
 }
 
-async fn run_check(session: Arc<Session>, answer: watch::Sender<Option<bool>>, timeout: Duration) {
+async fn run_check(
+    session: Arc<Session>,
+    answer: watch::Sender<Option<bool>>,
+    sent: Instant,
+    timeout: Duration,
+) {
     let checked = async {
         let statement = session.statement(Prepared::Check, super::CHECK).await?;
         session.client.query_one(&statement, &[]).await
     };
     let alive = matches!(session.bounded(timeout, checked).await, Ok(Ok(_)));
-    session
-        .check
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .running = None;
+    {
+        let mut state = session.check.lock().unwrap_or_else(PoisonError::into_inner);
+        state.running = None;
+        if alive {
+            state.confirmed = Some(sent);
+        }
+    }
     if !alive {
         session.close();
     }
@@ -416,7 +395,6 @@ pin_project_lite::pin_project! {
         #[pin]
         statement: F,
         timer: Timer,
-        created: Instant,
         session: &'a Session,
     }
 
@@ -437,8 +415,6 @@ impl<F: Future> Future for Bounded<'_, F> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         if let Poll::Ready(output) = this.statement.poll(cx) {
-            // An answer, or the end of the connection, which `is_closed` reports anyway.
-            this.session.note_answer(*this.created);
             return Poll::Ready(Ok(output));
         }
         let session = *this.session;

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, Sleep};
 use tokio_postgres::types::Type;
@@ -59,6 +59,9 @@ pub(super) struct Session {
     /// Statements sent and not answered yet, to spread new attempts over sessions.
     in_flight: AtomicUsize,
     check: Mutex<CheckState>,
+    /// The session set's notifier: told when this session stops draining, so attempts that
+    /// found every session draining look again at once.
+    changed: Arc<Notify>,
     /// A timer for statements that run alone, moved forward for each: pushing a registered
     /// timer later is an atomic update, while registering a fresh one per statement touches
     /// the timer wheel and, when no other timer is pending, wakes the runtime's driver (see
@@ -90,6 +93,7 @@ impl Session {
         config: &Config,
         tls: &MakeRustlsConnect,
         timeout: Duration,
+        changed: Arc<Notify>,
     ) -> Result<Session, BackendError> {
         let connecting = config.connect(tls.clone());
         let (client, connection) = match within(timeout, connecting).await {
@@ -99,8 +103,12 @@ impl Session {
         };
         let ended = CancellationToken::new();
         let signal = ended.clone().drop_guard();
+        let ended_notice = EndedNotice(changed.clone());
         let driver = tokio::spawn(async move {
-            // Cancels `ended` when the connection finishes or this task is aborted.
+            // Cancel `ended` and tell the set when the connection finishes or this task is
+            // aborted: a session that ends frees its slot for attempts waiting on the set.
+            // Dropped in reverse order: `ended` is cancelled before the set looks again.
+            let _notice = ended_notice;
             let _signal = signal;
             let _ = connection.await;
         });
@@ -111,6 +119,7 @@ impl Session {
             keys: Mutex::new(Keys::default()),
             in_flight: AtomicUsize::new(0),
             check: Mutex::new(CheckState::default()),
+            changed,
             // Reset before every use; until then it only needs to be valid.
             solo_timer: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
             solo_taken: AtomicBool::new(false),
@@ -187,6 +196,11 @@ impl Session {
                 _ => continue,
             };
             *counter = counter.saturating_add_signed(step);
+        }
+        let drained = from == Some(KeyState::Unconfirmed) && keys.unconfirmed == 0;
+        drop(keys);
+        if drained {
+            self.changed.notify_waiters();
         }
     }
 
@@ -367,6 +381,15 @@ async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
 
 /// Unanswered unlock retries after which a session is closed as broken.
 const UNANSWERED_UNLOCKS: u32 = 5;
+
+/// Tells the session set, when dropped, that a session ended.
+struct EndedNotice(Arc<Notify>);
+
+impl Drop for EndedNotice {
+    fn drop(&mut self) {
+        self.0.notify_waiters();
+    }
+}
 
 impl Drop for Session {
     fn drop(&mut self) {

@@ -26,8 +26,8 @@ const PIPELINE_DEPTH: usize = 32;
 
 pub(super) struct SessionSet {
     slots: Mutex<Slots>,
-    /// Woken when a session opens or fails to open.
-    changed: Notify,
+    /// Woken when a session opens, fails to open, or stops draining.
+    changed: Arc<Notify>,
     max: usize,
     config: Config,
     tls: MakeRustlsConnect,
@@ -58,7 +58,7 @@ impl SessionSet {
     ) -> Self {
         SessionSet {
             slots: Mutex::new(Slots::default()),
-            changed: Notify::new(),
+            changed: Arc::new(Notify::new()),
             max,
             config,
             tls,
@@ -90,15 +90,7 @@ impl SessionSet {
                 Step::HeldHere => return Ok(None),
                 Step::Connect => return self.connect(key).await.map(Some),
                 Step::Wait => {
-                    // A session that stops draining does not announce it: look again soon.
-                    let soon = tokio::time::sleep(Duration::from_millis(10));
-                    let waited = tokio::time::timeout_at(give_up, async {
-                        tokio::select! {
-                            _ = changed => {}
-                            _ = soon => {}
-                        }
-                    });
-                    if waited.await.is_err() {
+                    if tokio::time::timeout_at(give_up, changed).await.is_err() {
                         return Err(BackendError::unreachable(format!(
                             "every PostgreSQL session of this backend waited {:?} for the server to confirm an unlock",
                             self.timeout
@@ -165,7 +157,13 @@ impl SessionSet {
         let connecting = Connecting(self);
         // Boxed: connecting (TLS handshake included) is a future of many kilobytes, and inline
         // it would enlarge every attempt's future, though a session opens only rarely.
-        let session = Box::pin(Session::open(&self.config, &self.tls, self.timeout)).await?;
+        let session = Box::pin(Session::open(
+            &self.config,
+            &self.tls,
+            self.timeout,
+            self.changed.clone(),
+        ))
+        .await?;
         let session = Arc::new(session);
         // A new session holds nothing, so the key is free on it.
         session.reserve(key);

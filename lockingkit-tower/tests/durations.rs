@@ -24,22 +24,29 @@ fn duration() -> impl Strategy<Value = Duration> {
     ]
 }
 
+/// A current-thread runtime on paused time: waits cost nothing.
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("runtime")
+}
+
+/// The inner service: 200 with an empty body.
+async fn ok(_: Request<()>) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+    Ok(Response::new(Full::new(Bytes::new())))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
     fn any_wait_and_any_key_gets_a_response(wait in duration(), key in any::<String>()) {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .start_paused(true)
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
+        paused_runtime().block_on(async {
             let locks = DistributedLock::in_memory();
             let layer = LockLayer::new(locks, move |_: &Parts| Some(key.clone())).wait(wait);
-            let service = layer.layer(service_fn(|_: Request<()>| async {
-                Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
-            }));
+            let service = layer.layer(service_fn(ok));
             let response = service
                 .clone()
                 .oneshot(Request::new(()))
@@ -55,20 +62,13 @@ proptest! {
 
     #[test]
     fn a_busy_key_with_any_wait_answers_409_or_keeps_waiting(wait in duration()) {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .start_paused(true)
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
+        paused_runtime().block_on(async {
             let store = MemoryStore::new();
             let holder = DistributedLock::in_memory_shared(&store);
             let _held = holder.try_acquire("busy").await.expect("free");
             let locks = DistributedLock::in_memory_shared(&store);
             let layer = LockLayer::new(locks, |_: &Parts| Some("busy".to_owned())).wait(wait);
-            let service = layer.layer(service_fn(|_: Request<()>| async {
-                Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
-            }));
+            let service = layer.layer(service_fn(ok));
             let answered =
                 tokio::time::timeout(Duration::from_secs(60), service.oneshot(Request::new(())))
                     .await;

@@ -50,6 +50,17 @@ enum KeyState {
     Unconfirmed,
 }
 
+/// Whether a session may take an attempt on a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Availability {
+    /// It has unlocks the server has not confirmed: it takes no new locks.
+    Draining,
+    /// It holds the key, may hold it, or is attempting it.
+    HasKey,
+    /// It may take the key.
+    Free,
+}
+
 /// One PostgreSQL session shared by many locks.
 pub(super) struct Session {
     client: Client,
@@ -156,20 +167,21 @@ impl Session {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether the session has unlocks the server has not confirmed: it takes no new locks.
-    pub(super) fn is_draining(&self) -> bool {
-        self.keys().unconfirmed > 0
+    /// Whether an attempt on `key` may go here, in one look at the key map.
+    pub(super) fn availability(&self, key: i64) -> Availability {
+        let keys = self.keys();
+        if keys.unconfirmed > 0 {
+            Availability::Draining
+        } else if keys.by_key.contains_key(&key) {
+            Availability::HasKey
+        } else {
+            Availability::Free
+        }
     }
 
     /// How many locks this session holds for leases.
     pub(super) fn held(&self) -> usize {
         self.keys().held
-    }
-
-    /// Whether `key` may be attempted here: this session neither holds it, nor may hold it,
-    /// nor is attempting it.
-    pub(super) fn can_take(&self, key: i64) -> bool {
-        !self.keys().by_key.contains_key(&key)
     }
 
     /// Reserves `key` for an attempt, unless this session holds it or may hold it.

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::session::Session;
+use super::session::{Availability, Session};
 use crate::backend::BackendError;
 
 /// Statements in flight on every open session before another one opens. Statements that
@@ -111,12 +111,13 @@ impl SessionSet {
         let mut best: Option<&Arc<Session>> = None;
         let mut holds_key = false;
         for session in &slots.open {
-            if session.is_draining() {
-                continue;
-            }
-            if !session.can_take(key) {
-                holds_key = true;
-                continue;
+            match session.availability(key) {
+                Availability::Draining => continue,
+                Availability::HasKey => {
+                    holds_key = true;
+                    continue;
+                }
+                Availability::Free => {}
             }
             if best.is_none_or(|b| session.load() < b.load()) {
                 best = Some(session);

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::telemetry::LossReason;
+
 /// What went wrong, in terms a caller can act on.
 ///
 /// Each kind has a stable string code (see [`ErrorKind::code`]) that is safe to put in logs,
@@ -110,12 +112,31 @@ impl LockError {
         matches!(self.kind, ErrorKind::Busy | ErrorKind::Timeout)
     }
 
+    /// The [`ErrorKind::Busy`] error: someone else holds the lock.
     pub(crate) fn busy() -> Self {
         LockError::new(ErrorKind::Busy, "the lock is held by someone else")
     }
 
-    pub(crate) fn lost() -> Self {
-        LockError::new(ErrorKind::Lost, "the lock is no longer held")
+    /// The [`ErrorKind::Lost`] error every layer reports once a lock is gone: `reason` says why
+    /// it was lost, or is `None` when it was released (or the reason is not known).
+    pub fn lost(reason: Option<LossReason>) -> Self {
+        match reason {
+            Some(reason) => LockError::new(
+                ErrorKind::Lost,
+                format!("the lock was lost ({})", reason.as_str()),
+            ),
+            None => LockError::new(ErrorKind::Lost, "the lock is no longer held"),
+        }
+    }
+
+    /// The one [`ErrorKind::Misconfigured`] error that lists every problem found, each naming
+    /// the setting it is about (`Locking.Default.lease_duration: …`).
+    pub fn misconfigured<P: fmt::Display>(problems: impl IntoIterator<Item = P>) -> Self {
+        let listed: Vec<String> = problems.into_iter().map(|p| p.to_string()).collect();
+        LockError::new(
+            ErrorKind::Misconfigured,
+            format!("invalid lock configuration: {}", listed.join("; ")),
+        )
     }
 
     /// The name of the source error's type, for the `error.type` telemetry attribute.

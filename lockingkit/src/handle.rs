@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::Orphanable;
-use crate::error::{ErrorKind, LockError};
+use crate::error::LockError;
 use crate::telemetry::LossReason;
 
 /// What the engine keeps for one held lock, seen without its backend type.
@@ -147,13 +147,7 @@ impl LockHandle {
     }
 
     fn lost_error(&self) -> LockError {
-        match self.held.loss_reason() {
-            Some(reason) => LockError::new(
-                ErrorKind::Lost,
-                format!("the lock was lost ({})", reason.as_str()),
-            ),
-            None => LockError::lost(),
-        }
+        LockError::lost(self.held.loss_reason())
     }
 }
 

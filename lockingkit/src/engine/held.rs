@@ -234,13 +234,7 @@ impl<B: LockBackend> HeldLock for Held<B> {
 
     fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>> {
         if !self.claim(RELEASING) {
-            let error = match self.loss_reason() {
-                Some(reason) => LockError::new(
-                    ErrorKind::Lost,
-                    format!("the lock was lost ({}) before release", reason.as_str()),
-                ),
-                None => LockError::lost(),
-            };
+            let error = LockError::lost(self.loss_reason());
             // The caller asked to release and is told it failed; the trace should say so too.
             let telemetry = &self.engine.telemetry;
             let span = telemetry.release_span(self.fencing_token);

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use options::misconfigured;
 pub use options::LockOptions;
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
@@ -118,7 +117,7 @@ impl<B: LockBackend> Engine<B> {
             }
         }
         if !problems.is_empty() {
-            return Err(misconfigured(&problems));
+            return Err(LockError::misconfigured(problems));
         }
         Ok(Self::new_unchecked(name, backend, options, meter))
     }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{ErrorKind, LockError};
+use crate::error::LockError;
 
 /// Engine options shared by every provider.
 ///
@@ -72,15 +72,7 @@ impl LockOptions {
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(misconfigured(&problems))
+            Err(LockError::misconfigured(problems))
         }
     }
-}
-
-/// One `Misconfigured` error listing every problem.
-pub(crate) fn misconfigured(problems: &[String]) -> LockError {
-    LockError::new(
-        ErrorKind::Misconfigured,
-        format!("invalid lock configuration: {}", problems.join("; ")),
-    )
 }

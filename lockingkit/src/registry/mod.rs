@@ -151,7 +151,7 @@ impl Locking {
             }
         }
         match other {
-            _ if !misconfigured.is_empty() => Err(crate::engine::misconfigured(&misconfigured)),
+            _ if !misconfigured.is_empty() => Err(LockError::misconfigured(misconfigured)),
             Some(error) => Err(error),
             None => Ok(()),
         }
@@ -519,7 +519,7 @@ impl LockingBuilder {
                     listed.push(problem);
                 }
             }
-            return Err(crate::engine::misconfigured(&listed));
+            return Err(LockError::misconfigured(listed));
         }
         // Default first, so `Locking::default` is an index, then in registration order.
         built.sort_by_key(|lock| lock.name() != DEFAULT_NAME);

@@ -92,7 +92,7 @@ impl AzureBlobBackend {
             _ => None,
         };
         let Some(connection) = connection else {
-            return Err(misconfigured(&problems));
+            return Err(LockError::misconfigured(problems));
         };
         let mut container_url = container_url(&connection.blob_endpoint, &options.container);
         let mut client_options = client_options(&options)?;
@@ -105,7 +105,9 @@ impl AzureBlobBackend {
         let container =
             BlobContainerClient::new(container_url, None, Some(container_options(client_options)))
                 .map_err(|_| {
-                    misconfigured(&[format!("{SECTION}: the blob endpoint is not usable")])
+                    LockError::misconfigured([format!(
+                        "{SECTION}: the blob endpoint is not usable"
+                    )])
                 })?;
         Ok(Self::from_container(container, &options))
     }
@@ -131,10 +133,10 @@ impl AzureBlobBackend {
             _ => None,
         };
         let Some(service_url) = service_url else {
-            return Err(misconfigured(&problems));
+            return Err(LockError::misconfigured(problems));
         };
         if service_url.scheme() != "https" {
-            return Err(misconfigured(&[format!(
+            return Err(LockError::misconfigured([format!(
                 "{SECTION}.service_url must use https with a token credential"
             )]));
         }
@@ -144,7 +146,9 @@ impl AzureBlobBackend {
             Some(credential),
             Some(container_options(client_options(&options)?)),
         )
-        .map_err(|_| misconfigured(&[format!("{SECTION}: the blob endpoint is not usable")]))?;
+        .map_err(|_| {
+            LockError::misconfigured([format!("{SECTION}: the blob endpoint is not usable")])
+        })?;
         Ok(Self::from_container(container, &options))
     }
 
@@ -392,13 +396,6 @@ fn container_options(client_options: ClientOptions) -> BlobContainerClientOption
         client_options,
         ..Default::default()
     }
-}
-
-fn misconfigured(problems: &[String]) -> LockError {
-    LockError::new(
-        ErrorKind::Misconfigured,
-        format!("invalid lock configuration: {}", problems.join("; ")),
-    )
 }
 
 #[cfg(test)]

@@ -61,7 +61,6 @@ pub use options::{
 };
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use crate::engine::misconfigured;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use errors::Stage;
@@ -132,10 +131,10 @@ impl PostgresBackend {
         let section = "PostgresOptions";
         let mut problems = options.problems(section);
         if !problems.is_empty() {
-            return Err(misconfigured(&problems));
+            return Err(LockError::misconfigured(problems));
         }
         let mut settings = connection::parse(options.connection_string.expose())
-            .map_err(|p| misconfigured(&[format!("{section}.connection_string: {p}")]))?;
+            .map_err(|p| LockError::misconfigured([format!("{section}.connection_string: {p}")]))?;
         let tls = match tls::connector(&settings) {
             Ok(tls) => Some(tls),
             Err(problem) => {
@@ -144,7 +143,7 @@ impl PostgresBackend {
             }
         };
         let (Some(tls), true) = (tls, problems.is_empty()) else {
-            return Err(misconfigured(&problems));
+            return Err(LockError::misconfigured(problems));
         };
         let config = &mut settings.config;
         // A vanished peer is noticed by keepalive probes within about a minute instead of

@@ -177,40 +177,78 @@ pub async fn release_is_idempotent_and_drop_releases<B: ContractBackend>(backend
     assert_eq!(procs[0].active_keys(), 0, "nothing left behind locally");
 }
 
-/// `acquire` waits for a release and reports `Timeout` when the lock stays busy.
+/// `acquire` waits for a release and reports `Timeout` when the lock stays busy, neither early
+/// nor much late, and a waiter gets the lock soon after the holder releases it: at once in the
+/// holder's process (the turn is handed over), within one retry delay in another process.
 pub async fn waiting_and_timeouts<B: ContractBackend>(backend: &B) {
-    let procs = processes(backend, 2, quick_polling()).await;
+    let options = quick_polling();
+    let procs = processes(backend, 2, options.clone()).await;
     let key = unique_prefix("wait");
+    // Slack for one attempt in flight and a loaded machine; a wait that overruns by a whole
+    // lease quarter or a release that needs a lease to expire still fails.
+    let slack = options.max_retry_delay + release_settles_within(backend);
     let held = required(procs[0].try_acquire(&key).await, "acquire");
+    let timeout = Duration::from_millis(400);
     let started = Instant::now();
     expect_kind(
-        procs[1].acquire(&key, Duration::from_millis(400)).await,
+        procs[1].acquire(&key, timeout).await,
         ErrorKind::Timeout,
         "waiting on a held lock",
     );
+    let waited = started.elapsed();
     assert!(
-        started.elapsed() >= Duration::from_millis(400),
-        "gave up early"
+        waited >= timeout,
+        "contract broken: gave up after {waited:?}"
+    );
+    assert!(
+        waited <= timeout + slack,
+        "contract broken: a {timeout:?} wait took {waited:?}"
     );
 
-    let waiter = {
-        let lock = procs[1].clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            let handle = lock.acquire(&key, Duration::from_secs(30)).await;
-            (Instant::now(), handle)
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Another process: its waiter polls the backend and must see the release promptly.
+    let waiter = spawn_acquire(&procs[1], &key);
+    until_queued(&procs[1], &key, 1).await;
     let released_at = Instant::now();
     required(held.release().await, "release");
-    let (acquired_at, handle) = match waiter.await {
+    let (acquired_at, handle) = joined(waiter).await;
+    let handle = required(handle, "the waiter in another process after release");
+    let took = acquired_at.duration_since(released_at);
+    assert!(
+        took <= slack,
+        "contract broken: another process got the lock {took:?} after its release"
+    );
+
+    // The same process: the release hands the turn straight to the queued waiter.
+    let waiter = spawn_acquire(&procs[1], &key);
+    until_queued(&procs[1], &key, 1).await;
+    let released_at = Instant::now();
+    required(handle.release().await, "release");
+    let (acquired_at, handle) = joined(waiter).await;
+    let handle = required(handle, "the local waiter after release");
+    let took = acquired_at.duration_since(released_at);
+    assert!(
+        took <= release_settles_within(backend),
+        "contract broken: a local waiter got the lock {took:?} after its release"
+    );
+    required(handle.release().await, "release");
+}
+
+type Acquisition = (Instant, Result<LockHandle, LockError>);
+
+fn spawn_acquire(lock: &DistributedLock, key: &str) -> tokio::task::JoinHandle<Acquisition> {
+    let lock = lock.clone();
+    let key = key.to_owned();
+    tokio::spawn(async move {
+        let handle = lock.acquire(&key, Duration::from_secs(30)).await;
+        (Instant::now(), handle)
+    })
+}
+
+async fn joined(task: tokio::task::JoinHandle<Acquisition>) -> Acquisition {
+    match task.await {
         Ok(pair) => pair,
         Err(join) => panic!("waiter task failed: {join}"),
-    };
-    let handle = required(handle, "the waiter after release");
-    assert!(acquired_at >= released_at);
-    required(handle.release().await, "release");
+    }
 }
 
 /// Eighty acquisitions by twenty contenders spread over four processes never overlap, and
@@ -260,11 +298,11 @@ pub async fn eighty_acquisitions_by_twenty_contenders_in_four_processes_never_ov
     checker.assert_consistent();
 }
 
-/// Keys that look alike, or that a naive mapping would confuse, never share a lock.
-pub async fn look_alike_keys_never_share_a_lock<B: ContractBackend>(backend: &B) {
-    let procs = processes(backend, 2, quick_polling()).await;
-    let suffix = unique_prefix("alike").replace('/', "-");
-    let mut keys: Vec<String> = [
+/// Keys that look alike, or that a naive mapping would confuse (escapes, dot segments, Unicode
+/// normalisation, control characters, names at the backends' length and segment limits).
+fn look_alike_keys() -> Vec<String> {
+    let unique = unique_prefix("alike").replace('/', "-");
+    let fixed = [
         "a/b",
         "a~2Fb",
         "a%2Fb",
@@ -284,36 +322,81 @@ pub async fn look_alike_keys_never_share_a_lock<B: ContractBackend>(backend: &B)
         "a b",
         "Orders/42",
         "orders/42",
-    ]
-    .iter()
-    .map(|k| (*k).to_owned())
-    .collect();
-    // The edge cases only mean something at the start of a key, so they are used as they are;
-    // a unique pair keeps repeated runs apart.
-    keys.push(format!("{suffix}/x"));
-    keys.push(format!("{suffix}~2Fx"));
+        // The same text in NFC and NFD: byte-for-byte different keys.
+        "caf\u{e9}",
+        "cafe\u{301}",
+        // Control characters, and the characters they could be confused with.
+        "a\u{0}b",
+        "a\tb",
+        "a\nb",
+        "a\rb",
+        "a\u{7f}b",
+        "a\u{1}b",
+        "a\u{2028}b",
+    ];
+    let mut keys: Vec<String> = fixed.iter().map(|k| (*k).to_owned()).collect();
+    // The edge cases above only mean something at the start of a key, so they are used as they
+    // are; a unique pair keeps repeated runs apart.
+    keys.push(format!("{unique}/x"));
+    keys.push(format!("{unique}~2Fx"));
+    // 512 characters, the longest key, in one, two, three and four bytes each.
     keys.push("x".repeat(512));
     keys.push(format!("{}y", "x".repeat(511)));
     keys.push("é".repeat(512));
+    keys.push("ह".repeat(512));
+    keys.push("🔒".repeat(512));
+    keys.push(format!("{}🔓", "🔒".repeat(511)));
+    // Azure blob names at 1024 characters (kept readable) and 1025 (hashed): `~` escapes to
+    // three characters.
+    keys.push(format!("{}a", "~".repeat(341)));
+    keys.push(format!("{}b", "~".repeat(341)));
+    keys.push(format!("{}ab", "~".repeat(341)));
+    keys.push(format!("{}ac", "~".repeat(341)));
+    // 254 segments (kept readable) and 255 (hashed).
+    keys.push(format!("{}a", "a/".repeat(253)));
+    keys.push(format!("{}b", "a/".repeat(253)));
+    keys.push(format!("{}a", "a/".repeat(254)));
+    keys.push(format!("{}b", "a/".repeat(254)));
     keys.push(format!("{}a", "a/".repeat(255)));
-    keys.push(format!("{}b", "a/".repeat(255)));
+    keys
+}
 
-    let mut handles: Vec<LockHandle> = Vec::new();
-    for key in &keys {
-        handles.push(required(
-            procs[0].try_acquire(key).await,
-            "a look-alike key was already taken by another key",
-        ));
-    }
-    for key in &keys {
-        expect_kind(
-            procs[1].try_acquire(key).await,
-            ErrorKind::Busy,
-            "the same key from another process",
-        );
-    }
-    for handle in handles {
-        required(handle.release().await, "release");
+/// Look-alike keys never share a lock, in one process or across processes.
+///
+/// Any two of the keys differ in some bit of their index. In the round for that bit, one process
+/// holds every key with the bit clear while another process takes every key with the bit set, so
+/// two keys that share a backend lock show up as `Busy` across processes — also on backends whose
+/// locks are reentrant within one connection, where holding both in one process would not tell.
+pub async fn look_alike_keys_never_share_a_lock<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let keys = look_alike_keys();
+    let rounds = usize::BITS - (keys.len() - 1).leading_zeros();
+    for bit in 0..rounds {
+        let (mut held, mut taken) = (Vec::new(), Vec::new());
+        for (index, key) in keys.iter().enumerate() {
+            if index >> bit & 1 == 0 {
+                let what = format!("look-alike key #{index} (round {bit}) in the first process");
+                held.push(required(procs[0].try_acquire(key).await, &what));
+            } else {
+                let what = format!(
+                    "look-alike key #{index} (round {bit}) shares a lock with a key the other \
+                     process holds"
+                );
+                taken.push(required(procs[1].try_acquire(key).await, &what));
+            }
+        }
+        for (index, key) in keys.iter().enumerate() {
+            let what = format!("look-alike key #{index} from the process not holding it");
+            let other = if index >> bit & 1 == 0 {
+                &procs[1]
+            } else {
+                &procs[0]
+            };
+            expect_kind(other.try_acquire(key).await, ErrorKind::Busy, &what);
+        }
+        for handle in held.into_iter().chain(taken) {
+            required(handle.release().await, "release");
+        }
     }
 }
 

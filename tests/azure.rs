@@ -15,7 +15,7 @@ use lockingkit::providers::azure::{
     AzureBlobBackend, AzureBlobOptions, AzureRequestError, FENCING_TOKEN_METADATA,
 };
 use lockingkit::{DistributedLock, ErrorKind, LockError, LossReason};
-use lockingkit_tests::azurite::Azurite;
+use lockingkit_tests::azurite::{Azurite, Persistence};
 use lockingkit_tests::field_log::FieldLog;
 
 /// The shortest lease Azure grants, so renewal and loss cases finish soonest.
@@ -491,10 +491,7 @@ async fn a_registry_verifies_every_azure_provider_in_one_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_account_name_is_misconfigured_and_says_what_to_check() {
-    let azurite = Azurite::start().await;
-    if azurite.is_external() {
-        return; // a real account name that does not exist fails in DNS instead
-    }
+    let azurite = Azurite::start_local(Persistence::InMemory).await;
     // The account renamed everywhere, as when the name is mistyped: Azurite has no such
     // account and answers 404 ResourceNotFound.
     let wrong = azurite
@@ -527,10 +524,7 @@ async fn a_wrong_account_name_is_misconfigured_and_says_what_to_check() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_server_is_unavailable_not_a_timeout() {
-    let mut azurite = Azurite::start().await;
-    if azurite.is_external() {
-        return; // an external service cannot be stopped from here
-    }
+    let mut azurite = Azurite::start_local(Persistence::InMemory).await;
     let locks = lock_with(options(&azurite));
     azurite.kill();
     let error = locks.try_acquire(&unique("stopped")).await.unwrap_err();
@@ -544,10 +538,7 @@ async fn a_stopped_server_is_unavailable_not_a_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_server_fails_a_call_within_the_request_timeout() {
-    let mut azurite = Azurite::start().await;
-    if azurite.is_external() {
-        return;
-    }
+    let mut azurite = Azurite::start_local(Persistence::InMemory).await;
     let timeout = Duration::from_secs(1);
     let locks = lock_with(options(&azurite).request_timeout(timeout));
     // A first call opens a pooled connection, so the hung call below is a read that never ends.
@@ -573,10 +564,7 @@ async fn a_hung_server_fails_a_call_within_the_request_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fixture_restarts_on_the_same_port_and_keeps_blobs_on_disk() {
-    let mut azurite = Azurite::start_with(lockingkit_tests::azurite::Persistence::OnDisk).await;
-    if azurite.is_external() {
-        return;
-    }
+    let mut azurite = Azurite::start_local(Persistence::OnDisk).await;
     let port = azurite.port();
     let locks = lock_with(options(&azurite));
     let key = unique("restart");
@@ -610,7 +598,7 @@ async fn locks_of_other_providers_have_no_azure_lease() {
 async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
     use tracing_subscriber::layer::SubscriberExt;
 
-    let mut azurite = Azurite::start().await;
+    let mut azurite = Azurite::start_local(Persistence::InMemory).await;
     let logged = FieldLog::default();
     // Only LockingKit's calls are captured, not the test's own plain-client checks.
     let capture =
@@ -635,9 +623,9 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
         .exists()
         .await
         .expect("exists");
-    if !azurite.is_external() {
-        // Failed requests are logged at info level, with their error.
-        azurite.kill();
+    // Failed requests are logged at info level, with their error.
+    azurite.kill();
+    {
         let _capturing = capture();
         let down = holder.try_acquire(&key).await.unwrap_err();
         assert_eq!(down.kind(), ErrorKind::Unavailable);
@@ -649,7 +637,7 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
         "the SDK's request log lines were captured: {logged}"
     );
     assert!(
-        azurite.is_external() || logged.contains("Failed response"),
+        logged.contains("Failed response"),
         "the failed requests were logged too: {logged}"
     );
     let name = azure_blob_name(&key);

@@ -8,13 +8,28 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LossReason,
-    MemoryBackend, MemoryStore, RenewalFault,
+    Acquired, BackendError, CancellationToken, DistributedLock, ErrorKind, LeaseTiming,
+    LockBackend, LossReason, MemoryBackend, MemoryStore, RenewalFault,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 const TIMER_RESOLUTION: Duration = Duration::from_millis(1);
+
+/// Waits for a lost token to fire, failing the test instead of hanging if it never does (on
+/// paused time the limit passes at once when nothing else is pending).
+#[track_caller]
+fn fired(token: &CancellationToken) -> impl std::future::Future<Output = ()> + '_ {
+    let caller = std::panic::Location::caller();
+    async move {
+        if tokio::time::timeout(Duration::from_secs(600), token.cancelled())
+            .await
+            .is_err()
+        {
+            panic!("the lost token never fired (waited at {caller})");
+        }
+    }
+}
 
 fn assert_at(actual: Duration, expected: Duration) {
     assert!(
@@ -161,7 +176,7 @@ async fn lease_is_lost_27s_after_last_renewal_sent_when_renewals_fail() {
         "failed renewals are retried until the deadline"
     );
 
-    lost.cancelled().await;
+    fired(&lost).await;
     assert_at(start.elapsed(), Duration::from_secs(37));
     assert!(!handle.is_held());
     assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
@@ -176,7 +191,7 @@ async fn lease_is_lost_27s_after_last_renewal_sent_when_renewal_hangs() {
     tokio::time::sleep(Duration::from_secs(15)).await;
     store.set_renewal_fault(RenewalFault::Hang);
 
-    handle.lost_token().cancelled().await;
+    fired(&handle.lost_token()).await;
     assert_at(start.elapsed(), Duration::from_secs(37));
     assert_eq!(
         store.renewals(),
@@ -235,7 +250,7 @@ async fn loss_with_slow_renewals(fault: RenewalFault) -> Duration {
     // The deadline is 27 s after the good renewal was sent (10 s), not after it answered (14 s).
     tokio::time::sleep_until(start + Duration::from_secs(37) - TIMER_RESOLUTION).await;
     assert!(handle.is_held(), "still held just before the deadline");
-    lost.cancelled().await;
+    fired(&lost).await;
     let lost_at = start.elapsed();
     assert!(!handle.is_held());
     assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
@@ -286,7 +301,7 @@ async fn first_deadline_counts_from_when_the_acquire_was_sent() {
     store.set_renewal_fault(RenewalFault::Hang);
     let start = Instant::now();
     let handle = locks.try_acquire("report").await.unwrap();
-    handle.lost_token().cancelled().await;
+    fired(&handle.lost_token()).await;
     assert_at(start.elapsed(), Duration::from_secs(27));
 }
 
@@ -298,7 +313,7 @@ async fn a_lease_gone_answer_is_loss_at_once() {
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert!(store.break_lease("report"));
 
-    handle.lost_token().cancelled().await;
+    fired(&handle.lost_token()).await;
     // The next renewal, at 20 s, is told the lease is gone: no waiting for the deadline.
     assert_at(start.elapsed(), Duration::from_secs(20));
     assert_eq!(handle.loss_reason(), Some(LossReason::LeaseGone));
@@ -436,7 +451,7 @@ async fn an_unanswered_connection_check_is_loss_after_one_interval() {
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(checks.load(Ordering::SeqCst), 2, "checks at 5 s and 10 s");
     hang.store(true, Ordering::SeqCst);
-    handle.lost_token().cancelled().await;
+    fired(&handle.lost_token()).await;
     // The check sent at 15 s gets 5 s to answer.
     assert_at(start.elapsed(), Duration::from_secs(20));
     assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
@@ -449,7 +464,7 @@ async fn after_a_loss_local_callers_reach_the_backend_while_its_release_still_ha
     let locks = DistributedLock::builder(connection).build().unwrap();
     let lost = locks.try_acquire("k").await.unwrap();
     hang.store(true, Ordering::SeqCst);
-    lost.lost_token().cancelled().await;
+    fired(&lost.lost_token()).await;
     let declared = Instant::now();
     // The best-effort release of the lost lock now hangs for up to `release_timeout` (10 s);
     // the key's turn must not wait for it, so the next caller's attempt goes to the backend.
@@ -871,7 +886,7 @@ async fn every_way_a_hold_ends_sends_exactly_one_release() {
 
     let lost = locks.try_acquire("k").await.unwrap();
     assert!(store.break_lease("k"));
-    lost.lost_token().cancelled().await;
+    fired(&lost.lost_token()).await;
     recording.until_answered(4).await;
     assert_eq!(lost.release().await.unwrap_err().kind(), ErrorKind::Lost);
     assert_eq!(recording.releases(), 4, "a loss, then release()");
@@ -891,7 +906,7 @@ async fn a_late_release_of_a_lost_lock_cannot_free_the_next_holder() {
     let first = locks.try_acquire("k").await.unwrap();
     store.set_renewal_fault(RenewalFault::Hang);
     let release_gate = recording.close_release_gate();
-    first.lost_token().cancelled().await;
+    fired(&first.lost_token()).await;
     assert_at(start.elapsed(), Duration::from_secs(27));
     store.set_renewal_fault(RenewalFault::None);
 
@@ -1051,7 +1066,7 @@ async fn a_connection_the_backend_sees_close_is_lost_at_once_not_at_the_next_che
     let handle = locks.try_acquire("k").await.unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     closed.send_replace(true);
-    handle.lost_token().cancelled().await;
+    fired(&handle.lost_token()).await;
     assert_eq!(start.elapsed(), Duration::from_millis(1500));
     assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
 }

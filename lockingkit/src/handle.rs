@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::Orphanable;
+use crate::background::Orphanable;
 use crate::error::LockError;
 use crate::telemetry::LossReason;
 
 /// What the engine keeps for one held lock, seen without its backend type.
-pub(crate) trait HeldLock: Send + Sync {
+pub(crate) trait AnyHold: Send + Sync {
     fn key(&self) -> &str;
     fn fencing_token(&self) -> u64;
     fn lost_token(&self) -> &CancellationToken;
@@ -64,11 +64,11 @@ pub(crate) trait HeldLock: Send + Sync {
 /// # let _ = shipped; Ok(()) }
 /// ```
 pub struct LockHandle {
-    held: Arc<dyn HeldLock>,
+    held: Arc<dyn AnyHold>,
 }
 
 impl LockHandle {
-    pub(crate) fn new(held: Arc<dyn HeldLock>) -> Self {
+    pub(crate) fn new(held: Arc<dyn AnyHold>) -> Self {
         LockHandle { held }
     }
 

@@ -27,10 +27,8 @@
 #![deny(missing_docs)]
 #![warn(unreachable_pub)]
 
-use std::future::Future;
-use std::pin::Pin;
-
 mod backend;
+mod background;
 mod clock;
 pub mod config;
 mod engine;
@@ -76,5 +74,3 @@ pub struct AzureGuideDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/telemetry.md")]
 pub struct TelemetryGuideDoctests;
-
-pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

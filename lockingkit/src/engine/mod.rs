@@ -2,11 +2,8 @@
 //! backend.
 
 mod backoff;
-mod held;
+mod hold;
 mod options;
-mod orphan;
-mod renewal;
-mod scheduler;
 mod waiting_room;
 
 use std::sync::Arc;
@@ -17,16 +14,15 @@ use tokio::time::Instant;
 pub use options::LockOptions;
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::background::{self, BoxFuture, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::LockHandle;
 use crate::keys::validate_key;
 use crate::telemetry::{Operation, Outcome, Telemetry};
-use crate::BoxFuture;
 
 use backoff::Backoff;
-use held::Held;
-pub(crate) use orphan::Orphanable;
-use scheduler::RenewalScheduler;
+use hold::Hold;
+use hold::RenewalScheduler;
 use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
 
 /// How long a connection-held lock goes unwatched after it is taken (see
@@ -185,7 +181,7 @@ impl<B: LockBackend> Engine<B> {
         acquired: Acquired<B::Lease>,
         sent: Instant,
     ) -> LockHandle {
-        let held = Arc::new(Held::new(
+        let held = Arc::new(Hold::new(
             self.clone(),
             runtime.clone(),
             turn,
@@ -320,7 +316,8 @@ impl<B: LockBackend> Engine<B> {
     async fn try_acquire_recorded(self: Arc<Self>, key: &str) -> Result<LockHandle, LockError> {
         let mut record = self.record(Operation::TryAcquire);
         let span = record.span.clone();
-        let result = orphan::traced(span, self.try_acquire_inner(key, &mut record.attempts)).await;
+        let result =
+            background::traced(span, self.try_acquire_inner(key, &mut record.attempts)).await;
         record.finish(&result);
         result
     }
@@ -333,7 +330,7 @@ impl<B: LockBackend> Engine<B> {
         let mut record = self.record(Operation::Acquire);
         let span = record.span.clone();
         let result =
-            orphan::traced(span, self.acquire_inner(key, timeout, &mut record.attempts)).await;
+            background::traced(span, self.acquire_inner(key, timeout, &mut record.attempts)).await;
         record.finish(&result);
         result
     }
@@ -382,12 +379,13 @@ pub(crate) struct ReleaseWon<B> {
     release_timeout: Duration,
 }
 
-impl<B: LockBackend> orphan::Cleanup<AttemptResult<B::Lease>> for ReleaseWon<B> {
+impl<B: LockBackend> background::Cleanup<AttemptResult<B::Lease>> for ReleaseWon<B> {
     fn clean_up(self, (turn, _, result): AttemptResult<B::Lease>) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             if let Ok(Some(acquired)) = result {
-                let _ = orphan::within(self.release_timeout, self.backend.release(&acquired.lease))
-                    .await;
+                let _ =
+                    background::within(self.release_timeout, self.backend.release(&acquired.lease))
+                        .await;
             }
             drop(turn);
         })

@@ -1,4 +1,35 @@
-//! The engine's record of one held lock, behind every `LockHandle`.
+//! One held lock, from the acquire that won it to the end of its hold.
+//!
+//! # The hold's state machine
+//!
+//! ```text
+//!                 release()            ┌────────────┐  backend answers   turn passes,
+//!            ┌───────────────────────▶ │ RELEASING  │ ─────────────────▶ result to caller
+//!            │                         └────────────┘
+//! ┌──────┐   │  handle dropped         ┌────────────┐  backend answers   turn passes
+//! │ HELD │ ──┼───────────────────────▶ │  DROPPED   │ ─────────────────▶ (in the background)
+//! └──────┘   │                         └────────────┘
+//!            │  keeper gives up        ┌────────────┐  turn passes at once, then a
+//!            └───────────────────────▶ │ LOST(why)  │  best-effort release at the backend
+//!                                      └────────────┘
+//! ```
+//!
+//! - **HELD** is the only state with a way out, and exactly one transition leaves it, decided
+//!   by one compare-and-swap ([`Hold::claim`]): release, drop and loss can race, and the lock
+//!   is given up once. Every transition fires the lost token before anything else, so work tied
+//!   to it stops before the lock is given up.
+//! - While HELD the hold is entered in the [`RenewalScheduler`] (`schedule.rs`) until its
+//!   first renewal is due; only then does its keeper task start (`keeper.rs`). The keeper renews
+//!   an expiring lease, or checks a held connection, and moves the hold to LOST when it can no
+//!   longer vouch for it: the backend says the lease is gone, the connection ended, or the loss
+//!   deadline passed.
+//! - The **loss deadline** is 90% of the lease after the last successful renewal was *sent*.
+//!   A HELD hold past its deadline already answers `is_held() == false` with reason `deadline`,
+//!   whether or not its keeper has run: a starved runtime cannot stretch a hold.
+//! - Ending a hold ([`Hold::finish`]) records its telemetry and passes the key's turn to the
+//!   next local waiter. After release or drop that happens once the backend answered, so the
+//!   next local holder never overlaps; after loss it happens at once, since who holds the key
+//!   next is the backend's call and the loss may be a hung server.
 
 use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -8,38 +39,45 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::orphan::{traced, within, Orphanable};
-use super::scheduler::Keep;
 use super::waiting_room::Turn;
 use super::Engine;
 use crate::backend::{Acquired, LeaseTiming, LockBackend};
+use crate::background::{traced, within, Orphanable};
 use crate::error::{ErrorKind, LockError};
-use crate::handle::HeldLock;
+use crate::handle::AnyHold;
 use crate::telemetry::LossReason;
 
-/// The life of a held lock. Exactly one transition leaves `HELD`, decided by compare-and-swap,
-/// so release, drop and loss can race without releasing twice.
+mod keeper;
+mod schedule;
+
+pub(crate) use schedule::RenewalScheduler;
+
+/// The states of the diagram above, in one byte.
 const HELD: u8 = 0;
 /// `release()` claimed the lock and releases it inline.
 const RELEASING: u8 = 1;
 /// The handle was dropped; the keeper task releases in the background.
 const DROPPED: u8 = 2;
-/// The keeper declared the lock lost; the reason is `state - LOST`, so that whoever sees the
-/// lock lost also sees why, in the same load.
+/// The keeper declared the lock lost; the reason is `state - LOST`. Packing the reason into the
+/// state byte lets whoever sees the lock lost also see why in the same load, with no second
+/// field to order against the claim.
 const LOST: u8 = 3;
 
 fn lost_state(reason: LossReason) -> u8 {
     LOST + reason as u8
 }
 
-pub(crate) struct Held<B: LockBackend> {
+/// The engine's record of one held lock, shared by its `LockHandle`, its keeper and the
+/// renewal schedule.
+pub(crate) struct Hold<B: LockBackend> {
     pub(super) engine: Arc<Engine<B>>,
     key: Arc<str>,
     fencing_token: u64,
     pub(super) lease: B::Lease,
     /// Fires on loss and on release; the keeper task stops when it fires. Made on first use
-    /// (see [`Held::lost_signal`]): most holds end before anyone asks for it, and a token costs
-    /// an allocation and a locked tree on every release.
+    /// (see [`Hold::lost_signal`]): most holds end before anyone asks for it, and an eager token
+    /// costs an allocation and two locked tree updates on every acquire+release pair — what
+    /// the benchmark's row 3 (in-memory pairs per second) measures.
     lost: OnceLock<CancellationToken>,
     state: AtomicU8,
     /// The monotonic instant the acquiring request was sent: deadlines are offsets from it,
@@ -71,7 +109,7 @@ pub(crate) fn deadline_after(timing: LeaseTiming, sent: Instant) -> Instant {
     }
 }
 
-impl<B: LockBackend> Held<B> {
+impl<B: LockBackend> Hold<B> {
     pub(super) fn new(
         engine: Arc<Engine<B>>,
         runtime: Handle,
@@ -80,7 +118,7 @@ impl<B: LockBackend> Held<B> {
         sent: Instant,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
-        Held {
+        Hold {
             runtime,
             key: turn.key().clone(),
             fencing_token: acquired.fencing_token,
@@ -104,16 +142,6 @@ impl<B: LockBackend> Held<B> {
             self.origin,
             Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire)),
         )
-    }
-
-    /// Enters the hold in the renewal schedule; its keeper starts when the first renewal is due.
-    pub(super) fn schedule(self: &Arc<Self>) {
-        let keep: std::sync::Weak<dyn Keep> = Arc::downgrade(self) as _;
-        self.engine.scheduler.schedule(
-            &self.runtime,
-            crate::clock::after(self.origin, self.engine.keeper_starts_after()),
-            keep,
-        );
     }
 
     /// The token that fires when the hold ends (loss, release or drop), made on first use.
@@ -204,7 +232,7 @@ impl<B: LockBackend> Held<B> {
     }
 }
 
-impl<B: LockBackend> HeldLock for Held<B> {
+impl<B: LockBackend> AnyHold for Hold<B> {
     fn key(&self) -> &str {
         &self.key
     }
@@ -258,17 +286,6 @@ impl<B: LockBackend> HeldLock for Held<B> {
 
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync) {
         &self.lease
-    }
-}
-
-impl<B: LockBackend> Keep for Held<B> {
-    fn start_keeper(self: Arc<Self>) {
-        if self.state.load(Ordering::Acquire) != HELD {
-            return;
-        }
-        let sent = self.origin;
-        let runtime = self.runtime.clone();
-        runtime.spawn(super::renewal::keep(self, sent));
     }
 }
 

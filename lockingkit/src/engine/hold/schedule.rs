@@ -25,7 +25,7 @@ use tokio::time::{sleep_until, Instant};
 const SWEEP_AFTER: usize = 1024;
 
 /// A held lock whose keeper can be started.
-pub(crate) trait Keep: Send + Sync {
+pub(crate) trait StartKeeper: Send + Sync {
     /// Spawns the lock's keeper task on the runtime the lock was taken on, unless the hold
     /// has already ended.
     fn start_keeper(self: Arc<Self>);
@@ -41,16 +41,16 @@ pub(crate) struct RenewalScheduler {
 
 /// A hold waiting for its keeper. Weak, so a hold that ends is freed at once; its entry stays
 /// until it is due or swept, which costs the hot path nothing.
-struct Entry {
+struct Due {
     due: Instant,
-    hold: Weak<dyn Keep>,
+    hold: Weak<dyn StartKeeper>,
 }
 
 #[derive(Default)]
 struct State {
     /// In the order the keepers are due. An engine's keeper delay is fixed, so a new hold
     /// almost always goes at the back.
-    due: VecDeque<Entry>,
+    due: VecDeque<Due>,
     driver_running: bool,
     /// When the driver will wake on its own; `None` while it waits for a notification.
     driver_wakes_at: Option<Instant>,
@@ -65,7 +65,12 @@ impl RenewalScheduler {
 
     /// Enters a hold whose keeper is due at `due`. The keeper starts then, unless the hold has
     /// ended by that time.
-    pub(crate) fn schedule(self: &Arc<Self>, runtime: &Handle, due: Instant, hold: Weak<dyn Keep>) {
+    pub(crate) fn schedule(
+        self: &Arc<Self>,
+        runtime: &Handle,
+        due: Instant,
+        hold: Weak<dyn StartKeeper>,
+    ) {
         let mut state = self.state();
         if state.closed {
             return;
@@ -79,7 +84,7 @@ impl RenewalScheduler {
             self.left.fetch_sub(left, Ordering::Relaxed);
             state.due.retain(|entry| entry.hold.strong_count() > 0);
         }
-        let entry = Entry { due, hold };
+        let entry = Due { due, hold };
         if state.due.back().is_none_or(|last| last.due <= due) {
             state.due.push_back(entry);
         } else {
@@ -198,7 +203,7 @@ mod tests {
 
     struct Counted(Arc<AtomicUsize>);
 
-    impl Keep for Counted {
+    impl StartKeeper for Counted {
         fn start_keeper(self: Arc<Self>) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
@@ -222,19 +227,19 @@ mod tests {
 
         /// Enters a hold due `secs` after the fixture was made, on the current runtime. The
         /// hold lives as long as the returned value, as a `Held` lives with its handle.
-        fn hold_due_in(&self, secs: u64) -> Arc<dyn Keep> {
+        fn hold_due_in(&self, secs: u64) -> Arc<dyn StartKeeper> {
             let due = self.start + Duration::from_secs(secs);
             self.hold_on(&Handle::current(), due)
         }
 
-        fn hold_on(&self, runtime: &Handle, due: Instant) -> Arc<dyn Keep> {
-            let hold: Arc<dyn Keep> = Arc::new(Counted(self.started.clone()));
+        fn hold_on(&self, runtime: &Handle, due: Instant) -> Arc<dyn StartKeeper> {
+            let hold: Arc<dyn StartKeeper> = Arc::new(Counted(self.started.clone()));
             self.scheduler.schedule(runtime, due, Arc::downgrade(&hold));
             hold
         }
 
         /// Ends a hold the way a released `Held` does: it leaves, and its last reference goes.
-        fn end(&self, hold: Arc<dyn Keep>) {
+        fn end(&self, hold: Arc<dyn StartKeeper>) {
             drop(hold);
             self.scheduler.left();
         }

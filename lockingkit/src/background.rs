@@ -10,7 +10,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::BoxFuture;
+/// A boxed, sendable future: what the engine hands through `dyn` boundaries.
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// What to do with the output of work whose caller went away.
 pub(crate) trait Cleanup<T>: Send + 'static {

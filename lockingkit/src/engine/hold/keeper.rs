@@ -1,5 +1,8 @@
-//! The keeper task of a held lock: renews or checks it, and enforces the loss deadline.
+//! The keeper task of a held lock: renews or checks it, and enforces the loss deadline. A hold
+//! is entered in the renewal schedule when it is made; its keeper starts from there when the
+//! first renewal is due, unless the hold ended before.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -7,10 +10,34 @@ use tokio::time::{sleep_until, Instant};
 
 use crate::clock::after;
 
-use super::backoff::Backoff;
-use super::held::{deadline_after, loss_deadline, Held};
+use super::schedule::StartKeeper;
+use super::{deadline_after, loss_deadline, Hold, HELD};
 use crate::backend::{BackendErrorKind, LeaseTiming, LockBackend};
+use crate::engine::backoff::Backoff;
 use crate::telemetry::LossReason;
+
+impl<B: LockBackend> Hold<B> {
+    /// Enters the hold in the renewal schedule; its keeper starts when the first renewal is due.
+    pub(in crate::engine) fn schedule(self: &Arc<Self>) {
+        let hold: std::sync::Weak<dyn StartKeeper> = Arc::downgrade(self) as _;
+        self.engine.scheduler.schedule(
+            &self.runtime,
+            after(self.origin, self.engine.keeper_starts_after()),
+            hold,
+        );
+    }
+}
+
+impl<B: LockBackend> StartKeeper for Hold<B> {
+    fn start_keeper(self: Arc<Self>) {
+        if self.state.load(Ordering::Acquire) != HELD {
+            return;
+        }
+        let sent = self.origin;
+        let runtime = self.runtime.clone();
+        runtime.spawn(run_keeper(self, sent));
+    }
+}
 
 enum Exit {
     /// Released or dropped: the lost token fired, and whoever did it releases.
@@ -20,7 +47,7 @@ enum Exit {
 
 /// Keeps `held` alive until it is released, dropped or lost. `sent` is when the acquiring
 /// request was sent.
-pub(crate) async fn keep<B: LockBackend>(held: Arc<Held<B>>, sent: Instant) {
+async fn run_keeper<B: LockBackend>(held: Arc<Hold<B>>, sent: Instant) {
     let exit = match held.engine.timing {
         LeaseTiming::Expiring(lease) => renew_expiring(&held, lease, sent).await,
         LeaseTiming::ConnectionHeld(interval) => check_connection(&held, interval, sent).await,
@@ -33,7 +60,7 @@ pub(crate) async fn keep<B: LockBackend>(held: Arc<Held<B>>, sent: Instant) {
 
 /// Renews every `renew_every` (a third of the lease by default). The deadline timer is raced
 /// against every wait *and* every renewal, so a renewal that never answers cannot postpone it.
-async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: Instant) -> Exit {
+async fn renew_expiring<B: LockBackend>(held: &Hold<B>, lease: Duration, sent: Instant) -> Exit {
     let engine = &held.engine;
     let every = engine.options.renew_every.unwrap_or(lease / 3);
     let mut deadline = loss_deadline(sent, lease);
@@ -84,7 +111,7 @@ async fn renew_expiring<B: LockBackend>(held: &Held<B>, lease: Duration, sent: I
 /// Checks the held connection every `interval`; a check that fails or takes longer than the
 /// interval is loss.
 async fn check_connection<B: LockBackend>(
-    held: &Held<B>,
+    held: &Hold<B>,
     interval: Duration,
     sent: Instant,
 ) -> Exit {

@@ -21,7 +21,6 @@ pub(crate) trait AnyHold: Send + Sync {
     /// background if the returned future is dropped first).
     fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>>;
     fn release_in_background(self: Arc<Self>);
-    #[cfg_attr(not(feature = "azure"), allow(dead_code))]
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync);
 }
 
@@ -140,10 +139,23 @@ impl LockHandle {
         release.await
     }
 
-    /// The guard blob and lease id of an Azure lock, to fence writes to the guard blob itself.
-    #[cfg(feature = "azure")]
-    pub fn azure_blob_lease(&self) -> Option<crate::providers::azure::AzureBlobLease> {
-        crate::providers::azure::AzureBlobLease::from_any(self.held.lease())
+    /// The backend's own lease behind this lock, if the backend's lease type is `L`.
+    ///
+    /// Provider-specific details live here without the core knowing any provider: the Azure
+    /// provider's [`azure_blob_lease`](Self::azure_blob_lease) is built on it, and a custom
+    /// backend's users can read its lease type the same way.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), lockingkit::LockError> {
+    /// use lockingkit::providers::memory::MemoryLease;
+    /// let locks = lockingkit::DistributedLock::in_memory();
+    /// let handle = locks.try_acquire("orders/42").await?;
+    /// assert!(handle.lease::<MemoryLease>().is_some());
+    /// assert!(handle.lease::<String>().is_none());
+    /// # Ok(()) }
+    /// ```
+    pub fn lease<L: std::any::Any>(&self) -> Option<&L> {
+        self.held.lease().downcast_ref::<L>()
     }
 
     fn lost_error(&self) -> LockError {

@@ -23,7 +23,6 @@
 //! # Ok(()) }
 //! ```
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -339,10 +338,13 @@ impl AzureBlobLease {
             ..Default::default()
         }
     }
+}
 
-    /// The lease of a held lock, if it is an Azure Blob lease.
-    pub(crate) fn from_any(lease: &(dyn Any + Send + Sync)) -> Option<Self> {
-        lease.downcast_ref::<AzureBlobLease>().cloned()
+impl crate::LockHandle {
+    /// The guard blob and lease id of an Azure lock, to fence writes to the guard blob itself;
+    /// `None` for locks of other providers.
+    pub fn azure_blob_lease(&self) -> Option<AzureBlobLease> {
+        self.lease::<AzureBlobLease>().cloned()
     }
 }
 

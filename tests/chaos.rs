@@ -1304,7 +1304,8 @@ mod azure {
 /// The in-memory provider's own faults, on paused time: the same rules, measured exactly.
 mod memory {
     use super::*;
-    use lockingkit::{MemoryBackend, MemoryStore, RenewalFault};
+    use lockingkit::providers::memory::RenewalFault;
+    use lockingkit::{MemoryBackend, MemoryStore};
 
     /// The in-memory provider's default lease.
     const MEMORY_LEASE: Duration = Duration::from_secs(30);

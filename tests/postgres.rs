@@ -6,10 +6,11 @@
 
 use std::time::Duration;
 
+use lockingkit::keys::PostgresLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{
     DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, LossReason, PostgresBackend,
-    PostgresLockKeys, PostgresOptions,
+    PostgresOptions,
 };
 use lockingkit_tests::postgres::PostgresServer;
 use tokio::time::Instant;

@@ -13,9 +13,10 @@ use std::task::Poll;
 use std::time::Duration;
 
 use lockingkit::providers::memory::MemoryLease;
+use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
-    LossReason, MemoryBackend, MemoryStore, RenewalFault,
+    LossReason, MemoryBackend, MemoryStore,
 };
 use lockingkit_tests::field_log::FieldLog;
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};

@@ -17,7 +17,7 @@ pub(crate) const SECRET_NEWTYPE: &str = "lockingkit::config::SecretString";
 /// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"` or `"1h"`; a bare number is milliseconds.
 ///
 /// Errors never repeat the text: a secret pasted into a duration setting must not reach a log.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))

@@ -30,9 +30,9 @@ pub fn validate_key(key: &str) -> Result<(), LockError> {
 }
 
 /// The longest blob name Azure accepts, in characters.
-pub const AZURE_MAX_BLOB_NAME_CHARS: usize = 1024;
+pub(crate) const AZURE_MAX_BLOB_NAME_CHARS: usize = 1024;
 /// The most `/`-separated segments Azure accepts in a blob name.
-pub const AZURE_MAX_BLOB_NAME_SEGMENTS: usize = 254;
+pub(crate) const AZURE_MAX_BLOB_NAME_SEGMENTS: usize = 254;
 
 /// Maps a lock key to the name of its guard blob inside the lock container.
 ///

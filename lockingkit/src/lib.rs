@@ -46,13 +46,12 @@ pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBac
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
 pub use handle::LockHandle;
-pub use keys::PostgresLockKeys;
-pub use lock::{DistributedLock, DistributedLockBuilder, DEFAULT_NAME};
+pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
-pub use providers::azure::{AzureBlobBackend, AzureBlobLease, AzureBlobOptions};
-pub use providers::memory::{MemoryBackend, MemoryStore, RenewalFault};
+pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
+pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
-pub use providers::postgres::{PostgresBackend, PostgresLease, PostgresOptions};
+pub use providers::postgres::{PostgresBackend, PostgresOptions};
 pub use registry::{Locking, LockingConfig};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;

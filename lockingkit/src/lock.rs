@@ -13,7 +13,7 @@ use crate::handle::LockHandle;
 use crate::providers::memory::{MemoryBackend, MemoryStore};
 
 /// The name of the provider a plain `DistributedLock` stands for.
-pub const DEFAULT_NAME: &str = "Default";
+pub(crate) const DEFAULT_NAME: &str = "Default";
 
 /// A distributed lock provider: one configured backend and the engine around it.
 ///

@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
     Acquired, BackendError, CancellationToken, DistributedLock, ErrorKind, LeaseTiming,
-    LockBackend, LossReason, MemoryBackend, MemoryStore, RenewalFault,
+    LockBackend, LossReason, MemoryBackend, MemoryStore,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;

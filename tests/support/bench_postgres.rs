@@ -25,8 +25,9 @@
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use lockingkit::keys::PostgresLockKeys;
 use lockingkit::providers::postgres::{DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
-use lockingkit::{DistributedLock, LockBackend, PostgresBackend, PostgresLockKeys};
+use lockingkit::{DistributedLock, LockBackend, PostgresBackend};
 
 use crate::postgres::PostgresServer;
 

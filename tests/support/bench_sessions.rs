@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys, PostgresOptions};
+use lockingkit::keys::PostgresLockKeys;
+use lockingkit::{DistributedLock, PostgresBackend, PostgresOptions};
 
 use crate::bench::Percentiles;
 use crate::bench_postgres::raw_pool;

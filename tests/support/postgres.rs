@@ -20,7 +20,8 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use lockingkit::{PostgresLockKeys, PostgresOptions};
+use lockingkit::keys::PostgresLockKeys;
+use lockingkit::PostgresOptions;
 
 /// The environment variable naming an external server (a libpq URL or key=value string).
 pub const EXTERNAL_ENV: &str = "LOCKINGKIT_TEST_POSTGRES_URL";

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 
 /// The default in-memory lease, as for Azure.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// What renewals do, for tests of loss handling.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

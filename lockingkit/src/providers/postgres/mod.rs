@@ -53,12 +53,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-#[allow(deprecated)]
-pub use options::DEFAULT_POOL_SIZE;
-pub use options::{
-    PostgresOptions, DEFAULT_CHECK_INTERVAL, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE,
-    DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WAIT_SESSIONS, DEFAULT_QUERY_TIMEOUT,
-};
+pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use crate::error::LockError;
@@ -68,7 +63,7 @@ use session::{Bounded, Prepared, Session};
 use sessions::SessionSet;
 
 /// The provider name in telemetry.
-pub const PROVIDER: &str = "postgres";
+pub(crate) const PROVIDER: &str = "postgres";
 
 /// The transaction-level advisory lock that serializes creating the fencing objects. It uses
 /// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.

@@ -66,16 +66,16 @@ pub struct PostgresOptions {
 }
 
 /// The default session budget for held locks and attempts.
-pub const DEFAULT_MAX_SESSIONS: usize = 4;
+pub(crate) const DEFAULT_MAX_SESSIONS: usize = 4;
 /// The default budget of sessions that wait for keys held by other processes.
-pub const DEFAULT_MAX_WAIT_SESSIONS: usize = 16;
+pub(crate) const DEFAULT_MAX_WAIT_SESSIONS: usize = 16;
 /// The former default pool size, now only a cap on `max_sessions` that never binds.
 #[deprecated(since = "0.2.0", note = "see `PostgresOptions::pool_size`")]
-pub const DEFAULT_POOL_SIZE: usize = 16;
+pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
 /// The default connection check interval.
-pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 /// The default statement timeout.
-pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// The default schema of the fencing-token sequence.
 pub const DEFAULT_FENCING_SCHEMA: &str = "lockingkit";
 /// The default name of the fencing-token sequence.

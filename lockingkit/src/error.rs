@@ -139,7 +139,8 @@ impl LockError {
         )
     }
 
-    /// The name of the source error's type, for the `error.type` telemetry attribute.
+    /// The `error.type` telemetry attribute: the kind's stable code. Not the source error's
+    /// Rust type name, which would change with our dependencies and can name internals.
     pub(crate) fn error_type(&self) -> &'static str {
         self.kind.code()
     }

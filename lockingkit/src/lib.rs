@@ -25,6 +25,7 @@
 //! See the crate README for the guarantees a lease lock can and cannot give.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 mod backend;

@@ -23,7 +23,7 @@ use crate::telemetry::{Operation, Outcome, Telemetry};
 use backoff::Backoff;
 use hold::Hold;
 use hold::RenewalScheduler;
-use waiting_room::{Entry, Turn, WaitEvidence, WaitingRoom};
+use waiting_room::{Arrival, Turn, WaitEvidence, WaitingRoom};
 
 /// How long a connection-held lock goes unwatched after it is taken (see
 /// `Engine::keeper_starts_after`). Loss through a closed connection is declared at most this
@@ -136,7 +136,6 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
-    /// How long after the acquire was sent the first renewal (or check) is due.
     /// How long after the acquire was sent the lock's keeper task starts: when the first
     /// renewal is due for an expiring lease. A connection-held lock can end any time its
     /// connection does, and a backend may notice that without asking
@@ -153,7 +152,7 @@ impl<B: LockBackend> Engine<B> {
     /// One backend attempt under `turn`. If the caller drops this future while the attempt is
     /// in flight, the attempt finishes in the background, a lease it won is released, and only
     /// then does the turn pass to the next local waiter.
-    fn attempt(&self, turn: Turn) -> Orphanable<AttemptResult<B::Lease>, ReleaseWon<B>> {
+    fn attempt(&self, turn: Turn) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
         let backend = self.backend.clone();
         let release_timeout = self.options.release_timeout;
         let work = async move {
@@ -167,7 +166,7 @@ impl<B: LockBackend> Engine<B> {
         };
         Orphanable::new(
             work,
-            ReleaseWon {
+            ReleaseOrphanedWin {
                 backend: self.backend.clone(),
                 release_timeout,
             },
@@ -230,8 +229,8 @@ impl<B: LockBackend> Engine<B> {
         let runtime = current_runtime()?;
         let deadline = crate::clock::in_(timeout);
         let turn = match self.room.enter(key) {
-            Entry::Front(turn) => turn,
-            Entry::Queued(ticket) => {
+            Arrival::Front(turn) => turn,
+            Arrival::Queued(ticket) => {
                 self.telemetry.waiter_queued();
                 let _left = Defer(|| self.telemetry.waiter_left());
                 let evidence = ticket.evidence_handle();
@@ -374,12 +373,12 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
 }
 
 /// Releases whatever an attempt won after its caller went away, then passes the turn on.
-pub(crate) struct ReleaseWon<B> {
+pub(crate) struct ReleaseOrphanedWin<B> {
     backend: Arc<B>,
     release_timeout: Duration,
 }
 
-impl<B: LockBackend> background::Cleanup<AttemptResult<B::Lease>> for ReleaseWon<B> {
+impl<B: LockBackend> background::Cleanup<AttemptResult<B::Lease>> for ReleaseOrphanedWin<B> {
     fn clean_up(self, (turn, _, result): AttemptResult<B::Lease>) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             if let Ok(Some(acquired)) = result {

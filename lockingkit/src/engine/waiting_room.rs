@@ -76,7 +76,7 @@ impl WaitingRoom {
     }
 
     /// Takes the turn for `key` at once, or joins the back of its queue.
-    pub(crate) fn enter(self: &Arc<Self>, key: &str) -> Entry {
+    pub(crate) fn enter(self: &Arc<Self>, key: &str) -> Arrival {
         let mut slots = self.slots();
         let id = self.new_id();
         let shared_key = slots.get_key_value(key).map(|(k, _)| k.clone());
@@ -86,7 +86,7 @@ impl WaitingRoom {
                 id,
                 wake: wake.clone(),
             });
-            return Entry::Queued(Ticket {
+            return Arrival::Queued(Ticket {
                 room: self.clone(),
                 key: key.clone(),
                 id,
@@ -96,7 +96,7 @@ impl WaitingRoom {
         }
         let key: Arc<str> = Arc::from(key);
         slots.insert(key.clone(), Slot::new(id));
-        Entry::Front(Turn {
+        Arrival::Front(Turn {
             room: self.clone(),
             key,
             id,
@@ -198,7 +198,7 @@ impl Slot {
 }
 
 /// The result of [`WaitingRoom::enter`].
-pub(crate) enum Entry {
+pub(crate) enum Arrival {
     /// Nobody else had the key: talk to the backend.
     Front(Turn),
     /// Someone here has the key: wait for the turn.
@@ -313,14 +313,14 @@ mod tests {
     #[tokio::test]
     async fn turns_pass_in_arrival_order() {
         let room = Arc::new(WaitingRoom::default());
-        let Entry::Front(first) = room.enter("k") else {
+        let Arrival::Front(first) = room.enter("k") else {
             panic!("the first caller must be in front")
         };
         let mut tickets = Vec::new();
         for _ in 0..3 {
             match room.enter("k") {
-                Entry::Queued(t) => tickets.push(t),
-                Entry::Front(_) => panic!("later callers must queue"),
+                Arrival::Queued(t) => tickets.push(t),
+                Arrival::Front(_) => panic!("later callers must queue"),
             }
         }
         assert_eq!(room.queued("k"), 3);
@@ -342,13 +342,13 @@ mod tests {
     #[tokio::test]
     async fn a_ticket_dropped_after_the_turn_reached_it_hands_the_turn_on() {
         let room = Arc::new(WaitingRoom::default());
-        let Entry::Front(first) = room.enter("k") else {
+        let Arrival::Front(first) = room.enter("k") else {
             panic!("front")
         };
-        let Entry::Queued(second) = room.enter("k") else {
+        let Arrival::Queued(second) = room.enter("k") else {
             panic!("queued")
         };
-        let Entry::Queued(third) = room.enter("k") else {
+        let Arrival::Queued(third) = room.enter("k") else {
             panic!("queued")
         };
         drop(first); // the turn moves to `second`, which never looks

@@ -39,7 +39,7 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct StoreInner {
-    leases: Mutex<HashMap<Arc<str>, Entry>>,
+    leases: Mutex<HashMap<Arc<str>, StoredLease>>,
     next_token: AtomicU64,
     next_lease: AtomicU64,
     attempts: AtomicU64,
@@ -49,7 +49,7 @@ struct StoreInner {
 }
 
 #[derive(Debug)]
-struct Entry {
+struct StoredLease {
     lease_id: u64,
     expires_at: Instant,
 }
@@ -60,7 +60,7 @@ impl MemoryStore {
         Self::default()
     }
 
-    fn leases(&self) -> MutexGuard<'_, HashMap<Arc<str>, Entry>> {
+    fn leases(&self) -> MutexGuard<'_, HashMap<Arc<str>, StoredLease>> {
         // Every update leaves the map consistent, so a poisoned lock is still usable.
         self.inner
             .leases
@@ -190,7 +190,7 @@ impl LockBackend for MemoryBackend {
         let now = Instant::now();
         let mut leases = store.leases();
         let lease_id = store.inner.next_lease.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry {
+        let entry = StoredLease {
             lease_id,
             expires_at: crate::clock::after(now, self.lease),
         };

@@ -210,8 +210,8 @@ impl PostgresBackend {
         stage: Stage,
         session: &'a Session,
         statement: F,
-    ) -> Run<'a, F> {
-        Run {
+    ) -> Statement<'a, F> {
+        Statement {
             bounded: session.bounded(self.inner.timeout, statement),
             stage,
             backend: self,
@@ -467,7 +467,7 @@ pin_project_lite::pin_project! {
     /// argument, and the value it awaits): every attempt and release is moved into a box per
     /// call, so its size costs on every lock.
     #[must_use = "a statement does nothing until it is awaited"]
-    struct Run<'a, F> {
+    struct Statement<'a, F> {
         #[pin]
         bounded: Bounded<'a, F>,
         stage: Stage,
@@ -475,7 +475,7 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Run<'_, F> {
+impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Statement<'_, F> {
     type Output = Result<T, BackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {

@@ -88,10 +88,10 @@ const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The watchers of one backend and the waiters they wake.
 pub(super) struct ReleaseWatch {
-    shared: Arc<Shared>,
+    shared: Arc<WatchState>,
 }
 
-struct Shared {
+struct WatchState {
     keys: Mutex<Keys>,
     config: Config,
     tls: MakeRustlsConnect,
@@ -104,7 +104,7 @@ struct Shared {
 
 #[derive(Default)]
 struct Keys {
-    by_key: HashMap<i64, Entry>,
+    by_key: HashMap<i64, WatchedKey>,
     /// Open sessions no watcher uses, for the next one: connecting costs milliseconds.
     idle: Vec<WatchSession>,
     /// Entries nobody uses are swept out when the map grows past this.
@@ -116,7 +116,7 @@ struct Keys {
     quiet_until: Option<Instant>,
 }
 
-struct Entry {
+struct WatchedKey {
     key: Arc<KeyWatch>,
     watched: bool,
 }
@@ -131,7 +131,7 @@ struct KeyWatch {
 impl ReleaseWatch {
     pub(super) fn new(config: Config, tls: MakeRustlsConnect, max_watchers: usize) -> Self {
         ReleaseWatch {
-            shared: Arc::new(Shared {
+            shared: Arc::new(WatchState {
                 keys: Mutex::new(Keys::default()),
                 config,
                 tls,
@@ -176,7 +176,7 @@ impl Drop for ReleaseWatch {
     }
 }
 
-impl Shared {
+impl WatchState {
     fn keys(&self) -> MutexGuard<'_, Keys> {
         // Every critical section leaves the map consistent.
         self.keys
@@ -194,7 +194,7 @@ impl Shared {
         }
         keys.by_key
             .entry(advisory_key)
-            .or_insert_with(|| Entry {
+            .or_insert_with(|| WatchedKey {
                 key: Arc::new(KeyWatch {
                     wake: watch::channel(()).0,
                     attempts: watch::channel(0).0,
@@ -248,7 +248,7 @@ impl Shared {
 }
 
 /// Why a watcher stopped.
-enum End {
+enum WatcherExit {
     /// Nobody waits any more, or the backend is gone; the session holds nothing and may serve
     /// another key.
     Clean(Box<WatchSession>),
@@ -280,7 +280,7 @@ impl Drop for WatchSession {
     }
 }
 
-impl Shared {
+impl WatchState {
     /// An idle session that is still open, or a new one whose statements give up after a
     /// slice.
     async fn session(&self) -> Option<WatchSession> {
@@ -362,17 +362,17 @@ impl Shared {
     }
 }
 
-async fn watcher(shared: Arc<Shared>, advisory_key: i64, key: Arc<KeyWatch>) {
+async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>) {
     let end = match shared.session().await {
         Some(session) => watch_key(&shared, session, &key, advisory_key).await,
-        None if shared.stop.is_cancelled() => End::Done,
-        None => End::ConnectFailed,
+        None if shared.stop.is_cancelled() => WatcherExit::Done,
+        None => WatcherExit::ConnectFailed,
     };
-    let connect_failed = matches!(end, End::ConnectFailed);
+    let connect_failed = matches!(end, WatcherExit::ConnectFailed);
     match end {
-        End::Clean(session) => shared.keep_idle(*session),
-        End::Done => {}
-        End::ConnectFailed | End::Failed => {
+        WatcherExit::Clean(session) => shared.keep_idle(*session),
+        WatcherExit::Done => {}
+        WatcherExit::ConnectFailed | WatcherExit::Failed => {
             // The waiters may have been counting on us: let each look once, then poll.
             key.wake.send_replace(());
         }
@@ -391,11 +391,11 @@ async fn waiters_left(key: &KeyWatch) -> bool {
 }
 
 async fn watch_key(
-    shared: &Shared,
+    shared: &WatchState,
     session: WatchSession,
     key: &KeyWatch,
     advisory_key: i64,
-) -> End {
+) -> WatcherExit {
     let mut attempts = key.attempts.subscribe();
     // The attempt that started this watcher is the first one to watch for.
     let mut covered = attempts.borrow_and_update().saturating_sub(1);
@@ -404,24 +404,24 @@ async fn watch_key(
         let newest = *attempts.borrow_and_update();
         if newest <= covered {
             tokio::select! {
-                _ = shared.stop.cancelled() => return End::Done,
+                _ = shared.stop.cancelled() => return WatcherExit::Done,
                 changed = attempts.changed() => {
                     if changed.is_err() {
-                        return End::Clean(Box::new(session));
+                        return WatcherExit::Clean(Box::new(session));
                     }
                 }
                 _ = key.wake.closed() => {
                     // A new attempt while we look whether the wait goes on is served at once.
                     tokio::select! {
-                        left = waiters_left(key) => if left { return End::Clean(Box::new(session)) },
+                        left = waiters_left(key) => if left { return WatcherExit::Clean(Box::new(session)) },
                         changed = attempts.changed() => {
                             if changed.is_err() {
-                                return End::Clean(Box::new(session));
+                                return WatcherExit::Clean(Box::new(session));
                             }
                         }
                     }
                 }
-                _ = tokio::time::sleep(IDLE) => return End::Clean(Box::new(session)),
+                _ = tokio::time::sleep(IDLE) => return WatcherExit::Clean(Box::new(session)),
             }
             continue;
         }
@@ -430,10 +430,10 @@ async fn watch_key(
                 covered = newest;
                 key.wake.send_replace(());
             }
-            Slices::Left => return End::Clean(Box::new(session)),
+            Slices::Left => return WatcherExit::Clean(Box::new(session)),
             // Still queued: closing the session ends the request when its slice does.
-            Slices::LeftQueued => return End::Done,
-            Slices::Failed => return End::Failed,
+            Slices::LeftQueued => return WatcherExit::Done,
+            Slices::Failed => return WatcherExit::Failed,
         }
     }
 }
@@ -453,7 +453,7 @@ enum Slices {
 /// Sends watch statements, one slice after another, until one finds the key free or nobody
 /// waits any more.
 async fn watch_until_free(
-    shared: &Shared,
+    shared: &WatchState,
     session: &WatchSession,
     key: &KeyWatch,
     advisory_key: i64,

@@ -12,3 +12,7 @@ done
 cargo build --workspace --all-features --all-targets
 cargo nextest run --workspace --all-features --no-fail-fast
 cargo test --workspace --all-features --doc
+# The API docs build without a broken link or a missing item, as docs.rs would build them.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
+# The three library crates package and build from their packaged sources alone.
+cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-examples --allow-dirty

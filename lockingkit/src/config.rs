@@ -34,7 +34,7 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|_| "the duration is out of range".to_owned())
 }
 
-/// Writes a duration in the form [`parse_duration`] reads.
+/// Writes a duration in the form configuration sections read (`"30s"`, `"250ms"`).
 pub fn format_duration(duration: Duration) -> String {
     let millis = duration.as_millis();
     if millis.is_multiple_of(1000) {

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::background::Orphanable;
+#[cfg(doc)]
+use crate::error::ErrorKind;
 use crate::error::LockError;
 use crate::telemetry::LossReason;
 

@@ -16,7 +16,7 @@
 //!     .with_section("Default", json!({ "provider": "in_memory" }))
 //!     .with_section("Jobs", json!({ "provider": "in_memory", "max_retry_delay": "2s" }));
 //! let locking = Locking::from_config(config)?;
-//! assert_eq!(locking.default().name(), "Default");
+//! assert_eq!(locking.default_lock().name(), "Default");
 //! assert_eq!(locking.get("Jobs").map(|jobs| jobs.provider()), Some("in_memory"));
 //! # Ok(()) }
 //! ```
@@ -78,7 +78,10 @@ impl Locking {
     }
 
     /// The provider called `Default`; every registry has one.
-    pub fn default(&self) -> &DistributedLock {
+    ///
+    /// Named `default_lock` rather than `default`, which would read like `Default::default`
+    /// (a new, empty value) at the call site.
+    pub fn default_lock(&self) -> &DistributedLock {
         // `build` puts Default first and refuses to build without it.
         &self.providers[0]
     }
@@ -397,7 +400,7 @@ impl LockingBuilder {
     ///     })
     ///     .config(config)
     ///     .build()?;
-    /// assert_eq!(locking.default().provider(), "in_memory");
+    /// assert_eq!(locking.default_lock().provider(), "in_memory");
     /// # Ok(()) }
     /// ```
     pub fn custom_provider<B, F>(mut self, provider: impl Into<String>, factory: F) -> Self
@@ -521,7 +524,7 @@ impl LockingBuilder {
             }
             return Err(LockError::misconfigured(listed));
         }
-        // Default first, so `Locking::default` is an index, then in registration order.
+        // Default first, so `Locking::default_lock` is an index, then in registration order.
         built.sort_by_key(|lock| lock.name() != DEFAULT_NAME);
         Ok(Locking {
             providers: built.into(),

@@ -1,10 +1,12 @@
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::*;
-use crate::backend::{Acquired, BackendError, LeaseTiming};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use crate::config::SecretString;
+use crate::engine::LockOptions;
+use crate::providers::memory::{MemoryBackend, MemoryStore};
 
 fn config(sections: Value) -> LockingConfig {
     serde_json::from_value(sections).unwrap()
@@ -58,7 +60,7 @@ fn a_missing_name_is_a_clear_error() {
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
     assert_eq!(
         error.message(),
-        "no lock provider is named Nightly; configured: Default, Jobs"
+        "invalid lock configuration: no lock provider is named Nightly; configured: Default, Jobs"
     );
     assert_eq!(locking.require("jobs").unwrap().name(), "Jobs");
 }
@@ -81,7 +83,11 @@ async fn providers_are_independent_locks() {
         .in_memory("Jobs")
         .build()
         .unwrap();
-    let held = locking.default_lock().try_acquire("orders/42").await.unwrap();
+    let held = locking
+        .default_lock()
+        .try_acquire("orders/42")
+        .await
+        .unwrap();
     // Jobs has its own store, so the same key is free there.
     let other = locking
         .get("Jobs")

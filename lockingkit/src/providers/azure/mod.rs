@@ -35,7 +35,7 @@ use azure_storage_blob::models::{BlobClientSetMetadataOptions, BlobClientUploadO
 use azure_storage_blob::{BlobClient, BlobContainerClient, BlobContainerClientOptions};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use crate::error::{ErrorKind, LockError};
+use crate::error::LockError;
 
 mod connection_string;
 mod errors;
@@ -74,42 +74,14 @@ pub struct AzureBlobBackend {
 impl AzureBlobBackend {
     /// A backend for the account in `options.connection_string`.
     ///
-    /// Fails with [`ErrorKind::Misconfigured`], listing every problem, when the options are
-    /// invalid or name a `service_url` (which needs [`with_credential`](Self::with_credential)).
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured), listing every
+    /// problem, when the options are invalid or name a `service_url` (which needs
+    /// [`with_credential`](Self::with_credential)).
     /// Nothing is sent to Azure here (building stays synchronous and works offline): call
     /// [`verify`](Self::verify) at startup so that a wrong key, account or missing container
     /// stops the service there, rather than failing its first lock.
     pub fn new(options: AzureBlobOptions) -> Result<Self, LockError> {
-        let mut problems = options.problems(SECTION);
-        if options.service_url.is_some() && options.connection_string.is_none() {
-            problems.push(format!(
-                "{SECTION}.service_url needs a token credential: use \
-                 AzureBlobBackend::with_credential"
-            ));
-        }
-        let connection = match &options.connection_string {
-            Some(text) if problems.is_empty() => ConnectionString::parse(text.expose()).ok(),
-            _ => None,
-        };
-        let Some(connection) = connection else {
-            return Err(LockError::misconfigured(problems));
-        };
-        let mut container_url = container_url(&connection.blob_endpoint, &options.container);
-        let mut client_options = client_options(&options)?;
-        match connection.credential {
-            Credential::SharedKey { account, key } => client_options.per_try_policies.push(
-                Arc::new(shared_key::SharedKeyPolicy::from_decoded(account, key)),
-            ),
-            Credential::Sas(sas) => container_url.set_query(Some(&sas)),
-        }
-        let container =
-            BlobContainerClient::new(container_url, None, Some(container_options(client_options)))
-                .map_err(|_| {
-                    LockError::misconfigured([format!(
-                        "{SECTION}: the blob endpoint is not usable"
-                    )])
-                })?;
-        Ok(Self::from_container(container, &options))
+        Self::open(options, None, SECTION).map_err(LockError::misconfigured)
     }
 
     /// A backend for the blob service at `options.service_url`, authenticated with a Microsoft
@@ -121,34 +93,42 @@ impl AzureBlobBackend {
         options: AzureBlobOptions,
         credential: Arc<dyn TokenCredential>,
     ) -> Result<Self, LockError> {
-        let mut problems = options.problems(SECTION);
-        if options.connection_string.is_some() {
-            problems.push(format!(
-                "{SECTION}.connection_string carries its own credential: give service_url \
+        Self::open(options, Some(credential), SECTION).map_err(LockError::misconfigured)
+    }
+
+    /// A backend for `options`, whose problems are worded for the configuration section
+    /// `section` (such as `Locking.Jobs`): with a `credential` the options must name a
+    /// `service_url`, without one a `connection_string`. Lists every problem found.
+    pub(crate) fn open(
+        options: AzureBlobOptions,
+        credential: Option<Arc<dyn TokenCredential>>,
+        section: &str,
+    ) -> Result<Self, Vec<String>> {
+        let mut problems = options.problems(section);
+        match (
+            &credential,
+            &options.connection_string,
+            &options.service_url,
+        ) {
+            (None, None, Some(_)) => problems.push(format!(
+                "{section}.service_url needs a token credential: give one to \
+                 AzureBlobBackend::with_credential (in a registry, to \
+                 LockingBuilder::azure_credential), or use connection_string"
+            )),
+            (Some(_), Some(_), None) => problems.push(format!(
+                "{section}.connection_string carries its own credential: give service_url \
                  with a token credential"
-            ));
+            )),
+            _ => {}
         }
-        let service_url = match &options.service_url {
-            Some(url) if problems.is_empty() => parse_service_url(url).ok(),
-            _ => None,
-        };
-        let Some(service_url) = service_url else {
-            return Err(LockError::misconfigured(problems));
-        };
-        if service_url.scheme() != "https" {
-            return Err(LockError::misconfigured([format!(
-                "{SECTION}.service_url must use https with a token credential"
-            )]));
+        if !problems.is_empty() {
+            return Err(problems);
         }
-        let container_url = container_url(&service_url, &options.container);
-        let container = BlobContainerClient::new(
-            container_url,
-            Some(credential),
-            Some(container_options(client_options(&options)?)),
-        )
-        .map_err(|_| {
-            LockError::misconfigured([format!("{SECTION}: the blob endpoint is not usable")])
-        })?;
+        let container = match credential {
+            None => container_from_connection_string(&options, section),
+            Some(credential) => container_with_token(&options, credential, section),
+        }
+        .map_err(|problem| vec![problem])?;
         Ok(Self::from_container(container, &options))
     }
 
@@ -168,9 +148,10 @@ impl AzureBlobBackend {
     /// credential may read blobs and the container exists, so a deployment that cannot lock
     /// fails at startup.
     ///
-    /// Fails with [`ErrorKind::Misconfigured`] naming what is wrong (for a missing container,
-    /// its name), or [`ErrorKind::Unavailable`] when the service does not answer within
-    /// `request_timeout`. Nothing is created or written. [`Locking::verify`] runs this for
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) naming what is
+    /// wrong (for a missing container, its name), or
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when the service does not
+    /// answer within `request_timeout`. Nothing is created or written. [`Locking::verify`] runs this for
     /// every Azure provider of a registry.
     ///
     /// [`Locking::verify`]: crate::registry::Locking::verify
@@ -381,9 +362,59 @@ fn container_url(service: &Url, container: &str) -> Url {
     url
 }
 
-fn client_options(options: &AzureBlobOptions) -> Result<ClientOptions, LockError> {
+/// The container client for the account of a connection string whose options passed their
+/// checks, or the problem that prevents it.
+fn container_from_connection_string(
+    options: &AzureBlobOptions,
+    section: &str,
+) -> Result<BlobContainerClient, String> {
+    let text = options
+        .connection_string
+        .as_ref()
+        .map_or("", |text| text.expose());
+    // Parsed by the options' checks already, so this does not fail; the problem only keeps
+    // the code free of panics.
+    let connection = ConnectionString::parse(text)
+        .map_err(|_| format!("{section}.connection_string is not usable"))?;
+    let mut container_url = container_url(&connection.blob_endpoint, &options.container);
+    let mut client_options = client_options(options, section)?;
+    match connection.credential {
+        Credential::SharedKey { account, key } => client_options.per_try_policies.push(Arc::new(
+            shared_key::SharedKeyPolicy::from_decoded(account, key),
+        )),
+        Credential::Sas(sas) => container_url.set_query(Some(&sas)),
+    }
+    BlobContainerClient::new(container_url, None, Some(container_options(client_options)))
+        .map_err(|_| format!("{section}: the blob endpoint is not usable"))
+}
+
+/// The container client at a `service_url` whose options passed their checks, authenticated
+/// with `credential`, or the problem that prevents it.
+fn container_with_token(
+    options: &AzureBlobOptions,
+    credential: Arc<dyn TokenCredential>,
+    section: &str,
+) -> Result<BlobContainerClient, String> {
+    let url = options.service_url.as_deref().unwrap_or_default();
+    let service_url =
+        parse_service_url(url).map_err(|problem| format!("{section}.service_url: {problem}"))?;
+    if service_url.scheme() != "https" {
+        return Err(format!(
+            "{section}.service_url must use https with a token credential"
+        ));
+    }
+    let container_url = container_url(&service_url, &options.container);
+    BlobContainerClient::new(
+        container_url,
+        Some(credential),
+        Some(container_options(client_options(options, section)?)),
+    )
+    .map_err(|_| format!("{section}: the blob endpoint is not usable"))
+}
+
+fn client_options(options: &AzureBlobOptions, section: &str) -> Result<ClientOptions, String> {
     let transport = transport::transport(options.request_timeout)
-        .map_err(|e| LockError::new(ErrorKind::Misconfigured, e.message().to_owned()))?;
+        .map_err(|e| format!("{section}: {}", e.message()))?;
     Ok(ClientOptions {
         transport: Some(transport),
         retry: transport::QuickRetry::options(options.max_retries, options.retry_delay),
@@ -401,6 +432,7 @@ fn container_options(client_options: ClientOptions) -> BlobContainerClientOption
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ErrorKind;
 
     #[test]
     fn service_urls_must_be_plain_http_or_https() {

@@ -22,8 +22,8 @@ use azure_storage_blob::models::{
 };
 use azure_storage_blob::{BlobClient, BlobContainerClient};
 
+use super::client::{GuardPath, PLACEHOLDER_BLOB};
 use super::errors;
-use super::transport::{GuardPath, PLACEHOLDER_BLOB};
 use super::AzureBlobLease;
 use crate::backend::BackendError;
 use crate::keys::azure_blob_name;

@@ -130,7 +130,11 @@ async fn a_corrupt_lock_file_fails_instead_of_restarting_tokens() {
         "not a record",
     )
     .unwrap();
-    let error = lock.default_lock().try_acquire("orders/7").await.unwrap_err();
+    let error = lock
+        .default_lock()
+        .try_acquire("orders/7")
+        .await
+        .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Backend, "{error}");
 }
 

@@ -92,20 +92,12 @@ pub(super) fn build_section(
         options,
         host,
     };
-    let result = if let Some(builtin) = BUILT_IN.iter().find(|b| canonical(b.name) == wanted) {
-        (builtin.build)(&section, setup)
-    } else if let Some(custom) = custom.iter().find(|c| canonical(&c.name) == wanted) {
-        (custom.factory)(&section, setup)
-    } else {
-        problems.push(Problem::sentence(
-            format!("{path}.provider"),
-            format!(
-                "{} is not a known provider (one of: {})",
-                section.provider(),
-                known_providers(custom)
-            ),
-        ));
-        return None;
+    let result = match build_provider(&section, setup, custom) {
+        Ok(result) => result,
+        Err(unknown) => {
+            problems.push(unknown);
+            return None;
+        }
     };
     match result {
         Ok(lock) if options_ok => Some(lock),
@@ -115,6 +107,30 @@ pub(super) fn build_section(
             None
         }
     }
+}
+
+/// Builds the provider `section` names, built-in or custom, or returns the problem of a
+/// name no provider has.
+fn build_provider(
+    section: &ProviderSection,
+    setup: ProviderSetup<'_>,
+    custom: &[CustomProvider],
+) -> Result<ProviderResult, Problem> {
+    let wanted = canonical(section.provider());
+    if let Some(builtin) = BUILT_IN.iter().find(|b| canonical(b.name) == wanted) {
+        return Ok((builtin.build)(section, setup));
+    }
+    if let Some(custom) = custom.iter().find(|c| canonical(&c.name) == wanted) {
+        return Ok((custom.factory)(section, setup));
+    }
+    Err(Problem::sentence(
+        format!("{}.provider", section.path()),
+        format!(
+            "{} is not a known provider (one of: {})",
+            section.provider(),
+            known_providers(custom)
+        ),
+    ))
 }
 
 /// Binds the engine options of the section at `path`, adding their problems to `problems`.

@@ -74,7 +74,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
     export.release().await?;
 
     // Providers are separate: the same key on Default is another lock.
-    let default = locking.default().try_acquire("jobs/nightly-export").await?;
+    let default = locking
+        .default_lock()
+        .try_acquire("jobs/nightly-export")
+        .await?;
     println!("Default holds its own jobs/nightly-export too");
     default.release().await?;
     Ok(())

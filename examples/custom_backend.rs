@@ -70,8 +70,8 @@ async fn tour(directory: &Path) -> Result<(), Box<dyn Error>> {
     // Two registries on one directory behave like two service instances.
     let worker_a = start(directory)?;
     let worker_b = start(directory)?;
-    let a = worker_a.default();
-    let b = worker_b.default();
+    let a = worker_a.default_lock();
+    let b = worker_b.default_lock();
     println!("provider {} on {}", a.name(), a.provider());
 
     // 1. One attempt: held, or busy for everyone else.
@@ -146,7 +146,7 @@ async fn tour(directory: &Path) -> Result<(), Box<dyn Error>> {
 /// The other process: takes a lock and exits without releasing it.
 async fn hold_and_vanish(directory: &Path) -> Result<(), Box<dyn Error>> {
     let locking = start(directory)?;
-    let held = locking.default().try_acquire("exports/weekly").await?;
+    let held = locking.default_lock().try_acquire("exports/weekly").await?;
     println!(
         "the other process holds exports/weekly (token {}) and exits",
         held.fencing_token()

@@ -65,8 +65,8 @@ impl ContractBackend for FileLocks {
             .config(LockingConfig::new().with_section("Default", section))
             .build()
             .expect("the contract's options are valid");
-        assert_eq!(locking.default().provider(), PROVIDER);
-        locking.default().clone()
+        assert_eq!(locking.default_lock().provider(), PROVIDER);
+        locking.default_lock().clone()
     }
 
     fn lease_period(&self) -> Duration {
@@ -130,7 +130,11 @@ async fn a_corrupt_lock_file_fails_instead_of_restarting_tokens() {
         "not a record",
     )
     .unwrap();
-    let error = lock.default().try_acquire("orders/7").await.unwrap_err();
+    let error = lock
+        .default_lock()
+        .try_acquire("orders/7")
+        .await
+        .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Backend, "{error}");
 }
 

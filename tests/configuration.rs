@@ -127,7 +127,7 @@ async fn named_providers_bind_from_a_toml_file() {
         locking.names().collect::<Vec<_>>(),
         ["Default", "Jobs", "Scratch"]
     );
-    assert_eq!(locking.default().provider(), "postgres");
+    assert_eq!(locking.default_lock().provider(), "postgres");
     assert_eq!(locking.get("Jobs").unwrap().provider(), "azure_blob");
     assert_eq!(locking.get("jobs").unwrap().name(), "Jobs");
     assert_eq!(lease_of(&locking, "Scratch"), Duration::from_secs(30));
@@ -183,8 +183,8 @@ async fn a_provider_binds_from_environment_variables_alone() {
         ("LOCKING__DEFAULT__MIN_RETRY_DELAY", "20ms"),
     ]);
     let locking = Locking::from_config(env).unwrap();
-    assert_eq!(locking.default().name(), "Default");
-    assert_eq!(locking.default().provider(), "postgres");
+    assert_eq!(locking.default_lock().name(), "Default");
+    assert_eq!(locking.default_lock().provider(), "postgres");
     assert!(!format!("{locking:?}").contains(ENV_PASSWORD));
 }
 
@@ -213,7 +213,7 @@ pool_size = 4
         .config(env)
         .build()
         .unwrap();
-    assert_eq!(locking.default().provider(), "postgres");
+    assert_eq!(locking.default_lock().provider(), "postgres");
 }
 
 #[test]

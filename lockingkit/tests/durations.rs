@@ -179,7 +179,7 @@ proptest! {
         on_paused_time(async {
             match Locking::from_config(config) {
                 Ok(locking) => {
-                    let locks = locking.default();
+                    let locks = locking.default_lock();
                     if let Ok(handle) = locks.try_acquire("k").await {
                         tokio::time::sleep(Duration::from_secs(20)).await;
                         let _ = handle.release().await;
@@ -260,7 +260,7 @@ fn a_lease_of_five_quadrillion_hours_from_a_configuration_file_is_handled() {
         on_paused_time(async {
             match Locking::from_config(config) {
                 Ok(locking) => {
-                    let handle = locking.default().try_acquire("k").await.expect("free");
+                    let handle = locking.default_lock().try_acquire("k").await.expect("free");
                     tokio::time::sleep(Duration::from_secs(20)).await;
                     assert!(handle.is_held(), "{field} = {value}");
                     handle.release().await.expect("release");

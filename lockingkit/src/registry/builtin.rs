@@ -4,10 +4,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::section::{problem_list, ProviderSection};
-use super::Assembly;
-use crate::error::LockError;
-use crate::lock::DistributedLock;
+use super::problem::Problem;
+use super::section::ProviderSection;
+use super::setup::{ProviderResult, ProviderSetup};
+use crate::backend::LockBackend;
 use crate::providers::memory::{MemoryBackend, MemoryStore, DEFAULT_LEASE};
 
 /// Options of the in-memory provider (`provider = "in_memory"`).
@@ -45,7 +45,7 @@ impl MemoryOptions {
 /// A built-in provider: its configuration name and how to build it from a section.
 pub(super) struct BuiltIn {
     pub(super) name: &'static str,
-    pub(super) build: fn(&ProviderSection, Assembly<'_>) -> Result<DistributedLock, LockError>,
+    pub(super) build: fn(&ProviderSection, ProviderSetup<'_>) -> ProviderResult,
 }
 
 /// Every built-in provider, whether or not its feature is enabled; a disabled one explains
@@ -71,11 +71,13 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
 fn bind_checked<T: serde::de::DeserializeOwned>(
     section: &ProviderSection,
     problems_of: impl Fn(&T, &str) -> Vec<String>,
-) -> (Option<T>, Vec<String>) {
+) -> (Option<T>, Vec<Problem>) {
     let bound = section.bind_recorded::<T>();
-    let mut problems: Vec<String> = bound.problems.iter().map(ToString::to_string).collect();
-    let own = bound.checked(|options| problems_of(options, section.path()));
+    let own = bound.checked(section.path(), |options| {
+        problems_of(options, section.path())
+    });
     let usable = own.is_empty() && bound.unparsed.is_empty();
+    let mut problems = bound.problems;
     problems.extend(own);
     (bound.value.filter(|_| usable), problems)
 }
@@ -83,36 +85,26 @@ fn bind_checked<T: serde::de::DeserializeOwned>(
 /// Builds the provider from options that can build a backend, even when other settings of
 /// the section are wrong, so the engine's checks (renewal cadence against the lease) join the
 /// same error; what is built is dropped unless there is no problem at all.
-fn finish<B: crate::backend::LockBackend>(
-    backend: Option<Result<B, LockError>>,
-    assembly: Assembly<'_>,
-    mut problems: Vec<String>,
-) -> Result<DistributedLock, LockError> {
-    let built = match backend {
-        Some(Ok(backend)) => Some(assembly.assemble(backend)),
-        Some(Err(error)) => Some(Err(error)),
-        None => None,
-    };
-    match built {
+fn finish<B: LockBackend>(
+    backend: Option<Result<B, Vec<Problem>>>,
+    setup: ProviderSetup<'_>,
+    mut problems: Vec<Problem>,
+) -> ProviderResult {
+    let path = setup.path();
+    match backend.map(|backend| backend.and_then(|backend| setup.assemble(backend))) {
         Some(Ok(lock)) if problems.is_empty() => return Ok(lock),
-        Some(Err(error)) => problems.push(own_message(&error).to_owned()),
+        Some(Err(more)) => problems.extend(more),
         _ => {}
     }
-    Err(problem_list(problems))
+    if problems.is_empty() {
+        // Options that bound without a problem always make a backend; this only keeps a
+        // failure from ever being silent.
+        problems.push(Problem::sentence(path, "could not be built"));
+    }
+    Err(problems)
 }
 
-/// A `Misconfigured` error's problems without the engine's preamble.
-pub(super) fn own_message(error: &LockError) -> &str {
-    error
-        .message()
-        .strip_prefix("invalid lock configuration: ")
-        .unwrap_or(error.message())
-}
-
-fn in_memory(
-    section: &ProviderSection,
-    assembly: Assembly<'_>,
-) -> Result<DistributedLock, LockError> {
+fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
     let (options, problems) = bind_checked(section, MemoryOptions::problems);
     let backend = options.map(|options| {
         Ok(MemoryBackend::with_lease(
@@ -120,66 +112,69 @@ fn in_memory(
             options.lease_duration,
         ))
     });
-    finish(backend, assembly, problems)
+    finish(backend, setup, problems)
+}
+
+/// The problem of a provider whose cargo feature is off.
+#[cfg(not(all(feature = "postgres", feature = "azure")))]
+fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
+    vec![Problem::sentence(
+        format!("{}.provider", section.path()),
+        format!("is {provider}, which needs lockingkit's `{feature}` feature"),
+    )]
 }
 
 #[cfg(not(feature = "postgres"))]
-fn postgres(section: &ProviderSection, _: Assembly<'_>) -> Result<DistributedLock, LockError> {
-    Err(problem_list(vec![format!(
-        "{}.provider is postgres, which needs lockingkit's `postgres` feature",
-        section.path()
-    )]))
+fn postgres(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
+    Err(needs_feature(section, "postgres", "postgres"))
 }
 
 #[cfg(feature = "postgres")]
-fn postgres(
-    section: &ProviderSection,
-    assembly: Assembly<'_>,
-) -> Result<DistributedLock, LockError> {
-    use crate::providers::postgres::{PostgresBackend, PostgresOptions};
+fn postgres(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
+    use crate::providers::postgres::PostgresOptions;
     let (options, problems) = bind_checked(section, PostgresOptions::problems);
-    let backend = options.map(|options| {
-        PostgresBackend::new(options).map_err(|e| retarget(&e, "PostgresOptions", section.path()))
-    });
-    finish(backend, assembly, problems)
+    let backend = options.map(|options| open_postgres(options, section.path()));
+    finish(backend, setup, problems)
+}
+
+/// The PostgreSQL backend for the section at `path`, from options whose own checks passed.
+#[cfg(feature = "postgres")]
+pub(super) fn open_postgres(
+    options: crate::providers::postgres::PostgresOptions,
+    path: &str,
+) -> Result<crate::providers::postgres::PostgresBackend, Vec<Problem>> {
+    // The constructor finds what the options cannot say alone (TLS settings it cannot
+    // honour) and words it for a section it calls `PostgresOptions`.
+    crate::providers::postgres::PostgresBackend::new(options)
+        .map_err(|error| vec![Problem::from_constructor("PostgresOptions", path, &error)])
 }
 
 #[cfg(not(feature = "azure"))]
-fn azure_blob(section: &ProviderSection, _: Assembly<'_>) -> Result<DistributedLock, LockError> {
-    Err(problem_list(vec![format!(
-        "{}.provider is azure_blob, which needs lockingkit's `azure` feature",
-        section.path()
-    )]))
+fn azure_blob(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
+    Err(needs_feature(section, "azure_blob", "azure"))
 }
 
 #[cfg(feature = "azure")]
-fn azure_blob(
-    section: &ProviderSection,
-    assembly: Assembly<'_>,
-) -> Result<DistributedLock, LockError> {
-    use crate::providers::azure::{AzureBlobBackend, AzureBlobOptions};
-    let (options, mut problems) = bind_checked(section, AzureBlobOptions::problems);
-    let credential = assembly.context.azure_credential.cloned();
-    let backend = match (options, credential) {
-        (Some(options), Some(credential)) if options.service_url.is_some() => {
-            Some(AzureBlobBackend::with_credential(options, credential))
-        }
-        (Some(options), None) if options.service_url.is_some() => {
-            problems.push(format!(
-                "{}.service_url needs a token credential: give one to \
-                 LockingBuilder::azure_credential, or use connection_string",
-                section.path()
-            ));
-            None
-        }
-        (options, _) => options.map(AzureBlobBackend::new),
-    }
-    .map(|backend| backend.map_err(|e| retarget(&e, "AzureBlobOptions", section.path())));
-    finish(backend, assembly, problems)
+fn azure_blob(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
+    use crate::providers::azure::AzureBlobOptions;
+    let (options, problems) = bind_checked(section, AzureBlobOptions::problems);
+    let backend = options.map(|options| open_azure(options, setup.host, section.path()));
+    finish(backend, setup, problems)
 }
 
-/// A provider constructor's error with its own section name replaced by the real one.
-#[cfg(any(feature = "postgres", feature = "azure"))]
-pub(super) fn retarget(error: &LockError, own: &str, path: &str) -> LockError {
-    problem_list(vec![own_message(error).replace(own, path)])
+/// The Azure Blob backend for the section at `path`, listing every problem with `options`.
+#[cfg(feature = "azure")]
+pub(super) fn open_azure(
+    options: crate::providers::azure::AzureBlobOptions,
+    host: super::setup::HostResources<'_>,
+    path: &str,
+) -> Result<crate::providers::azure::AzureBlobBackend, Vec<Problem>> {
+    // The builder's credential is for sections that name a service_url; a connection
+    // string carries its own.
+    let credential = options
+        .service_url
+        .as_ref()
+        .and(host.azure_credential.cloned());
+    crate::providers::azure::AzureBlobBackend::open(options, credential, path)
+        .map_err(|problems| Problem::checked(path, problems))
 }

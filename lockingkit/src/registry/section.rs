@@ -1,4 +1,4 @@
-//! The `Locking` configuration section and the binding of one provider's settings.
+//! The `Locking` configuration section, and one provider's settings as its factory sees them.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -8,9 +8,9 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::lenient::{
-    canonical, expected, missing_fields, struct_fields, BindError, Expected, Lenient,
-};
+use super::bind::{bind_section, Bound, SecretSetting};
+use super::lenient::canonical;
+use super::problem::{self, Problem};
 use crate::error::{ErrorKind, LockError};
 
 /// The `Locking` section of the host's configuration: one sub-section per named provider.
@@ -168,8 +168,18 @@ pub struct ProviderSection {
     path: String,
     provider: String,
     settings: Map<String, Value>,
-    /// The values to keep out of messages, learnt by [`bind`](Self::bind); `None` until then.
-    secrets: Mutex<Option<Vec<String>>>,
+    /// What binding learnt about the settings; `None` until [`bind`](Self::bind) ran.
+    binding: Mutex<Option<Binding>>,
+}
+
+/// What binding a section taught the registry, for reporting its factory's errors.
+#[derive(Default)]
+struct Binding {
+    /// The secret and unknown settings seen by every bind.
+    secrets: Vec<SecretSetting>,
+    /// The problems of the last bind that failed, with the error it returned: a factory that
+    /// passes that error on with `?` has its problems reported as the data they are.
+    refused: Option<(Vec<Problem>, String)>,
 }
 
 impl ProviderSection {
@@ -184,7 +194,7 @@ impl ProviderSection {
             path,
             provider,
             settings,
-            secrets: Mutex::new(None),
+            binding: Mutex::new(None),
         }
     }
 
@@ -214,39 +224,87 @@ impl ProviderSection {
     /// problem (for types that deserialize as a plain struct), and so is each setting that does
     /// not parse, each saying what it expects. Error messages never repeat a setting's value.
     /// Fields of type [`SecretString`](crate::config::SecretString) are remembered as secret:
-    /// if the factory's own errors quote their values, the registry removes them.
+    /// if one of the factory's own errors quotes such a value, the registry withholds that
+    /// message and names the setting instead.
     pub fn bind<T: DeserializeOwned>(&self) -> Result<T, LockError> {
         let bound = self.bind_recorded::<T>();
         match bound.value {
             Some(value) if bound.problems.is_empty() => Ok(value),
-            _ => Err(problem_list(
-                bound.problems.iter().map(ToString::to_string).collect(),
-            )),
+            _ => {
+                let error = problem::into_error(bound.problems.clone());
+                self.binding().get_or_insert_with(Binding::default).refused =
+                    Some((bound.problems, error.message().to_owned()));
+                Err(error)
+            }
         }
     }
 
     /// Binds like [`bind`](Self::bind), keeping the partial result and remembering secrets.
     pub(super) fn bind_recorded<T: DeserializeOwned>(&self) -> Bound<T> {
         let bound = bind_section::<T>(&self.path, &self.provider, &self.settings);
-        let mut secrets = self.secrets.lock().unwrap_or_else(PoisonError::into_inner);
-        secrets
-            .get_or_insert_with(Vec::new)
+        self.binding()
+            .get_or_insert_with(Binding::default)
+            .secrets
             .extend(bound.secrets.iter().cloned());
         bound
     }
 
-    /// The values to keep out of messages: those of secret and unknown settings once the
-    /// section was bound, every string value if it never was (nothing is known about it).
-    pub(super) fn secrets(&self) -> Vec<String> {
-        let secrets = self.secrets.lock().unwrap_or_else(PoisonError::into_inner);
-        match &*secrets {
-            Some(secrets) => secrets.clone(),
-            None => {
-                let mut all = Vec::new();
-                collect_strings(&Value::Object(self.settings.clone()), &mut all);
-                all
+    /// The problems an error of this section's factory reports.
+    ///
+    /// The error of a failed [`bind`](Self::bind) passed on unchanged gives back that bind's
+    /// problems. Any other error is the factory's own text, which the registry does not
+    /// control: a message that quotes the value of a secret setting is withheld whole, naming
+    /// the setting instead. Secret settings are those [`bind`](Self::bind) learnt (secret
+    /// fields and unknown settings), or every setting if the factory never bound its section,
+    /// as nothing then says which are secret.
+    pub(super) fn problems_of(&self, error: &LockError) -> Vec<Problem> {
+        let binding = self.binding();
+        if let Some(Binding {
+            refused: Some((problems, message)),
+            ..
+        }) = &*binding
+        {
+            if error.kind() == ErrorKind::Misconfigured && error.message() == message {
+                return problems.clone();
             }
         }
+        let problem = Problem::from_error(&self.path, error);
+        let shown = problem.to_string();
+        let every_setting;
+        let secrets = match &*binding {
+            Some(binding) => &binding.secrets,
+            None => {
+                every_setting = self.every_setting();
+                &every_setting
+            }
+        };
+        let quoted: Vec<&str> = secrets
+            .iter()
+            .filter(|secret| secret.is_quoted_in(&shown))
+            .map(|secret| secret.key.as_str())
+            .collect();
+        if quoted.is_empty() {
+            return vec![problem];
+        }
+        vec![Problem::detail(
+            &self.path,
+            format!(
+                "the {} provider's message is withheld: it quotes the value of {}",
+                self.provider,
+                quoted.join(", ")
+            ),
+        )]
+    }
+
+    fn every_setting(&self) -> Vec<SecretSetting> {
+        self.settings
+            .iter()
+            .map(|(key, value)| SecretSetting::new(key, value))
+            .collect()
+    }
+
+    fn binding(&self) -> std::sync::MutexGuard<'_, Option<Binding>> {
+        self.binding.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -257,182 +315,6 @@ impl fmt::Debug for ProviderSection {
             .field("provider", &self.provider)
             .field("settings", &self.settings.keys().collect::<Vec<_>>())
             .finish()
-    }
-}
-
-/// A `Misconfigured` error whose message is exactly the problems, for merging into the
-/// registry's one error.
-pub(super) fn problem_list(problems: Vec<String>) -> LockError {
-    LockError::new(ErrorKind::Misconfigured, problems.join("; "))
-}
-
-/// One configuration problem: the setting (or section) it is about, and what is wrong.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Problem {
-    path: String,
-    message: String,
-    /// Whether the message is a detail after a colon (`path: expected …`) rather than the
-    /// rest of a sentence (`path is required`).
-    detail: bool,
-}
-
-impl Problem {
-    /// `path` followed by the rest of a sentence: `Locking.Jobs.account is required`.
-    pub(crate) fn sentence(path: String, rest: impl Into<String>) -> Self {
-        Problem {
-            path,
-            message: rest.into(),
-            detail: false,
-        }
-    }
-
-    /// `path`, a colon and a detail: `Locking.Jobs.lease_duration: expected a duration …`.
-    pub(crate) fn detail(path: String, detail: impl Into<String>) -> Self {
-        Problem {
-            path,
-            message: detail.into(),
-            detail: true,
-        }
-    }
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let separator = if self.detail { ": " } else { " " };
-        write!(f, "{}{separator}{}", self.path, self.message)
-    }
-}
-
-/// A section bound as far as it goes.
-pub(crate) struct Bound<T> {
-    /// `T` from every setting that parsed (defaults for the others), unless a required one
-    /// is missing or bad.
-    pub(crate) value: Option<T>,
-    /// One problem per unknown, unparsable or missing setting.
-    pub(crate) problems: Vec<Problem>,
-    /// The fields whose setting did not parse: `value` holds their defaults, so checks that
-    /// involve them would judge a value nobody wrote.
-    pub(crate) unparsed: Vec<&'static str>,
-    /// The values of secret and unknown settings, to keep out of messages.
-    pub(crate) secrets: Vec<String>,
-}
-
-impl<T> Bound<T> {
-    /// `checks` of the bound value, leaving out those about a setting that did not parse.
-    pub(crate) fn checked(&self, checks: impl FnOnce(&T) -> Vec<String>) -> Vec<String> {
-        let Some(value) = &self.value else {
-            return Vec::new();
-        };
-        checks(value)
-            .into_iter()
-            .filter(|problem| !self.unparsed.iter().any(|field| problem.contains(field)))
-            .collect()
-    }
-}
-
-/// Binds `settings` to `T`: each setting on its own, so one bad setting hides nothing, then
-/// `T` from the settings that parsed.
-pub(crate) fn bind_section<T: DeserializeOwned>(
-    path: &str,
-    provider: &str,
-    settings: &Map<String, Value>,
-) -> Bound<T> {
-    let mut bound = Bound {
-        value: None,
-        problems: Vec::new(),
-        unparsed: Vec::new(),
-        secrets: Vec::new(),
-    };
-    let Some(fields) = struct_fields::<T>() else {
-        // Not a plain struct (a map, a flattened struct): nothing to go setting by setting.
-        collect_strings(&Value::Object(settings.clone()), &mut bound.secrets);
-        match T::deserialize(Lenient(Value::Object(settings.clone()))) {
-            Ok(value) => bound.value = Some(value),
-            Err(_) => bound.problems.push(Problem::sentence(
-                path.to_owned(),
-                format!("does not match the settings of the {provider} provider"),
-            )),
-        }
-        return bound;
-    };
-    let mut present = Vec::new();
-    let mut parsed = Map::new();
-    for (key, value) in settings {
-        let wanted = canonical(key);
-        let Some(field) = fields.iter().find(|field| canonical(field) == wanted) else {
-            let shared = struct_fields::<crate::engine::LockOptions>().unwrap_or(&[]);
-            bound.problems.push(Problem::sentence(
-                format!("{path}.{key}"),
-                format!(
-                    "is not a setting of the {provider} provider (its settings: {}, plus the \
-                     engine options {})",
-                    fields.join(", "),
-                    shared.join(", ")
-                ),
-            ));
-            // Perhaps a secret under a mistyped name: it is never shown.
-            collect_strings(value, &mut bound.secrets);
-            continue;
-        };
-        let expects = expected::<T>(field);
-        if expects == Expected::Secret {
-            collect_strings(value, &mut bound.secrets);
-        }
-        present.push(*field);
-        let single = Map::from_iter([(key.clone(), value.clone())]);
-        match T::deserialize(Lenient(Value::Object(single))) {
-            // Alone, a setting misses the others; only its own value can be invalid.
-            Err(BindError::Invalid(_)) => {
-                bound
-                    .problems
-                    .push(Problem::detail(format!("{path}.{key}"), expects.describe()));
-                bound.unparsed.push(field);
-            }
-            _ => {
-                parsed.insert(key.clone(), value.clone());
-            }
-        }
-    }
-    for field in missing_fields::<T>(&present) {
-        bound
-            .problems
-            .push(Problem::sentence(format!("{path}.{field}"), "is required"));
-    }
-    bound.value = T::deserialize(Lenient(Value::Object(parsed))).ok();
-    bound
-}
-
-/// Removes each of `secrets` that a provider's own error quoted.
-///
-/// Only secret values are removed (see [`ProviderSection::secrets`]): a container or schema
-/// name in a message is what the reader needs. serde quotes an unexpected string with `Debug`
-/// (`string "…"`) and our parsers with backticks; a longer secret is also removed wherever it
-/// appears bare.
-pub(super) fn scrub(message: &str, secrets: &[String]) -> String {
-    let mut message = message.to_owned();
-    for text in secrets {
-        let mut forms = vec![format!("{text:?}"), format!("`{text}`")];
-        let trimmed = text.trim();
-        forms.push(format!("`{trimmed}`"));
-        forms.push(format!("{trimmed:?}"));
-        if trimmed.len() >= 6 {
-            forms.push(trimmed.to_owned());
-        }
-        for form in forms {
-            if !form.is_empty() && message.contains(&form) {
-                message = message.replace(&form, "[redacted]");
-            }
-        }
-    }
-    message
-}
-
-fn collect_strings(value: &Value, out: &mut Vec<String>) {
-    match value {
-        Value::String(text) => out.push(text.clone()),
-        Value::Array(items) => items.iter().for_each(|item| collect_strings(item, out)),
-        Value::Object(map) => map.values().for_each(|item| collect_strings(item, out)),
-        _ => {}
     }
 }
 
@@ -462,127 +344,84 @@ mod tests {
         }
     }
 
-    fn problems_of(bound: &Bound<Account>) -> Vec<String> {
-        bound.problems.iter().map(ToString::to_string).collect()
+    fn section(value: Value) -> ProviderSection {
+        ProviderSection::new(
+            "Jobs".into(),
+            "Locking.Jobs".into(),
+            "demo".into(),
+            settings(value),
+        )
     }
 
-    #[test]
-    fn every_bad_setting_is_listed_not_just_the_first() {
-        let s = settings(json!({
-            "account_key": 42,
-            "lease_duration": "soon",
-            "max_connections": "many",
-            "colour": "blue",
-        }));
-        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s);
-        assert!(bound.value.is_none());
-        let all = problems_of(&bound).join("\n");
-        assert!(
-            all.contains("Locking.Jobs.colour is not a setting of the demo provider"),
-            "{all}"
-        );
-        assert!(
-            all.contains("Locking.Jobs.account_key: expected a string"),
-            "{all}"
-        );
-        assert!(
-            all.contains(r#"Locking.Jobs.lease_duration: expected a duration such as "30s""#),
-            "{all}"
-        );
-        assert!(
-            all.contains(
-                "Locking.Jobs.max_connections: expected a whole number from 0 to 4294967295"
-            ),
-            "{all}"
-        );
-        assert!(all.contains("Locking.Jobs.account is required"), "{all}");
-        assert_eq!(bound.problems.len(), 5, "{all}");
-        assert_eq!(
-            bound.unparsed,
-            ["account_key", "lease_duration", "max_connections"]
-        );
-    }
-
-    #[test]
-    fn what_parsed_still_binds_so_its_checks_can_run() {
-        #[derive(Debug, Deserialize)]
-        #[serde(default)]
-        struct Pool {
-            size: u32,
-            #[serde(with = "crate::config::duration")]
-            check: Duration,
-        }
-        impl Default for Pool {
-            fn default() -> Self {
-                Pool {
-                    size: 4,
-                    check: Duration::from_secs(5),
-                }
-            }
-        }
-        let s = settings(json!({"size": -1, "check": "0s"}));
-        let bound = bind_section::<Pool>("Locking.Default", "demo", &s);
-        let pool = bound.value.as_ref().expect("the parsed settings bind");
-        assert_eq!(pool.check, Duration::ZERO);
-        assert_eq!(pool.size, 4, "the unparsed one keeps its default");
-        let checks = bound.checked(|pool| {
-            vec![
-                format!("check must be positive (was {:?})", pool.check),
-                "size must not exceed 2 (a check of a default nobody wrote)".to_owned(),
-            ]
-        });
-        assert_eq!(checks, ["check must be positive (was 0ns)"]);
-    }
-
-    #[test]
-    fn nothing_a_user_wrote_is_repeated_in_a_binding_problem() {
-        let secret = "AccountKey=c2VjcmV0LWtleQ==";
-        let s = settings(json!({
-            "account": "acct",
-            "account_key": "k",
-            "lease_duration": secret,
-            "max_connections": secret,
-        }));
-        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s);
-        assert_eq!(bound.problems.len(), 2, "{:?}", bound.problems);
-        for problem in problems_of(&bound) {
-            assert!(!problem.contains(secret), "{problem}");
-            assert!(!problem.contains("c2VjcmV0"), "{problem}");
-        }
-        assert_eq!(
-            bound.secrets,
-            ["k"],
-            "only the secret field is kept out of messages"
-        );
-    }
-
-    #[test]
-    fn only_secret_values_are_scrubbed_from_a_providers_message() {
-        let message = "Locking.Az.container: `job_locks` is not valid; key `hunter2-key` refused";
-        assert_eq!(
-            scrub(message, &["hunter2-key".to_owned()]),
-            "Locking.Az.container: `job_locks` is not valid; key [redacted] refused"
-        );
+    fn shown(problems: &[Problem]) -> Vec<String> {
+        problems.iter().map(ToString::to_string).collect()
     }
 
     #[test]
     fn a_custom_provider_section_binds_with_the_same_rules() {
-        let section = ProviderSection::new(
-            "Jobs".into(),
-            "Locking.Jobs".into(),
-            "demo".into(),
-            settings(json!({
-                "ACCOUNT": "acct",
-                "AccountKey": "hunter2-hunter2",
-                "lease_duration": "20s",
-                "max_connections": "4",
-            })),
-        );
+        let section = section(json!({
+            "ACCOUNT": "acct",
+            "AccountKey": "hunter2-hunter2",
+            "lease_duration": "20s",
+            "max_connections": "4",
+        }));
         let account: Account = section.bind().unwrap();
         assert_eq!(account.account, "acct");
         assert_eq!(account.account_key.expose(), "hunter2-hunter2");
         assert_eq!(account.max_connections, 4);
         assert!(!format!("{section:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn a_failed_bind_passed_on_gives_back_its_problems_as_data() {
+        let section = section(json!({"account": "acct", "max_connections": "many"}));
+        let error = section.bind::<Account>().unwrap_err();
+        assert!(
+            error
+                .message()
+                .starts_with("invalid lock configuration: Locking.Jobs."),
+            "{error}"
+        );
+        let problems = shown(&section.problems_of(&error));
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems.contains(&"Locking.Jobs.account_key is required".to_owned()));
+    }
+
+    #[test]
+    fn only_a_factory_message_quoting_a_secret_setting_is_withheld() {
+        let section = section(json!({
+            "account": "acct",
+            "account_key": "hunter2-key",
+            "lease_duration": "20s",
+            "max_connections": 4,
+        }));
+        let _: Account = section.bind().unwrap();
+        let harmless = LockError::new(
+            ErrorKind::Misconfigured,
+            "Locking.Jobs.container: `job_locks` is not valid",
+        );
+        assert_eq!(
+            shown(&section.problems_of(&harmless)),
+            ["Locking.Jobs.container: `job_locks` is not valid"]
+        );
+        let quoting = LockError::new(ErrorKind::Misconfigured, "key `hunter2-key` refused");
+        assert_eq!(
+            shown(&section.problems_of(&quoting)),
+            [
+                "Locking.Jobs: the demo provider's message is withheld: it quotes the value of \
+              account_key"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_section_never_bound_keeps_every_value_out() {
+        let section = section(json!({"path": "/var/locks", "mode": "0600"}));
+        let quoting = LockError::new(ErrorKind::Misconfigured, "cannot open /var/locks");
+        let problems = shown(&section.problems_of(&quoting));
+        assert_eq!(problems.len(), 1);
+        assert!(!problems[0].contains("/var/locks"), "{problems:?}");
+        assert!(problems[0].contains("the value of path"), "{problems:?}");
     }
 
     #[test]

@@ -1,10 +1,12 @@
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::*;
-use crate::backend::{Acquired, BackendError, LeaseTiming};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use crate::config::SecretString;
+use crate::engine::LockOptions;
+use crate::providers::memory::{MemoryBackend, MemoryStore};
 
 fn config(sections: Value) -> LockingConfig {
     serde_json::from_value(sections).unwrap()
@@ -28,7 +30,7 @@ fn providers_are_found_by_name_ignoring_case() {
         .in_memory("Reports")
         .build()
         .unwrap();
-    assert_eq!(locking.default().name(), "Default");
+    assert_eq!(locking.default_lock().name(), "Default");
     assert_eq!(locking.get("Jobs").map(DistributedLock::name), Some("Jobs"));
     assert_eq!(locking.get("jobs").map(DistributedLock::name), Some("Jobs"));
     assert_eq!(
@@ -58,7 +60,7 @@ fn a_missing_name_is_a_clear_error() {
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
     assert_eq!(
         error.message(),
-        "no lock provider is named Nightly; configured: Default, Jobs"
+        "invalid lock configuration: no lock provider is named Nightly; configured: Default, Jobs"
     );
     assert_eq!(locking.require("jobs").unwrap().name(), "Jobs");
 }
@@ -70,7 +72,7 @@ fn default_comes_first_whatever_the_registration_order() {
         .in_memory("default")
         .build()
         .unwrap();
-    assert_eq!(locking.default().name(), "Default");
+    assert_eq!(locking.default_lock().name(), "Default");
     assert_eq!(locking.names().collect::<Vec<_>>(), ["Default", "Jobs"]);
 }
 
@@ -81,7 +83,11 @@ async fn providers_are_independent_locks() {
         .in_memory("Jobs")
         .build()
         .unwrap();
-    let held = locking.default().try_acquire("orders/42").await.unwrap();
+    let held = locking
+        .default_lock()
+        .try_acquire("orders/42")
+        .await
+        .unwrap();
     // Jobs has its own store, so the same key is free there.
     let other = locking
         .get("Jobs")
@@ -90,7 +96,7 @@ async fn providers_are_independent_locks() {
         .await
         .unwrap();
     let busy = locking
-        .default()
+        .default_lock()
         .try_acquire("orders/42")
         .await
         .unwrap_err();
@@ -143,9 +149,9 @@ fn sections_bind_whatever_the_case_of_names_and_settings() {
         "jobs": {"Provider": "InMemory", "MaxRetryDelay": "2s", "renew-every": "5s"},
     })))
     .unwrap();
-    assert_eq!(locking.default().name(), "Default");
-    assert_eq!(locking.default().provider(), "in_memory");
-    let default = locking.default().backend::<MemoryBackend>().unwrap();
+    assert_eq!(locking.default_lock().name(), "Default");
+    assert_eq!(locking.default_lock().provider(), "in_memory");
+    let default = locking.default_lock().backend::<MemoryBackend>().unwrap();
     assert_eq!(
         default.timing(),
         LeaseTiming::Expiring(Duration::from_secs(20))
@@ -414,10 +420,10 @@ mod postgres {
             },
         })))
         .unwrap();
-        assert_eq!(locking.default().provider(), "postgres");
+        assert_eq!(locking.default_lock().provider(), "postgres");
         let shown = format!(
             "{:?}",
-            locking.default().backend::<crate::PostgresBackend>()
+            locking.default_lock().backend::<crate::PostgresBackend>()
         );
         assert!(shown.contains("max_sessions: 2"), "{shown}");
         let legacy = locking.get("Legacy").unwrap();
@@ -495,7 +501,7 @@ mod azure {
             },
         })))
         .unwrap();
-        assert_eq!(locking.default().provider(), "azure_blob");
+        assert_eq!(locking.default_lock().provider(), "azure_blob");
 
         let shown = misconfigured(Locking::from_config(config(json!({
             "Default": {
@@ -540,7 +546,7 @@ fn later_sources_override_earlier_ones_setting_by_setting_ignoring_case() {
         locking.names().collect::<Vec<_>>(),
         ["Default", "Jobs", "Reports"]
     );
-    let default = locking.default().backend::<MemoryBackend>().unwrap();
+    let default = locking.default_lock().backend::<MemoryBackend>().unwrap();
     assert_eq!(
         default.timing(),
         LeaseTiming::Expiring(Duration::from_secs(20))

@@ -12,18 +12,18 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use azure_core::http::{ClientMethodOptions, Etag, RequestContent};
+use azure_core::http::{ClientMethodOptions, Etag, NoFormat, RequestContent, Response};
 use azure_core::{Bytes, Uuid};
 use azure_storage_blob::models::{
-    BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResultHeaders,
-    BlobClientGetPropertiesOptions, BlobClientGetPropertiesResultHeaders,
-    BlobClientReleaseLeaseOptions, BlobClientRenewLeaseOptions, BlobClientSetMetadataOptions,
-    BlobClientUploadOptions,
+    BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResult,
+    BlobClientAcquireLeaseResultHeaders, BlobClientGetPropertiesOptions,
+    BlobClientGetPropertiesResultHeaders, BlobClientReleaseLeaseOptions,
+    BlobClientRenewLeaseOptions, BlobClientSetMetadataOptions, BlobClientUploadOptions,
 };
 use azure_storage_blob::{BlobClient, BlobContainerClient};
 
+use super::client::{GuardPath, PLACEHOLDER_BLOB};
 use super::errors;
-use super::transport::{GuardPath, PLACEHOLDER_BLOB};
 use super::AzureBlobLease;
 use crate::backend::BackendError;
 use crate::keys::azure_blob_name;
@@ -33,6 +33,9 @@ pub const FENCING_TOKEN_METADATA: &str = "lockingkit_fencing_token";
 
 /// How many guards' last-written metadata a backend remembers before starting over.
 const MAX_KNOWN_GUARDS: usize = 1024;
+
+/// The service's answer granting a lease.
+type LeaseGranted = Response<BlobClientAcquireLeaseResult, NoFormat>;
 
 /// Storage answers to an acquire that mean someone else holds the lease.
 const BUSY_CODES: &[&str] = &["LeaseAlreadyPresent", "LeaseIsBreakingAndCannotBeAcquired"];
@@ -139,34 +142,39 @@ impl GuardBlobs {
         // A fresh id per attempt: if the SDK resends the acquire because the first answer was
         // lost, the service sees the same id and grants the lease again instead of saying 409.
         let proposed = Uuid::new_v4().to_string();
+        let Some(granted) = self.take_lease(&path, &proposed).await? else {
+            return Ok(None);
+        };
+        let lease_id = match granted.lease_id() {
+            Ok(Some(id)) => id,
+            _ => proposed,
+        };
+        let etag = granted.etag().ok().flatten();
+        let fencing_token = self.fence(&path, &name, &lease_id, etag).await?;
+        Ok(Some(AzureBlobLease {
+            blob,
+            path,
+            lease_id,
+            fencing_token,
+        }))
+    }
+
+    /// Takes the guard's lease with the id `proposed`, creating the guard (once) if it is
+    /// missing: the service's answer, or `Ok(None)` when someone else holds the lease.
+    async fn take_lease(
+        &self,
+        path: &GuardPath,
+        proposed: &str,
+    ) -> Result<Option<LeaseGranted>, BackendError> {
         let mut created = false;
-        let answer = loop {
-            let options = BlobClientAcquireLeaseOptions {
-                proposed_lease_id: Some(proposed.clone()),
-                method_options: in_context(&path),
-                ..Default::default()
-            };
-            let answer = self
-                .call(
-                    "acquire lease",
-                    self.placeholder
-                        .acquire_lease(self.lease_seconds, Some(options)),
-                )
-                .await;
-            let answer = match answer {
-                Ok(answer) => answer,
-                Err(no_answer) => {
-                    self.release_in_background(&path, &proposed);
-                    return Err(no_answer);
-                }
-            };
-            match answer {
-                Ok(answer) => break answer,
+        loop {
+            match self.request_lease(path, proposed).await? {
+                Ok(granted) => return Ok(Some(granted)),
                 Err(e) if BUSY_CODES.iter().any(|code| errors::is(&e, 409, code)) => {
                     return Ok(None)
                 }
                 Err(e) if errors::is(&e, 404, "BlobNotFound") && !created => {
-                    self.create_guard(&path).await?;
+                    self.create_guard(path).await?;
                     created = true;
                 }
                 Err(e) if errors::is(&e, 404, "BlobNotFound") => {
@@ -178,34 +186,53 @@ impl GuardBlobs {
                 Err(e) => {
                     let error = self.classify("acquire lease", &e);
                     if !error_reached(&error) {
-                        self.release_in_background(&path, &proposed);
+                        self.release_in_background(path, proposed);
                     }
                     return Err(error);
                 }
             }
-        };
-        let lease_id = match answer.lease_id() {
-            Ok(Some(id)) => id,
-            _ => proposed,
-        };
-        let etag = answer.etag().ok().flatten();
-        match self
-            .raise_fencing_token(&path, &name, &lease_id, etag)
-            .await
-        {
-            Ok(fencing_token) => Ok(Some(AzureBlobLease {
-                blob,
-                path,
-                lease_id,
-                fencing_token,
-            })),
-            Err(error) => {
-                // The lease is ours but useless without a token: give it back now rather than
-                // leave the key blocked until the lease runs out.
-                let _ = self.release_lease(&path, &lease_id).await;
-                Err(error)
-            }
         }
+    }
+
+    /// Sends one acquire-lease request with the id `proposed`. When no answer comes, the
+    /// lease it may have granted is given back in the background.
+    async fn request_lease(
+        &self,
+        path: &GuardPath,
+        proposed: &str,
+    ) -> Result<azure_core::Result<LeaseGranted>, BackendError> {
+        let options = BlobClientAcquireLeaseOptions {
+            proposed_lease_id: Some(proposed.to_owned()),
+            method_options: in_context(path),
+            ..Default::default()
+        };
+        let acquire = self
+            .placeholder
+            .acquire_lease(self.lease_seconds, Some(options));
+        let answer = self.call("acquire lease", acquire).await;
+        if answer.is_err() {
+            self.release_in_background(path, proposed);
+        }
+        answer
+    }
+
+    /// Raises the fencing token under a freshly granted lease. The lease is ours but useless
+    /// without a token, so if that fails it is given back now rather than leave the key
+    /// blocked until the lease runs out.
+    async fn fence(
+        &self,
+        path: &GuardPath,
+        name: &str,
+        lease_id: &str,
+        lease_etag: Option<Etag>,
+    ) -> Result<u64, BackendError> {
+        let raised = self
+            .raise_fencing_token(path, name, lease_id, lease_etag)
+            .await;
+        if raised.is_err() {
+            let _ = self.release_lease(path, lease_id).await;
+        }
+        raised
     }
 
     /// Gives up a lease this attempt may have been granted without hearing the answer (the

@@ -7,6 +7,11 @@
 //! and metadata are never touched except one metadata entry,
 //! [`FENCING_TOKEN_METADATA`], written under the lease on every acquire.
 //!
+//! The lock protocol sits at the top of this folder: the backend and the lease handed to
+//! callers here, the guard blobs (leases and fencing tokens) in `guard_blob`, and what storage
+//! answers mean for a lock in `errors`. Under it, `client` is the SDK plumbing that reaches
+//! the account: connection strings, Shared Key signing and a bounded HTTP transport.
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use lockingkit::providers::azure::{AzureBlobBackend, AzureBlobOptions};
@@ -29,29 +34,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use azure_core::credentials::TokenCredential;
-use azure_core::http::{ClientOptions, Url};
+
 use azure_storage_blob::models::{BlobClientSetMetadataOptions, BlobClientUploadOptions};
-use azure_storage_blob::{BlobClient, BlobContainerClient, BlobContainerClientOptions};
+use azure_storage_blob::{BlobClient, BlobContainerClient};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use crate::error::{ErrorKind, LockError};
+use crate::error::LockError;
 
-mod connection_string;
+mod client;
 mod errors;
 mod guard_blob;
 mod options;
-mod shared_key;
-mod transport;
 
 /// The SDK crates this provider is built on, re-exported so callers use the same versions.
 pub use azure_core;
 pub use azure_storage_blob;
+pub use client::SharedKeyPolicy;
 pub use errors::AzureRequestError;
 pub use guard_blob::FENCING_TOKEN_METADATA;
 pub use options::{AzureBlobOptions, MAX_LEASE_DURATION, MAX_RETRIES_LIMIT, MIN_LEASE_DURATION};
-pub use shared_key::SharedKeyPolicy;
 
-use connection_string::{ConnectionString, Credential};
+use client::{container_from_connection_string, container_with_token, GuardPath};
 use guard_blob::GuardBlobs;
 
 /// The section name used in errors when options are checked outside a registry.
@@ -73,42 +76,14 @@ pub struct AzureBlobBackend {
 impl AzureBlobBackend {
     /// A backend for the account in `options.connection_string`.
     ///
-    /// Fails with [`ErrorKind::Misconfigured`], listing every problem, when the options are
-    /// invalid or name a `service_url` (which needs [`with_credential`](Self::with_credential)).
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured), listing every
+    /// problem, when the options are invalid or name a `service_url` (which needs
+    /// [`with_credential`](Self::with_credential)).
     /// Nothing is sent to Azure here (building stays synchronous and works offline): call
     /// [`verify`](Self::verify) at startup so that a wrong key, account or missing container
     /// stops the service there, rather than failing its first lock.
     pub fn new(options: AzureBlobOptions) -> Result<Self, LockError> {
-        let mut problems = options.problems(SECTION);
-        if options.service_url.is_some() && options.connection_string.is_none() {
-            problems.push(format!(
-                "{SECTION}.service_url needs a token credential: use \
-                 AzureBlobBackend::with_credential"
-            ));
-        }
-        let connection = match &options.connection_string {
-            Some(text) if problems.is_empty() => ConnectionString::parse(text.expose()).ok(),
-            _ => None,
-        };
-        let Some(connection) = connection else {
-            return Err(LockError::misconfigured(problems));
-        };
-        let mut container_url = container_url(&connection.blob_endpoint, &options.container);
-        let mut client_options = client_options(&options)?;
-        match connection.credential {
-            Credential::SharedKey { account, key } => client_options.per_try_policies.push(
-                Arc::new(shared_key::SharedKeyPolicy::from_decoded(account, key)),
-            ),
-            Credential::Sas(sas) => container_url.set_query(Some(&sas)),
-        }
-        let container =
-            BlobContainerClient::new(container_url, None, Some(container_options(client_options)))
-                .map_err(|_| {
-                    LockError::misconfigured([format!(
-                        "{SECTION}: the blob endpoint is not usable"
-                    )])
-                })?;
-        Ok(Self::from_container(container, &options))
+        Self::open(options, None, SECTION).map_err(LockError::misconfigured)
     }
 
     /// A backend for the blob service at `options.service_url`, authenticated with a Microsoft
@@ -120,34 +95,42 @@ impl AzureBlobBackend {
         options: AzureBlobOptions,
         credential: Arc<dyn TokenCredential>,
     ) -> Result<Self, LockError> {
-        let mut problems = options.problems(SECTION);
-        if options.connection_string.is_some() {
-            problems.push(format!(
-                "{SECTION}.connection_string carries its own credential: give service_url \
+        Self::open(options, Some(credential), SECTION).map_err(LockError::misconfigured)
+    }
+
+    /// A backend for `options`, whose problems are worded for the configuration section
+    /// `section` (such as `Locking.Jobs`): with a `credential` the options must name a
+    /// `service_url`, without one a `connection_string`. Lists every problem found.
+    pub(crate) fn open(
+        options: AzureBlobOptions,
+        credential: Option<Arc<dyn TokenCredential>>,
+        section: &str,
+    ) -> Result<Self, Vec<String>> {
+        let mut problems = options.problems(section);
+        match (
+            &credential,
+            &options.connection_string,
+            &options.service_url,
+        ) {
+            (None, None, Some(_)) => problems.push(format!(
+                "{section}.service_url needs a token credential: give one to \
+                 AzureBlobBackend::with_credential (in a registry, to \
+                 LockingBuilder::azure_credential), or use connection_string"
+            )),
+            (Some(_), Some(_), None) => problems.push(format!(
+                "{section}.connection_string carries its own credential: give service_url \
                  with a token credential"
-            ));
+            )),
+            _ => {}
         }
-        let service_url = match &options.service_url {
-            Some(url) if problems.is_empty() => parse_service_url(url).ok(),
-            _ => None,
-        };
-        let Some(service_url) = service_url else {
-            return Err(LockError::misconfigured(problems));
-        };
-        if service_url.scheme() != "https" {
-            return Err(LockError::misconfigured([format!(
-                "{SECTION}.service_url must use https with a token credential"
-            )]));
+        if !problems.is_empty() {
+            return Err(problems);
         }
-        let container_url = container_url(&service_url, &options.container);
-        let container = BlobContainerClient::new(
-            container_url,
-            Some(credential),
-            Some(container_options(client_options(&options)?)),
-        )
-        .map_err(|_| {
-            LockError::misconfigured([format!("{SECTION}: the blob endpoint is not usable")])
-        })?;
+        let container = match credential {
+            None => container_from_connection_string(&options, section),
+            Some(credential) => container_with_token(&options, credential, section),
+        }
+        .map_err(|problem| vec![problem])?;
         Ok(Self::from_container(container, &options))
     }
 
@@ -167,9 +150,10 @@ impl AzureBlobBackend {
     /// credential may read blobs and the container exists, so a deployment that cannot lock
     /// fails at startup.
     ///
-    /// Fails with [`ErrorKind::Misconfigured`] naming what is wrong (for a missing container,
-    /// its name), or [`ErrorKind::Unavailable`] when the service does not answer within
-    /// `request_timeout`. Nothing is created or written. [`Locking::verify`] runs this for
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) naming what is
+    /// wrong (for a missing container, its name), or
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when the service does not
+    /// answer within `request_timeout`. Nothing is created or written. [`Locking::verify`] runs this for
     /// every Azure provider of a registry.
     ///
     /// [`Locking::verify`]: crate::registry::Locking::verify
@@ -287,8 +271,8 @@ impl LockBackend for AzureBlobBackend {
 #[derive(Clone)]
 pub struct AzureBlobLease {
     blob: Arc<BlobClient>,
-    /// Where LockingKit's own requests for this guard go (see `transport`).
-    path: transport::GuardPath,
+    /// Where LockingKit's own requests for this guard go (see `client::transport`).
+    path: GuardPath,
     lease_id: String,
     fencing_token: u64,
 }
@@ -357,74 +341,10 @@ impl fmt::Debug for AzureBlobLease {
     }
 }
 
-/// Parses a blob service URL: http or https, no query or fragment.
-pub(crate) fn parse_service_url(text: &str) -> Result<Url, String> {
-    let url = Url::parse(text.trim()).map_err(|_| "is not a valid URL".to_owned())?;
-    if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
-        return Err("must be an http or https URL".to_owned());
-    }
-    if url.host_str().is_none_or(str::is_empty) {
-        return Err("has no host".to_owned());
-    }
-    if url.query().is_some() || url.fragment().is_some() {
-        return Err(
-            "must not carry a query (give a SAS as SharedAccessSignature in a connection string)"
-                .to_owned(),
-        );
-    }
-    Ok(url)
-}
-
-fn container_url(service: &Url, container: &str) -> Url {
-    let mut url = service.clone();
-    if let Ok(mut segments) = url.path_segments_mut() {
-        segments.pop_if_empty().push(container);
-    }
-    url
-}
-
-fn client_options(options: &AzureBlobOptions) -> Result<ClientOptions, LockError> {
-    let transport = transport::transport(options.request_timeout)
-        .map_err(|e| LockError::new(ErrorKind::Misconfigured, e.message().to_owned()))?;
-    Ok(ClientOptions {
-        transport: Some(transport),
-        retry: transport::QuickRetry::options(options.max_retries, options.retry_delay),
-        ..Default::default()
-    })
-}
-
-fn container_options(client_options: ClientOptions) -> BlobContainerClientOptions {
-    BlobContainerClientOptions {
-        client_options,
-        ..Default::default()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn service_urls_must_be_plain_http_or_https() {
-        assert!(parse_service_url("https://acct.blob.core.windows.net").is_ok());
-        assert!(parse_service_url("http://127.0.0.1:10000/devstoreaccount1").is_ok());
-        assert!(parse_service_url("ftp://acct").is_err());
-        assert!(parse_service_url("https://acct.blob.core.windows.net/?sig=x").is_err());
-        assert!(parse_service_url("not a url").is_err());
-    }
-
-    #[test]
-    fn the_container_is_appended_to_the_service_path() {
-        let url = |s: &str| container_url(&Url::parse(s).unwrap(), "locks").to_string();
-        assert_eq!(
-            url("https://a.blob.core.windows.net"),
-            "https://a.blob.core.windows.net/locks"
-        );
-        assert_eq!(
-            url("http://127.0.0.1:1/devstoreaccount1/"),
-            "http://127.0.0.1:1/devstoreaccount1/locks"
-        );
-    }
+    use crate::error::ErrorKind;
 
     #[test]
     fn a_backend_is_built_without_contacting_azure() {

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SecretString;
 
-use super::connection_string::ConnectionString;
+use super::client::connection_string::ConnectionString;
 
 /// The shortest lease Azure grants.
 pub const MIN_LEASE_DURATION: Duration = Duration::from_secs(15);
@@ -140,7 +140,7 @@ impl AzureBlobOptions {
                 }
             }
             (None, Some(url)) => {
-                if let Err(problem) = super::parse_service_url(url) {
+                if let Err(problem) = super::client::parse_service_url(url) {
                     problems.push(format!("{section}.service_url: {problem}"));
                 }
             }

@@ -111,52 +111,72 @@ impl Policy for SharedKeyPolicy {
     }
 }
 
-/// The Shared Key string to sign (service version 2015-02-21 and later).
+/// The Shared Key string to sign (service version 2015-02-21 and later): the verb and the
+/// standard headers, the `x-ms-` headers, then the resource, each part on its own lines.
 fn string_to_sign(account: &str, request: &Request, path: &str) -> String {
-    let headers = request.headers();
-    let header = |name: &'static str| -> &str {
-        headers
-            .iter()
-            .find(|(n, _)| n.as_str().eq_ignore_ascii_case(name))
-            .map_or("", |(_, v)| v.as_str())
-    };
-    // A zero length is signed as empty; the transport sends an explicit `Content-Length: 0`
-    // for bodiless PUTs, so the header (when set) and the body must agree on this.
-    let content_length = match header("content-length") {
+    let mut out = String::with_capacity(256);
+    out.push_str(request.method().as_ref());
+    out.push('\n');
+    push_standard_headers(&mut out, request);
+    push_ms_headers(&mut out, request);
+    push_resource(&mut out, account, path, request.url());
+    out
+}
+
+/// The standard headers Shared Key signs, in its order; the value of a header the request
+/// lacks is an empty line. The third slot is `Content-Length`.
+const STANDARD_HEADERS: [&str; 11] = [
+    "content-encoding",
+    "content-language",
+    "content-length",
+    "content-md5",
+    "content-type",
+    "date",
+    "if-modified-since",
+    "if-match",
+    "if-none-match",
+    "if-unmodified-since",
+    "range",
+];
+
+/// One line per standard header, its value or nothing.
+fn push_standard_headers(out: &mut String, request: &Request) {
+    for name in STANDARD_HEADERS {
+        if name == "content-length" {
+            out.push_str(&content_length(request));
+        } else {
+            out.push_str(header(request, name));
+        }
+        out.push('\n');
+    }
+}
+
+/// The value of the header `name` (ignoring case), or empty.
+fn header<'a>(request: &'a Request, name: &str) -> &'a str {
+    request
+        .headers()
+        .iter()
+        .find(|(n, _)| n.as_str().eq_ignore_ascii_case(name))
+        .map_or("", |(_, v)| v.as_str())
+}
+
+/// The signed `Content-Length`. A zero length is signed as empty; the transport sends an
+/// explicit `Content-Length: 0` for bodiless PUTs, so the header (when set) and the body must
+/// agree on this.
+fn content_length(request: &Request) -> String {
+    match header(request, "content-length") {
         "" | "0" => match request.body().len() {
             Some(0) | None => String::new(),
             Some(len) => len.to_string(),
         },
         explicit => explicit.to_owned(),
-    };
-    let mut out = String::with_capacity(256);
-    out.push_str(request.method().as_ref());
-    out.push('\n');
-    for (index, name) in [
-        "content-encoding",
-        "content-language",
-        "",
-        "content-md5",
-        "content-type",
-        "date",
-        "if-modified-since",
-        "if-match",
-        "if-none-match",
-        "if-unmodified-since",
-        "range",
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        if index == 2 {
-            out.push_str(&content_length);
-        } else {
-            out.push_str(header(name));
-        }
-        out.push('\n');
     }
+}
 
-    let mut ms_headers: Vec<(String, String)> = headers
+/// Every `x-ms-` header as `name:value`, names lower-cased, sorted, one per line.
+fn push_ms_headers(out: &mut String, request: &Request) {
+    let mut ms_headers: Vec<(String, String)> = request
+        .headers()
         .iter()
         .filter(|(name, _)| name.as_str().to_ascii_lowercase().starts_with("x-ms-"))
         .map(|(name, value)| {
@@ -173,10 +193,13 @@ fn string_to_sign(account: &str, request: &Request, path: &str) -> String {
         out.push_str(&value);
         out.push('\n');
     }
+}
 
+/// `/{account}{path}`, then each query parameter as `name:value1,value2`, names lower-cased
+/// and sorted, on lines of their own.
+fn push_resource(out: &mut String, account: &str, path: &str, url: &azure_core::http::Url) {
     // The resource is the path exactly as sent, still percent-encoded: the SDK encodes a blob
     // name as one segment (`orders/42` → `orders%2F42`), and the service signs that form.
-    let url = request.url();
     out.push('/');
     out.push_str(account);
     out.push_str(path);
@@ -200,7 +223,6 @@ fn string_to_sign(account: &str, request: &Request, path: &str) -> String {
         out.push_str(&values.join(","));
         index = end;
     }
-    out
 }
 
 /// Header values are signed trimmed, with runs of whitespace folded to one space.

@@ -116,59 +116,59 @@ struct Settings {
 }
 
 impl Settings {
+    /// The connection the settings describe, noting every problem found in `problems`.
     fn resolve(self, problems: &mut Vec<String>) -> Option<ConnectionString> {
         if let Some(development) = &self.development {
-            if !development.eq_ignore_ascii_case("true") {
-                problems.push("UseDevelopmentStorage must be `true` when present".to_owned());
-                return None;
-            }
-            if self.account_name.is_some()
-                || self.account_key.is_some()
-                || self.blob_endpoint.is_some()
-                || self.sas.is_some()
-                || self.endpoint_suffix.is_some()
-            {
-                problems.push(
-                    "UseDevelopmentStorage=true cannot be combined with account or endpoint \
-                     settings (give AccountName, AccountKey and BlobEndpoint instead)"
-                        .to_owned(),
-                );
-                return None;
-            }
-            return Some(ConnectionString {
-                blob_endpoint: Url::parse(DEVELOPMENT_ENDPOINT).ok()?,
-                credential: Credential::SharedKey {
-                    account: DEVELOPMENT_ACCOUNT.to_owned(),
-                    key: azure_core::base64::decode(DEVELOPMENT_KEY).ok()?,
-                },
-            });
+            return self.development_storage(development, problems);
         }
+        let credential = self.credential(problems);
+        let endpoint = self.blob_endpoint(problems);
+        Some(ConnectionString {
+            blob_endpoint: endpoint?,
+            credential: credential?,
+        })
+    }
 
-        let credential = match (&self.account_key, &self.sas) {
+    /// `UseDevelopmentStorage=true`: the local emulator's documented account, alone.
+    fn development_storage(
+        &self,
+        development: &str,
+        problems: &mut Vec<String>,
+    ) -> Option<ConnectionString> {
+        if !development.eq_ignore_ascii_case("true") {
+            problems.push("UseDevelopmentStorage must be `true` when present".to_owned());
+            return None;
+        }
+        if self.account_name.is_some()
+            || self.account_key.is_some()
+            || self.blob_endpoint.is_some()
+            || self.sas.is_some()
+            || self.endpoint_suffix.is_some()
+        {
+            problems.push(
+                "UseDevelopmentStorage=true cannot be combined with account or endpoint \
+                 settings (give AccountName, AccountKey and BlobEndpoint instead)"
+                    .to_owned(),
+            );
+            return None;
+        }
+        Some(ConnectionString {
+            blob_endpoint: Url::parse(DEVELOPMENT_ENDPOINT).ok()?,
+            credential: Credential::SharedKey {
+                account: DEVELOPMENT_ACCOUNT.to_owned(),
+                key: azure_core::base64::decode(DEVELOPMENT_KEY).ok()?,
+            },
+        })
+    }
+
+    /// The credential: an account key (with its account name) or a SAS, exactly one.
+    fn credential(&self, problems: &mut Vec<String>) -> Option<Credential> {
+        match (&self.account_key, &self.sas) {
             (Some(_), Some(_)) => {
                 problems.push("set AccountKey or SharedAccessSignature, not both".to_owned());
                 None
             }
-            (Some(key), None) => match &self.account_name {
-                None => {
-                    problems.push("AccountKey needs AccountName".to_owned());
-                    None
-                }
-                Some(_) if key.is_empty() => {
-                    problems.push("AccountKey is empty".to_owned());
-                    None
-                }
-                Some(account) => match azure_core::base64::decode(key) {
-                    Ok(key) if !key.is_empty() => Some(Credential::SharedKey {
-                        account: account.clone(),
-                        key,
-                    }),
-                    _ => {
-                        problems.push("AccountKey is not valid base64".to_owned());
-                        None
-                    }
-                },
-            },
+            (Some(key), None) => self.shared_key(key, problems),
             (None, Some(sas)) => {
                 let sas = sas.trim_start_matches('?');
                 if sas.is_empty() {
@@ -186,9 +186,35 @@ impl Settings {
                 );
                 None
             }
-        };
+        }
+    }
 
-        let endpoint = match (&self.blob_endpoint, &self.account_name) {
+    /// The Shared Key credential of `key`, which must be non-empty base64 and come with the
+    /// account name it signs for.
+    fn shared_key(&self, key: &str, problems: &mut Vec<String>) -> Option<Credential> {
+        let Some(account) = &self.account_name else {
+            problems.push("AccountKey needs AccountName".to_owned());
+            return None;
+        };
+        if key.is_empty() {
+            problems.push("AccountKey is empty".to_owned());
+            return None;
+        }
+        match azure_core::base64::decode(key) {
+            Ok(key) if !key.is_empty() => Some(Credential::SharedKey {
+                account: account.clone(),
+                key,
+            }),
+            _ => {
+                problems.push("AccountKey is not valid base64".to_owned());
+                None
+            }
+        }
+    }
+
+    /// The blob endpoint: `BlobEndpoint` as given, or made from the account name.
+    fn blob_endpoint(&self, problems: &mut Vec<String>) -> Option<Url> {
+        match (&self.blob_endpoint, &self.account_name) {
             // An explicit endpoint wins over DefaultEndpointsProtocol and EndpointSuffix, as in
             // the other Azure SDKs (Azurite's documented string carries both).
             (Some(endpoint), _) => match super::parse_service_url(endpoint) {
@@ -198,51 +224,47 @@ impl Settings {
                     None
                 }
             },
-            (None, Some(account)) => {
-                let protocol = self.protocol.as_deref().unwrap_or("https");
-                if !(protocol.eq_ignore_ascii_case("https")
-                    || protocol.eq_ignore_ascii_case("http"))
-                {
-                    problems.push("DefaultEndpointsProtocol must be https or http".to_owned());
-                }
-                let suffix = self
-                    .endpoint_suffix
-                    .as_deref()
-                    .unwrap_or("core.windows.net");
-                let is_dns_label = !account.is_empty()
-                    && account
-                        .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-                if !is_dns_label {
-                    problems.push(
-                        "AccountName must be lowercase letters and digits (or give BlobEndpoint)"
-                            .to_owned(),
-                    );
-                    None
-                } else {
-                    let url = format!(
-                        "{}://{account}.blob.{}",
-                        protocol.to_ascii_lowercase(),
-                        suffix.trim_matches('.')
-                    );
-                    match super::parse_service_url(&url) {
-                        Ok(url) => Some(url),
-                        Err(_) => {
-                            problems.push("EndpointSuffix does not make a valid URL".to_owned());
-                            None
-                        }
-                    }
-                }
-            }
+            (None, Some(account)) => self.account_endpoint(account, problems),
             (None, None) => {
                 problems.push("give AccountName or BlobEndpoint".to_owned());
                 None
             }
-        };
-        Some(ConnectionString {
-            blob_endpoint: endpoint?,
-            credential: credential?,
-        })
+        }
+    }
+
+    /// `{protocol}://{account}.blob.{suffix}`, https and the public cloud by default.
+    fn account_endpoint(&self, account: &str, problems: &mut Vec<String>) -> Option<Url> {
+        let protocol = self.protocol.as_deref().unwrap_or("https");
+        if !(protocol.eq_ignore_ascii_case("https") || protocol.eq_ignore_ascii_case("http")) {
+            problems.push("DefaultEndpointsProtocol must be https or http".to_owned());
+        }
+        let suffix = self
+            .endpoint_suffix
+            .as_deref()
+            .unwrap_or("core.windows.net");
+        let is_dns_label = !account.is_empty()
+            && account
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        if !is_dns_label {
+            problems.push(
+                "AccountName must be lowercase letters and digits (or give BlobEndpoint)"
+                    .to_owned(),
+            );
+            return None;
+        }
+        let url = format!(
+            "{}://{account}.blob.{}",
+            protocol.to_ascii_lowercase(),
+            suffix.trim_matches('.')
+        );
+        match super::parse_service_url(&url) {
+            Ok(url) => Some(url),
+            Err(_) => {
+                problems.push("EndpointSuffix does not make a valid URL".to_owned());
+                None
+            }
+        }
     }
 }
 

@@ -93,7 +93,7 @@ impl GuardPath {
 ///
 /// A guard request is sent by [`send_quietly`], not by the SDK's reqwest client, which logs
 /// the URL it sends to and whose errors carry it. Other requests (the caller's own, through
-/// [`AzureBlobLease::blob_client`](super::AzureBlobLease::blob_client)) go through the SDK's
+/// [`AzureBlobLease::blob_client`](super::super::AzureBlobLease::blob_client)) go through the SDK's
 /// client unchanged.
 #[derive(Debug)]
 struct Sending {

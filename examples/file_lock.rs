@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lockingkit::registry::ProviderSection;
-use lockingkit::{Acquired, BackendError, ErrorKind, LeaseTiming, LockBackend, LockError};
+use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -131,10 +131,7 @@ impl FileLockBackend {
     /// wrong path fails at startup rather than on the first lock.
     pub fn open(options: &FileLockOptions) -> Result<Self, LockError> {
         let misconfigured = |what: &str, error: std::io::Error| {
-            LockError::new(
-                ErrorKind::Misconfigured,
-                format!("the lock directory {what}: {error}"),
-            )
+            LockError::misconfigured([format!("the lock directory {what}: {error}")])
         };
         std::fs::create_dir_all(&options.directory)
             .map_err(|e| misconfigured("cannot be created", e))?;
@@ -155,10 +152,7 @@ impl FileLockBackend {
         let options: FileLockOptions = section.bind()?;
         let problems = options.problems(section.path());
         if !problems.is_empty() {
-            return Err(LockError::new(
-                ErrorKind::Misconfigured,
-                problems.join("; "),
-            ));
+            return Err(LockError::misconfigured(problems));
         }
         Self::open(&options)
     }

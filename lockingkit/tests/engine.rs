@@ -312,6 +312,11 @@ async fn a_lease_gone_answer_is_loss_at_once() {
     let start = Instant::now();
     let handle = locks.try_acquire("report").await.unwrap();
     tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        handle.loss_reason(),
+        None,
+        "renewed in time: nothing lost yet"
+    );
     assert!(store.break_lease("report"));
 
     fired(&handle.lost_token()).await;
@@ -1161,4 +1166,24 @@ async fn a_healthy_hold_reports_no_loss_reason_until_it_ends() {
     }
     assert_eq!(handle.loss_reason(), None);
     handle.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_last_lock_of_an_engine_ends_its_schedule_driver() {
+    let runtime = tokio::runtime::Handle::current();
+    let locks = DistributedLock::in_memory();
+    let handle = locks.try_acquire("k").await.unwrap();
+    // A hold enters the renewal schedule, whose driver is a task of its own.
+    tokio::task::yield_now().await;
+    assert_eq!(runtime.metrics().num_alive_tasks(), 1, "the driver runs");
+    handle.release().await.unwrap();
+    drop(locks);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        runtime.metrics().num_alive_tasks(),
+        0,
+        "nothing is left running for an engine nobody can use"
+    );
 }

@@ -91,6 +91,27 @@ mod tests {
         assert!(backoff.next_delay() <= Duration::from_millis(50));
     }
 
+    /// The generator is SplitMix64 exactly: its published first outputs from seed 0.
+    #[test]
+    fn the_generator_is_splitmix64() {
+        let mut rng = SplitMix64(0);
+        let outputs = [
+            rng.next_u64(),
+            rng.next_u64(),
+            rng.next_u64(),
+            rng.next_u64(),
+        ];
+        assert_eq!(
+            outputs,
+            [
+                0xE220_A839_7B1D_CDAF,
+                0x6E78_9E6A_A1B9_65F4,
+                0x06C4_5D18_8009_454F,
+                0xF88B_B8A8_724C_81EC
+            ]
+        );
+    }
+
     #[test]
     fn jitter_spreads_over_the_upper_half() {
         let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(1));

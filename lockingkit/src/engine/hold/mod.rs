@@ -248,13 +248,14 @@ impl<B: LockBackend> AnyHold for Hold<B> {
     fn is_held(&self) -> bool {
         // Checking the deadline here, not only in the keeper task, keeps the answer honest even
         // when the runtime is too busy to run the keeper on time.
-        self.state.load(Ordering::Acquire) == HELD && Instant::now() < self.deadline()
+        self.state.load(Ordering::Acquire) == HELD
+            && before_deadline(Instant::now(), self.deadline())
     }
 
     fn loss_reason(&self) -> Option<LossReason> {
         let state = self.state.load(Ordering::Acquire);
         match state {
-            HELD if Instant::now() >= self.deadline() => Some(LossReason::Deadline),
+            HELD if !before_deadline(Instant::now(), self.deadline()) => Some(LossReason::Deadline),
             HELD | RELEASING | DROPPED => None,
             lost => LossReason::ALL.get(usize::from(lost - LOST)).copied(),
         }
@@ -289,6 +290,12 @@ impl<B: LockBackend> AnyHold for Hold<B> {
     }
 }
 
+/// Whether a hold whose loss deadline is `deadline` is still held at `now`. The deadline instant
+/// itself is already loss: the margin before the lease could expire is spent.
+fn before_deadline(now: Instant, deadline: Instant) -> bool {
+    now < deadline
+}
+
 fn nanos_between(earlier: Instant, later: Instant) -> u64 {
     u64::try_from(later.saturating_duration_since(earlier).as_nanos()).unwrap_or(u64::MAX)
 }
@@ -296,6 +303,20 @@ fn nanos_between(earlier: Instant, later: Instant) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_deadline_instant_itself_is_loss() {
+        let deadline = Instant::now() + Duration::from_secs(27);
+        assert!(before_deadline(
+            deadline - Duration::from_nanos(1),
+            deadline
+        ));
+        assert!(!before_deadline(deadline, deadline));
+        assert!(!before_deadline(
+            deadline + Duration::from_nanos(1),
+            deadline
+        ));
+    }
 
     #[test]
     fn a_30s_lease_is_lost_27s_after_the_send() {

@@ -22,6 +22,42 @@ pub enum LeaseTiming {
     ConnectionHeld(Duration),
 }
 
+/// How a lock is held: alone, together with other readers, or as one of at most N holders.
+///
+/// Exclusive and shared holds of one key exclude each other: a plain lock is the writer of the
+/// key's reader-writer lock. Semaphores live in a namespace of their own: the semaphore `k` and
+/// the lock `k` are unrelated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LockMode {
+    /// The only holder of the key: plain locks and writers.
+    Exclusive,
+    /// One of any number of readers of the key; no exclusive holder meanwhile.
+    Shared,
+    /// One of at most `max_count` holders of the semaphore named by the key.
+    Semaphore {
+        /// How many holders the semaphore admits at once (at least 1).
+        max_count: u32,
+    },
+}
+
+impl LockMode {
+    /// The `lockingkit.lock.mode` telemetry attribute: `exclusive`, `shared` or `semaphore`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LockMode::Exclusive => "exclusive",
+            LockMode::Shared => "shared",
+            LockMode::Semaphore { .. } => "semaphore",
+        }
+    }
+}
+
+impl fmt::Display for LockMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A lease granted by one successful attempt, with its fencing token.
 #[derive(Debug)]
 pub struct Acquired<L> {
@@ -172,7 +208,13 @@ impl std::error::Error for BackendError {
 /// cancellation safety, release on drop and telemetry. A backend only talks to its server.
 ///
 /// # What the engine promises a backend
-/// - `try_acquire` is never called for a key this engine already holds or is attempting.
+/// - An exclusive attempt (`try_acquire`, or `try_acquire_in` with [`LockMode::Exclusive`]) is
+///   never made for a key this engine already holds or is attempting exclusively. It may be
+///   made while this engine holds the key shared, which the backend must answer busy.
+/// - Shared and semaphore attempts ([`try_acquire_in`](Self::try_acquire_in)) are made only if
+///   [`supports`](Self::supports) said yes, and may be made while this engine already holds the
+///   key in the same mode: every local holder gets a lease of its own. A semaphore attempt must
+///   take a slot nobody holds, this engine included.
 /// - `renew` and `release` get a lease this backend returned, and `release` is called at most
 ///   once per lease, after which the lease is dropped.
 /// - If the caller of an attempt goes away while it runs, the attempt still runs to the end and
@@ -197,6 +239,31 @@ pub trait LockBackend: Send + Sync + 'static {
         &self,
         key: &str,
     ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send;
+
+    /// Whether this backend can hold locks in `mode`. Only [`LockMode::Exclusive`] by default;
+    /// the engine refuses the other modes with `Misconfigured` before any attempt.
+    fn supports(&self, mode: LockMode) -> bool {
+        matches!(mode, LockMode::Exclusive)
+    }
+
+    /// One attempt to take `key` in `mode`: `Ok(None)` when it is busy in a conflicting mode, or
+    /// (for a semaphore) when every slot is taken. The default takes exclusive locks through
+    /// [`try_acquire`](Self::try_acquire) and refuses every other mode.
+    fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send {
+        async move {
+            match mode {
+                LockMode::Exclusive => self.try_acquire(key).await,
+                other => Err(BackendError::misconfigured(format!(
+                    "the {} provider does not support {other} locks",
+                    self.provider()
+                ))),
+            }
+        }
+    }
 
     /// Renews an expiring lease, or checks a connection-held one.
     fn renew(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), BackendError>> + Send;

@@ -43,7 +43,7 @@ pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend};
+pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode};
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
 pub use handle::LockHandle;

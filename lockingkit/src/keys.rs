@@ -138,6 +138,49 @@ impl PostgresLockKeys {
         first.copy_from_slice(&digest[..8]);
         i64::from_be_bytes(first)
     }
+
+    /// SQL computing the semaphore key of the text parameter `$1`: the first 4 bytes of the
+    /// SHA-256 of the UTF-8 key as a big-endian `int4` (the high half of its advisory key).
+    ///
+    /// Slot `s` of the semaphore is the two-`int4` advisory lock `(semaphore key, s)`, so plain
+    /// SQL takes slot 2 of the semaphore `$1` with
+    ///
+    /// ```sql
+    /// SELECT pg_try_advisory_lock(('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 8))::bit(32)::int4, 2);
+    /// ```
+    ///
+    /// The two-`int4` form is a lock space of its own (`objsubid = 2` in `pg_locks`, where
+    /// `classid` is the semaphore key and `objid` the slot): a semaphore's slots never meet the
+    /// `bigint` advisory locks of plain keys, which show `objsubid = 1`.
+    pub const SEMAPHORE_SQL_EXPRESSION: &'static str =
+        "('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 8))::bit(32)::int4";
+
+    /// The semaphore key of `key`: its slots are the two-`int4` advisory locks
+    /// `(semaphore_key(key), 0)` to `(semaphore_key(key), max_count - 1)`.
+    ///
+    /// Only 32 bits of the hash: two semaphores whose keys share their first 4 SHA-256 bytes
+    /// (about one pair in 2³² — likely only among tens of thousands of semaphores) share their
+    /// slots. Each still admits at most its own count, since a slot holds one holder whichever
+    /// semaphore took it, but the two then admit fewer holders together than apart.
+    ///
+    /// ```
+    /// use lockingkit::keys::PostgresLockKeys;
+    /// assert_eq!(PostgresLockKeys::semaphore_key("orders/42"), -992143777);
+    /// assert_eq!(PostgresLockKeys::semaphore_slot("orders/42", 2), (-992143777, 2));
+    /// ```
+    pub fn semaphore_key(key: &str) -> i32 {
+        let digest = Sha256::digest(key.as_bytes());
+        let mut first = [0u8; 4];
+        first.copy_from_slice(&digest[..4]);
+        i32::from_be_bytes(first)
+    }
+
+    /// The two-`int4` advisory lock of slot `slot` of the semaphore `key`: what
+    /// `pg_advisory_lock(int4, int4)` takes, and what `pg_locks` shows as `classid` and `objid`
+    /// with `objsubid = 2`.
+    pub fn semaphore_slot(key: &str, slot: u16) -> (i32, i32) {
+        (Self::semaphore_key(key), i32::from(slot))
+    }
 }
 
 #[cfg(test)]
@@ -197,6 +240,27 @@ mod tests {
             assert_eq!(
                 validate_key(&key).is_ok(),
                 key.chars().count() <= MAX_KEY_CHARS
+            );
+        }
+    }
+
+    /// The semaphore keys of a few reference keys, computed from the rule (the first 4 bytes
+    /// of SHA-256, big-endian) outside this crate.
+    #[test]
+    fn semaphore_keys_of_reference_keys() {
+        for (key, expected) in [
+            ("orders/42".to_owned(), -992143777),
+            ("jobs/nightly-export".to_owned(), -1538558730),
+            ("a/b".to_owned(), -1051927104),
+            ("ключ".to_owned(), 501443122),
+            ("🔒".to_owned(), 1793184494),
+            ("x".repeat(512), 1679180867),
+        ] {
+            assert_eq!(PostgresLockKeys::semaphore_key(&key), expected);
+            assert_eq!(PostgresLockKeys::semaphore_slot(&key, 0), (expected, 0));
+            assert_eq!(
+                PostgresLockKeys::semaphore_slot(&key, u16::MAX),
+                (expected, 65535)
             );
         }
     }
@@ -319,6 +383,14 @@ mod tests {
             } else {
                 prop_assert!(name.starts_with("~sha256~") && name.len() == 8 + 64);
             }
+        }
+
+        /// The semaphore key is the high half of the advisory key, so an operator finds a
+        /// semaphore's slots under the same `classid` as the key's plain lock.
+        #[test]
+        fn semaphore_keys_are_the_high_half_of_advisory_keys(key in key_strategy()) {
+            let advisory = PostgresLockKeys::advisory_key(&key);
+            prop_assert_eq!(i64::from(PostgresLockKeys::semaphore_key(&key)), advisory >> 32);
         }
 
         #[test]

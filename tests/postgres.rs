@@ -278,7 +278,7 @@ async fn the_holder_sees_loss_as_soon_as_its_session_is_terminated() {
     next.release().await.expect("release");
 }
 
-/// Whether a LockingKit session is queued for a shared lock on `key`: a waiting process's
+/// Whether a LockingKit session is queued for an exclusive lock on `key`: a waiting process's
 /// watcher, which the server wakes when the key is freed.
 async fn watcher_is_queued(server: &PostgresServer, key: &str) -> bool {
     let advisory_key = PostgresLockKeys::advisory_key(key);
@@ -290,7 +290,7 @@ async fn watcher_is_queued(server: &PostgresServer, key: &str) -> bool {
     let row = admin
         .query_one(
             "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.mode = 'ShareLock' \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.mode = 'ExclusiveLock' \
              AND NOT l.granted AND l.classid::bigint = $1 AND l.objid::bigint = $2 \
              AND a.application_name = 'lockingkit'",
             &[&high, &low],

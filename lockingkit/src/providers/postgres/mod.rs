@@ -1,7 +1,8 @@
 //! The PostgreSQL provider: session-level advisory locks (`feature = "postgres"`).
 //!
 //! A lock is `pg_try_advisory_lock(k)` on one of a few server sessions that the backend's locks
-//! share, where `k` is [`PostgresLockKeys::advisory_key`] of the key. The lock lives exactly as
+//! share, where `k` is [`PostgresLockKeys::advisory_key`] of the key; readers take it shared,
+//! and semaphores take slots in a lock space of their own. The lock lives exactly as
 //! long as that session holds it. It is declared lost the moment the session ends (a terminated
 //! session, a server that stopped or crashed), and the session is checked every
 //! [`check_interval`](PostgresOptions::check_interval): a check that fails or does not answer
@@ -29,10 +30,22 @@
 //!   first use (serialized by a transaction-level advisory lock, so processes starting together
 //!   do not race); a role without CREATE on the database needs them created beforehand, with
 //!   USAGE on the schema and USAGE, UPDATE on the sequence.
+//! - **Readers and writers**: a shared hold is `pg_try_advisory_lock_shared(k)` on the same key
+//!   (fencing token in the same round trip), released with `pg_advisory_unlock_shared(k)`. The
+//!   server counts a session's shared holds of a key, so several readers of one process may
+//!   share a session, each lease unlocking once; a session never takes a key exclusively while
+//!   it holds it shared (the server would grant it: one session's locks never conflict), nor
+//!   shared while it holds it exclusively.
+//! - **Semaphores**: slot `s` of the semaphore `k` is the two-`int4` advisory lock
+//!   `(PostgresLockKeys::semaphore_key(k), s)`, a lock space apart from plain keys. One
+//!   statement tries the slots from a random one on, skipping those its session holds, and takes
+//!   the first free one with its fencing token: one round trip per attempt, busy or not. At
+//!   most [`MAX_SEMAPHORE_COUNT`] slots.
 //! - **Hand-off across processes in milliseconds, at no lasting cost to the server**: for each
-//!   key a process waits for, its backend keeps a watcher session queued for a shared lock on
-//!   the same key, in statements that give up after half a second (`lock_timeout`) and are sent
-//!   again, so no snapshot is held for longer (see `watch`). Polling stays the fallback.
+//!   key a process waits for, its backend keeps a watcher session queued for an exclusive lock
+//!   on the same key, in statements that give up after half a second (`lock_timeout`) and are
+//!   sent again, so no snapshot is held for longer (see `watch`). Queued, it is also a waiting
+//!   writer's intent, which new readers respect. Polling stays the fallback.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
 //!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
 //!   or statement pooling mode breaks session locks; use session pooling or connect directly.
@@ -53,13 +66,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio_postgres::types::ToSql;
+
 pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
 
-use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use errors::Stage;
-use session::{Bounded, Prepared, Session};
+use session::{Advisory, Attempt, Bounded, Prepared, Session};
 use sessions::SessionSet;
 
 /// The provider name in telemetry.
@@ -69,8 +84,24 @@ pub(crate) const PROVIDER: &str = "postgres";
 /// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
 const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
 
+/// The most slots a semaphore may have. A busy semaphore attempt tries every slot in its one
+/// statement (each a try-lock of a few microseconds in the server's lock table), so this bounds
+/// what one attempt costs the server; slot numbers stay far below the `int4` of the fencing
+/// setup lock, which shares the two-`int4` lock space.
+pub const MAX_SEMAPHORE_COUNT: u32 = 1024;
+
 /// The unlock. Waiters in other processes learn of it from the server itself (see `watch`).
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+/// The unlock of one shared hold.
+const UNLOCK_SHARED: &str = "SELECT pg_advisory_unlock_shared($1)";
+/// The unlock of one semaphore slot.
+const UNLOCK_SLOT: &str = "SELECT pg_advisory_unlock($1, $2)";
+/// Unlocks the slots of semaphore `$1` this session holds, except the slots `$2` that leases
+/// hold: what settles a semaphore attempt that went unanswered, whichever slot it took.
+const UNLOCK_STRAY_SLOTS: &str =
+    "SELECT pg_advisory_unlock($1, objid::bigint::int4) FROM pg_locks \
+     WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid() \
+     AND classid = $1::oid AND NOT objid::bigint::int4 = ANY($2)";
 /// The session check.
 const CHECK: &str = "SELECT 1";
 
@@ -104,8 +135,15 @@ struct Backend {
     max_sessions: usize,
     timeout: Duration,
     check_interval: Duration,
-    /// The lock statement with the fencing sequence spliced in.
+    /// The lock statements with the fencing sequence spliced in: exclusive, shared, shared on a
+    /// session that holds the key shared already, and a semaphore slot.
     lock: String,
+    lock_shared: String,
+    lock_shared_again: String,
+    lock_slot: String,
+    /// Spreads the first slot semaphore attempts try (see `slot_offset`).
+    offsets: std::collections::hash_map::RandomState,
+    attempts: std::sync::atomic::AtomicU64,
     fencing_exists: String,
     fencing_setup: String,
     /// Set once the fencing objects are known to exist; cleared if a statement finds them gone.
@@ -178,6 +216,32 @@ impl PostgresBackend {
             lock: format!(
                 "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock($1) AS ok OFFSET 0) s WHERE ok"
             ),
+            lock_shared: format!(
+                "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock_shared($1) AS ok OFFSET 0) s WHERE ok"
+            ),
+            // The server grants a session a shared lock it holds already without looking at
+            // the queue, so a queued writer (see `watch`) would not hold this reader back: look
+            // for one first. Only on this path, as pg_locks takes every lock-table partition.
+            lock_shared_again: format!(
+                "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock_shared($1) AS ok \
+                 FROM (SELECT WHERE NOT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' \
+                 AND objsubid = 1 AND NOT granted AND mode = 'ExclusiveLock' \
+                 AND classid = (($1 >> 32) & 4294967295)::oid AND objid = ($1 & 4294967295)::oid \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))) w \
+                 OFFSET 0) s WHERE ok"
+            ),
+            // One round trip: slots are tried from `$3` on, skipping those this session holds
+            // (`$4`; the server would grant them again by re-entrancy), until one is taken; the
+            // LIMIT stops the scan there, so one attempt never takes two slots. CASE fixes the
+            // order: the planner may reorder plain AND-ed conditions.
+            lock_slot: format!(
+                "SELECT slot, nextval('{sequence}') FROM (SELECT slot \
+                 FROM (SELECT (i + $3) % $2 AS slot FROM generate_series(0, $2 - 1) i) c \
+                 WHERE CASE WHEN slot = ANY($4) THEN false ELSE pg_try_advisory_lock($1, slot) END \
+                 LIMIT 1) taken"
+            ),
+            offsets: std::collections::hash_map::RandomState::new(),
+            attempts: std::sync::atomic::AtomicU64::new(0),
             fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
             fencing_setup: format!(
                 "SELECT pg_advisory_xact_lock({}, {});\
@@ -250,17 +314,125 @@ impl PostgresBackend {
     async fn prepare_attempt(
         &self,
         session: &Session,
+        which: Prepared,
+        sql: &str,
     ) -> Result<tokio_postgres::Statement, BackendError> {
         if !self.inner.fencing_ready.load(Ordering::Acquire) {
             // Boxed: it runs once per backend, and inline it would enlarge every attempt.
             Box::pin(self.ensure_fencing(session)).await?;
         }
-        self.run(
-            Stage::Attempt,
-            session,
-            session.statement(Prepared::Lock, &self.inner.lock),
-        )
-        .await
+        self.run(Stage::Attempt, session, session.statement(which, sql))
+            .await
+    }
+
+    /// Where a semaphore attempt starts looking for a free slot: spread over the slots, so
+    /// processes that want the same semaphore at once do not all try slot 0 first.
+    fn slot_offset(&self, max_count: u16) -> i32 {
+        use std::hash::BuildHasher;
+        let attempt = self.inner.attempts.fetch_add(1, Ordering::Relaxed);
+        let spread = self.inner.offsets.hash_one(attempt) % u64::from(max_count.max(1));
+        i32::try_from(spread).unwrap_or(0)
+    }
+
+    /// One attempt: reserves it on a session, sends its statement, and reads the answer.
+    async fn attempt(
+        &self,
+        attempt: Attempt,
+        advisory_key: i64,
+    ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
+        let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
+            // This process holds the key, or may still: on every session it could try.
+            return Ok(None);
+        };
+        let session = reservation.session();
+        let inner = &*self.inner;
+        let (which, sql) = match attempt {
+            Attempt::Exclusive(_) => (Prepared::Lock, &inner.lock),
+            Attempt::Shared(_) if reservation.again() => {
+                (Prepared::LockSharedAgain, &inner.lock_shared_again)
+            }
+            Attempt::Shared(_) => (Prepared::LockShared, &inner.lock_shared),
+            Attempt::Semaphore { .. } => (Prepared::LockSlot, &inner.lock_slot),
+        };
+        let statement = match self.prepare_attempt(session, which, sql).await {
+            Ok(statement) => statement,
+            Err(error) => {
+                reservation.free();
+                return Err(error);
+            }
+        };
+        let key_params: [&(dyn ToSql + Sync); 1] = [&advisory_key];
+        let (semaphore, count, offset, known);
+        let slot_params: [&(dyn ToSql + Sync); 4];
+        let params: &[&(dyn ToSql + Sync)] = match attempt {
+            Attempt::Semaphore { key, max_count } => {
+                (semaphore, count, offset) =
+                    (key, i32::from(max_count), self.slot_offset(max_count));
+                known = session.slots_of(key);
+                slot_params = [&semaphore, &count, &offset, &known];
+                &slot_params
+            }
+            Attempt::Exclusive(_) | Attempt::Shared(_) => &key_params,
+        };
+        // From here until the answer is read, any exit (no answer in time, this future being
+        // dropped) leaves the key possibly held: the reservation's drop settles it.
+        let row = match self
+            .run(
+                Stage::Attempt,
+                session,
+                session.client().query_opt(&statement, params),
+            )
+            .await
+        {
+            Ok(row) => row,
+            Err(error) if error.reached() => {
+                // The server answered with an error; the lock may have been taken before it.
+                reservation.failed();
+                return Err(error);
+            }
+            Err(error) => return Err(error),
+        };
+        let Some(row) = row else {
+            reservation.free();
+            return Ok(None);
+        };
+        let answer = match attempt {
+            Attempt::Exclusive(key) => row
+                .try_get::<_, i64>(0)
+                .ok()
+                .map(|t| (Advisory::Exclusive(key), t)),
+            Attempt::Shared(key) => row
+                .try_get::<_, i64>(0)
+                .ok()
+                .map(|t| (Advisory::Shared(key), t)),
+            Attempt::Semaphore { key, max_count } => {
+                match (row.try_get::<_, i32>(0), row.try_get::<_, i64>(1)) {
+                    (Ok(slot), Ok(token)) if (0..i32::from(max_count)).contains(&slot) => {
+                        Some((Advisory::Slot(key, slot), token))
+                    }
+                    _ => None,
+                }
+            }
+        };
+        let Some((hold, Ok(fencing_token))) =
+            answer.map(|(hold, token)| (hold, u64::try_from(token)))
+        else {
+            reservation.failed();
+            return Err(BackendError::permanent(
+                "unexpected answer to the lock statement",
+            ));
+        };
+        let session = reservation.hold(hold);
+        Ok(Some(Acquired {
+            lease: PostgresLease {
+                advisory_key,
+                hold,
+                session,
+                released: AtomicBool::new(false),
+                timeout: self.inner.timeout,
+            },
+            fencing_token,
+        }))
     }
 }
 
@@ -298,59 +470,42 @@ impl LockBackend for PostgresBackend {
         key: &str,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         let advisory_key = PostgresLockKeys::advisory_key(key);
-        let Some(reservation) = self.inner.sessions.reserve(advisory_key).await? else {
-            // This process holds the key, or may still: on every session it could try.
-            return Ok(None);
-        };
-        let session = reservation.session();
-        let statement = match self.prepare_attempt(session).await {
-            Ok(statement) => statement,
-            Err(error) => {
-                reservation.free();
-                return Err(error);
-            }
-        };
-        // From here until the answer is read, any exit (no answer in time, this future being
-        // dropped) leaves the key possibly held: the reservation's drop settles it.
-        let row = match self
-            .run(
-                Stage::Attempt,
-                session,
-                session.client().query_opt(&statement, &[&advisory_key]),
-            )
+        self.attempt(Attempt::Exclusive(advisory_key), advisory_key)
             .await
-        {
-            Ok(row) => row,
-            Err(error) if error.reached() => {
-                // The server answered with an error; the lock may have been taken before it.
-                reservation.failed();
-                return Err(error);
+    }
+
+    /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] slots.
+    fn supports(&self, mode: LockMode) -> bool {
+        match mode {
+            LockMode::Exclusive | LockMode::Shared => true,
+            LockMode::Semaphore { max_count } => (1..=MAX_SEMAPHORE_COUNT).contains(&max_count),
+        }
+    }
+
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
+        let advisory_key = PostgresLockKeys::advisory_key(key);
+        let attempt = match mode {
+            LockMode::Exclusive => Attempt::Exclusive(advisory_key),
+            LockMode::Shared => Attempt::Shared(advisory_key),
+            LockMode::Semaphore { max_count } => {
+                let max_count = u16::try_from(max_count)
+                    .ok()
+                    .filter(|n| (1..=MAX_SEMAPHORE_COUNT).contains(&u32::from(*n)));
+                let Some(max_count) = max_count else {
+                    return Err(BackendError::misconfigured(format!(
+                        "a PostgreSQL semaphore has 1 to {MAX_SEMAPHORE_COUNT} slots"
+                    )));
+                };
+                // The high half of the advisory key (see `PostgresLockKeys::semaphore_key`).
+                let key = (advisory_key >> 32) as i32;
+                Attempt::Semaphore { key, max_count }
             }
-            Err(error) => return Err(error),
         };
-        let Some(row) = row else {
-            reservation.free();
-            return Ok(None);
-        };
-        let fencing_token = match row.try_get::<_, i64>(0).map(u64::try_from) {
-            Ok(Ok(token)) => token,
-            _ => {
-                reservation.failed();
-                return Err(BackendError::permanent(
-                    "unexpected answer to the lock statement",
-                ));
-            }
-        };
-        let session = reservation.hold();
-        Ok(Some(Acquired {
-            lease: PostgresLease {
-                advisory_key,
-                session,
-                released: AtomicBool::new(false),
-                timeout: self.inner.timeout,
-            },
-            fencing_token,
-        }))
+        self.attempt(attempt, advisory_key).await
     }
 
     async fn renew(&self, lease: &PostgresLease) -> Result<(), BackendError> {
@@ -384,25 +539,38 @@ impl LockBackend for PostgresBackend {
         // Until the unlock's answer is read, any exit leaves the key possibly held.
         let unlocking = Unlocking {
             session,
-            key: lease.advisory_key,
+            hold: lease.hold,
             timeout: self.inner.timeout,
             answered: false,
             settled: false,
         };
+        let (which, sql, key, slot) = match lease.hold {
+            Advisory::Exclusive(key) => (Prepared::Unlock, UNLOCK, key, None),
+            Advisory::Shared(key) => (Prepared::UnlockShared, UNLOCK_SHARED, key, None),
+            Advisory::Slot(semaphore, slot) => (
+                Prepared::UnlockSlot,
+                UNLOCK_SLOT,
+                i64::from(semaphore),
+                Some((semaphore, slot)),
+            ),
+        };
         let statement = self
-            .run(
-                Stage::Release,
-                session,
-                session.statement(Prepared::Unlock, UNLOCK),
-            )
+            .run(Stage::Release, session, session.statement(which, sql))
             .await?;
+        let slot_params: [&(dyn ToSql + Sync); 2];
+        let key_params: [&(dyn ToSql + Sync); 1] = [&key];
+        let params: &[&(dyn ToSql + Sync)] = match &slot {
+            Some((semaphore, slot)) => {
+                slot_params = [semaphore, slot];
+                &slot_params
+            }
+            None => &key_params,
+        };
         let row = self
             .run(
                 Stage::Release,
                 session,
-                session
-                    .client()
-                    .query_one(&statement, &[&lease.advisory_key]),
+                session.client().query_one(&statement, params),
             )
             .await;
         let row = match row {
@@ -438,7 +606,7 @@ impl LockBackend for PostgresBackend {
 /// key is left possibly held, and the session settles it (see [`Session::mark_unconfirmed`]).
 struct Unlocking<'a> {
     session: &'a Arc<Session>,
-    key: i64,
+    hold: Advisory,
     timeout: Duration,
     answered: bool,
     settled: bool,
@@ -447,7 +615,7 @@ struct Unlocking<'a> {
 impl Unlocking<'_> {
     fn settle(mut self) {
         self.settled = true;
-        self.session.mark_free(self.key);
+        self.session.released(self.hold);
         self.session.after_release();
     }
 }
@@ -456,7 +624,7 @@ impl Drop for Unlocking<'_> {
     fn drop(&mut self) {
         if !self.settled {
             self.session
-                .mark_unconfirmed(self.key, self.timeout, self.answered);
+                .release_unconfirmed(self.hold, self.timeout, self.answered);
         }
     }
 }
@@ -502,16 +670,28 @@ impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Stateme
 /// lock depends on the session, closes it), so the server never keeps the lock.
 pub struct PostgresLease {
     advisory_key: i64,
+    hold: Advisory,
     session: Arc<Session>,
     released: AtomicBool,
     timeout: Duration,
 }
 
 impl PostgresLease {
-    /// The advisory key held, as `pg_locks` shows it (`classid` high and `objid` low 32 bits,
-    /// `objsubid = 1`).
+    /// The advisory key of the lock's key, as `pg_locks` shows it (`classid` high and `objid`
+    /// low 32 bits, `objsubid = 1`). For a semaphore, that of its name: the slot held is
+    /// [`semaphore_slot`](Self::semaphore_slot).
     pub fn advisory_key(&self) -> i64 {
         self.advisory_key
+    }
+
+    /// For a semaphore, the two-`int4` advisory lock of the slot held (semaphore key, slot), as
+    /// `pg_locks` shows it (`classid`, `objid`, `objsubid = 2`); see
+    /// [`PostgresLockKeys::semaphore_slot`](crate::keys::PostgresLockKeys::semaphore_slot).
+    pub fn semaphore_slot(&self) -> Option<(i32, i32)> {
+        match self.hold {
+            Advisory::Slot(semaphore, slot) => Some((semaphore, slot)),
+            Advisory::Exclusive(_) | Advisory::Shared(_) => None,
+        }
     }
 }
 
@@ -525,7 +705,7 @@ impl Drop for PostgresLease {
     fn drop(&mut self) {
         if !self.released.load(Ordering::Acquire) && !self.session.is_closed() {
             self.session
-                .mark_unconfirmed(self.advisory_key, self.timeout, false);
+                .release_unconfirmed(self.hold, self.timeout, false);
         }
     }
 }

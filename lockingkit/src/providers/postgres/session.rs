@@ -36,28 +36,133 @@ pub(super) enum Prepared {
     Unlock,
     /// `SELECT 1`, the session check.
     Check,
+    /// Shared try-lock with the fencing token.
+    LockShared,
+    /// Shared try-lock on a session that already holds the key shared, which the server
+    /// grants without looking at its queue: it first looks for a queued writer itself.
+    LockSharedAgain,
+    /// `pg_advisory_unlock_shared($1)`.
+    UnlockShared,
+    /// Takes one free slot of a semaphore, with its fencing token.
+    LockSlot,
+    /// `pg_advisory_unlock($1, $2)` of one slot.
+    UnlockSlot,
+    /// Unlocks every slot of a semaphore the session holds but no lease knows of.
+    UnlockStraySlots,
 }
 
-/// What a session knows about one advisory key.
+impl Prepared {
+    const COUNT: usize = 9;
+
+    fn index_and_types(self) -> (usize, &'static [Type]) {
+        const KEY: &[Type] = &[Type::INT8];
+        match self {
+            Prepared::Lock => (0, KEY),
+            Prepared::Unlock => (1, KEY),
+            Prepared::Check => (2, &[]),
+            Prepared::LockShared => (3, KEY),
+            Prepared::LockSharedAgain => (4, KEY),
+            Prepared::UnlockShared => (5, KEY),
+            Prepared::LockSlot => (6, &[Type::INT4, Type::INT4, Type::INT4, Type::INT4_ARRAY]),
+            Prepared::UnlockSlot => (7, &[Type::INT4, Type::INT4]),
+            Prepared::UnlockStraySlots => (8, &[Type::INT4, Type::INT4_ARRAY]),
+        }
+    }
+}
+
+/// One advisory lock held for a lease, as the server names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Advisory {
+    /// `pg_advisory_lock(bigint)`: a plain lock or a writer.
+    Exclusive(i64),
+    /// `pg_advisory_lock_shared(bigint)`: a reader. The server counts a session's shared holds
+    /// of a key, and each lease unlocks once.
+    Shared(i64),
+    /// `pg_advisory_lock(int4, int4)`: one slot of a semaphore (semaphore key, slot).
+    Slot(i32, i32),
+}
+
+impl Advisory {
+    fn object(self) -> Object {
+        match self {
+            Advisory::Exclusive(key) | Advisory::Shared(key) => Object::Key(key),
+            Advisory::Slot(semaphore, slot) => Object::Slot(semaphore, slot),
+        }
+    }
+}
+
+/// What one attempt asks the server for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum KeyState {
-    /// An attempt is on its way; its answer decides.
-    Attempting,
-    /// The session holds the key for a lease.
-    Held,
-    /// The session may hold the key: an attempt or unlock went unanswered. An unlock is being
-    /// retried; until it answers, the key is not taken on this session.
-    Unconfirmed,
+pub(super) enum Attempt {
+    /// The key alone.
+    Exclusive(i64),
+    /// The key alongside other readers.
+    Shared(i64),
+    /// Any one slot of the semaphore `key` that nobody holds, among `0..max_count`.
+    Semaphore { key: i32, max_count: u16 },
 }
 
-/// Whether a session may take an attempt on a key.
+impl Attempt {
+    fn object(self) -> Object {
+        match self {
+            Attempt::Exclusive(key) | Attempt::Shared(key) => Object::Key(key),
+            Attempt::Semaphore { key, .. } => Object::Semaphore(key),
+        }
+    }
+
+    fn shared(self) -> bool {
+        matches!(self, Attempt::Shared(_))
+    }
+}
+
+/// What the key map tracks: the server's lock objects, and semaphores being attempted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Object {
+    /// The `bigint` lock of a key, exclusive or shared.
+    Key(i64),
+    /// One semaphore slot.
+    Slot(i32, i32),
+    /// A semaphore attempt in flight: which slot it takes is known only from its answer, so at
+    /// most one attempt per semaphore runs on a session, and one that goes unanswered makes the
+    /// whole semaphore unconfirmed on it.
+    Semaphore(i32),
+}
+
+/// What a session knows about one lock object. An exclusive object has at most one attempt,
+/// hold or unconfirmed outcome at a time; a shared key may have many of each, because the
+/// server counts shared holds per session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Entry {
+    shared: bool,
+    /// Attempts on their way; their answers decide.
+    attempting: u32,
+    /// Holds for leases.
+    held: u32,
+    /// Holds the session may have: an attempt or unlock went unanswered. An unlock is retried
+    /// until it answers; meanwhile the object is not taken on this session.
+    unconfirmed: u32,
+    /// For a semaphore attempt: the slots it may try.
+    max_count: u16,
+}
+
+impl Entry {
+    fn is_empty(&self) -> bool {
+        self.attempting == 0 && self.held == 0 && self.unconfirmed == 0
+    }
+}
+
+/// Whether a session may take an attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Availability {
     /// It has unlocks the server has not confirmed: it takes no new locks.
     Draining,
-    /// It holds the key, may hold it, or is attempting it.
+    /// It holds the key in another mode, may hold it, or is attempting it exclusively.
     HasKey,
-    /// It may take the key.
+    /// Another attempt on the same semaphore is on its way here.
+    InFlight,
+    /// It may take the shared attempt, and holds (or attempts) the key shared already.
+    Again,
+    /// It may take the attempt.
     Free,
 }
 
@@ -65,7 +170,7 @@ pub(super) enum Availability {
 pub(super) struct Session {
     client: Client,
     ended: CancellationToken,
-    statements: [OnceLock<Statement>; 3],
+    statements: [OnceLock<Statement>; Prepared::COUNT],
     keys: Mutex<Keys>,
     /// Statements sent and not answered yet, to spread new attempts over sessions.
     in_flight: AtomicUsize,
@@ -85,8 +190,10 @@ pub(super) struct Session {
 
 #[derive(Default)]
 struct Keys {
-    by_key: HashMap<i64, KeyState>,
+    by_object: HashMap<Object, Entry>,
+    /// Holds for leases, over every object.
     held: usize,
+    /// Unconfirmed outcomes, over every object.
     unconfirmed: usize,
 }
 
@@ -167,15 +274,17 @@ impl Session {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether an attempt on `key` may go here, in one look at the key map.
-    pub(super) fn availability(&self, key: i64) -> Availability {
+    /// Whether `attempt` may go here, in one look at the key map.
+    pub(super) fn availability(&self, attempt: Attempt) -> Availability {
         let keys = self.keys();
         if keys.unconfirmed > 0 {
-            Availability::Draining
-        } else if keys.by_key.contains_key(&key) {
-            Availability::HasKey
-        } else {
-            Availability::Free
+            return Availability::Draining;
+        }
+        match (keys.by_object.get(&attempt.object()), attempt) {
+            (None, _) => Availability::Free,
+            (Some(_), Attempt::Semaphore { .. }) => Availability::InFlight,
+            (Some(entry), Attempt::Shared(_)) if entry.shared => Availability::Again,
+            (Some(_), _) => Availability::HasKey,
         }
     }
 
@@ -184,67 +293,172 @@ impl Session {
         self.keys().held
     }
 
-    /// Reserves `key` for an attempt, unless this session holds it or may hold it.
-    pub(super) fn reserve(&self, key: i64) -> bool {
+    /// Reserves `attempt` on this session, unless [`availability`](Self::availability) says no
+    /// meanwhile. `Some(true)`: a shared attempt on a key this session already holds or attempts
+    /// shared.
+    pub(super) fn reserve(&self, attempt: Attempt) -> Option<bool> {
         let mut keys = self.keys();
-        if keys.by_key.contains_key(&key) {
-            return false;
+        let object = attempt.object();
+        let entry = keys.by_object.entry(object).or_default();
+        let again = !entry.is_empty();
+        if again && !(attempt.shared() && entry.shared && entry.unconfirmed == 0) {
+            return None;
         }
-        keys.by_key.insert(key, KeyState::Attempting);
-        true
+        entry.shared = attempt.shared();
+        entry.attempting = entry.attempting.saturating_add(1);
+        if let Attempt::Semaphore { max_count, .. } = attempt {
+            entry.max_count = max_count;
+        }
+        Some(again)
     }
 
-    /// Moves `key` to `to` (`None`: the server says this session does not hold it).
-    fn set(&self, key: i64, to: Option<KeyState>) {
+    /// Applies `change` to the entry of `object`, keeping the totals, and tells the session set
+    /// when the session stops draining or a semaphore attempt ends (attempts of the same
+    /// semaphore may be waiting for it).
+    fn update(&self, object: Object, change: impl FnOnce(&mut Entry)) {
         let mut keys = self.keys();
-        let from = match to {
-            Some(state) => keys.by_key.insert(key, state),
-            None => keys.by_key.remove(&key),
-        };
-        for (state, step) in [(from, -1), (to, 1)] {
-            let counter = match state {
-                Some(KeyState::Held) => &mut keys.held,
-                Some(KeyState::Unconfirmed) => &mut keys.unconfirmed,
-                _ => continue,
-            };
-            *counter = counter.saturating_add_signed(step);
+        let keys = &mut *keys;
+        let entry = keys.by_object.entry(object).or_default();
+        let before = *entry;
+        change(entry);
+        let after = *entry;
+        let (held, unconfirmed) = (
+            keys.held.saturating_sub(before.held as usize),
+            keys.unconfirmed.saturating_sub(before.unconfirmed as usize),
+        );
+        if after.is_empty() {
+            keys.by_object.remove(&object);
         }
-        let drained = from == Some(KeyState::Unconfirmed) && keys.unconfirmed == 0;
-        drop(keys);
-        if drained {
+        keys.held = held.saturating_add(after.held as usize);
+        keys.unconfirmed = unconfirmed.saturating_add(after.unconfirmed as usize);
+        let drained = before.unconfirmed > after.unconfirmed && keys.unconfirmed == 0;
+        let semaphore_done = matches!(object, Object::Semaphore(_)) && after.is_empty();
+        if drained || semaphore_done {
             self.changed.notify_waiters();
         }
     }
 
-    /// The attempt took `key` for a lease.
-    pub(super) fn mark_held(&self, key: i64) {
-        self.set(key, Some(KeyState::Held));
+    /// The server answered `attempt` busy.
+    pub(super) fn attempt_busy(&self, attempt: Attempt) {
+        self.update(attempt.object(), |entry| {
+            entry.attempting = entry.attempting.saturating_sub(1)
+        });
     }
 
-    /// The server says this session does not hold `key` (a busy attempt, a confirmed unlock).
-    pub(super) fn mark_free(&self, key: i64) {
-        self.set(key, None);
+    /// `attempt` took `hold` for a lease.
+    pub(super) fn attempt_held(&self, attempt: Attempt, hold: Advisory) {
+        if attempt.object() != hold.object() {
+            self.update(attempt.object(), |entry| {
+                entry.attempting = entry.attempting.saturating_sub(1)
+            });
+            self.update(hold.object(), |entry| {
+                entry.held = entry.held.saturating_add(1)
+            });
+        } else {
+            self.update(hold.object(), |entry| {
+                entry.attempting = entry.attempting.saturating_sub(1);
+                entry.held = entry.held.saturating_add(1);
+            });
+        }
     }
 
-    /// An attempt or unlock of `key` did not end cleanly: the session may hold it. It takes no
-    /// new locks until an unlock of `key` is answered, which is retried until it is.
+    /// The server confirmed the unlock of `hold`.
+    pub(super) fn released(&self, hold: Advisory) {
+        self.update(hold.object(), |entry| {
+            entry.held = entry.held.saturating_sub(1)
+        });
+    }
+
+    /// An attempt did not end cleanly: the session may hold what it asked for. See
+    /// [`unconfirmed`](Self::unconfirmed).
+    pub(super) fn attempt_unconfirmed(
+        self: &Arc<Self>,
+        attempt: Attempt,
+        timeout: Duration,
+        answered: bool,
+    ) {
+        self.update(attempt.object(), |entry| {
+            entry.attempting = entry.attempting.saturating_sub(1);
+            entry.unconfirmed = entry.unconfirmed.saturating_add(1);
+        });
+        self.unconfirmed(attempt.object(), timeout, answered);
+    }
+
+    /// The unlock of `hold` did not end cleanly (or its lease was dropped unreleased): the
+    /// session may still hold it. See [`unconfirmed`](Self::unconfirmed).
+    pub(super) fn release_unconfirmed(
+        self: &Arc<Self>,
+        hold: Advisory,
+        timeout: Duration,
+        answered: bool,
+    ) {
+        self.update(hold.object(), |entry| {
+            entry.held = entry.held.saturating_sub(1);
+            entry.unconfirmed = entry.unconfirmed.saturating_add(1);
+        });
+        self.unconfirmed(hold.object(), timeout, answered);
+    }
+
+    /// `object` may be held with no lease for it. The session takes no new locks until an
+    /// unlock of it is answered, which is retried until it is.
     ///
     /// `answered` says the server answered (with an error): the session works, so the unlock
     /// follows at once. Otherwise (no answer in time, or the caller went away) the session is
-    /// suspect: unless other locks depend on it, it closes, which frees the key at once.
-    pub(super) fn mark_unconfirmed(self: &Arc<Self>, key: i64, timeout: Duration, answered: bool) {
-        self.set(key, Some(KeyState::Unconfirmed));
+    /// suspect: unless other locks depend on it, it closes, which frees the object at once.
+    fn unconfirmed(self: &Arc<Self>, object: Object, timeout: Duration, answered: bool) {
         if !answered && self.held() == 0 {
             self.close();
             return;
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(resolve(self.clone(), key, timeout));
+                runtime.spawn(resolve(self.clone(), object, timeout));
             }
             // No runtime drives the connection either; it ends with the runtime.
             Err(_) => self.close(),
         }
+    }
+
+    /// The slots of semaphore `key` this session holds or may hold, which an attempt must not
+    /// take again (the server would grant them by re-entrancy).
+    pub(super) fn slots_of(&self, key: i32) -> Vec<i32> {
+        self.keys()
+            .by_object
+            .keys()
+            .filter_map(|object| match *object {
+                Object::Slot(semaphore, slot) if semaphore == key => Some(slot),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What the unlock of an unconfirmed `object` must do now.
+    fn resolution(&self, object: Object) -> Resolution {
+        let keys = self.keys();
+        let Some(entry) = keys.by_object.get(&object).copied() else {
+            return Resolution::Done;
+        };
+        match object {
+            _ if entry.unconfirmed == 0 => Resolution::Done,
+            Object::Key(_) if entry.shared && (entry.held > 0 || entry.attempting > 0) => {
+                Resolution::Wait
+            }
+            Object::Key(key) if entry.shared => Resolution::SharedUntilFalse(key),
+            Object::Key(key) => Resolution::Once(Advisory::Exclusive(key)),
+            Object::Slot(semaphore, slot) => Resolution::Once(Advisory::Slot(semaphore, slot)),
+            Object::Semaphore(semaphore) => Resolution::StraySlots(semaphore),
+        }
+    }
+
+    /// The unconfirmed outcomes of `object` are settled: the session does not hold it.
+    fn resolved(&self, object: Object, all: bool) {
+        self.update(object, |entry| {
+            entry.unconfirmed = if all {
+                0
+            } else {
+                entry.unconfirmed.saturating_sub(1)
+            };
+        });
     }
 
     /// A held lock was given up: if it was the last one a draining session kept open for, the
@@ -263,11 +477,8 @@ impl Session {
         which: Prepared,
         sql: &str,
     ) -> Result<Statement, tokio_postgres::Error> {
-        let (slot, types): (_, &[Type]) = match which {
-            Prepared::Lock => (&self.statements[0], &[Type::INT8]),
-            Prepared::Unlock => (&self.statements[1], &[Type::INT8]),
-            Prepared::Check => (&self.statements[2], &[]),
-        };
+        let (index, types) = which.index_and_types();
+        let slot = &self.statements[index];
         if let Some(statement) = slot.get() {
             return Ok(statement.clone());
         }
@@ -347,39 +558,102 @@ async fn run_check(
     answer.send_replace(Some(alive));
 }
 
-/// Retries the unlock of an unconfirmed `key` until the server answers it. Either answer means
-/// the session no longer holds the key: statements on one session run in the order sent, so
-/// this unlock runs after the attempt or unlock that went unanswered.
+/// How an unconfirmed object is settled.
+#[derive(Clone, Copy, Debug)]
+enum Resolution {
+    /// Settled already (by another task, or the session closed).
+    Done,
+    /// Leases still hold the key shared on this session: a shared unlock now would take one of
+    /// their holds away. Wait for them.
+    Wait,
+    /// One unlock; either answer settles it.
+    Once(Advisory),
+    /// Shared unlocks until the server says the session holds the key no more: it counts shared
+    /// holds, and it is unknown how many went unanswered.
+    SharedUntilFalse(i64),
+    /// Unlocks every slot of the semaphore the session holds that no lease knows of: an
+    /// unanswered attempt may have taken any one of them.
+    StraySlots(i32),
+}
+
+impl Resolution {
+    /// Sends the unlock; `true` when another is needed.
+    async fn unlock(self, session: &Session) -> Result<bool, tokio_postgres::Error> {
+        let client = &session.client;
+        match self {
+            Resolution::Done | Resolution::Wait => Ok(false),
+            Resolution::Once(Advisory::Exclusive(key) | Advisory::Shared(key)) => {
+                let statement = session.statement(Prepared::Unlock, super::UNLOCK).await?;
+                client.query_one(&statement, &[&key]).await.map(|_| false)
+            }
+            Resolution::Once(Advisory::Slot(semaphore, slot)) => {
+                let statement = session
+                    .statement(Prepared::UnlockSlot, super::UNLOCK_SLOT)
+                    .await?;
+                client
+                    .query_one(&statement, &[&semaphore, &slot])
+                    .await
+                    .map(|_| false)
+            }
+            Resolution::SharedUntilFalse(key) => {
+                let statement = session
+                    .statement(Prepared::UnlockShared, super::UNLOCK_SHARED)
+                    .await?;
+                let row = client.query_one(&statement, &[&key]).await?;
+                Ok(row.try_get::<_, bool>(0).unwrap_or(false))
+            }
+            Resolution::StraySlots(semaphore) => {
+                let statement = session
+                    .statement(Prepared::UnlockStraySlots, super::UNLOCK_STRAY_SLOTS)
+                    .await?;
+                let known = session.slots_of(semaphore);
+                client
+                    .query(&statement, &[&semaphore, &known])
+                    .await
+                    .map(|_| false)
+            }
+        }
+    }
+}
+
+/// Retries the unlock of an unconfirmed `object` until the server answers it. An answer means
+/// the session no longer holds it: statements on one session run in the order sent, so this
+/// unlock runs after the attempt or unlock that went unanswered.
 ///
 /// A session that leaves [`UNANSWERED_UNLOCKS`] retries in a row unanswered is broken, whatever
 /// else depends on it: it closes, which frees every lock it holds (and is loss for them). The
 /// session's checks would find the same, but only while some lock keeps checking it.
-async fn resolve(session: Arc<Session>, key: i64, timeout: Duration) {
+async fn resolve(session: Arc<Session>, object: Object, timeout: Duration) {
     let mut delay = Duration::from_millis(50);
     let mut unanswered = 0;
     loop {
         if session.is_closed() {
             return;
         }
-        let unlock = async {
-            let statement = session.statement(Prepared::Unlock, super::UNLOCK).await?;
-            session.client.query_one(&statement, &[&key]).await
-        };
-        match session.bounded(timeout, unlock).await {
-            Ok(Ok(_)) => {
-                session.mark_free(key);
-                return;
-            }
-            Ok(Err(error)) if error.is_closed() => return,
-            // The server answered, with an error: try again.
-            Ok(Err(_)) => unanswered = 0,
-            Err(Elapsed) => {
-                unanswered += 1;
-                if unanswered >= UNANSWERED_UNLOCKS {
-                    session.close();
+        let resolution = session.resolution(object);
+        match resolution {
+            Resolution::Done => return,
+            Resolution::Wait => {}
+            _ => match session.bounded(timeout, resolution.unlock(&session)).await {
+                Ok(Ok(true)) => continue,
+                Ok(Ok(false)) => {
+                    session.resolved(
+                        object,
+                        matches!(resolution, Resolution::SharedUntilFalse(_)),
+                    );
                     return;
                 }
-            }
+                Ok(Err(error)) if error.is_closed() => return,
+                // The server answered, with an error: try again.
+                Ok(Err(_)) => unanswered = 0,
+                Err(Elapsed) => {
+                    unanswered += 1;
+                    if unanswered >= UNANSWERED_UNLOCKS {
+                        session.close();
+                        return;
+                    }
+                }
+            },
         }
         tokio::select! {
             _ = session.ended.cancelled() => return,

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::session::{Availability, Session};
+use super::session::{Advisory, Attempt, Availability, Session};
 use crate::backend::BackendError;
 
 /// Statements in flight on every open session before another one opens. Statements that
@@ -78,17 +78,22 @@ impl SessionSet {
         slots.open.len()
     }
 
-    /// Reserves `key` on a session that neither holds it nor may hold it: the least loaded
-    /// open one, or a new one while every open one is busy and the set has room. `None`: this
-    /// process holds the key (or may still hold it) on every session it could use.
-    pub(super) async fn reserve(&self, key: i64) -> Result<Option<Reservation>, BackendError> {
+    /// Reserves `attempt` on a session where the server's answer can be trusted: one that
+    /// neither holds the key nor may hold it (or, for a shared attempt, holds it only shared;
+    /// for a semaphore, has no other attempt on it in flight), the least loaded open one, or a
+    /// new one while every open one is busy and the set has room. `None`: this process holds the
+    /// key (or may still hold it) on every session it could use.
+    pub(super) async fn reserve(
+        &self,
+        attempt: Attempt,
+    ) -> Result<Option<Reservation>, BackendError> {
         let give_up = crate::clock::in_(self.timeout);
         loop {
             let changed = self.changed.notified();
-            match self.look(key) {
+            match self.look(attempt) {
                 Step::Use(reservation) => return Ok(Some(reservation)),
                 Step::HeldHere => return Ok(None),
-                Step::Connect => return self.connect(key).await.map(Some),
+                Step::Connect => return self.connect(attempt).await.map(Some),
                 Step::Wait => {
                     if tokio::time::timeout_at(give_up, changed).await.is_err() {
                         return Err(BackendError::unreachable(format!(
@@ -101,33 +106,37 @@ impl SessionSet {
         }
     }
 
-    fn look(&self, key: i64) -> Step {
+    fn look(&self, attempt: Attempt) -> Step {
         let mut slots = self.slots();
         slots.open.retain(|s| !s.is_closed());
         // One session opens at a time, and only when every open one is busy: a burst of
         // attempts at startup waits for the first session instead of opening them all, and
         // statements batch on few sessions, which costs the server less per lock.
         let room = slots.connecting == 0 && slots.open.len() < self.max;
-        let mut best: Option<&Arc<Session>> = None;
+        // Ranked by (holds the key shared already, load): a reader goes to a session that
+        // does not hold its key before it stacks on one that does, which costs a look at the
+        // server's lock queue (see `Prepared::LockSharedAgain`).
+        let mut best: Option<(bool, &Arc<Session>)> = None;
         let mut holds_key = false;
         for session in &slots.open {
-            match session.availability(key) {
-                Availability::Draining => continue,
+            let again = match session.availability(attempt) {
+                Availability::Draining | Availability::InFlight => continue,
                 Availability::HasKey => {
                     holds_key = true;
                     continue;
                 }
-                Availability::Free => {}
-            }
-            if best.is_none_or(|b| session.load() < b.load()) {
-                best = Some(session);
+                Availability::Again => true,
+                Availability::Free => false,
+            };
+            if best.is_none_or(|(b_again, b)| (again, session.load()) < (b_again, b.load())) {
+                best = Some((again, session));
             }
         }
         match best {
-            Some(session) if session.load() < PIPELINE_DEPTH || !room => {
+            Some((again, session)) if !room || (!again && session.load() < PIPELINE_DEPTH) => {
                 let session = session.clone();
-                if session.reserve(key) {
-                    Step::Use(Reservation::new(session, key, self.timeout))
+                if let Some(again) = session.reserve(attempt) {
+                    Step::Use(Reservation::new(session, attempt, again, self.timeout))
                 } else {
                     Step::HeldHere
                 }
@@ -144,7 +153,7 @@ impl SessionSet {
         }
     }
 
-    async fn connect(&self, key: i64) -> Result<Reservation, BackendError> {
+    async fn connect(&self, attempt: Attempt) -> Result<Reservation, BackendError> {
         /// Gives the slot back if the connect fails or its caller goes away.
         struct Connecting<'a>(&'a SessionSet);
         impl Drop for Connecting<'_> {
@@ -167,10 +176,10 @@ impl SessionSet {
         .await?;
         let session = Arc::new(session);
         // A new session holds nothing, so the key is free on it.
-        session.reserve(key);
+        session.reserve(attempt);
         self.slots().open.push(session.clone());
         drop(connecting);
-        Ok(Reservation::new(session, key, self.timeout))
+        Ok(Reservation::new(session, attempt, false, self.timeout))
     }
 
     /// Closes every session; their locks are lost.
@@ -181,20 +190,22 @@ impl SessionSet {
     }
 }
 
-/// A key reserved on a session for one attempt. Dropped before the attempt's answer was read,
-/// the key is treated as possibly held (see [`Session::mark_unconfirmed`]).
+/// An attempt reserved on a session. Dropped before the attempt's answer was read, what it
+/// asked for is treated as possibly held (see [`Session::attempt_unconfirmed`]).
 pub(super) struct Reservation {
     session: Arc<Session>,
-    key: i64,
+    attempt: Attempt,
+    again: bool,
     timeout: Duration,
     settled: bool,
 }
 
 impl Reservation {
-    fn new(session: Arc<Session>, key: i64, timeout: Duration) -> Self {
+    fn new(session: Arc<Session>, attempt: Attempt, again: bool, timeout: Duration) -> Self {
         Reservation {
             session,
-            key,
+            attempt,
+            again,
             timeout,
             settled: false,
         }
@@ -204,22 +215,29 @@ impl Reservation {
         &self.session
     }
 
-    /// The server says the session does not hold the key.
+    /// Whether this is a shared attempt on a key the session already holds (or attempts)
+    /// shared.
+    pub(super) fn again(&self) -> bool {
+        self.again
+    }
+
+    /// The server says the session did not take it.
     pub(super) fn free(mut self) {
         self.settled = true;
-        self.session.mark_free(self.key);
+        self.session.attempt_busy(self.attempt);
     }
 
-    /// The server answered with an error: the session works, and an unlock settles the key.
+    /// The server answered with an error: the session works, and an unlock settles it.
     pub(super) fn failed(mut self) {
         self.settled = true;
-        self.session.mark_unconfirmed(self.key, self.timeout, true);
+        self.session
+            .attempt_unconfirmed(self.attempt, self.timeout, true);
     }
 
-    /// The attempt took the key: the session now holds it for a lease.
-    pub(super) fn hold(mut self) -> Arc<Session> {
+    /// The attempt took `hold`: the session now holds it for a lease.
+    pub(super) fn hold(mut self, hold: Advisory) -> Arc<Session> {
         self.settled = true;
-        self.session.mark_held(self.key);
+        self.session.attempt_held(self.attempt, hold);
         self.session.clone()
     }
 }
@@ -227,7 +245,8 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
-            self.session.mark_unconfirmed(self.key, self.timeout, false);
+            self.session
+                .attempt_unconfirmed(self.attempt, self.timeout, false);
         }
     }
 }

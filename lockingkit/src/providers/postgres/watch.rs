@@ -2,13 +2,24 @@
 //!
 //! Without this, a waiter in another process learns of a release only at its next attempt, up
 //! to the maximum retry delay later. So for each key a process waits for, its backend keeps a
-//! *watcher*: a session of its own (never one that holds locks) that queues for a shared lock
-//! on the same advisory key. The server grants it the moment the lock is freed, however that
-//! happens: an unlock by LockingKit or by plain SQL, or the holder's session ending (a crash,
-//! `pg_terminate_backend`). The same statement gives the shared lock straight back, and the
-//! watcher wakes the key's front waiter, which retries at once (see
+//! *watcher*: a session of its own (never one that holds locks) that queues for an exclusive
+//! lock on the same advisory key. The server grants it the moment the key is free of every
+//! holder, however that happens: an unlock by LockingKit or by plain SQL, or the holder's
+//! session ending (a crash, `pg_terminate_backend`). The same statement gives the lock straight
+//! back, and the watcher wakes the key's front waiter, which retries at once (see
 //! [`LockBackend::release_hint`](crate::LockBackend::release_hint)). The release itself is a
 //! plain `pg_advisory_unlock`: it pays nothing for this.
+//!
+//! # Writer intent
+//! The request is exclusive because readers exist: a shared request would be granted at once
+//! while readers hold the key, waking a writer that waits for them over and over. Queued
+//! exclusive, it is also the waiting writer's intent, which new readers respect: the server
+//! refuses a new `pg_try_advisory_lock_shared` that conflicts with a *queued* request, not only
+//! with granted ones. So from the moment a writer's watcher queues, no new reader gets in
+//! anywhere (a LockingKit session that already reads the key looks for a queued writer itself,
+//! since the server would grant it without looking), and the writer gets in once the readers
+//! holding then are gone. The intent lapses briefly between two slices, and between the grant
+//! and the writer's attempt; a reader landing there gets in, and the writer waits for it too.
 //!
 //! # Costing the server nothing lasting
 //! A statement that waits in a lock queue keeps a snapshot (`backend_xmin`) for as long as it
@@ -28,9 +39,10 @@
 //! - At most `max_wait_sessions` keys are watched per backend at once; waits beyond that, and
 //!   waits while the server cannot be reached, are served by polling, which stays the fallback
 //!   and the cap in every case.
-//! - The shared lock is held only for the instant between the grant and the end of the
-//!   statement; an attempt of another process landing in that instant answers busy, and that
-//!   process then watches too.
+//! - The lock is held only for the instant between the grant and the end of the statement; an
+//!   attempt of another process landing in that instant answers busy, and that process then
+//!   watches too. A queued watcher never waits long enough for the deadlock detector to look at
+//!   it, and holds nothing while it waits, so it cannot take part in a deadlock.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -46,11 +58,11 @@ use tokio_postgres::{Config, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
-/// Queues for a shared lock on the key and gives it back in the same statement: it returns
-/// when the key is free, or fails with SQLSTATE 55P03 when the session's `lock_timeout` ends
-/// the slice. The subquery runs first, so the unlock follows the grant.
-const WATCH: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
-                     FROM (SELECT pg_advisory_lock_shared($1::bigint) OFFSET 0) granted";
+/// Queues for the key exclusively and gives it back in the same statement: it returns when the
+/// key is free of every holder, or fails with SQLSTATE 55P03 when the session's `lock_timeout`
+/// ends the slice. The subquery runs first, so the unlock follows the grant.
+const WATCH: &str = "SELECT pg_advisory_unlock($1::bigint) \
+                     FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted";
 
 /// The longest one watch statement (and so its snapshot) lives.
 const SLICE: Duration = Duration::from_millis(500);

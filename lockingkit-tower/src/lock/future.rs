@@ -13,7 +13,8 @@ use pin_project_lite::pin_project;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 
-use super::layer::{LockConfig, RejectionResponse};
+use super::layer::LockConfig;
+use super::rejection::RejectionResponse;
 use super::{LockBody, LockRejection, RequestLock};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;

@@ -196,9 +196,7 @@ where
                         let error = handle
                             .as_ref()
                             .and_then(|handle| handle.ensure_held().err())
-                            .unwrap_or_else(|| {
-                                LockError::new(ErrorKind::Lost, "the lock is no longer held")
-                            });
+                            .unwrap_or_else(|| LockError::lost(None));
                         // Dropping the inner future here is what stops the handler's work.
                         this.state.set(State::Rejected {
                             rejection: Some(LockRejection::lost(error)),

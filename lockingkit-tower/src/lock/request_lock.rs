@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::task::Poll;
 
-use lockingkit::{CancellationToken, ErrorKind, LockError, LockHandle};
+use lockingkit::{CancellationToken, LockError, LockHandle};
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -62,12 +62,13 @@ impl RequestLock {
         !self.inner.lost.is_cancelled()
     }
 
-    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
+    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`](lockingkit::ErrorKind::Lost)
+    /// after.
     pub fn ensure_held(&self) -> Result<(), LockError> {
         if self.is_held() {
             Ok(())
         } else {
-            Err(lost())
+            Err(LockError::lost(None))
         }
     }
 
@@ -82,16 +83,12 @@ impl RequestLock {
         // Loss is checked first so that work is never resumed once the lock is gone.
         poll_fn(|cx| {
             if lost_signal.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(lost()));
+                return Poll::Ready(Err(LockError::lost(None)));
             }
             work.as_mut().poll(cx).map(Ok)
         })
         .await
     }
-}
-
-fn lost() -> LockError {
-    LockError::new(ErrorKind::Lost, "the request's lock is no longer held")
 }
 
 impl fmt::Debug for RequestLock {

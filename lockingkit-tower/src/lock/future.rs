@@ -10,11 +10,11 @@ use http::{Request, Response};
 use http_body::Body;
 use lockingkit::{ErrorKind, LockError, LockHandle};
 use pin_project_lite::pin_project;
-use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 
 use super::layer::LockConfig;
 use super::rejection::RejectionResponse;
+use super::until_lost::UntilLost;
 use super::{LockBody, LockRejection, RequestLock};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -54,9 +54,7 @@ pin_project! {
         },
         Calling {
             #[pin]
-            response: S::Future,
-            #[pin]
-            lost: WaitForCancellationFutureOwned,
+            response: UntilLost<S::Future>,
             handle: Option<LockHandle>,
         },
         Releasing {
@@ -152,14 +150,12 @@ where
                     let pending = pending.take();
                     match (acquired, pending) {
                         (Ok(handle), Some((mut service, mut request))) => {
-                            request
-                                .extensions_mut()
-                                .insert(RequestLock::from_handle(&handle));
-                            let lost = handle.lost_token().cancelled_owned();
-                            let response = service.call(request);
+                            let view = RequestLock::from_handle(&handle);
+                            let lost = view.loss_signal();
+                            request.extensions_mut().insert(view);
+                            let response = UntilLost::new(lost, service.call(request));
                             this.state.set(State::Calling {
                                 response,
-                                lost,
                                 handle: Some(handle),
                             });
                         }
@@ -186,13 +182,9 @@ where
                         (Ok(_), None) => this.state.set(State::Done),
                     }
                 }
-                StateProj::Calling {
-                    response,
-                    lost,
-                    handle,
-                } => {
+                StateProj::Calling { response, handle } => {
                     // Loss is checked first: once the lock is gone the handler must not resume.
-                    if lost.poll(cx).is_ready() {
+                    let Some(result) = ready!(response.poll(cx)) else {
                         let error = handle
                             .as_ref()
                             .and_then(|handle| handle.ensure_held().err())
@@ -202,8 +194,7 @@ where
                             rejection: Some(LockRejection::lost(error)),
                         });
                         continue;
-                    }
-                    let result = ready!(response.poll(cx));
+                    };
                     let Some(handle) = handle.take() else {
                         this.state.set(State::Done);
                         continue;

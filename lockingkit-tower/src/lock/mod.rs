@@ -7,6 +7,7 @@ mod key;
 mod layer;
 mod rejection;
 mod request_lock;
+mod until_lost;
 
 pub use self::body::LockBody;
 pub use self::future::ResponseFuture;

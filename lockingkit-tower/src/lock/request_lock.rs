@@ -1,12 +1,12 @@
 //! `RequestLock`: what the handler sees of the lock held for its request.
 
 use std::fmt;
-use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::future::Future;
 use std::sync::Arc;
-use std::task::Poll;
 
 use lockingkit::{CancellationToken, LockError, LockHandle};
+
+use super::until_lost::UntilLost;
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -38,6 +38,12 @@ impl RequestLock {
                 lost: handle.lost_token(),
             }),
         }
+    }
+
+    /// The view's own loss signal (not a child), for the layer to race the inner service
+    /// against: one token per request serves both.
+    pub(crate) fn loss_signal(&self) -> CancellationToken {
+        self.inner.lost.clone()
     }
 
     /// The key of the lock.
@@ -78,16 +84,9 @@ impl RequestLock {
     /// handler's own future, such as a spawned task.
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
         self.ensure_held()?;
-        let mut lost_signal = pin!(self.inner.lost.cancelled());
-        let mut work = pin!(work);
-        // Loss is checked first so that work is never resumed once the lock is gone.
-        poll_fn(|cx| {
-            if lost_signal.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(LockError::lost(None)));
-            }
-            work.as_mut().poll(cx).map(Ok)
-        })
-        .await
+        UntilLost::new(self.inner.lost.clone(), work)
+            .await
+            .ok_or_else(|| LockError::lost(None))
     }
 }
 

@@ -8,7 +8,7 @@ use http::request::Parts;
 use lockingkit::DistributedLock;
 use tower_layer::Layer;
 
-use super::key::LockKey;
+use super::key::{AcquireForRequest, LockKey};
 use super::rejection::{
     LockRejection, ProblemDetails, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
 };
@@ -90,7 +90,7 @@ pub struct LockLayer<M = ProblemDetails> {
 #[derive(Clone)]
 pub(crate) struct LockConfig {
     pub(crate) locks: DistributedLock,
-    pub(crate) key: Arc<dyn LockKey>,
+    pub(crate) key: Arc<dyn AcquireForRequest>,
     /// `None` tries once; `Some` waits up to the timeout.
     pub(crate) wait: Option<Duration>,
     pub(crate) pass_through_without_key: bool,

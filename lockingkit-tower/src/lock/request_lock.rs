@@ -24,16 +24,17 @@ pub struct RequestLock {
 }
 
 struct Inner {
-    key: Box<str>,
+    key: String,
     fencing_token: u64,
     lost: CancellationToken,
 }
 
 impl RequestLock {
-    pub(crate) fn from_handle(handle: &LockHandle) -> Self {
+    /// The view of `handle`, which holds `key` (moved in rather than copied from the handle).
+    pub(crate) fn new(handle: &LockHandle, key: String) -> Self {
         RequestLock {
             inner: Arc::new(Inner {
-                key: handle.key().into(),
+                key,
                 fencing_token: handle.fencing_token(),
                 lost: handle.lost_token(),
             }),

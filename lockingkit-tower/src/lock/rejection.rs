@@ -358,7 +358,7 @@ mod tests {
             rejection(ErrorKind::Backend).status(),
             StatusCode::INTERNAL_SERVER_ERROR
         );
-        let lost = LockRejection::lost(LockError::new(ErrorKind::Lost, "gone"));
+        let lost = LockRejection::lost(LockError::lost(None));
         assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(lost.retry_after().is_none());
         assert_eq!(LockRejection::no_key().status(), StatusCode::BAD_REQUEST);
@@ -390,7 +390,7 @@ mod tests {
 
     #[test]
     fn a_handlers_lock_error_becomes_the_layers_own_rejection() {
-        let lost = LockRejection::from(LockError::new(ErrorKind::Lost, "gone"));
+        let lost = LockRejection::from(LockError::lost(None));
         assert!(lost.is_lost_mid_request());
         assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
         let busy = LockRejection::from(LockError::new(ErrorKind::Busy, "held"));

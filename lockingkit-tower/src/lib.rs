@@ -30,9 +30,9 @@
 mod lock;
 
 pub use lock::{
-    LockBody, LockKey, LockLayer, LockRejection, LockService, ProblemDetails, RejectionResponse,
-    RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
-    PROBLEM_JSON,
+    LockBody, LockKey, LockLayer, LockRejection, LockService, ProblemDetails, ProblemDocument,
+    RejectionResponse, RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
 
 /// The error type of a [`LockBody`]: the inner body's error, or a [`lockingkit::LockError`]

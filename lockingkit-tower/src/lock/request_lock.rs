@@ -1,12 +1,12 @@
 //! `RequestLock`: what the handler sees of the lock held for its request.
 
 use std::fmt;
-use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::future::Future;
 use std::sync::Arc;
-use std::task::Poll;
 
-use lockingkit::{CancellationToken, ErrorKind, LockError, LockHandle};
+use lockingkit::{CancellationToken, LockError, LockHandle};
+
+use super::until_lost::UntilLost;
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -24,20 +24,27 @@ pub struct RequestLock {
 }
 
 struct Inner {
-    key: Box<str>,
+    key: String,
     fencing_token: u64,
     lost: CancellationToken,
 }
 
 impl RequestLock {
-    pub(crate) fn from_handle(handle: &LockHandle) -> Self {
+    /// The view of `handle`, which holds `key` (moved in rather than copied from the handle).
+    pub(crate) fn new(handle: &LockHandle, key: String) -> Self {
         RequestLock {
             inner: Arc::new(Inner {
-                key: handle.key().into(),
+                key,
                 fencing_token: handle.fencing_token(),
                 lost: handle.lost_token(),
             }),
         }
+    }
+
+    /// The view's own loss signal (not a child), for the layer to race the inner service
+    /// against: one token per request serves both.
+    pub(crate) fn loss_signal(&self) -> CancellationToken {
+        self.inner.lost.clone()
     }
 
     /// The key of the lock.
@@ -62,12 +69,13 @@ impl RequestLock {
         !self.inner.lost.is_cancelled()
     }
 
-    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
+    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`](lockingkit::ErrorKind::Lost)
+    /// after.
     pub fn ensure_held(&self) -> Result<(), LockError> {
         if self.is_held() {
             Ok(())
         } else {
-            Err(lost())
+            Err(LockError::lost(None))
         }
     }
 
@@ -77,21 +85,10 @@ impl RequestLock {
     /// handler's own future, such as a spawned task.
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
         self.ensure_held()?;
-        let mut lost_signal = pin!(self.inner.lost.cancelled());
-        let mut work = pin!(work);
-        // Loss is checked first so that work is never resumed once the lock is gone.
-        poll_fn(|cx| {
-            if lost_signal.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(lost()));
-            }
-            work.as_mut().poll(cx).map(Ok)
-        })
-        .await
+        UntilLost::new(self.inner.lost.clone(), work)
+            .await
+            .ok_or_else(|| LockError::lost(None))
     }
-}
-
-fn lost() -> LockError {
-    LockError::new(ErrorKind::Lost, "the request's lock is no longer held")
 }
 
 impl fmt::Debug for RequestLock {

@@ -25,6 +25,7 @@
 //! parameters.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 mod lock;
@@ -38,3 +39,8 @@ pub use lock::{
 /// The error type of a [`LockBody`]: the inner body's error, or a [`lockingkit::LockError`]
 /// when the lock is lost while the body streams.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The crate README's example, compiled as a doc test so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -46,7 +46,7 @@ pub mod testing;
 pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode};
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
-pub use handle::LockHandle;
+pub use handle::{LockHandle, LockView};
 pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};

@@ -167,8 +167,8 @@ where
     };
     let mut request = Request::from_parts(parts, body);
     Poll::Ready(match derived {
-        Derived::Acquired { handle, key } => {
-            let view = RequestLock::new(&handle, key);
+        Derived::Acquired { handle } => {
+            let view = RequestLock::new(&handle);
             let lost = view.loss_signal();
             request.extensions_mut().insert(view);
             Step::Next(State::Calling {

@@ -74,7 +74,6 @@ pub(crate) enum Derived {
     NoKey,
     Acquired {
         handle: LockHandle,
-        key: String,
     },
     Refused {
         error: LockError,
@@ -128,7 +127,7 @@ async fn derive_and_acquire<K: LockKey>(
         Some(timeout) => locks.acquire(&key, timeout).await,
     };
     match acquired {
-        Ok(handle) => Derived::Acquired { handle, key },
+        Ok(handle) => Derived::Acquired { handle },
         Err(error) => Derived::Refused {
             nested: parts
                 .extensions

@@ -2,11 +2,8 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 
-use lockingkit::{CancellationToken, LockError, LockHandle};
-
-use super::until_lost::UntilLost;
+use lockingkit::{CancellationToken, LockError, LockHandle, LockView};
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -20,74 +17,56 @@ use super::until_lost::UntilLost;
 /// the token stops once the request no longer holds the lock.
 #[derive(Clone)]
 pub struct RequestLock {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    key: String,
-    fencing_token: u64,
-    lost: CancellationToken,
+    view: LockView,
 }
 
 impl RequestLock {
-    /// The view of `handle`, which holds `key` (moved in rather than copied from the handle).
-    pub(crate) fn new(handle: &LockHandle, key: String) -> Self {
+    /// The view of `handle` the handler sees.
+    pub(crate) fn new(handle: &LockHandle) -> Self {
         RequestLock {
-            inner: Arc::new(Inner {
-                key,
-                fencing_token: handle.fencing_token(),
-                lost: handle.lost_token(),
-            }),
+            view: handle.view(),
         }
     }
 
-    /// The view's own loss signal (not a child), for the layer to race the inner service
-    /// against: one token per request serves both.
+    /// A loss signal for the layer to race the inner service against.
     pub(crate) fn loss_signal(&self) -> CancellationToken {
-        self.inner.lost.clone()
+        self.view.lost_token()
     }
 
     /// The key of the lock.
     pub fn key(&self) -> &str {
-        &self.inner.key
+        self.view.key()
     }
 
     /// The fencing token of this hold; strictly greater than every earlier token for the key.
     pub fn fencing_token(&self) -> u64 {
-        self.inner.fencing_token
+        self.view.fencing_token()
     }
 
     /// A token that is cancelled when the lock is lost or released.
     ///
     /// Each call returns a child token, so cancelling it affects only the caller's copy.
     pub fn lost_token(&self) -> CancellationToken {
-        self.inner.lost.child_token()
+        self.view.lost_token()
     }
 
-    /// Whether the lock is still held: neither lost nor released yet.
+    /// Whether the lock is still held: not lost, not released, and within its loss deadline.
     pub fn is_held(&self) -> bool {
-        !self.inner.lost.is_cancelled()
+        self.view.is_held()
     }
 
     /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`](lockingkit::ErrorKind::Lost)
-    /// after.
+    /// (with the reason, when the lock was lost rather than released) after.
     pub fn ensure_held(&self) -> Result<(), LockError> {
-        if self.is_held() {
-            Ok(())
-        } else {
-            Err(LockError::lost(None))
-        }
+        self.view.ensure_held()
     }
 
     /// Runs `work` while the lock is held, dropping it the moment the lock is lost or released.
     ///
     /// The layer already drops the whole handler on loss; use this for work that outlives the
-    /// handler's own future, such as a spawned task.
+    /// handler's own future, such as a spawned task. It is [`LockView::run`].
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
-        self.ensure_held()?;
-        UntilLost::new(self.inner.lost.clone(), work)
-            .await
-            .ok_or_else(|| LockError::lost(None))
+        self.view.run(work).await
     }
 }
 

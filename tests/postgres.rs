@@ -1329,3 +1329,528 @@ async fn one_check_per_session_per_interval_vouches_for_every_lock_on_it() {
         handle.release().await.expect("release");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Readers, writers and semaphores.
+
+mod modes {
+    use super::*;
+    use lockingkit::providers::postgres::PostgresLease;
+    use lockingkit::{Acquired, LockBackend, LockMode};
+
+    const SHARED: LockMode = LockMode::Shared;
+    const EXCLUSIVE: LockMode = LockMode::Exclusive;
+
+    fn semaphore(max_count: u32) -> LockMode {
+        LockMode::Semaphore { max_count }
+    }
+
+    /// A backend with at most `max_sessions` sessions for its locks.
+    fn backend_with(server: &PostgresServer, max_sessions: usize) -> PostgresBackend {
+        PostgresBackend::new(PostgresOptions {
+            max_sessions,
+            ..server.options(CHECK)
+        })
+        .expect("options")
+    }
+
+    async fn take(
+        backend: &PostgresBackend,
+        key: &str,
+        mode: LockMode,
+    ) -> Option<Acquired<PostgresLease>> {
+        backend
+            .try_acquire_in(key, mode)
+            .await
+            .expect("the server answered")
+    }
+
+    #[track_caller]
+    fn held(acquired: Option<Acquired<PostgresLease>>, what: &str) -> Acquired<PostgresLease> {
+        acquired.unwrap_or_else(|| panic!("{what}: busy"))
+    }
+
+    async fn release(backend: &PostgresBackend, acquired: Acquired<PostgresLease>) {
+        backend
+            .release(&acquired.lease)
+            .await
+            .expect("confirmed release");
+    }
+
+    /// The `bigint` advisory locks of `key` on the server: (pid, mode, granted).
+    async fn key_rows(admin: &tokio_postgres::Client, key: &str) -> Vec<(i32, String, bool)> {
+        admin
+            .query(
+                "SELECT pid, mode, granted FROM pg_locks WHERE locktype = 'advisory' \
+                 AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1 \
+                 ORDER BY pid, mode",
+                &[&PostgresLockKeys::advisory_key(key)],
+            )
+            .await
+            .expect("pg_locks")
+            .iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2)))
+            .collect()
+    }
+
+    /// The granted slot locks of semaphore `key` on the server: (pid, slot), as the documented
+    /// mapping names them (`objsubid = 2`, `classid` the semaphore key, `objid` the slot).
+    async fn slot_rows(admin: &tokio_postgres::Client, key: &str) -> Vec<(i32, i64)> {
+        let semaphore_key = i64::from(PostgresLockKeys::semaphore_key(key) as u32);
+        admin
+            .query(
+                "SELECT pid, objid::bigint FROM pg_locks WHERE locktype = 'advisory' \
+                 AND objsubid = 2 AND granted AND mode = 'ExclusiveLock' \
+                 AND classid::bigint = $1 ORDER BY objid",
+                &[&semaphore_key],
+            )
+            .await
+            .expect("pg_locks")
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readers_on_two_backends_hold_together_and_a_writer_is_busy_even_on_a_readers_session()
+    {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        // One session: the writer's attempt can only go to the session that reads the key,
+        // where the server itself would grant it (one session's locks never conflict).
+        let first = backend_with(&server, 1);
+        let second = backend_with(&server, 4);
+        let key = unique_prefix("modes/readers");
+        assert!(first.supports(SHARED));
+
+        let a = held(take(&first, &key, SHARED).await, "first reader");
+        let b = held(take(&second, &key, SHARED).await, "second reader");
+        assert!(
+            take(&first, &key, EXCLUSIVE).await.is_none(),
+            "a writer on the reader's own session"
+        );
+        assert!(take(&second, &key, EXCLUSIVE).await.is_none());
+        let fresh = backend_with(&server, 4);
+        assert!(take(&fresh, &key, EXCLUSIVE).await.is_none());
+        let rows = key_rows(&admin, &key).await;
+        assert_eq!(rows.len(), 2, "two readers and nothing else: {rows:?}");
+        assert!(rows.iter().all(|(_, mode, granted)| mode == "ShareLock" && *granted));
+        assert!(b.fencing_token > a.fencing_token, "tokens grow across readers");
+
+        release(&first, a).await;
+        assert!(take(&fresh, &key, EXCLUSIVE).await.is_none(), "one reader left");
+        release(&second, b).await;
+        let writer = held(take(&fresh, &key, EXCLUSIVE).await, "writer after the readers");
+        assert!(
+            take(&first, &key, SHARED).await.is_none(),
+            "a reader while the writer holds"
+        );
+        release(&fresh, writer).await;
+        assert!(key_rows(&admin, &key).await.is_empty(), "nothing left behind");
+        assert_eq!(first.open_sessions(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_reads_a_key_twice_and_each_lease_unlocks_one_hold() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let readers = backend_with(&server, 1);
+        let writers = backend_with(&server, 1);
+        let key = unique_prefix("modes/stacked");
+
+        let a = held(take(&readers, &key, SHARED).await, "first reader");
+        let b = held(take(&readers, &key, SHARED).await, "second reader, same session");
+        let rows = key_rows(&admin, &key).await;
+        assert_eq!(rows.len(), 1, "one session holds both reads: {rows:?}");
+
+        release(&readers, a).await;
+        assert_eq!(
+            key_rows(&admin, &key).await,
+            rows,
+            "one unlock left the other reader's hold"
+        );
+        assert!(take(&writers, &key, EXCLUSIVE).await.is_none());
+        release(&readers, b).await;
+        assert!(key_rows(&admin, &key).await.is_empty(), "the second unlock freed it");
+        let writer = held(take(&writers, &key, EXCLUSIVE).await, "writer");
+        release(&writers, writer).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_that_holds_a_key_exclusively_never_takes_it_shared() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let backend = backend_with(&server, 1);
+        let key = unique_prefix("modes/exclusive-then-shared");
+
+        let writer = held(take(&backend, &key, EXCLUSIVE).await, "writer");
+        assert!(take(&backend, &key, SHARED).await.is_none());
+        let rows = key_rows(&admin, &key).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].1, "ExclusiveLock");
+        release(&backend, writer).await;
+        assert!(key_rows(&admin, &key).await.is_empty());
+        let reader = held(take(&backend, &key, SHARED).await, "reader after the writer");
+        release(&backend, reader).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_of_three_admits_three_holders_across_backends_and_the_fourth_waits_for_a_free_slot(
+    ) {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let backends: Vec<PostgresBackend> = (0..4).map(|_| backend_with(&server, 2)).collect();
+        let key = unique_prefix("modes/semaphore");
+        let three = semaphore(3);
+        assert!(backends[0].supports(three));
+
+        let mut holders = Vec::new();
+        for backend in &backends[..3] {
+            holders.push(held(take(backend, &key, three).await, "a free slot"));
+        }
+        assert!(take(&backends[3], &key, three).await.is_none(), "every slot taken");
+        let slots = slot_rows(&admin, &key).await;
+        assert_eq!(
+            slots.iter().map(|(_, slot)| *slot).collect::<Vec<_>>(),
+            vec![0, 1, 2],
+            "each holder one slot"
+        );
+        // The semaphore and the lock of the same key are unrelated.
+        let lock = held(take(&backends[3], &key, EXCLUSIVE).await, "the plain lock");
+        release(&backends[3], lock).await;
+
+        let freed = holders.remove(1);
+        let freed_slot = freed.lease.semaphore_slot().expect("a slot lease").1;
+        let freed_token = freed.fencing_token;
+        release(&backends[1], freed).await;
+        let next = held(take(&backends[3], &key, three).await, "the freed slot");
+        assert_eq!(next.lease.semaphore_slot().map(|s| s.1), Some(freed_slot));
+        assert!(next.fencing_token > freed_token, "tokens grow per slot");
+        assert!(take(&backends[1], &key, three).await.is_none());
+
+        release(&backends[3], next).await;
+        for (backend, holder) in [&backends[0], &backends[2]].into_iter().zip(holders) {
+            release(backend, holder).await;
+        }
+        assert!(slot_rows(&admin, &key).await.is_empty(), "nothing left behind");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_attempt_takes_one_slot_and_a_session_never_retakes_its_own() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        // One session: every slot it holds would be granted to it again by re-entrancy.
+        let backend = backend_with(&server, 1);
+        let key = unique_prefix("modes/semaphore-one-session");
+        let five = semaphore(5);
+
+        let mut holders = Vec::new();
+        let mut tokens = Vec::new();
+        for taken in 1..=5 {
+            let acquired = held(take(&backend, &key, five).await, "a slot of five");
+            tokens.push(acquired.fencing_token);
+            holders.push(acquired);
+            let slots = slot_rows(&admin, &key).await;
+            assert_eq!(slots.len(), taken, "one slot per attempt: {slots:?}");
+        }
+        let mut slots: Vec<i32> = holders
+            .iter()
+            .filter_map(|h| h.lease.semaphore_slot().map(|s| s.1))
+            .collect();
+        slots.sort_unstable();
+        assert_eq!(slots, vec![0, 1, 2, 3, 4], "five distinct slots");
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]));
+        assert!(take(&backend, &key, five).await.is_none(), "the sixth is busy");
+        assert_eq!(slot_rows(&admin, &key).await.len(), 5);
+        assert_eq!(backend.open_sessions(), 1);
+        for holder in holders {
+            release(&backend, holder).await;
+        }
+        assert!(slot_rows(&admin, &key).await.is_empty(), "each unlock freed its slot");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_semaphore_attempts_on_one_backend_never_share_a_slot() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let backend = backend_with(&server, 2);
+        let key = unique_prefix("modes/semaphore-concurrent");
+        let four = semaphore(4);
+
+        let attempts = (0..24).map(|_| {
+            let backend = backend.clone();
+            let key = key.clone();
+            tokio::spawn(async move { backend.try_acquire_in(&key, four).await })
+        });
+        let mut holders = Vec::new();
+        for attempt in attempts {
+            if let Some(acquired) = attempt.await.expect("task").expect("answered") {
+                holders.push(acquired);
+            }
+        }
+        let slots = slot_rows(&admin, &key).await;
+        assert!(holders.len() <= 4, "{} holders of a semaphore of 4", holders.len());
+        assert_eq!(slots.len(), holders.len(), "one slot per holder: {slots:?}");
+        for holder in holders {
+            release(&backend, holder).await;
+        }
+        assert!(slot_rows(&admin, &key).await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn semaphore_sizes_outside_the_limit_are_not_supported() {
+        let server = PostgresServer::start().await;
+        let backend = backend_with(&server, 1);
+        assert!(!backend.supports(semaphore(0)));
+        assert!(backend.supports(semaphore(lockingkit::MAX_SEMAPHORE_COUNT)));
+        assert!(!backend.supports(semaphore(lockingkit::MAX_SEMAPHORE_COUNT + 1)));
+        let refused = backend
+            .try_acquire_in("modes/too-big", semaphore(u32::MAX))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.kind(), lockingkit::BackendErrorKind::Misconfigured);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plain_sql_sees_readers_and_slots_as_documented_and_takes_them_with_the_documented_sql()
+    {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let plain = server.connect().await;
+        let backend = backend_with(&server, 1);
+        let key = unique_prefix("interop/modes");
+        let sql = |function: &str| {
+            format!(
+                "SELECT {function}({})",
+                PostgresLockKeys::SQL_EXPRESSION
+            )
+        };
+
+        let reader = held(take(&backend, &key, SHARED).await, "reader");
+        let rows = key_rows(&admin, &key).await;
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].1, "ShareLock");
+        let shared: bool = plain
+            .query_one(&sql("pg_try_advisory_lock_shared"), &[&key])
+            .await
+            .expect("plain shared")
+            .get(0);
+        assert!(shared, "plain SQL reads beside the library's reader");
+        let exclusive: bool = plain
+            .query_one(&sql("pg_try_advisory_lock"), &[&key])
+            .await
+            .expect("plain exclusive")
+            .get(0);
+        assert!(!exclusive, "plain SQL cannot write while readers hold");
+        release(&backend, reader).await;
+        assert!(
+            take(&backend, &key, EXCLUSIVE).await.is_none(),
+            "the plain reader keeps the library's writer out"
+        );
+        plain
+            .query_one(&sql("pg_advisory_unlock_shared"), &[&key])
+            .await
+            .expect("plain unlock");
+
+        // Slot 0 and 2 of a semaphore of 3, taken by plain SQL with the documented mapping.
+        let slot_sql = format!(
+            "SELECT pg_try_advisory_lock({}, $2)",
+            PostgresLockKeys::SEMAPHORE_SQL_EXPRESSION
+        );
+        for slot in [0i32, 2] {
+            let taken: bool = plain
+                .query_one(&slot_sql, &[&key, &slot])
+                .await
+                .expect("plain slot")
+                .get(0);
+            assert!(taken);
+        }
+        let three = semaphore(3);
+        let holder = held(take(&backend, &key, three).await, "the one slot left");
+        assert_eq!(
+            holder.lease.semaphore_slot(),
+            Some(PostgresLockKeys::semaphore_slot(&key, 1))
+        );
+        assert!(take(&backend, &key, three).await.is_none());
+        let slots = slot_rows(&admin, &key).await;
+        assert_eq!(slots.iter().map(|s| s.1).collect::<Vec<_>>(), vec![0, 1, 2]);
+        let busy: bool = plain
+            .query_one(&slot_sql, &[&key, &1i32])
+            .await
+            .expect("plain slot")
+            .get(0);
+        assert!(!busy, "plain SQL finds the library's slot taken");
+        release(&backend, holder).await;
+        assert_eq!(slot_rows(&admin, &key).await.len(), 2, "the plain session's two");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_terminated_readers_session_frees_its_share_and_leaves_the_other_reader_holding() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let rw_of = |locks: DistributedLock| locks.reader_writer().expect("readers on PostgreSQL");
+        let doomed = named_process(&server, "doomed-reader", server.options(CHECK));
+        let other = process(&server);
+        let writer = process(&server);
+        let key = unique_prefix("modes/terminated-reader");
+
+        let first = rw_of(doomed.clone()).try_read(&key).await.expect("first reader");
+        let second = rw_of(other.clone()).try_read(&key).await.expect("second reader");
+        assert_eq!(kind_of(rw_of(writer.clone()).try_write(&key).await), ErrorKind::Busy);
+
+        assert_eq!(server.terminate_backends("doomed-reader").await, 1);
+        tokio::time::timeout(Duration::from_secs(2), first.lost_token().cancelled())
+            .await
+            .expect("the terminated reader sees loss");
+        assert_eq!(first.loss_reason(), Some(LossReason::ConnectionLost));
+        eventually("the server freeing the share", Duration::from_secs(5), async || {
+            key_rows(&admin, &key).await.len() == 1
+        })
+        .await;
+        assert!(second.is_held(), "the other reader is unaffected");
+        assert_eq!(kind_of(rw_of(writer.clone()).try_write(&key).await), ErrorKind::Busy);
+
+        let second_token = second.fencing_token();
+        second.release().await.expect("release");
+        let written = rw_of(writer)
+            .try_write(&key)
+            .await
+            .expect("the writer once every reader is gone");
+        assert!(written.fencing_token() > second_token);
+        written.release().await.expect("release");
+        assert!(key_rows(&admin, &key).await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_writer_waiting_behind_overlapping_readers_gets_in_once_the_readers_holding_then_are_gone(
+    ) {
+        let server = PostgresServer::start().await;
+        let readers = process(&server).reader_writer().expect("readers");
+        let writers = process(&server).reader_writer().expect("writers");
+        let key = unique_prefix("modes/writer-intent");
+        const READ: Duration = Duration::from_millis(400);
+
+        // A reader every 100 ms, each holding 400 ms: the key is never free of readers, so a
+        // writer that only tried would never get in.
+        let stop = lockingkit::CancellationToken::new();
+        let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stream = tokio::spawn({
+            let (readers, key, stop, refused) =
+                (readers.clone(), key.clone(), stop.clone(), refused.clone());
+            async move {
+                let mut reads = tokio::task::JoinSet::new();
+                while !stop.is_cancelled() {
+                    match readers.try_read(&key).await {
+                        Ok(handle) => {
+                            reads.spawn(async move {
+                                tokio::time::sleep(READ).await;
+                                handle.release().await.expect("reader release");
+                            });
+                        }
+                        Err(error) if error.kind() == ErrorKind::Busy => {
+                            refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(error) => panic!("reader: {error}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                while reads.join_next().await.is_some() {}
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let started = Instant::now();
+        let written = writers
+            .write(&key, Duration::from_secs(10))
+            .await
+            .expect("the writer gets in");
+        let waited = started.elapsed();
+        stop.cancel();
+        written.release().await.expect("release");
+        stream.await.expect("reader stream");
+        // Once its watcher queues (after its first busy attempt), no new reader gets in; the
+        // readers holding then are gone within one read, and a slice of the watcher plus the
+        // hand-off covers the rest.
+        assert!(
+            waited < READ + Duration::from_millis(900),
+            "the writer waited {waited:?} behind readers holding {READ:?} each"
+        );
+        assert!(
+            refused.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "new readers were held back while the writer waited"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_through_the_public_api_hands_a_freed_slot_to_a_waiter_in_another_process()
+    {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let key = unique_prefix("modes/semaphore-e2e");
+        let here = process(&server).semaphore(&key, 2).expect("a semaphore");
+        let there = process(&server).semaphore(&key, 2).expect("a semaphore");
+
+        let a = here.try_acquire().await.expect("first slot");
+        let b = there.try_acquire().await.expect("second slot");
+        assert_eq!(kind_of(there.try_acquire().await), ErrorKind::Busy);
+        let waiting = tokio::spawn({
+            let there = there.clone();
+            async move { there.acquire(Duration::from_secs(5)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let a_token = a.fencing_token();
+        a.release().await.expect("release");
+        let c = waiting.await.expect("task").expect("the freed slot");
+        assert!(c.fencing_token() > a_token);
+        assert_eq!(slot_rows(&admin, &key).await.len(), 2);
+        b.release().await.expect("release");
+        c.release().await.expect("release");
+        assert!(slot_rows(&admin, &key).await.is_empty());
+        assert_eq!(
+            kind_of(process(&server).semaphore(&key, 0).map(|_| unreachable!())),
+            ErrorKind::Misconfigured
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unconfirmed_shared_unlock_never_takes_the_hold_of_a_reader_on_the_same_session() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+        let backend = PostgresBackend::new(PostgresOptions {
+            connection_string: format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+                proxy.port()
+            )
+            .into(),
+            max_sessions: 1,
+            query_timeout: Duration::from_millis(300),
+            check_interval: Duration::from_secs(30),
+            ..PostgresOptions::default()
+        })
+        .expect("options");
+        let key = unique_prefix("modes/unconfirmed-shared");
+        let a = held(take(&backend, &key, SHARED).await, "first reader");
+        let b = held(take(&backend, &key, SHARED).await, "second reader, same session");
+
+        proxy.set_latency(Duration::from_millis(700));
+        let unconfirmed = backend.release(&a.lease).await;
+        assert!(unconfirmed.is_err(), "an unlock that did not answer in time");
+        drop(a);
+        proxy.set_latency(Duration::ZERO);
+        // Whatever the retries do, the other reader's hold stays on the server.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let rows = key_rows(&admin, &key).await;
+        assert_eq!(rows.len(), 1, "the second reader still holds: {rows:?}");
+        assert_eq!(rows[0].1, "ShareLock");
+        let writer = backend_with(&server, 1);
+        assert!(take(&writer, &key, EXCLUSIVE).await.is_none());
+
+        release(&backend, b).await;
+        eventually("nothing left behind", Duration::from_secs(5), async || {
+            key_rows(&admin, &key).await.is_empty()
+        })
+        .await;
+        let written = held(take(&writer, &key, EXCLUSIVE).await, "the writer");
+        release(&writer, written).await;
+    }
+}

@@ -73,6 +73,7 @@ pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUE
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
+use crate::MAX_SEMAPHORE_COUNT;
 use errors::Stage;
 use session::{Advisory, Attempt, Bounded, Prepared, Session};
 use sessions::SessionSet;
@@ -83,12 +84,6 @@ pub(crate) const PROVIDER: &str = "postgres";
 /// The transaction-level advisory lock that serializes creating the fencing objects. It uses
 /// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
 const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
-
-/// The most slots a semaphore may have. A busy semaphore attempt tries every slot in its one
-/// statement (each a try-lock of a few microseconds in the server's lock table), so this bounds
-/// what one attempt costs the server; slot numbers stay far below the `int4` of the fencing
-/// setup lock, which shares the two-`int4` lock space.
-pub const MAX_SEMAPHORE_COUNT: u32 = 1024;
 
 /// The unlock. Waiters in other processes learn of it from the server itself (see `watch`).
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
@@ -474,7 +469,10 @@ impl LockBackend for PostgresBackend {
             .await
     }
 
-    /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] slots.
+    /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] slots: a busy
+    /// semaphore attempt tries every slot in its one statement (a few microseconds each in the
+    /// server's lock table), and slot numbers stay far below the fencing setup lock's, which
+    /// shares the two-`int4` lock space.
     fn supports(&self, mode: LockMode) -> bool {
         match mode {
             LockMode::Exclusive | LockMode::Shared => true,

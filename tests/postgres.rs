@@ -1424,29 +1424,45 @@ mod modes {
         assert!(first.supports(SHARED));
 
         let a = held(take(&first, &key, SHARED).await, "first reader");
-        let b = held(take(&second, &key, SHARED).await, "second reader");
+        // The only reader is this very session: nothing but the provider stands between the
+        // writer's attempt and a grant.
         assert!(
             take(&first, &key, EXCLUSIVE).await.is_none(),
             "a writer on the reader's own session"
         );
+        let b = held(take(&second, &key, SHARED).await, "second reader");
         assert!(take(&second, &key, EXCLUSIVE).await.is_none());
         let fresh = backend_with(&server, 4);
         assert!(take(&fresh, &key, EXCLUSIVE).await.is_none());
         let rows = key_rows(&admin, &key).await;
         assert_eq!(rows.len(), 2, "two readers and nothing else: {rows:?}");
-        assert!(rows.iter().all(|(_, mode, granted)| mode == "ShareLock" && *granted));
-        assert!(b.fencing_token > a.fencing_token, "tokens grow across readers");
+        assert!(rows
+            .iter()
+            .all(|(_, mode, granted)| mode == "ShareLock" && *granted));
+        assert!(
+            b.fencing_token > a.fencing_token,
+            "tokens grow across readers"
+        );
 
         release(&first, a).await;
-        assert!(take(&fresh, &key, EXCLUSIVE).await.is_none(), "one reader left");
+        assert!(
+            take(&fresh, &key, EXCLUSIVE).await.is_none(),
+            "one reader left"
+        );
         release(&second, b).await;
-        let writer = held(take(&fresh, &key, EXCLUSIVE).await, "writer after the readers");
+        let writer = held(
+            take(&fresh, &key, EXCLUSIVE).await,
+            "writer after the readers",
+        );
         assert!(
             take(&first, &key, SHARED).await.is_none(),
             "a reader while the writer holds"
         );
         release(&fresh, writer).await;
-        assert!(key_rows(&admin, &key).await.is_empty(), "nothing left behind");
+        assert!(
+            key_rows(&admin, &key).await.is_empty(),
+            "nothing left behind"
+        );
         assert_eq!(first.open_sessions(), 1);
     }
 
@@ -1459,7 +1475,10 @@ mod modes {
         let key = unique_prefix("modes/stacked");
 
         let a = held(take(&readers, &key, SHARED).await, "first reader");
-        let b = held(take(&readers, &key, SHARED).await, "second reader, same session");
+        let b = held(
+            take(&readers, &key, SHARED).await,
+            "second reader, same session",
+        );
         let rows = key_rows(&admin, &key).await;
         assert_eq!(rows.len(), 1, "one session holds both reads: {rows:?}");
 
@@ -1471,9 +1490,78 @@ mod modes {
         );
         assert!(take(&writers, &key, EXCLUSIVE).await.is_none());
         release(&readers, b).await;
-        assert!(key_rows(&admin, &key).await.is_empty(), "the second unlock freed it");
+        assert!(
+            key_rows(&admin, &key).await.is_empty(),
+            "the second unlock freed it"
+        );
         let writer = held(take(&writers, &key, EXCLUSIVE).await, "writer");
         release(&writers, writer).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_queued_writer_holds_back_a_reader_even_on_a_session_that_reads_the_key_already() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let readers = backend_with(&server, 1);
+        let key = unique_prefix("modes/queued-writer");
+        let first = held(take(&readers, &key, SHARED).await, "first reader");
+
+        // A writer queued in the server's lock queue, as a waiting writer's watcher is.
+        let writer = server.connect().await;
+        writer
+            .batch_execute("SET lock_timeout = '2s'")
+            .await
+            .expect("lock_timeout");
+        let queued = tokio::spawn({
+            let key = key.clone();
+            async move {
+                let sql = format!(
+                    "SELECT pg_advisory_lock({})",
+                    PostgresLockKeys::SQL_EXPRESSION
+                );
+                writer.query_one(&sql, &[&key]).await.map(|_| writer)
+            }
+        });
+        eventually("the writer queued", Duration::from_secs(5), async || {
+            key_rows(&admin, &key)
+                .await
+                .iter()
+                .any(|(_, mode, granted)| mode == "ExclusiveLock" && !granted)
+        })
+        .await;
+        // The server would grant this session another share without looking at the queue.
+        assert!(
+            take(&readers, &key, SHARED).await.is_none(),
+            "a new reader while a writer is queued"
+        );
+        assert!(take(&backend_with(&server, 1), &key, SHARED)
+            .await
+            .is_none());
+
+        release(&readers, first).await;
+        let writer = queued
+            .await
+            .expect("task")
+            .expect("the queued writer got in");
+        assert!(
+            take(&readers, &key, SHARED).await.is_none(),
+            "the writer holds"
+        );
+        writer
+            .query_one(
+                &format!(
+                    "SELECT pg_advisory_unlock({})",
+                    PostgresLockKeys::SQL_EXPRESSION
+                ),
+                &[&key],
+            )
+            .await
+            .expect("unlock");
+        let after = held(
+            take(&readers, &key, SHARED).await,
+            "a reader after the writer",
+        );
+        release(&readers, after).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1490,7 +1578,10 @@ mod modes {
         assert_eq!(rows[0].1, "ExclusiveLock");
         release(&backend, writer).await;
         assert!(key_rows(&admin, &key).await.is_empty());
-        let reader = held(take(&backend, &key, SHARED).await, "reader after the writer");
+        let reader = held(
+            take(&backend, &key, SHARED).await,
+            "reader after the writer",
+        );
         release(&backend, reader).await;
     }
 
@@ -1508,7 +1599,10 @@ mod modes {
         for backend in &backends[..3] {
             holders.push(held(take(backend, &key, three).await, "a free slot"));
         }
-        assert!(take(&backends[3], &key, three).await.is_none(), "every slot taken");
+        assert!(
+            take(&backends[3], &key, three).await.is_none(),
+            "every slot taken"
+        );
         let slots = slot_rows(&admin, &key).await;
         assert_eq!(
             slots.iter().map(|(_, slot)| *slot).collect::<Vec<_>>(),
@@ -1532,7 +1626,10 @@ mod modes {
         for (backend, holder) in [&backends[0], &backends[2]].into_iter().zip(holders) {
             release(backend, holder).await;
         }
-        assert!(slot_rows(&admin, &key).await.is_empty(), "nothing left behind");
+        assert!(
+            slot_rows(&admin, &key).await.is_empty(),
+            "nothing left behind"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1560,13 +1657,19 @@ mod modes {
         slots.sort_unstable();
         assert_eq!(slots, vec![0, 1, 2, 3, 4], "five distinct slots");
         assert!(tokens.windows(2).all(|w| w[0] < w[1]));
-        assert!(take(&backend, &key, five).await.is_none(), "the sixth is busy");
+        assert!(
+            take(&backend, &key, five).await.is_none(),
+            "the sixth is busy"
+        );
         assert_eq!(slot_rows(&admin, &key).await.len(), 5);
         assert_eq!(backend.open_sessions(), 1);
         for holder in holders {
             release(&backend, holder).await;
         }
-        assert!(slot_rows(&admin, &key).await.is_empty(), "each unlock freed its slot");
+        assert!(
+            slot_rows(&admin, &key).await.is_empty(),
+            "each unlock freed its slot"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1589,7 +1692,11 @@ mod modes {
             }
         }
         let slots = slot_rows(&admin, &key).await;
-        assert!(holders.len() <= 4, "{} holders of a semaphore of 4", holders.len());
+        assert!(
+            holders.len() <= 4,
+            "{} holders of a semaphore of 4",
+            holders.len()
+        );
         assert_eq!(slots.len(), holders.len(), "one slot per holder: {slots:?}");
         for holder in holders {
             release(&backend, holder).await;
@@ -1619,12 +1726,8 @@ mod modes {
         let plain = server.connect().await;
         let backend = backend_with(&server, 1);
         let key = unique_prefix("interop/modes");
-        let sql = |function: &str| {
-            format!(
-                "SELECT {function}({})",
-                PostgresLockKeys::SQL_EXPRESSION
-            )
-        };
+        let sql =
+            |function: &str| format!("SELECT {function}({})", PostgresLockKeys::SQL_EXPRESSION);
 
         let reader = held(take(&backend, &key, SHARED).await, "reader");
         let rows = key_rows(&admin, &key).await;
@@ -1681,7 +1784,11 @@ mod modes {
             .get(0);
         assert!(!busy, "plain SQL finds the library's slot taken");
         release(&backend, holder).await;
-        assert_eq!(slot_rows(&admin, &key).await.len(), 2, "the plain session's two");
+        assert_eq!(
+            slot_rows(&admin, &key).await.len(),
+            2,
+            "the plain session's two"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1694,21 +1801,35 @@ mod modes {
         let writer = process(&server);
         let key = unique_prefix("modes/terminated-reader");
 
-        let first = rw_of(doomed.clone()).try_read(&key).await.expect("first reader");
-        let second = rw_of(other.clone()).try_read(&key).await.expect("second reader");
-        assert_eq!(kind_of(rw_of(writer.clone()).try_write(&key).await), ErrorKind::Busy);
+        let first = rw_of(doomed.clone())
+            .try_read(&key)
+            .await
+            .expect("first reader");
+        let second = rw_of(other.clone())
+            .try_read(&key)
+            .await
+            .expect("second reader");
+        assert_eq!(
+            kind_of(rw_of(writer.clone()).try_write(&key).await),
+            ErrorKind::Busy
+        );
 
         assert_eq!(server.terminate_backends("doomed-reader").await, 1);
         tokio::time::timeout(Duration::from_secs(2), first.lost_token().cancelled())
             .await
             .expect("the terminated reader sees loss");
         assert_eq!(first.loss_reason(), Some(LossReason::ConnectionLost));
-        eventually("the server freeing the share", Duration::from_secs(5), async || {
-            key_rows(&admin, &key).await.len() == 1
-        })
+        eventually(
+            "the server freeing the share",
+            Duration::from_secs(5),
+            async || key_rows(&admin, &key).await.len() == 1,
+        )
         .await;
         assert!(second.is_held(), "the other reader is unaffected");
-        assert_eq!(kind_of(rw_of(writer.clone()).try_write(&key).await), ErrorKind::Busy);
+        assert_eq!(
+            kind_of(rw_of(writer.clone()).try_write(&key).await),
+            ErrorKind::Busy
+        );
 
         let second_token = second.fencing_token();
         second.release().await.expect("release");
@@ -1830,11 +1951,17 @@ mod modes {
         .expect("options");
         let key = unique_prefix("modes/unconfirmed-shared");
         let a = held(take(&backend, &key, SHARED).await, "first reader");
-        let b = held(take(&backend, &key, SHARED).await, "second reader, same session");
+        let b = held(
+            take(&backend, &key, SHARED).await,
+            "second reader, same session",
+        );
 
         proxy.set_latency(Duration::from_millis(700));
         let unconfirmed = backend.release(&a.lease).await;
-        assert!(unconfirmed.is_err(), "an unlock that did not answer in time");
+        assert!(
+            unconfirmed.is_err(),
+            "an unlock that did not answer in time"
+        );
         drop(a);
         proxy.set_latency(Duration::ZERO);
         // Whatever the retries do, the other reader's hold stays on the server.

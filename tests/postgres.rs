@@ -1980,4 +1980,96 @@ mod modes {
         let written = held(take(&writer, &key, EXCLUSIVE).await, "the writer");
         release(&writer, written).await;
     }
+
+    /// Whether a LockingKit session is queued on `key` in `mode` (`ShareLock`, `ExclusiveLock`):
+    /// a waiting process's watcher.
+    async fn watcher_queued_as(admin: &tokio_postgres::Client, key: &str, mode: &str) -> bool {
+        key_rows(admin, key)
+            .await
+            .iter()
+            .any(|(_, queued, granted)| queued == mode && !granted)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_waiting_for_a_writer_queues_shared_and_holds_no_other_reader_back() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let writer = process(&server).reader_writer().expect("rw");
+        // A one-second backoff: only the watcher can hand the key over quickly.
+        let reader = patient(&server).reader_writer().expect("rw");
+        let other = process(&server).reader_writer().expect("rw");
+        let key = unique_prefix("modes/waiting-reader");
+
+        let written = writer.try_write(&key).await.expect("writer");
+        let waiting = tokio::spawn({
+            let (reader, key) = (reader.clone(), key.clone());
+            async move {
+                let handle = reader.read(&key, Duration::from_secs(10)).await;
+                (Instant::now(), handle)
+            }
+        });
+        eventually(
+            "the reader's watcher",
+            Duration::from_secs(10),
+            async || watcher_queued_as(&admin, &key, "ShareLock").await,
+        )
+        .await;
+        assert!(
+            !watcher_queued_as(&admin, &key, "ExclusiveLock").await,
+            "a waiting reader is no writer's intent"
+        );
+        let released = Instant::now();
+        written.release().await.expect("release");
+        let (read_at, read) = waiting.await.expect("task");
+        let read = read.expect("the reader once the writer left");
+        assert!(
+            read_at.saturating_duration_since(released) < Duration::from_millis(300),
+            "woken by its watcher, not its 1 s backoff"
+        );
+        let beside = other
+            .try_read(&key)
+            .await
+            .expect("another reader beside it");
+        read.release().await.expect("release");
+        beside.release().await.expect("release");
+        assert!(key_rows(&admin, &key).await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_writer_waiting_for_readers_queues_exclusively_and_new_readers_are_refused() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let readers = process(&server).reader_writer().expect("rw");
+        let writer = patient(&server).reader_writer().expect("rw");
+        let key = unique_prefix("modes/waiting-writer");
+
+        let read = readers.try_read(&key).await.expect("reader");
+        let waiting = tokio::spawn({
+            let (writer, key) = (writer.clone(), key.clone());
+            async move {
+                let handle = writer.write(&key, Duration::from_secs(10)).await;
+                (Instant::now(), handle)
+            }
+        });
+        eventually(
+            "the writer's watcher",
+            Duration::from_secs(10),
+            async || watcher_queued_as(&admin, &key, "ExclusiveLock").await,
+        )
+        .await;
+        assert_eq!(
+            kind_of(readers.try_read(&key).await),
+            ErrorKind::Busy,
+            "a new reader while a writer waits"
+        );
+        let released = Instant::now();
+        read.release().await.expect("release");
+        let (written_at, written) = waiting.await.expect("task");
+        let written = written.expect("the writer once the reader left");
+        assert!(
+            written_at.saturating_duration_since(released) < Duration::from_millis(300),
+            "woken by its watcher, not its 1 s backoff"
+        );
+        written.release().await.expect("release");
+    }
 }

@@ -42,10 +42,11 @@
 //!   the first free one with its fencing token: one round trip per attempt, busy or not. At
 //!   most [`MAX_SEMAPHORE_COUNT`] slots.
 //! - **Hand-off across processes in milliseconds, at no lasting cost to the server**: for each
-//!   key a process waits for, its backend keeps a watcher session queued for an exclusive lock
-//!   on the same key, in statements that give up after half a second (`lock_timeout`) and are
-//!   sent again, so no snapshot is held for longer (see `watch`). Queued, it is also a waiting
-//!   writer's intent, which new readers respect. Polling stays the fallback.
+//!   key a process waits for, its backend keeps a watcher session queued for the same key
+//!   (exclusively while a writer waits, shared while only readers do), in statements that give
+//!   up after half a second (`lock_timeout`) and are sent again, so no snapshot is held for
+//!   longer (see `watch`). Queued exclusively, it is also the waiting writer's intent, which
+//!   new readers respect. Polling stays the fallback.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
 //!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
 //!   or statement pooling mode breaks session locks; use session pooling or connect directly.
@@ -329,6 +330,14 @@ impl PostgresBackend {
         i32::try_from(spread).unwrap_or(0)
     }
 
+    /// `attempt` answered busy: a writer's tells this process's watcher of the key to queue
+    /// exclusively (see `watch`).
+    fn busy(&self, attempt: Attempt) {
+        if let Attempt::Exclusive(key) = attempt {
+            self.inner.releases.writer_busy(key);
+        }
+    }
+
     /// One attempt: reserves it on a session, sends its statement, and reads the answer.
     async fn attempt(
         &self,
@@ -337,6 +346,7 @@ impl PostgresBackend {
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
             // This process holds the key, or may still: on every session it could try.
+            self.busy(attempt);
             return Ok(None);
         };
         let session = reservation.session();
@@ -389,6 +399,7 @@ impl PostgresBackend {
         };
         let Some(row) = row else {
             reservation.free();
+            self.busy(attempt);
             return Ok(None);
         };
         let answer = match attempt {

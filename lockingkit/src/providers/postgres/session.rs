@@ -348,11 +348,13 @@ impl Session {
     /// `attempt` took `hold` for a lease.
     pub(super) fn attempt_held(&self, attempt: Attempt, hold: Advisory) {
         if attempt.object() != hold.object() {
-            self.update(attempt.object(), |entry| {
-                entry.attempting = entry.attempting.saturating_sub(1)
-            });
+            // The slot first: until the semaphore's attempt is gone no other attempt of it runs
+            // here, and after that every one sees the slot as this session's.
             self.update(hold.object(), |entry| {
                 entry.held = entry.held.saturating_add(1)
+            });
+            self.update(attempt.object(), |entry| {
+                entry.attempting = entry.attempting.saturating_sub(1)
             });
         } else {
             self.update(hold.object(), |entry| {

@@ -10,10 +10,16 @@
 //! [`LockBackend::release_hint`](crate::LockBackend::release_hint)). The release itself is a
 //! plain `pg_advisory_unlock`: it pays nothing for this.
 //!
-//! # Writer intent
-//! The request is exclusive because readers exist: a shared request would be granted at once
-//! while readers hold the key, waking a writer that waits for them over and over. Queued
-//! exclusive, it is also the waiting writer's intent, which new readers respect: the server
+//! # Writers and readers
+//! A watcher queues *exclusively* while a writer of this process waits for the key (an
+//! exclusive attempt answered busy since the watcher last woke its waiters), and *shared* while
+//! only readers wait. A shared request would be granted at once while readers hold the key,
+//! waking a writer that waits for them over and over; an exclusive one, queued for a reader that
+//! waits behind a writer, would hold every other reader back until the readers holding have all
+//! gone, as if a writer waited.
+//!
+//! Queued exclusive, the request is also the waiting writer's intent, which new readers respect:
+//! the server
 //! refuses a new `pg_try_advisory_lock_shared` that conflicts with a *queued* request, not only
 //! with granted ones. So from the moment a writer's watcher queues, no new reader gets in
 //! anywhere (a LockingKit session that already reads the key looks for a queued writer itself,
@@ -46,7 +52,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -60,9 +66,14 @@ use tokio_util::sync::CancellationToken;
 
 /// Queues for the key exclusively and gives it back in the same statement: it returns when the
 /// key is free of every holder, or fails with SQLSTATE 55P03 when the session's `lock_timeout`
-/// ends the slice. The subquery runs first, so the unlock follows the grant.
+/// ends the slice. The subquery runs first, so the unlock follows the grant. For writers.
 const WATCH: &str = "SELECT pg_advisory_unlock($1::bigint) \
                      FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted";
+
+/// The same, shared: it returns when no writer holds the key or waits in the server's queue.
+/// For readers.
+const WATCH_SHARED: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
+                            FROM (SELECT pg_advisory_lock_shared($1::bigint) OFFSET 0) granted";
 
 /// The longest one watch statement (and so its snapshot) lives.
 const SLICE: Duration = Duration::from_millis(500);
@@ -138,6 +149,9 @@ struct KeyWatch {
     wake: watch::Sender<()>,
     /// Counts the attempts made under a hint: a watcher watches again only after a new one.
     attempts: watch::Sender<u64>,
+    /// An exclusive attempt answered busy since the watcher last woke the waiters: a writer
+    /// waits, so the watcher queues exclusively.
+    writer_waits: AtomicBool,
 }
 
 impl ReleaseWatch {
@@ -152,6 +166,12 @@ impl ReleaseWatch {
                 open: Arc::new(AtomicUsize::new(0)),
             }),
         }
+    }
+
+    /// An exclusive attempt on `advisory_key` (a writer's, or a plain lock's) answered busy.
+    /// See "Writers and readers" above.
+    pub(super) fn writer_busy(&self, advisory_key: i64) {
+        self.shared.writer_busy(advisory_key);
     }
 
     /// Sessions open for watchers now, busy or idle.
@@ -210,12 +230,21 @@ impl WatchState {
                 key: Arc::new(KeyWatch {
                     wake: watch::channel(()).0,
                     attempts: watch::channel(0).0,
+                    writer_waits: AtomicBool::new(false),
                 }),
                 watched: false,
             })
             .key
             .wake
             .subscribe()
+    }
+
+    /// An exclusive attempt on `advisory_key` answered busy. Called before the waiter polls its
+    /// hint, so a watcher that starts or watches again for it already knows a writer waits.
+    fn writer_busy(&self, advisory_key: i64) {
+        if let Some(entry) = self.keys().by_key.get(&advisory_key) {
+            entry.key.writer_waits.store(true, Ordering::Release);
+        }
     }
 
     /// A waiter's attempt answered busy: counts it, and starts the key's watcher if none runs.
@@ -276,8 +305,10 @@ enum WatcherExit {
 /// queued when its slice ends.
 struct WatchSession {
     client: tokio_postgres::Client,
-    /// [`WATCH`], prepared once: a slice is sent every half second while a key stays busy.
+    /// [`WATCH`] and [`WATCH_SHARED`], prepared once: a slice is sent every half second while a
+    /// key stays busy.
     watch: Statement,
+    watch_shared: Statement,
     driver: tokio::task::JoinHandle<()>,
     idle_since: Instant,
     /// Numbers the session while it lingers idle.
@@ -325,10 +356,12 @@ impl WatchState {
         let open = self.open.clone();
         let setup = async {
             client.batch_execute(SET_SLICE).await?;
-            client.prepare_typed(WATCH, &[Type::INT8]).await
+            let watch = client.prepare_typed(WATCH, &[Type::INT8]).await?;
+            let shared = client.prepare_typed(WATCH_SHARED, &[Type::INT8]).await?;
+            Ok::<_, tokio_postgres::Error>((watch, shared))
         };
         let setup = tokio::time::timeout(timeout, setup).await;
-        let Ok(Ok(watch)) = setup else {
+        let Ok(Ok((watch, watch_shared))) = setup else {
             driver.abort();
             open.fetch_sub(1, Ordering::Relaxed);
             return None;
@@ -336,6 +369,7 @@ impl WatchState {
         Some(WatchSession {
             client,
             watch,
+            watch_shared,
             driver,
             idle_since: Instant::now(),
             id: 0,
@@ -440,6 +474,8 @@ async fn watch_key(
         match watch_until_free(shared, &session, key, advisory_key).await {
             Slices::Freed => {
                 covered = newest;
+                // A writer still waiting says so again with its next busy attempt.
+                key.writer_waits.store(false, Ordering::Release);
                 key.wake.send_replace(());
             }
             Slices::Left => return WatcherExit::Clean(Box::new(session)),
@@ -475,7 +511,12 @@ async fn watch_until_free(
         if key.wake.receiver_count() == 0 && waiters_left(key).await {
             return Slices::Left;
         }
-        let statement = session.client.query_one(&session.watch, &params);
+        let statement = if key.writer_waits.load(Ordering::Acquire) {
+            &session.watch
+        } else {
+            &session.watch_shared
+        };
+        let statement = session.client.query_one(statement, &params);
         tokio::pin!(statement);
         let overdue = tokio::time::sleep(SLICE + SLICE_GRACE);
         tokio::pin!(overdue);

@@ -374,6 +374,43 @@ fn main() {
         "diagnostic",
         ""
     );
+    // Readers and semaphores on PostgreSQL, on a server of their own after the rows above.
+    let modes = runtime.block_on(async {
+        tokio::spawn(async move {
+            let server = PostgresServer::start().await;
+            bench_postgres::measure_modes(&server, sizes.postgres_pairs).await
+        })
+        .await
+        .expect("the modes benchmark task panicked")
+    });
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "9. PostgreSQL try_read+release vs raw shared, median",
+        ms(modes.shared.median),
+        ms(modes.raw_shared.median),
+        format!("ratio {:.3}", modes.shared_ratio()),
+        ""
+    );
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        format!(
+            "   semaphore of {} with {} taken vs raw slot pair",
+            modes.slots,
+            modes.slots - 1
+        ),
+        ms(modes.semaphore.median),
+        ms(modes.raw_slot.median),
+        format!("ratio {:.3}", modes.semaphore_ratio()),
+        ""
+    );
+    println!(
+        "| {:<52} | {:>12.2} | {:>12} | {:<14} | {:<6} |",
+        "   semaphore try_acquire: round trips per attempt",
+        modes.semaphore_round_trips,
+        1,
+        "1",
+        pass(modes.semaphore_round_trips <= 1.0)
+    );
     print_http_layer_cost(&layer_cost);
     println!();
     println!(

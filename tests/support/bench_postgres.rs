@@ -283,3 +283,185 @@ async fn raw_pair(client: &deadpool_postgres::Client, lock_sql: &str, key: i64) 
         .get(0);
     assert!(released, "the raw pooled unlock was refused");
 }
+
+/// Readers and semaphores on PostgreSQL, each next to raw SQL, interleaved in one run.
+#[derive(Clone, Debug)]
+pub struct ModesReport {
+    /// Pairs measured per variant.
+    pub pairs: usize,
+    /// `ReaderWriterLock::try_read` + `release` through `DistributedLock` (engine included).
+    pub shared: Latency,
+    /// Raw prepared `pg_try_advisory_lock_shared` + `pg_advisory_unlock_shared`, pooled.
+    pub raw_shared: Latency,
+    /// The semaphore's slots, `slots - 1` of them held by another session throughout.
+    pub slots: u32,
+    /// `DistributedSemaphore::try_acquire` + `release` taking the one free slot.
+    pub semaphore: Latency,
+    /// Raw prepared `pg_try_advisory_lock(int4, int4)` of one known-free slot + unlock.
+    pub raw_slot: Latency,
+    /// Round trips per semaphore `try_acquire`, counted by a TCP proxy in front of the server
+    /// (the goal is one: the attempt finds and takes the free slot in one statement).
+    pub semaphore_round_trips: f64,
+}
+
+impl ModesReport {
+    /// The reader pair's median over the raw shared pair's.
+    pub fn shared_ratio(&self) -> f64 {
+        self.shared.median.as_secs_f64() / self.raw_shared.median.as_secs_f64()
+    }
+
+    /// The semaphore pair's median over the raw one-slot pair's.
+    pub fn semaphore_ratio(&self) -> f64 {
+        self.semaphore.median.as_secs_f64() / self.raw_slot.median.as_secs_f64()
+    }
+}
+
+const TRY_LOCK_SHARED: &str = "SELECT pg_try_advisory_lock_shared($1)";
+const UNLOCK_SHARED: &str = "SELECT pg_advisory_unlock_shared($1)";
+const TRY_LOCK_SLOT: &str = "SELECT pg_try_advisory_lock($1::int4, $2::int4)";
+const UNLOCK_SLOT: &str = "SELECT pg_advisory_unlock($1::int4, $2::int4)";
+
+/// Measures readers and semaphores against raw SQL: `pairs` interleaved pairs of each, after a
+/// warm-up, then the round trips of semaphore attempts through a counting proxy.
+pub async fn measure_modes(server: &PostgresServer, pairs: usize) -> ModesReport {
+    const SLOTS: u32 = 16;
+    let pid = std::process::id();
+    let lock = |options| {
+        let backend = PostgresBackend::new(options).expect("options");
+        DistributedLock::builder(backend).build().expect("lock")
+    };
+    let readers = lock(server.options(Duration::from_secs(30)))
+        .reader_writer()
+        .expect("readers on PostgreSQL");
+    let read_key = format!("bench/modes/read/{pid}");
+    let semaphore_key = format!("bench/modes/semaphore/{pid}");
+    let semaphore = lock(server.options(Duration::from_secs(30)))
+        .semaphore(&semaphore_key, SLOTS)
+        .expect("a semaphore on PostgreSQL");
+
+    // Every slot but one held by another session for the whole run.
+    let occupier = server.connect().await;
+    let semaphore_id = PostgresLockKeys::semaphore_key(&semaphore_key);
+    for slot in 0..SLOTS as i32 - 1 {
+        occupier
+            .query_one(TRY_LOCK_SLOT, &[&semaphore_id, &slot])
+            .await
+            .expect("occupy a slot");
+    }
+    let free_slot = SLOTS as i32 - 1;
+
+    let pool = raw_pool(server, 1);
+    let slot_pool = raw_pool(server, 1);
+    let raw_read_key = PostgresLockKeys::advisory_key(&format!("bench/modes/raw-read/{pid}"));
+    let raw_semaphore = PostgresLockKeys::semaphore_key(&format!("bench/modes/raw-slot/{pid}"));
+
+    const VARIANTS: usize = 4;
+    let mut samples: [Vec<Duration>; VARIANTS] = Default::default();
+    let warm_up = 50.min(pairs);
+    let mut order: [usize; VARIANTS] = std::array::from_fn(|v| v);
+    let mut random = Shuffle::seeded();
+    for round in 0..warm_up + pairs {
+        random.shuffle(&mut order);
+        for variant in order {
+            let started = Instant::now();
+            match variant {
+                0 => readers
+                    .try_read(&read_key)
+                    .await
+                    .expect("reader")
+                    .release()
+                    .await
+                    .expect("reader release"),
+                1 => {
+                    let client = pool.get().await.expect("pooled connection");
+                    let lock = client
+                        .prepare_cached(TRY_LOCK_SHARED)
+                        .await
+                        .expect("prepare");
+                    let unlock = client.prepare_cached(UNLOCK_SHARED).await.expect("prepare");
+                    let taken: bool = client
+                        .query_one(&lock, &[&raw_read_key])
+                        .await
+                        .expect("raw shared lock")
+                        .get(0);
+                    assert!(taken, "the raw shared lock was refused");
+                    let released: bool = client
+                        .query_one(&unlock, &[&raw_read_key])
+                        .await
+                        .expect("raw shared unlock")
+                        .get(0);
+                    assert!(released);
+                }
+                2 => semaphore
+                    .try_acquire()
+                    .await
+                    .expect("the one free slot")
+                    .release()
+                    .await
+                    .expect("slot release"),
+                _ => {
+                    let client = slot_pool.get().await.expect("pooled connection");
+                    let lock = client.prepare_cached(TRY_LOCK_SLOT).await.expect("prepare");
+                    let unlock = client.prepare_cached(UNLOCK_SLOT).await.expect("prepare");
+                    let taken: bool = client
+                        .query_one(&lock, &[&raw_semaphore, &free_slot])
+                        .await
+                        .expect("raw slot lock")
+                        .get(0);
+                    assert!(taken, "the raw slot was taken");
+                    let released: bool = client
+                        .query_one(&unlock, &[&raw_semaphore, &free_slot])
+                        .await
+                        .expect("raw slot unlock")
+                        .get(0);
+                    assert!(released);
+                }
+            }
+            if round >= warm_up {
+                samples[variant].push(started.elapsed());
+            }
+        }
+    }
+
+    // Round trips: the same semaphore through a proxy that counts request/answer exchanges.
+    let proxy = crate::proxy::FaultProxy::to_port(server.port()).await;
+    let counted = lock(lockingkit::PostgresOptions {
+        connection_string: format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+            proxy.port()
+        )
+        .into(),
+        check_interval: Duration::from_secs(30),
+        ..lockingkit::PostgresOptions::default()
+    })
+    .semaphore(&semaphore_key, SLOTS)
+    .expect("a semaphore");
+    // The first attempt opens the session and prepares the statement.
+    counted
+        .try_acquire()
+        .await
+        .expect("slot")
+        .release()
+        .await
+        .expect("release");
+    let attempts = 20.min(pairs.max(1));
+    let mut round_trips = 0;
+    for _ in 0..attempts {
+        let before = proxy.exchanges().len();
+        let held = counted.try_acquire().await.expect("the one free slot");
+        round_trips += proxy.exchanges().len() - before;
+        held.release().await.expect("release");
+    }
+    drop(occupier);
+
+    let [shared, raw_shared, semaphore, raw_slot] = samples;
+    ModesReport {
+        pairs,
+        shared: latency(shared),
+        raw_shared: latency(raw_shared),
+        slots: SLOTS,
+        semaphore: latency(semaphore),
+        raw_slot: latency(raw_slot),
+        semaphore_round_trips: round_trips as f64 / attempts as f64,
+    }
+}

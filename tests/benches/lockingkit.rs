@@ -385,7 +385,7 @@ fn main() {
     });
     println!(
         "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
-        "9. PostgreSQL try_read+release vs raw shared, median",
+        "10. PostgreSQL try_read+release vs raw shared, median",
         ms(modes.shared.median),
         ms(modes.raw_shared.median),
         format!("ratio {:.3}", modes.shared_ratio()),

@@ -129,6 +129,10 @@ macro_rules! contract_tests {
             renewal_keeps_the_lock_over_three_lease_periods,
             fencing_tokens_grow,
             local_waiters_are_served_in_arrival_order,
+            readers_hold_together_and_a_writer_holds_alone,
+            a_writer_waiting_behind_overlapping_readers_gets_in,
+            a_semaphore_never_has_more_than_its_count_of_holders,
+            shared_holds_leak_nothing_and_stay_renewed,
         );
     };
     (@cases $setup:expr; $($case:ident),+ $(,)?) => {

@@ -678,8 +678,8 @@ pub async fn a_writer_waiting_behind_overlapping_readers_gets_in<B: ContractBack
     // Two reader processes take turns so that some reader always holds the key: each reader
     // starts before the other's ends.
     let mut streams = Vec::new();
-    for process in 1..3 {
-        let Some(rw) = reader_writer_or_refused(&procs[process]) else {
+    for (process, lock) in procs.iter().enumerate().skip(1) {
+        let Some(rw) = reader_writer_or_refused(lock) else {
             return;
         };
         let key = key.clone();

@@ -349,6 +349,7 @@ impl<B: LockBackend> Engine<B> {
             telemetry: &self.telemetry,
             span: self.telemetry.acquire_span(operation, mode),
             operation,
+            mode,
             started: Instant::now(),
             attempts: 0,
             finished: false,
@@ -460,6 +461,7 @@ struct AcquireRecord<'a> {
     telemetry: &'a Telemetry,
     span: tracing::Span,
     operation: Operation,
+    mode: LockMode,
     started: Instant,
     attempts: u64,
     finished: bool,
@@ -479,6 +481,7 @@ impl AcquireRecord<'_> {
         self.telemetry.acquire_finished(
             &self.span,
             self.operation,
+            self.mode,
             outcome,
             error,
             self.attempts,

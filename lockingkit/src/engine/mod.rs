@@ -267,24 +267,7 @@ impl<B: LockBackend> Engine<B> {
         self.check_mode(mode)?;
         let runtime = current_runtime()?;
         let deadline = crate::clock::in_(timeout);
-        let arrival = match mode {
-            LockMode::Exclusive => self.room.enter(key),
-            _ => Arrival::Front(self.room.own_lane(key)),
-        };
-        let turn = match arrival {
-            Arrival::Front(turn) => turn,
-            Arrival::Queued(ticket) => {
-                self.telemetry.waiter_queued();
-                let _left = Defer(|| self.telemetry.waiter_left());
-                let evidence = ticket.evidence_handle();
-                match tokio::time::timeout_at(deadline, ticket.turn()).await {
-                    // A turn that arrives at the deadline is passed on unused: the caller's
-                    // time is up, and an attempt now would only add a request.
-                    Ok(turn) if Instant::now() < deadline => turn,
-                    _ => return Err(wait_error(evidence.read(), timeout)),
-                }
-            }
-        };
+        let turn = self.wait_for_turn(key, mode, deadline, timeout).await?;
         let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
         // What the latest finished attempt found, and when the one in flight (if any) was sent:
         // they decide between `Timeout` and `Unavailable` (see `wait_outcome`).
@@ -301,6 +284,12 @@ impl<B: LockBackend> Engine<B> {
                 let hint = match mode {
                     LockMode::Semaphore { .. } => None,
                     _ => Some(self.backend.release_hint(current.key())),
+                };
+                let hint = async move {
+                    match hint {
+                        Some(hint) => hint.await,
+                        None => std::future::pending().await,
+                    }
                 };
                 in_flight = Some(Instant::now());
                 let (current, sent, result) = self.attempt(current, mode).await;
@@ -324,7 +313,7 @@ impl<B: LockBackend> Engine<B> {
                 // turn stays with us so local waiters behind us stay quiet.
                 tokio::select! {
                     biased;
-                    _ = async { match hint { Some(hint) => hint.await, None => std::future::pending().await } }, if busy => {}
+                    _ = hint, if busy => {}
                     _ = tokio::time::sleep_until(wake), if wake < deadline => {}
                     // Neither: the deadline (outside) ends the wait.
                     else => std::future::pending::<()>().await,
@@ -340,6 +329,35 @@ impl<B: LockBackend> Engine<B> {
                 in_flight,
                 self.options.max_retry_delay,
             )),
+        }
+    }
+
+    /// The turn to attempt `key` under: at once for the front caller of an exclusive key and
+    /// for readers and semaphore holders (a lane of their own), otherwise once the local
+    /// callers ahead have gone, or a `Timeout`/`Unavailable` error at the deadline.
+    async fn wait_for_turn(
+        self: &Arc<Self>,
+        key: &str,
+        mode: LockMode,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Turn, LockError> {
+        let arrival = match mode {
+            LockMode::Exclusive => self.room.enter(key),
+            _ => Arrival::Front(self.room.own_lane(key)),
+        };
+        let ticket = match arrival {
+            Arrival::Front(turn) => return Ok(turn),
+            Arrival::Queued(ticket) => ticket,
+        };
+        self.telemetry.waiter_queued();
+        let _left = Defer(|| self.telemetry.waiter_left());
+        let evidence = ticket.evidence_handle();
+        match tokio::time::timeout_at(deadline, ticket.turn()).await {
+            // A turn that arrives at the deadline is passed on unused: the caller's time is up,
+            // and an attempt now would only add a request.
+            Ok(turn) if Instant::now() < deadline => Ok(turn),
+            _ => Err(wait_error(evidence.read(), timeout)),
         }
     }
 

@@ -65,6 +65,7 @@
 //! ```
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 pub mod extract;
@@ -81,3 +82,8 @@ pub use template::PathTemplate;
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/http.md")]
 pub struct HttpGuideDoctests;
+
+/// The crate README's example, compiled as a doc test so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,9 +1,6 @@
 //! `PathTemplate`: a lock key built from a route's path parameters.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
 
 use axum::extract::rejection::RawPathParamsRejection;
 use axum::extract::{FromRequestParts, MatchedPath, RawPathParams};
@@ -112,23 +109,16 @@ fn is_param_name(name: &str) -> bool {
     !bare.is_empty() && !bare.contains(['{', '}', '/', '*'])
 }
 
-/// The path parameters axum stored when it routed the request; `None` only if the extractor
-/// ever stops completing at once.
-fn raw_path_params(request: &mut Parts) -> Option<Result<RawPathParams, RawPathParamsRejection>> {
-    // `RawPathParams` extraction is synchronous inside its async signature (it only reads the
-    // request extensions), so one poll always completes it.
-    let extraction = pin!(<RawPathParams as FromRequestParts<()>>::from_request_parts(
-        request,
-        &(),
-    ));
-    match extraction.poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(result) => Some(result),
-        Poll::Pending => None,
-    }
+/// The path parameters axum stored when it routed the request.
+///
+/// Extracting `RawPathParams` only reads the request extensions, but its signature is async,
+/// so it is awaited like any extractor: the layer's response future waits for it.
+async fn raw_path_params(request: &mut Parts) -> Result<RawPathParams, RawPathParamsRejection> {
+    <RawPathParams as FromRequestParts<()>>::from_request_parts(request, &()).await
 }
 
 impl LockKey for PathTemplate {
-    fn applies_to(&self, request: &mut Parts) -> bool {
+    async fn applies_to(&self, request: &mut Parts) -> bool {
         // axum stores path parameters (perhaps none) on every request it routes, fallbacks
         // included, but a `MatchedPath` only when a route matched. Parameters without a matched
         // path mean the request is bound for a fallback, whose answer a lock layer must not
@@ -137,13 +127,13 @@ impl LockKey for PathTemplate {
         // router, and it is refused rather than quietly served unlocked.
         request.extensions.get::<MatchedPath>().is_some()
             || matches!(
-                raw_path_params(request),
-                Some(Err(RawPathParamsRejection::MissingPathParams(_)))
+                raw_path_params(request).await,
+                Err(RawPathParamsRejection::MissingPathParams(_))
             )
     }
 
-    fn lock_key(&self, request: &mut Parts) -> Option<String> {
-        let params = match raw_path_params(request)? {
+    async fn lock_key(&self, request: &mut Parts) -> Option<String> {
+        let params = match raw_path_params(request).await {
             Ok(params) => params,
             Err(rejection) => {
                 tracing::warn!(

@@ -25,16 +25,22 @@
 //! parameters.
 
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
 mod lock;
 
 pub use lock::{
-    LockBody, LockKey, LockLayer, LockRejection, LockService, ProblemDetails, RejectionResponse,
-    RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
-    PROBLEM_JSON,
+    LockBody, LockKey, LockLayer, LockRejection, LockService, ProblemDetails, ProblemDocument,
+    RejectionResponse, RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
 
 /// The error type of a [`LockBody`]: the inner body's error, or a [`lockingkit::LockError`]
 /// when the lock is lost while the body streams.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The crate README's example, compiled as a doc test so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

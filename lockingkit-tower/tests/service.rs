@@ -2,10 +2,10 @@
 //! cancellation and the request's lock view.
 
 use std::convert::Infallible;
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -133,10 +133,12 @@ async fn poll_ready_reports_the_inner_services_readiness() {
     let ready = Arc::new(AtomicBool::new(false));
     let mut service =
         LockLayer::new(DistributedLock::in_memory(), path_key).layer(Readiness(ready.clone()));
-    let mut cx = Context::from_waker(Waker::noop());
-    assert!(service.poll_ready(&mut cx).is_pending());
+    // Polled once with the test task's own waker: readiness is reported, not awaited.
+    let pending = poll_fn(|cx| Poll::Ready(service.poll_ready(cx).is_pending())).await;
+    assert!(pending);
     ready.store(true, Ordering::SeqCst);
-    assert!(matches!(service.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+    let ready = poll_fn(|cx| Poll::Ready(service.poll_ready(cx))).await;
+    assert!(matches!(ready, Poll::Ready(Ok(()))));
     let response = guarded(service.call(request("/orders/1")))
         .await
         .expect("response");
@@ -213,13 +215,54 @@ async fn work_tied_to_the_request_lock_stops_when_the_layer_releases_it() {
 struct OrdersOnly;
 
 impl LockKey for OrdersOnly {
-    fn lock_key(&self, request: &mut Parts) -> Option<String> {
+    async fn lock_key(&self, request: &mut Parts) -> Option<String> {
         path_key(request).filter(|key| key != "orders/")
     }
 
-    fn applies_to(&self, request: &mut Parts) -> bool {
+    async fn applies_to(&self, request: &mut Parts) -> bool {
         request.uri.path().starts_with("/orders/")
     }
+}
+
+/// Derives the path key only after yielding to the runtime once, as an extractor that waits
+/// for something would.
+struct KeyAfterAYield;
+
+impl LockKey for KeyAfterAYield {
+    async fn lock_key(&self, request: &mut Parts) -> Option<String> {
+        tokio::task::yield_now().await;
+        path_key(request)
+    }
+}
+
+#[tokio::test]
+async fn a_lock_key_that_is_not_ready_at_once_is_awaited_not_taken_for_missing() {
+    let locks = DistributedLock::in_memory();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::with_key(locks.clone(), KeyAfterAYield))
+        .service(service_fn(|request: Request<()>| async move {
+            let key = request
+                .extensions()
+                .get::<RequestLock>()
+                .map(|lock| lock.key().to_owned());
+            let mut response = empty();
+            if key.as_deref() != Some("orders/5") {
+                *response.status_mut() = StatusCode::IM_A_TEAPOT;
+            }
+            Ok::<_, Infallible>(response)
+        }));
+
+    let response = guarded(service.clone().oneshot(request("/orders/5")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::OK);
+
+    let held = locks.try_acquire("orders/5").await.expect("released");
+    let response = guarded(service.oneshot(request("/orders/5")))
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    held.release().await.expect("release");
 }
 
 #[tokio::test]

@@ -65,22 +65,30 @@ pub(crate) trait AnyHold: Send + Sync {
 /// # let _ = shipped; Ok(()) }
 /// ```
 pub struct LockHandle {
-    held: Arc<dyn AnyHold>,
+    view: LockView,
 }
 
 impl LockHandle {
     pub(crate) fn new(held: Arc<dyn AnyHold>) -> Self {
-        LockHandle { held }
+        LockHandle {
+            view: LockView { held },
+        }
+    }
+
+    /// A cloneable view of this lock, for code that must watch the lock without owning it
+    /// (a spawned task, a request's extensions). The view never releases; the handle does.
+    pub fn view(&self) -> LockView {
+        self.view.clone()
     }
 
     /// The key this handle holds.
     pub fn key(&self) -> &str {
-        self.held.key()
+        self.view.key()
     }
 
     /// The fencing token of this hold; strictly greater than every earlier token for the key.
     pub fn fencing_token(&self) -> u64 {
-        self.held.fencing_token()
+        self.view.fencing_token()
     }
 
     /// A token that is cancelled when the lock is lost or released.
@@ -88,28 +96,24 @@ impl LockHandle {
     /// Each call returns a child of the handle's own token, so cancelling what you were given
     /// affects only your copy, never the handle.
     pub fn lost_token(&self) -> CancellationToken {
-        self.held.lost_token().child_token()
+        self.view.lost_token()
     }
 
     /// Whether the lock is still held: not lost, not released, and within its loss deadline.
     pub fn is_held(&self) -> bool {
-        self.held.is_held()
+        self.view.is_held()
     }
 
     /// Why the lock was lost, once it has been.
     pub fn loss_reason(&self) -> Option<LossReason> {
-        self.held.loss_reason()
+        self.view.loss_reason()
     }
 
     /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
     ///
     /// Call it between steps of long work so it stops instead of carrying on unprotected.
     pub fn ensure_held(&self) -> Result<(), LockError> {
-        if self.is_held() {
-            Ok(())
-        } else {
-            Err(self.lost_error())
-        }
+        self.view.ensure_held()
     }
 
     /// Runs `work` while the lock is held, dropping it the moment the lock is lost.
@@ -117,13 +121,7 @@ impl LockHandle {
     /// Returns `Err` of kind [`ErrorKind::Lost`] if the lock was lost before `work` finished;
     /// `work` is then dropped at its current `.await` point, so give it cancellation-safe steps.
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
-        self.ensure_held()?;
-        let lost = self.held.lost_token();
-        tokio::select! {
-            biased;
-            _ = lost.cancelled() => Err(self.lost_error()),
-            output = work => Ok(output),
-        }
+        self.view.run(work).await
     }
 
     /// Releases the lock and waits for the backend to confirm.
@@ -136,7 +134,7 @@ impl LockHandle {
     pub async fn release(self) -> Result<(), LockError> {
         // `release` claims the lock synchronously, so the handle's own `Drop` (when `self` goes
         // out of scope here) finds it claimed and does not start a second, background release.
-        let release = self.held.clone().release();
+        let release = self.view.held.clone().release();
         drop(self);
         release.await
     }
@@ -157,17 +155,13 @@ impl LockHandle {
     /// # Ok(()) }
     /// ```
     pub fn lease<L: std::any::Any>(&self) -> Option<&L> {
-        self.held.lease().downcast_ref::<L>()
-    }
-
-    fn lost_error(&self) -> LockError {
-        LockError::lost(self.held.loss_reason())
+        self.view.held.lease().downcast_ref::<L>()
     }
 }
 
 impl Drop for LockHandle {
     fn drop(&mut self) {
-        self.held.clone().release_in_background();
+        self.view.held.clone().release_in_background();
     }
 }
 
@@ -175,6 +169,81 @@ impl fmt::Debug for LockHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The key is left out on purpose: keys routinely carry customer ids.
         f.debug_struct("LockHandle")
+            .field("fencing_token", &self.fencing_token())
+            .field("is_held", &self.is_held())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A cloneable, read-only view of a held lock: its key, fencing token and loss signal.
+///
+/// Made by [`LockHandle::view`]. A view answers like the handle it came from — [`is_held`]
+/// turns `false` on loss, on release and at the loss deadline — but it cannot release the lock,
+/// and it does not keep the lock alive: dropping the handle releases the lock whatever views
+/// remain.
+///
+/// [`is_held`]: Self::is_held
+#[derive(Clone)]
+pub struct LockView {
+    held: Arc<dyn AnyHold>,
+}
+
+impl LockView {
+    /// The key of the lock.
+    pub fn key(&self) -> &str {
+        self.held.key()
+    }
+
+    /// The fencing token of the hold; strictly greater than every earlier token for the key.
+    pub fn fencing_token(&self) -> u64 {
+        self.held.fencing_token()
+    }
+
+    /// A token that is cancelled when the lock is lost or released; a child of the hold's own
+    /// token, so cancelling it affects only your copy.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.held.lost_token().child_token()
+    }
+
+    /// Whether the lock is still held: not lost, not released, and within its loss deadline.
+    pub fn is_held(&self) -> bool {
+        self.held.is_held()
+    }
+
+    /// Why the lock was lost, once it has been.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.held.loss_reason()
+    }
+
+    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
+    pub fn ensure_held(&self) -> Result<(), LockError> {
+        if self.is_held() {
+            Ok(())
+        } else {
+            Err(LockError::lost(self.held.loss_reason()))
+        }
+    }
+
+    /// Runs `work` while the lock is held, dropping it the moment the lock is lost or released.
+    ///
+    /// Returns `Err` of kind [`ErrorKind::Lost`] if the lock was lost before `work` finished;
+    /// `work` is then dropped at its current `.await` point. When the loss and the end of
+    /// `work` are seen at once, loss wins: a result produced without the lock is not returned.
+    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
+        self.ensure_held()?;
+        let lost = self.held.lost_token();
+        tokio::select! {
+            biased;
+            _ = lost.cancelled() => Err(LockError::lost(self.held.loss_reason())),
+            output = work => Ok(output),
+        }
+    }
+}
+
+impl fmt::Debug for LockView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The key is left out on purpose: keys routinely carry customer ids.
+        f.debug_struct("LockView")
             .field("fencing_token", &self.fencing_token())
             .field("is_held", &self.is_held())
             .finish_non_exhaustive()

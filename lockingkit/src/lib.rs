@@ -39,6 +39,7 @@ pub mod keys;
 mod lock;
 pub mod providers;
 pub mod registry;
+mod shared;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -46,7 +47,7 @@ pub mod testing;
 pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode};
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
-pub use handle::LockHandle;
+pub use handle::{LockHandle, LockView};
 pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
@@ -54,6 +55,7 @@ pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresOptions};
 pub use registry::{Locking, LockingConfig};
+pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use opentelemetry::metrics::Meter;
 
-use crate::backend::LockBackend;
+use crate::backend::{LockBackend, LockMode};
 use crate::engine::{AnyEngine, Engine, LockOptions};
 use crate::error::LockError;
 use crate::handle::LockHandle;
@@ -88,7 +88,10 @@ impl DistributedLock {
     /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if the backend could not be
     /// asked. Dropping the returned future at any point never leaks the lock.
     pub async fn try_acquire(&self, key: &str) -> Result<LockHandle, LockError> {
-        self.engine.clone().try_acquire(key).await
+        self.engine
+            .clone()
+            .try_acquire(key, LockMode::Exclusive)
+            .await
     }
 
     /// Waits up to `timeout` for `key`.
@@ -107,7 +110,31 @@ impl DistributedLock {
     ///
     /// So an outage is never mistaken for contention, whichever came first.
     pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockHandle, LockError> {
-        self.engine.clone().acquire(key, timeout).await
+        self.engine
+            .clone()
+            .acquire(key, LockMode::Exclusive, timeout)
+            .await
+    }
+
+    pub(crate) async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<LockHandle, LockError> {
+        self.engine.clone().try_acquire(key, mode).await
+    }
+
+    pub(crate) async fn acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+        timeout: Duration,
+    ) -> Result<LockHandle, LockError> {
+        self.engine.clone().acquire(key, mode, timeout).await
+    }
+
+    pub(crate) fn supports(&self, mode: LockMode) -> bool {
+        self.engine.supports(mode)
     }
 
     /// How many keys this provider is currently holding, attempting or queueing for.

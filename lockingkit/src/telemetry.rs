@@ -35,6 +35,7 @@
 //! `lockingkit.locks.held`, `lockingkit.waiters`, `lockingkit.renewals` (plus outcome `ok` or
 //! `failed`) and `lockingkit.lost` (plus `lockingkit.loss.reason`).
 
+use crate::backend::LockMode;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -292,7 +293,7 @@ impl Telemetry {
         &self.lock
     }
 
-    pub(crate) fn acquire_span(&self, operation: Operation) -> Span {
+    pub(crate) fn acquire_span(&self, operation: Operation, mode: LockMode) -> Span {
         let name: &str = match operation {
             Operation::TryAcquire => &self.try_acquire_name,
             Operation::Acquire => &self.acquire_name,
@@ -306,6 +307,7 @@ impl Telemetry {
             "lockingkit.lock" = &*self.lock,
             "lockingkit.provider" = &*self.provider,
             "lockingkit.operation" = operation.as_str(),
+            "lockingkit.lock.mode" = mode.as_str(),
             "lockingkit.outcome" = Empty,
             "lockingkit.acquire.attempts" = Empty,
             "lockingkit.fencing_token" = Empty,

@@ -8,12 +8,16 @@
 //!
 //! Without `--bench` (`cargo test --all-targets`) every measurement runs a few samples as a
 //! smoke test; it lists no tests to nextest.
+//!
+//! `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` runs only the row of
+//! the HTTP layer's own cost (in-memory lock, no servers to start).
 
 use std::time::Duration;
 
 use lockingkit::{DistributedLock, PostgresBackend};
 use lockingkit_tests::azurite::Azurite;
 use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, PollingOnly};
+use lockingkit_tests::http::{in_memory_layer_cost, LayerCost};
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::{bench_azure, bench_postgres, bench_sessions};
 
@@ -84,17 +88,59 @@ fn polling_postgres_lock(server: &PostgresServer) -> DistributedLock {
 /// so two runs with one waiter differ by a few percent as well.
 const ATTEMPTS_JITTER: f64 = 1.05;
 
+/// Keep-alive connections of the HTTP rows.
+const HTTP_CONNECTIONS: usize = 32;
+
+/// The row of the HTTP layer's own cost: a no-op route with and without `lock_route` on the
+/// in-memory lock, interleaved in one run.
+fn http_layer_cost(sizes: Sizes) -> LayerCost {
+    two_worker_runtime().block_on(async {
+        tokio::spawn(in_memory_layer_cost(
+            HTTP_CONNECTIONS,
+            sizes.load_rounds,
+            sizes.load_round,
+        ))
+        .await
+        .expect("the HTTP layer benchmark panicked")
+    })
+}
+
+fn print_http_layer_cost(cost: &LayerCost) {
+    println!(
+        "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
+        "9. HTTP, lock_route in-memory vs no layer, no-op",
+        cost.locked_per_s,
+        cost.plain_per_s,
+        format!("ratio {:.3}", cost.ratio()),
+        pass(cost.ratio() >= 0.80)
+    );
+}
+
 fn main() {
     let Some(mode) = BenchMode::from_args() else {
         return;
     };
     let sizes = mode.pick(FULL, SMOKE);
+    // The first argument that is not a flag names the one row to run, if any.
+    let only = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
+    if only.as_deref() == Some("http-memory") {
+        let cost = http_layer_cost(sizes);
+        print_http_layer_cost(&cost);
+        println!(
+            "{{\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3}}}",
+            cost.locked_per_s,
+            cost.plain_per_s,
+            cost.ratio()
+        );
+        return;
+    }
 
     // Engine-only measurements first, each on a runtime of its own, before any server runs.
     let (memory_pairs, memory_raw_pairs) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
     let (cold_engine, cold_raw) = bench::cold_cache_pairs(sizes.cold_pairs);
     let attempts_one = bench::attempts_while_waiting(1);
     let attempts_twenty = bench::attempts_while_waiting(20);
+    let layer_cost = http_layer_cost(sizes);
 
     let runtime = two_worker_runtime();
     let (
@@ -328,6 +374,7 @@ fn main() {
         "diagnostic",
         ""
     );
+    print_http_layer_cost(&layer_cost);
     println!();
     println!(
         "{{\"postgres_pairs\":{},\"postgres_lockingkit_median_us\":{:.1},\"postgres_lockingkit_p99_us\":{:.1},\"postgres_raw_median_us\":{:.1},\"postgres_raw_p99_us\":{:.1},\"postgres_ratio\":{:.3},\
@@ -338,6 +385,7 @@ fn main() {
 \"remote_handoff_16_keys_p50_ms\":{:.3},\"remote_handoff_16_keys_p99_ms\":{:.3},\"postgres_fenced_ratio\":{fenced_ratio:.3},\
 \"throughput_lockingkit_pairs_per_s\":{:.0},\"throughput_raw_pairs_per_s\":{:.0},\"throughput_lockingkit_connections\":{},\"throughput_raw_connections\":{},\
 \"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1},\
+\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3},\
 \"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
@@ -370,6 +418,9 @@ fn main() {
         http.locked_app_cpu.as_secs_f64() * 1e6,
         http.plain_app_cpu.as_secs_f64() * 1e6,
         http.locked_server_cpu.as_secs_f64() * 1e6,
+        layer_cost.locked_per_s,
+        layer_cost.plain_per_s,
+        layer_cost.ratio(),
         ms(remote_polling.p50),
         ms(remote_polling.p99),
         ms(remote_hint.p50),

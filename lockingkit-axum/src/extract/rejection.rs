@@ -3,11 +3,9 @@
 use std::fmt;
 
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
-use http::header::CONTENT_TYPE;
-use http::{HeaderValue, StatusCode};
+use http::StatusCode;
 use lockingkit::ErrorKind;
-use lockingkit_tower::PROBLEM_JSON;
+use lockingkit_tower::ProblemDocument;
 
 /// Rejection of [`HeldLock`](crate::HeldLock) when the request carries no lock.
 ///
@@ -30,6 +28,15 @@ impl MissingLock {
     pub fn status(&self) -> StatusCode {
         StatusCode::INTERNAL_SERVER_ERROR
     }
+
+    /// The RFC 9457 problem document of the rejection, with code `locking.misconfigured`.
+    pub fn problem(&self) -> ProblemDocument {
+        ProblemDocument::new(
+            self.status(),
+            self.body_text(),
+            ErrorKind::Misconfigured.code(),
+        )
+    }
 }
 
 impl IntoResponse for MissingLock {
@@ -38,18 +45,7 @@ impl IntoResponse for MissingLock {
             code = ErrorKind::Misconfigured.code(),
             "a handler asked for the request's lock, but the route has no lock layer"
         );
-        let body = format!(
-            "{{\"type\":\"about:blank\",\"title\":\"Internal Server Error\",\"status\":500,\
-             \"detail\":\"{}\",\"code\":\"{}\"}}",
-            self.body_text(),
-            ErrorKind::Misconfigured.code()
-        );
-        let mut response = Response::new(axum::body::Body::from(Bytes::from(body)));
-        *response.status_mut() = self.status();
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        response
+        self.problem().response()
     }
 }
 
@@ -66,3 +62,24 @@ impl fmt::Display for MissingLock {
 }
 
 impl std::error::Error for MissingLock {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_lock_is_the_documented_problem_document() {
+        let response = MissingLock.into_response();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            response.headers()[http::header::CONTENT_TYPE],
+            lockingkit_tower::PROBLEM_JSON
+        );
+        assert_eq!(
+            MissingLock.problem().to_json(),
+            "{\"type\":\"about:blank\",\"title\":\"Internal Server Error\",\"status\":500,\
+             \"detail\":\"This route is not protected by a lock layer.\",\
+             \"code\":\"locking.misconfigured\"}"
+        );
+    }
+}

@@ -108,15 +108,16 @@ where
                 return Poll::Ready(None);
             }
             if hold.lost.as_mut().poll(cx).is_ready() {
-                *this.hold = None;
                 tracing::warn!(
                     code = ErrorKind::Lost.code(),
                     "lock lost while streaming the response body; aborting the body"
                 );
-                let error = LockError::new(
-                    ErrorKind::Lost,
-                    "the lock was lost while the response body was streaming",
-                );
+                let error = hold
+                    .handle
+                    .as_ref()
+                    .and_then(|handle| handle.ensure_held().err())
+                    .unwrap_or_else(|| LockError::lost(None));
+                *this.hold = None;
                 return Poll::Ready(Some(Err(error.into())));
             }
         }

@@ -10,10 +10,12 @@ use http::{Request, Response};
 use http_body::Body;
 use lockingkit::{ErrorKind, LockError, LockHandle};
 use pin_project_lite::pin_project;
-use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 
-use super::layer::{LockConfig, RejectionResponse};
+use super::key::{Acquisition, Derived};
+use super::layer::LockConfig;
+use super::rejection::RejectionResponse;
+use super::until_lost::UntilLost;
 use super::{LockBody, LockRejection, RequestLock};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -21,10 +23,11 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 pin_project! {
     /// The response future of a [`LockService`](crate::LockService).
     ///
-    /// It takes the lock, calls the inner service and races its future against the lock's loss
-    /// signal, then releases the lock and waits for the release to be confirmed before yielding
-    /// the response. Dropping it at any point gives the lock up: a pending acquisition is
-    /// cancelled without leaking the lock, and a held lock is released in the background.
+    /// It derives the key and takes the lock, calls the inner service and races its future
+    /// against the lock's loss signal, then releases the lock and waits for the release to be
+    /// confirmed before yielding the response. Dropping it at any point gives the lock up: a
+    /// pending acquisition is cancelled without leaking the lock, and a held lock is released
+    /// in the background.
     pub struct ResponseFuture<S, ReqBody, M>
     where
         S: Service<Request<ReqBody>>,
@@ -42,20 +45,14 @@ pin_project! {
     where
         S: Service<Request<ReqBody>>,
     {
-        Rejected {
-            rejection: Option<LockRejection>,
-        },
+        // The request head is inside `acquire` while the key is derived and the lock taken.
         Acquiring {
-            acquire: BoxFuture<Result<LockHandle, LockError>>,
-            pending: Option<(S, Request<ReqBody>)>,
-            // An outer lock layer already holds this key for this request.
-            nested: bool,
+            acquire: Acquisition,
+            pending: Option<(S, ReqBody)>,
         },
         Calling {
             #[pin]
-            response: S::Future,
-            #[pin]
-            lost: WaitForCancellationFutureOwned,
+            response: UntilLost<S::Future>,
             handle: Option<LockHandle>,
         },
         Releasing {
@@ -70,52 +67,43 @@ pin_project! {
     }
 }
 
+/// What one state's poll leads to: another state, or the end of the future.
+enum Step<S, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    Next(State<S, ReqBody>),
+    Finish(Outcome<S::Response, S::Error>),
+}
+
+/// How the future ends, before the response body is wrapped and rejections are mapped.
+enum Outcome<R, E> {
+    Answer(Result<R, E>),
+    /// The response's body holds the lock until it ends.
+    Holding(R, LockHandle),
+    Rejected(LockRejection),
+}
+
 impl<S, ReqBody, M> ResponseFuture<S, ReqBody, M>
 where
     S: Service<Request<ReqBody>>,
 {
     pub(crate) fn new(
-        mut service: S,
+        service: S,
         request: Request<ReqBody>,
         config: Arc<LockConfig>,
         mapper: Arc<M>,
     ) -> Self {
-        let (mut parts, body) = request.into_parts();
-        let applies = config.key.applies_to(&mut parts);
-        let key = if applies {
-            config.key.lock_key(&mut parts)
-        } else {
-            None
-        };
-        let request = Request::from_parts(parts, body);
-        let state = match key {
-            Some(key) => {
-                let nested = request
-                    .extensions()
-                    .get::<RequestLock>()
-                    .is_some_and(|outer| outer.key() == key);
-                let locks = config.locks.clone();
-                let wait = config.wait;
-                State::Acquiring {
-                    acquire: Box::pin(async move {
-                        match wait {
-                            None => locks.try_acquire(&key).await,
-                            Some(timeout) => locks.acquire(&key, timeout).await,
-                        }
-                    }),
-                    pending: Some((service, request)),
-                    nested,
-                }
-            }
-            None if !applies || config.pass_through_without_key => State::Unlocked {
-                response: service.call(request),
-            },
-            None => State::Rejected {
-                rejection: Some(LockRejection::no_key()),
-            },
-        };
+        let (parts, body) = request.into_parts();
+        let acquire = config
+            .key
+            .clone()
+            .acquire_for(parts, config.locks.clone(), config.wait);
         ResponseFuture {
-            state,
+            state: State::Acquiring {
+                acquire,
+                pending: Some((service, body)),
+            },
             config,
             mapper,
         }
@@ -133,125 +121,161 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            match this.state.as_mut().project() {
-                StateProj::Rejected { rejection } => {
-                    let rejection = rejection.take();
-                    this.state.set(State::Done);
-                    if let Some(rejection) = rejection {
-                        log_rejection(this.config, &rejection);
-                        return Poll::Ready(Ok(this.mapper.rejection_response(rejection)));
-                    }
+            let step = match this.state.as_mut().project() {
+                StateProj::Acquiring { acquire, pending } => {
+                    ready!(poll_acquiring(acquire, pending, this.config, cx))
                 }
-                StateProj::Acquiring {
-                    acquire,
-                    pending,
-                    nested,
-                } => {
-                    let acquired = ready!(acquire.as_mut().poll(cx));
-                    let pending = pending.take();
-                    match (acquired, pending) {
-                        (Ok(handle), Some((mut service, mut request))) => {
-                            request
-                                .extensions_mut()
-                                .insert(RequestLock::from_handle(&handle));
-                            let lost = handle.lost_token().cancelled_owned();
-                            let response = service.call(request);
-                            this.state.set(State::Calling {
-                                response,
-                                lost,
-                                handle: Some(handle),
-                            });
-                        }
-                        (Err(error), _) => {
-                            let config: &LockConfig = this.config;
-                            if *nested && error.is_contention() {
-                                tracing::warn!(
-                                    lock = config.locks.name(),
-                                    "a lock layer found its key already held by an outer lock \
-                                     layer on the same request; locks are not reentrant, so the \
-                                     request is refused (with axum, each Router::route_layer \
-                                     wraps every route added before it)"
-                                );
-                            }
-                            let rejection = LockRejection::acquire(
-                                error,
-                                config.busy_retry_after,
-                                config.unavailable_retry_after,
-                            );
-                            this.state.set(State::Rejected {
-                                rejection: Some(rejection),
-                            });
-                        }
-                        (Ok(_), None) => this.state.set(State::Done),
-                    }
-                }
-                StateProj::Calling {
-                    response,
-                    lost,
-                    handle,
-                } => {
-                    // Loss is checked first: once the lock is gone the handler must not resume.
-                    if lost.poll(cx).is_ready() {
-                        let error = handle
-                            .as_ref()
-                            .and_then(|handle| handle.ensure_held().err())
-                            .unwrap_or_else(|| {
-                                LockError::new(ErrorKind::Lost, "the lock is no longer held")
-                            });
-                        // Dropping the inner future here is what stops the handler's work.
-                        this.state.set(State::Rejected {
-                            rejection: Some(LockRejection::lost(error)),
-                        });
-                        continue;
-                    }
-                    let result = ready!(response.poll(cx));
-                    let Some(handle) = handle.take() else {
-                        this.state.set(State::Done);
-                        continue;
-                    };
-                    match result {
-                        Ok(response)
-                            if this.config.hold_until_body_ends
-                                && !response.body().is_end_stream() =>
-                        {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Ok(
-                                response.map(|body| LockBody::holding(body, handle))
-                            ));
-                        }
-                        result => this.state.set(State::Releasing {
-                            release: Box::pin(handle.release()),
-                            result: Some(result),
-                        }),
-                    }
+                StateProj::Calling { response, handle } => {
+                    ready!(poll_calling(response, handle, this.config, cx))
                 }
                 StateProj::Releasing { release, result } => {
-                    let released = ready!(release.as_mut().poll(cx));
-                    if let Err(error) = released {
-                        // The response stands: the work is done, and an unconfirmed release
-                        // ends when the lease expires. Fencing tokens cover the rest.
-                        tracing::warn!(
-                            lock = this.config.locks.name(),
-                            code = error.code(),
-                            error = %error,
-                            "the lock was not confirmed released after the response"
-                        );
-                    }
-                    let result = result.take();
-                    this.state.set(State::Done);
-                    if let Some(result) = result {
-                        return Poll::Ready(result.map(|response| response.map(LockBody::new)));
-                    }
+                    ready!(poll_releasing(release, result, this.config, cx))
                 }
                 StateProj::Unlocked { response } => {
-                    let result = ready!(response.poll(cx));
-                    this.state.set(State::Done);
-                    return Poll::Ready(result.map(|response| response.map(LockBody::new)));
+                    Step::Finish(Outcome::Answer(ready!(response.poll(cx))))
                 }
                 // Polled after completion: there is nothing left to give, and panicking is not
                 // an option for a library future.
                 StateProj::Done => return Poll::Pending,
+            };
+            match step {
+                Step::Next(state) => this.state.set(state),
+                Step::Finish(outcome) => {
+                    // Leaving the state drops the inner future, which is what stops a handler
+                    // whose lock was lost.
+                    this.state.set(State::Done);
+                    return Poll::Ready(finish(outcome, this.config, &**this.mapper));
+                }
             }
+        }
+    }
+}
+
+/// Waits for the key and the lock, then calls the inner service with the request rebuilt.
+fn poll_acquiring<S, ReqBody>(
+    acquire: &mut Acquisition,
+    pending: &mut Option<(S, ReqBody)>,
+    config: &LockConfig,
+    cx: &mut Context<'_>,
+) -> Poll<Step<S, ReqBody>>
+where
+    S: Service<Request<ReqBody>>,
+{
+    let (parts, derived) = ready!(acquire.as_mut().poll(cx));
+    let Some((mut service, body)) = pending.take() else {
+        return Poll::Ready(Step::Next(State::Done));
+    };
+    let mut request = Request::from_parts(parts, body);
+    Poll::Ready(match derived {
+        Derived::Acquired { handle } => {
+            let view = RequestLock::new(&handle);
+            let lost = view.loss_signal();
+            request.extensions_mut().insert(view);
+            Step::Next(State::Calling {
+                response: UntilLost::new(lost, service.call(request)),
+                handle: Some(handle),
+            })
+        }
+        Derived::NoKey if !config.pass_through_without_key => {
+            Step::Finish(Outcome::Rejected(LockRejection::no_key()))
+        }
+        Derived::NotApplicable | Derived::NoKey => Step::Next(State::Unlocked {
+            response: service.call(request),
+        }),
+        Derived::Refused { error, nested } => {
+            if nested && error.is_contention() {
+                tracing::warn!(
+                    lock = config.locks.name(),
+                    "a lock layer found its key already held by an outer lock layer on the same \
+                     request; locks are not reentrant, so the request is refused (with axum, \
+                     each Router::route_layer wraps every route added before it)"
+                );
+            }
+            Step::Finish(Outcome::Rejected(LockRejection::acquire(
+                error,
+                config.busy_retry_after,
+                config.unavailable_retry_after,
+            )))
+        }
+    })
+}
+
+/// Races the inner service against loss (loss first); on success, releases or hands the lock
+/// to the body.
+fn poll_calling<S, ReqBody, ResBody>(
+    response: Pin<&mut UntilLost<S::Future>>,
+    handle: &mut Option<LockHandle>,
+    config: &LockConfig,
+    cx: &mut Context<'_>,
+) -> Poll<Step<S, ReqBody>>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: Body,
+{
+    let Some(result) = ready!(response.poll(cx)) else {
+        let error = handle
+            .as_ref()
+            .and_then(|handle| handle.ensure_held().err())
+            .unwrap_or_else(|| LockError::lost(None));
+        return Poll::Ready(Step::Finish(Outcome::Rejected(LockRejection::lost(error))));
+    };
+    let Some(handle) = handle.take() else {
+        return Poll::Ready(Step::Next(State::Done));
+    };
+    Poll::Ready(match result {
+        Ok(response) if config.hold_until_body_ends && !response.body().is_end_stream() => {
+            Step::Finish(Outcome::Holding(response, handle))
+        }
+        result => Step::Next(State::Releasing {
+            release: Box::pin(handle.release()),
+            result: Some(result),
+        }),
+    })
+}
+
+/// Waits for the release to be confirmed, then hands the inner service's result on.
+fn poll_releasing<S, ReqBody>(
+    release: &mut BoxFuture<Result<(), LockError>>,
+    result: &mut Option<Result<S::Response, S::Error>>,
+    config: &LockConfig,
+    cx: &mut Context<'_>,
+) -> Poll<Step<S, ReqBody>>
+where
+    S: Service<Request<ReqBody>>,
+{
+    if let Err(error) = ready!(release.as_mut().poll(cx)) {
+        // The response stands: the work is done, and an unconfirmed release ends when the lease
+        // expires. Fencing tokens cover the rest.
+        tracing::warn!(
+            lock = config.locks.name(),
+            code = error.code(),
+            error = %error,
+            "the lock was not confirmed released after the response"
+        );
+    }
+    Poll::Ready(match result.take() {
+        Some(result) => Step::Finish(Outcome::Answer(result)),
+        None => Step::Next(State::Done),
+    })
+}
+
+/// Wraps the response body, or turns a rejection into the mapper's response.
+fn finish<ResBody, E, M>(
+    outcome: Outcome<Response<ResBody>, E>,
+    config: &LockConfig,
+    mapper: &M,
+) -> Result<Response<LockBody<ResBody>>, E>
+where
+    M: RejectionResponse<ResBody>,
+{
+    match outcome {
+        Outcome::Answer(result) => result.map(|response| response.map(LockBody::new)),
+        Outcome::Holding(response, handle) => {
+            Ok(response.map(|body| LockBody::holding(body, handle)))
+        }
+        Outcome::Rejected(rejection) => {
+            log_rejection(config, &rejection);
+            Ok(mapper.rejection_response(rejection))
         }
     }
 }

@@ -1,6 +1,15 @@
-//! How a request names the lock it needs.
+//! How a request names the lock it needs, and the one boxed future per request that derives
+//! the key and takes the lock.
+
+use std::future::{ready, Future};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
 
 use http::request::Parts;
+use lockingkit::{DistributedLock, LockError, LockHandle};
+
+use super::RequestLock;
 
 /// Derives the lock key of a request.
 ///
@@ -11,7 +20,10 @@ use http::request::Parts;
 /// [`applies_to`](Self::applies_to) can take a request out of the layer's hands altogether.
 ///
 /// Any `Fn(&Parts) -> Option<String>` is a `LockKey`. Implement the trait yourself when the key
-/// needs mutable access to the request head, as extractors of web frameworks do.
+/// needs mutable access to the request head or has to await something, as extractors of web
+/// frameworks do: both methods are `async`, and the layer awaits them inside its response
+/// future, so an extractor that is not ready at once is waited for, never mistaken for a
+/// missing key.
 ///
 /// Keys routinely carry customer ids: the layer never puts them in responses or logs.
 ///
@@ -23,7 +35,7 @@ use http::request::Parts;
 /// struct TenantKey;
 ///
 /// impl LockKey for TenantKey {
-///     fn lock_key(&self, request: &mut Parts) -> Option<String> {
+///     async fn lock_key(&self, request: &mut Parts) -> Option<String> {
 ///         let tenant = request.headers.get("x-tenant")?.to_str().ok()?;
 ///         Some(format!("tenants/{tenant}"))
 ///     }
@@ -31,7 +43,7 @@ use http::request::Parts;
 /// ```
 pub trait LockKey: Send + Sync + 'static {
     /// The key to lock for this request, or `None` if the request does not name one.
-    fn lock_key(&self, request: &mut Parts) -> Option<String>;
+    fn lock_key(&self, request: &mut Parts) -> impl Future<Output = Option<String>> + Send;
 
     /// Whether the layer handles this request at all; asked before [`lock_key`](Self::lock_key).
     ///
@@ -39,9 +51,9 @@ pub trait LockKey: Send + Sync + 'static {
     /// without a [`RequestLock`](crate::RequestLock), whatever the layer's configuration. A
     /// router's integration uses it for requests that matched no route, so that the router's
     /// fallback still answers them (`404` stays `404`). The default is `true`.
-    fn applies_to(&self, request: &mut Parts) -> bool {
+    fn applies_to(&self, request: &mut Parts) -> impl Future<Output = bool> + Send {
         let _ = request;
-        true
+        ready(true)
     }
 }
 
@@ -49,7 +61,79 @@ impl<F> LockKey for F
 where
     F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
 {
-    fn lock_key(&self, request: &mut Parts) -> Option<String> {
-        self(request)
+    fn lock_key(&self, request: &mut Parts) -> impl Future<Output = Option<String>> + Send {
+        ready(self(request))
+    }
+}
+
+/// What deriving the key and taking the lock came to, for one request.
+pub(crate) enum Derived {
+    /// [`LockKey::applies_to`] said no: the request goes on unlocked.
+    NotApplicable,
+    /// No key could be derived.
+    NoKey,
+    Acquired {
+        handle: LockHandle,
+    },
+    Refused {
+        error: LockError,
+        /// An outer lock layer already holds this key for this request.
+        nested: bool,
+    },
+}
+
+pub(crate) type Acquisition = Pin<Box<dyn Future<Output = (Parts, Derived)> + Send>>;
+
+/// A [`LockKey`] with its type erased, so that the layer can hold any key: it boxes the whole
+/// per-request work (key derivation and acquisition) in one allocation.
+pub(crate) trait AcquireForRequest: Send + Sync + 'static {
+    /// Takes `parts` for the duration and hands them back with the outcome.
+    fn acquire_for(
+        self: Arc<Self>,
+        parts: Parts,
+        locks: DistributedLock,
+        wait: Option<Duration>,
+    ) -> Acquisition;
+}
+
+impl<K: LockKey> AcquireForRequest for K {
+    fn acquire_for(
+        self: Arc<Self>,
+        mut parts: Parts,
+        locks: DistributedLock,
+        wait: Option<Duration>,
+    ) -> Acquisition {
+        Box::pin(async move {
+            let derived = derive_and_acquire(&*self, &mut parts, &locks, wait).await;
+            (parts, derived)
+        })
+    }
+}
+
+async fn derive_and_acquire<K: LockKey>(
+    key: &K,
+    parts: &mut Parts,
+    locks: &DistributedLock,
+    wait: Option<Duration>,
+) -> Derived {
+    if !key.applies_to(parts).await {
+        return Derived::NotApplicable;
+    }
+    let Some(key) = key.lock_key(parts).await else {
+        return Derived::NoKey;
+    };
+    let acquired = match wait {
+        None => locks.try_acquire(&key).await,
+        Some(timeout) => locks.acquire(&key, timeout).await,
+    };
+    match acquired {
+        Ok(handle) => Derived::Acquired { handle },
+        Err(error) => Derived::Refused {
+            nested: parts
+                .extensions
+                .get::<RequestLock>()
+                .is_some_and(|outer| outer.key() == key),
+            error,
+        },
     }
 }

@@ -5,18 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::Response;
 use lockingkit::DistributedLock;
 use tower_layer::Layer;
 
-use super::key::LockKey;
-use super::rejection::LockRejection;
-use super::{LockBody, LockService};
-
-/// How long a client is told to wait after a busy or timed-out lock, by default.
-pub const DEFAULT_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
-/// How long a client is told to wait after the lock backend was unavailable, by default.
-pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
+use super::key::{AcquireForRequest, LockKey};
+use super::rejection::{
+    LockRejection, ProblemDetails, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
+};
+use super::LockService;
 
 /// Holds a distributed lock for each request.
 ///
@@ -91,41 +87,10 @@ pub struct LockLayer<M = ProblemDetails> {
     pub(crate) mapper: Arc<M>,
 }
 
-/// The default rejection mapper: RFC 9457 `application/problem+json` responses, as described
-/// on [`LockRejection`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ProblemDetails;
-
-/// Turns a [`LockRejection`] into the response the client gets.
-///
-/// Implemented by [`ProblemDetails`] and by every `Fn(LockRejection) -> Response<B>`, where
-/// `B` is the inner service's response body type.
-pub trait RejectionResponse<B>: Send + Sync + 'static {
-    /// The response for `rejection`.
-    fn rejection_response(&self, rejection: LockRejection) -> Response<LockBody<B>>;
-}
-
-impl<B> RejectionResponse<B> for ProblemDetails {
-    fn rejection_response(&self, rejection: LockRejection) -> Response<LockBody<B>> {
-        rejection
-            .problem_response::<bytes::Bytes>()
-            .map(LockBody::full)
-    }
-}
-
-impl<B, F> RejectionResponse<B> for F
-where
-    F: Fn(LockRejection) -> Response<B> + Send + Sync + 'static,
-{
-    fn rejection_response(&self, rejection: LockRejection) -> Response<LockBody<B>> {
-        self(rejection).map(LockBody::new)
-    }
-}
-
 #[derive(Clone)]
 pub(crate) struct LockConfig {
     pub(crate) locks: DistributedLock,
-    pub(crate) key: Arc<dyn LockKey>,
+    pub(crate) key: Arc<dyn AcquireForRequest>,
     /// `None` tries once; `Some` waits up to the timeout.
     pub(crate) wait: Option<Duration>,
     pub(crate) pass_through_without_key: bool,

@@ -1,5 +1,5 @@
 //! The lock-per-request middleware: `LockService` here, `LockLayer` in `layer.rs`, the response
-//! future in `future.rs`, rejections in `rejection.rs`.
+//! future in `future.rs`, rejections, their mapper and the problem document in `rejection.rs`.
 
 mod body;
 mod future;
@@ -7,15 +7,16 @@ mod key;
 mod layer;
 mod rejection;
 mod request_lock;
+mod until_lost;
 
 pub use self::body::LockBody;
 pub use self::future::ResponseFuture;
 pub use self::key::LockKey;
-pub use self::layer::{
-    LockLayer, ProblemDetails, RejectionResponse, DEFAULT_BUSY_RETRY_AFTER,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER,
+pub use self::layer::LockLayer;
+pub use self::rejection::{
+    LockRejection, ProblemDetails, ProblemDocument, RejectionResponse, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
-pub use self::rejection::{LockRejection, PROBLEM_JSON};
 pub use self::request_lock::RequestLock;
 
 use std::fmt;

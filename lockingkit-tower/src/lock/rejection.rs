@@ -1,4 +1,5 @@
-//! Why a request was refused, and its RFC 9457 problem document.
+//! Why a request was refused, how a refusal becomes a response, and the RFC 9457 problem
+//! document every refusal of the HTTP crates is written as.
 
 use std::fmt;
 use std::time::Duration;
@@ -7,11 +8,86 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 use lockingkit::{ErrorKind, LockError};
+use serde::Serialize;
 
-use super::layer::{DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER};
+use super::LockBody;
 
 /// The media type of a problem document (RFC 9457).
 pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// How long a client is told to wait after a busy or timed-out lock, by default.
+pub const DEFAULT_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How long a client is told to wait after the lock backend was unavailable, by default.
+pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// An RFC 9457 problem document, as LockingKit's HTTP crates send it.
+///
+/// `type` is always `about:blank`, so `title` is the status's reason phrase; clients tell the
+/// cases apart by the `code` extension member, one of the stable [`ErrorKind`] codes. The
+/// members are serialized in the order `type`, `title`, `status`, `detail`, `code`:
+///
+/// ```text
+/// {"type":"about:blank","title":"Conflict","status":409,"detail":"…","code":"locking.busy"}
+/// ```
+///
+/// A document never carries the lock key, so it is safe to show to clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ProblemDocument {
+    #[serde(rename = "type")]
+    problem_type: &'static str,
+    title: &'static str,
+    status: u16,
+    detail: &'static str,
+    code: &'static str,
+}
+
+impl ProblemDocument {
+    /// The document for `status`, with a sentence for the client and a stable error `code`.
+    pub fn new(status: StatusCode, detail: &'static str, code: &'static str) -> Self {
+        ProblemDocument {
+            problem_type: "about:blank",
+            title: status.canonical_reason().unwrap_or("Error"),
+            status: status.as_u16(),
+            detail,
+            code,
+        }
+    }
+
+    /// The HTTP status the document describes.
+    pub fn status(&self) -> StatusCode {
+        StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    /// The stable error code, such as `locking.busy`.
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The sentence for the client.
+    pub fn detail(&self) -> &'static str {
+        self.detail
+    }
+
+    /// The document as JSON.
+    pub fn to_json(&self) -> Bytes {
+        // Serializing a struct of strings and a number cannot fail; the empty fallback only
+        // keeps library code free of panics.
+        serde_json::to_vec(self)
+            .map(Bytes::from)
+            .unwrap_or_default()
+    }
+
+    /// A response with the document's status, `Content-Type: application/problem+json` and the
+    /// document as its body.
+    pub fn response<B: From<Bytes>>(&self) -> Response<B> {
+        let mut response = Response::new(B::from(self.to_json()));
+        *response.status_mut() = self.status();
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        response
+    }
+}
 
 /// Why a [`LockLayer`](crate::LockLayer) refused or stopped a request.
 ///
@@ -138,39 +214,59 @@ impl LockRejection {
         }
     }
 
-    /// The RFC 9457 problem document: `type`, `title`, `status`, `detail` and `code`.
-    ///
-    /// `type` is `about:blank`, so `title` is the status's reason phrase; clients tell the
-    /// cases apart by the `code` extension member.
+    /// The RFC 9457 [`ProblemDocument`] of this rejection: `type`, `title`, `status`, `detail`
+    /// and `code`.
+    pub fn problem(&self) -> ProblemDocument {
+        ProblemDocument::new(self.status(), self.detail(), self.code())
+    }
+
+    /// The [problem document](Self::problem) as JSON.
     pub fn problem_json(&self) -> Bytes {
-        let status = self.status();
-        let mut json = String::with_capacity(192);
-        json.push_str("{\"type\":\"about:blank\",\"title\":");
-        push_json_string(&mut json, status.canonical_reason().unwrap_or("Error"));
-        json.push_str(",\"status\":");
-        json.push_str(status.as_str());
-        json.push_str(",\"detail\":");
-        push_json_string(&mut json, self.detail());
-        json.push_str(",\"code\":");
-        push_json_string(&mut json, self.code());
-        json.push('}');
-        Bytes::from(json)
+        self.problem().to_json()
     }
 
     /// The default response: the status, `Content-Type: application/problem+json`,
-    /// `Retry-After` in whole seconds where it applies, and the [problem document](Self::problem_json).
+    /// `Retry-After` in whole seconds where it applies, and the [problem document](Self::problem).
     ///
     /// Any body type that can be made from [`Bytes`] works, so a custom mapper can fall back to
     /// it for the cases it does not handle itself.
     pub fn problem_response<B: From<Bytes>>(&self) -> Response<B> {
-        let mut response = Response::new(B::from(self.problem_json()));
-        *response.status_mut() = self.status();
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        let mut response = self.problem().response::<B>();
         if let Some(after) = self.retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_seconds(after)));
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(retry_after_seconds(after)));
         }
         response
+    }
+}
+
+/// The default rejection mapper: RFC 9457 `application/problem+json` responses, as described
+/// on [`LockRejection`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProblemDetails;
+
+/// Turns a [`LockRejection`] into the response the client gets.
+///
+/// Implemented by [`ProblemDetails`] and by every `Fn(LockRejection) -> Response<B>`, where
+/// `B` is the inner service's response body type.
+pub trait RejectionResponse<B>: Send + Sync + 'static {
+    /// The response for `rejection`.
+    fn rejection_response(&self, rejection: LockRejection) -> Response<LockBody<B>>;
+}
+
+impl<B> RejectionResponse<B> for ProblemDetails {
+    fn rejection_response(&self, rejection: LockRejection) -> Response<LockBody<B>> {
+        rejection.problem_response::<Bytes>().map(LockBody::full)
+    }
+}
+
+impl<B, F> RejectionResponse<B> for F
+where
+    F: Fn(LockRejection) -> Response<B> + Send + Sync + 'static,
+{
+    fn rejection_response(&self, rejection: LockRejection) -> Response<LockBody<B>> {
+        self(rejection).map(LockBody::new)
     }
 }
 
@@ -204,22 +300,6 @@ impl axum_core::response::IntoResponse for LockRejection {
 fn retry_after_seconds(after: Duration) -> u64 {
     let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
     seconds.max(1)
-}
-
-fn push_json_string(out: &mut String, value: &str) {
-    out.push('"');
-    for c in value.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 impl fmt::Debug for LockRejection {
@@ -278,7 +358,7 @@ mod tests {
             rejection(ErrorKind::Backend).status(),
             StatusCode::INTERNAL_SERVER_ERROR
         );
-        let lost = LockRejection::lost(LockError::new(ErrorKind::Lost, "gone"));
+        let lost = LockRejection::lost(LockError::lost(None));
         assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(lost.retry_after().is_none());
         assert_eq!(LockRejection::no_key().status(), StatusCode::BAD_REQUEST);
@@ -310,7 +390,7 @@ mod tests {
 
     #[test]
     fn a_handlers_lock_error_becomes_the_layers_own_rejection() {
-        let lost = LockRejection::from(LockError::new(ErrorKind::Lost, "gone"));
+        let lost = LockRejection::from(LockError::lost(None));
         assert!(lost.is_lost_mid_request());
         assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
         let busy = LockRejection::from(LockError::new(ErrorKind::Busy, "held"));
@@ -331,10 +411,13 @@ mod tests {
     }
 
     #[test]
-    fn json_strings_are_escaped() {
-        let mut out = String::new();
-        push_json_string(&mut out, "a\"b\\c\n\u{1}é");
-        let back: String = serde_json::from_str(&out).unwrap();
-        assert_eq!(back, "a\"b\\c\n\u{1}é");
+    fn problem_document_members_keep_their_documented_order() {
+        let json = LockRejection::no_key().problem_json();
+        assert_eq!(
+            std::str::from_utf8(&json).unwrap(),
+            "{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\
+             \"detail\":\"No lock key could be derived from the request.\",\
+             \"code\":\"locking.invalid_key\"}"
+        );
     }
 }

@@ -1,12 +1,9 @@
 //! `RequestLock`: what the handler sees of the lock held for its request.
 
 use std::fmt;
-use std::future::{poll_fn, Future};
-use std::pin::pin;
-use std::sync::Arc;
-use std::task::Poll;
+use std::future::Future;
 
-use lockingkit::{CancellationToken, ErrorKind, LockError, LockHandle};
+use lockingkit::{CancellationToken, LockError, LockHandle, LockView};
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -20,78 +17,57 @@ use lockingkit::{CancellationToken, ErrorKind, LockError, LockHandle};
 /// the token stops once the request no longer holds the lock.
 #[derive(Clone)]
 pub struct RequestLock {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    key: Box<str>,
-    fencing_token: u64,
-    lost: CancellationToken,
+    view: LockView,
 }
 
 impl RequestLock {
-    pub(crate) fn from_handle(handle: &LockHandle) -> Self {
+    /// The view of `handle` the handler sees.
+    pub(crate) fn new(handle: &LockHandle) -> Self {
         RequestLock {
-            inner: Arc::new(Inner {
-                key: handle.key().into(),
-                fencing_token: handle.fencing_token(),
-                lost: handle.lost_token(),
-            }),
+            view: handle.view(),
         }
+    }
+
+    /// A loss signal for the layer to race the inner service against.
+    pub(crate) fn loss_signal(&self) -> CancellationToken {
+        self.view.lost_token()
     }
 
     /// The key of the lock.
     pub fn key(&self) -> &str {
-        &self.inner.key
+        self.view.key()
     }
 
     /// The fencing token of this hold; strictly greater than every earlier token for the key.
     pub fn fencing_token(&self) -> u64 {
-        self.inner.fencing_token
+        self.view.fencing_token()
     }
 
     /// A token that is cancelled when the lock is lost or released.
     ///
     /// Each call returns a child token, so cancelling it affects only the caller's copy.
     pub fn lost_token(&self) -> CancellationToken {
-        self.inner.lost.child_token()
+        self.view.lost_token()
     }
 
-    /// Whether the lock is still held: neither lost nor released yet.
+    /// Whether the lock is still held: not lost, not released, and within its loss deadline.
     pub fn is_held(&self) -> bool {
-        !self.inner.lost.is_cancelled()
+        self.view.is_held()
     }
 
-    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
+    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`](lockingkit::ErrorKind::Lost)
+    /// (with the reason, when the lock was lost rather than released) after.
     pub fn ensure_held(&self) -> Result<(), LockError> {
-        if self.is_held() {
-            Ok(())
-        } else {
-            Err(lost())
-        }
+        self.view.ensure_held()
     }
 
     /// Runs `work` while the lock is held, dropping it the moment the lock is lost or released.
     ///
     /// The layer already drops the whole handler on loss; use this for work that outlives the
-    /// handler's own future, such as a spawned task.
+    /// handler's own future, such as a spawned task. It is [`LockView::run`].
     pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
-        self.ensure_held()?;
-        let mut lost_signal = pin!(self.inner.lost.cancelled());
-        let mut work = pin!(work);
-        // Loss is checked first so that work is never resumed once the lock is gone.
-        poll_fn(|cx| {
-            if lost_signal.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(lost()));
-            }
-            work.as_mut().poll(cx).map(Ok)
-        })
-        .await
+        self.view.run(work).await
     }
-}
-
-fn lost() -> LockError {
-    LockError::new(ErrorKind::Lost, "the request's lock is no longer held")
 }
 
 impl fmt::Debug for RequestLock {

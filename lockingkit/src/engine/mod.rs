@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 pub use options::LockOptions;
 
-use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::background::{self, BoxFuture, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::LockHandle;
@@ -40,12 +40,16 @@ pub(crate) trait AnyEngine: Send + Sync {
     fn try_acquire<'a>(
         self: Arc<Self>,
         key: &'a str,
+        mode: LockMode,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
     fn acquire<'a>(
         self: Arc<Self>,
         key: &'a str,
+        mode: LockMode,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
+    /// Whether the backend can hold locks in `mode`.
+    fn supports(&self, mode: LockMode) -> bool;
     fn busy_keys(&self) -> usize;
     fn waiting(&self, key: &str) -> usize;
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
@@ -152,12 +156,19 @@ impl<B: LockBackend> Engine<B> {
     /// One backend attempt under `turn`. If the caller drops this future while the attempt is
     /// in flight, the attempt finishes in the background, a lease it won is released, and only
     /// then does the turn pass to the next local waiter.
-    fn attempt(&self, turn: Turn) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
+    fn attempt(
+        &self,
+        turn: Turn,
+        mode: LockMode,
+    ) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
         let backend = self.backend.clone();
         let release_timeout = self.options.release_timeout;
         let work = async move {
             let sent = Instant::now();
-            let result = backend.try_acquire(turn.key()).await;
+            let result = match mode {
+                LockMode::Exclusive => backend.try_acquire(turn.key()).await,
+                mode => backend.try_acquire_in(turn.key(), mode).await,
+            };
             turn.note_attempt(
                 !matches!(&result, Err(e) if !e.reached()),
                 matches!(&result, Ok(Some(_))),
@@ -192,14 +203,40 @@ impl<B: LockBackend> Engine<B> {
         LockHandle::new(held)
     }
 
+    /// Refuses a mode the backend cannot hold, before anything is attempted.
+    fn check_mode(&self, mode: LockMode) -> Result<(), LockError> {
+        if self.backend.supports(mode) {
+            Ok(())
+        } else {
+            Err(LockError::new(
+                ErrorKind::Misconfigured,
+                format!(
+                    "the {} provider cannot hold {mode} locks",
+                    self.telemetry.provider()
+                ),
+            ))
+        }
+    }
+
+    /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
+    /// (or are told why not); readers and semaphore holders take a lane of their own.
+    fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
+        match mode {
+            LockMode::Exclusive => self.room.try_enter(key),
+            _ => Ok(self.room.own_lane(key)),
+        }
+    }
+
     async fn try_acquire_inner(
         self: &Arc<Self>,
         key: &str,
+        mode: LockMode,
         attempts: &mut u64,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
+        self.check_mode(mode)?;
         let runtime = current_runtime()?;
-        let turn = match self.room.try_enter(key) {
+        let turn = match self.try_turn(key, mode) {
             Ok(turn) => turn,
             Err(WaitEvidence::Contended) => return Err(LockError::busy()),
             // An earlier attempt for this key is still running here and never reached the
@@ -212,7 +249,7 @@ impl<B: LockBackend> Engine<B> {
             }
         };
         *attempts += 1;
-        match self.attempt(turn).await {
+        match self.attempt(turn, mode).await {
             (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, acquired, sent)),
             (_, _, Ok(None)) => Err(LockError::busy()),
             (_, _, Err(error)) => Err(attempt_error(error)),
@@ -222,13 +259,19 @@ impl<B: LockBackend> Engine<B> {
     async fn acquire_inner(
         self: &Arc<Self>,
         key: &str,
+        mode: LockMode,
         timeout: Duration,
         attempts: &mut u64,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
+        self.check_mode(mode)?;
         let runtime = current_runtime()?;
         let deadline = crate::clock::in_(timeout);
-        let turn = match self.room.enter(key) {
+        let arrival = match mode {
+            LockMode::Exclusive => self.room.enter(key),
+            _ => Arrival::Front(self.room.own_lane(key)),
+        };
+        let turn = match arrival {
             Arrival::Front(turn) => turn,
             Arrival::Queued(ticket) => {
                 self.telemetry.waiter_queued();
@@ -254,9 +297,13 @@ impl<B: LockBackend> Engine<B> {
                     return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
                 };
                 *attempts += 1;
-                let hint = self.backend.release_hint(current.key());
+                // A semaphore's key names no lock, so the backend has nothing to watch for it.
+                let hint = match mode {
+                    LockMode::Semaphore { .. } => None,
+                    _ => Some(self.backend.release_hint(current.key())),
+                };
                 in_flight = Some(Instant::now());
-                let (current, sent, result) = self.attempt(current).await;
+                let (current, sent, result) = self.attempt(current, mode).await;
                 in_flight = None;
                 // Only a busy answer waits for the hint: after a failure the lock may well be
                 // free, and a hint that fires whenever it is would turn backoff into a spin.
@@ -277,7 +324,7 @@ impl<B: LockBackend> Engine<B> {
                 // turn stays with us so local waiters behind us stay quiet.
                 tokio::select! {
                     biased;
-                    _ = hint, if busy => {}
+                    _ = async { match hint { Some(hint) => hint.await, None => std::future::pending().await } }, if busy => {}
                     _ = tokio::time::sleep_until(wake), if wake < deadline => {}
                     // Neither: the deadline (outside) ends the wait.
                     else => std::future::pending::<()>().await,
@@ -297,10 +344,10 @@ impl<B: LockBackend> Engine<B> {
     }
 
     /// Starts recording an acquire call: its span, and its outcome when it ends.
-    fn record(&self, operation: Operation) -> AcquireRecord<'_> {
+    fn record(&self, operation: Operation, mode: LockMode) -> AcquireRecord<'_> {
         AcquireRecord {
             telemetry: &self.telemetry,
-            span: self.telemetry.acquire_span(operation),
+            span: self.telemetry.acquire_span(operation, mode),
             operation,
             started: Instant::now(),
             attempts: 0,
@@ -312,11 +359,18 @@ impl<B: LockBackend> Engine<B> {
     // on the operation: one future holding either inner future would be as large as the
     // waiting one, and `try_acquire` would box and copy those kilobytes on every call.
 
-    async fn try_acquire_recorded(self: Arc<Self>, key: &str) -> Result<LockHandle, LockError> {
-        let mut record = self.record(Operation::TryAcquire);
+    async fn try_acquire_recorded(
+        self: Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<LockHandle, LockError> {
+        let mut record = self.record(Operation::TryAcquire, mode);
         let span = record.span.clone();
-        let result =
-            background::traced(span, self.try_acquire_inner(key, &mut record.attempts)).await;
+        let result = background::traced(
+            span,
+            self.try_acquire_inner(key, mode, &mut record.attempts),
+        )
+        .await;
         record.finish(&result);
         result
     }
@@ -324,12 +378,16 @@ impl<B: LockBackend> Engine<B> {
     async fn acquire_recorded(
         self: Arc<Self>,
         key: &str,
+        mode: LockMode,
         timeout: Duration,
     ) -> Result<LockHandle, LockError> {
-        let mut record = self.record(Operation::Acquire);
+        let mut record = self.record(Operation::Acquire, mode);
         let span = record.span.clone();
-        let result =
-            background::traced(span, self.acquire_inner(key, timeout, &mut record.attempts)).await;
+        let result = background::traced(
+            span,
+            self.acquire_inner(key, mode, timeout, &mut record.attempts),
+        )
+        .await;
         record.finish(&result);
         result
     }
@@ -347,16 +405,22 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
     fn try_acquire<'a>(
         self: Arc<Self>,
         key: &'a str,
+        mode: LockMode,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>> {
-        Box::pin(self.try_acquire_recorded(key))
+        Box::pin(self.try_acquire_recorded(key, mode))
     }
 
     fn acquire<'a>(
         self: Arc<Self>,
         key: &'a str,
+        mode: LockMode,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<LockHandle, LockError>> {
-        Box::pin(self.acquire_recorded(key, timeout))
+        Box::pin(self.acquire_recorded(key, mode, timeout))
+    }
+
+    fn supports(&self, mode: LockMode) -> bool {
+        self.backend.supports(mode)
     }
 
     fn busy_keys(&self) -> usize {

@@ -7,7 +7,7 @@
 //! once, without a backoff sleep.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::Notify;
@@ -16,6 +16,8 @@ use tokio::sync::Notify;
 pub(crate) struct WaitingRoom {
     slots: Mutex<HashMap<Arc<str>, Slot>>,
     next_id: AtomicU64,
+    /// Turns of their own lane (see [`WaitingRoom::own_lane`]) that are still alive.
+    lanes: AtomicUsize,
 }
 
 #[derive(Debug)]
@@ -72,7 +74,22 @@ impl WaitingRoom {
             room: self.clone(),
             key,
             id,
+            own_lane: false,
         })
+    }
+
+    /// A turn outside the key's queue, for a party that does not exclude the others: a reader,
+    /// or a semaphore holder. Readers never wait for each other here, and how many semaphore
+    /// holders fit is the backend's answer; the turn only counts the party as active until it
+    /// is dropped.
+    pub(crate) fn own_lane(self: &Arc<Self>, key: &str) -> Turn {
+        self.lanes.fetch_add(1, Ordering::Relaxed);
+        Turn {
+            room: self.clone(),
+            key: Arc::from(key),
+            id: self.new_id(),
+            own_lane: true,
+        }
     }
 
     /// Takes the turn for `key` at once, or joins the back of its queue.
@@ -100,6 +117,7 @@ impl WaitingRoom {
             room: self.clone(),
             key,
             id,
+            own_lane: false,
         })
     }
 
@@ -156,9 +174,10 @@ impl WaitingRoom {
         }
     }
 
-    /// How many keys have an active party or waiters (for tests and leak checks).
+    /// How many keys have an active party or waiters, plus the parties in lanes of their own
+    /// (for tests and leak checks).
     pub(crate) fn active_keys(&self) -> usize {
-        self.slots().len()
+        self.slots().len() + self.lanes.load(Ordering::Relaxed)
     }
 
     /// How many callers wait in the queue of `key`.
@@ -213,6 +232,8 @@ pub(crate) struct Turn {
     room: Arc<WaitingRoom>,
     key: Arc<str>,
     id: u64,
+    /// A turn of its own lane, outside the key's queue.
+    own_lane: bool,
 }
 
 impl Turn {
@@ -224,6 +245,9 @@ impl Turn {
     /// waiters that time out) and whether it took the lock (the key is then held here). One
     /// lookup for both, since this runs on every attempt.
     pub(crate) fn note_attempt(&self, reached: bool, took: bool) {
+        if self.own_lane {
+            return;
+        }
         self.room.update(&self.key, self.id, |slot| {
             slot.last_attempt_reached = Some(reached);
             slot.held = took;
@@ -233,7 +257,11 @@ impl Turn {
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        self.room.pass_on(&self.key, self.id);
+        if self.own_lane {
+            self.room.lanes.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.room.pass_on(&self.key, self.id);
+        }
     }
 }
 
@@ -265,6 +293,7 @@ impl Ticket {
                     room: self.room.clone(),
                     key: self.key.clone(),
                     id: self.id,
+                    own_lane: false,
                 };
                 // The turn now owns the place; the ticket must not leave the queue again.
                 self.promoted = true;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 
 /// The default in-memory lease, as for Azure.
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -40,6 +40,11 @@ pub struct MemoryStore {
 #[derive(Default)]
 struct StoreInner {
     leases: Mutex<HashMap<Arc<str>, StoredLease>>,
+    /// Readers of keys, and writers waiting for them. Exclusive leases stay in `leases`, so a
+    /// plain lock pays one more lookup in a map that is empty unless readers are about.
+    readers: Mutex<HashMap<Arc<str>, Readers>>,
+    /// Semaphores by key, one entry per slot: a namespace apart from the locks.
+    semaphores: Mutex<HashMap<Arc<str>, Vec<Option<StoredLease>>>>,
     next_token: AtomicU64,
     next_lease: AtomicU64,
     attempts: AtomicU64,
@@ -54,39 +59,107 @@ struct StoredLease {
     expires_at: Instant,
 }
 
+impl StoredLease {
+    fn live(&self, now: Instant) -> bool {
+        self.expires_at > now
+    }
+}
+
+/// The shared holders of one key, and the intent of a writer waiting for them.
+#[derive(Debug, Default)]
+struct Readers {
+    leases: Vec<StoredLease>,
+    /// New readers are refused until then: a writer found the key read and waits.
+    writer_waits_until: Option<Instant>,
+}
+
+impl Readers {
+    fn any_live(&self, now: Instant) -> bool {
+        self.leases.iter().any(|lease| lease.live(now))
+    }
+}
+
+/// How long a writer's intent holds new readers back after its latest attempt. A waiting
+/// writer retries at least this often with the engine's default options (its longest retry
+/// delay is 1 s), so the intent stands for as long as it waits, and lapses soon after it stops.
+pub const WRITER_INTENT: Duration = Duration::from_secs(2);
+
 impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
     }
 
+    // Every update of these maps leaves them consistent, so a poisoned lock is still usable.
+    // When both lock maps are needed, `leases` is locked first.
     fn leases(&self) -> MutexGuard<'_, HashMap<Arc<str>, StoredLease>> {
-        // Every update leaves the map consistent, so a poisoned lock is still usable.
         self.inner
             .leases
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether `key` has an unexpired lease.
-    pub fn is_locked(&self, key: &str) -> bool {
-        let now = Instant::now();
-        self.leases().get(key).is_some_and(|e| e.expires_at > now)
+    fn readers(&self) -> MutexGuard<'_, HashMap<Arc<str>, Readers>> {
+        self.inner
+            .readers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// How many keys have an unexpired lease.
+    fn semaphores(&self) -> MutexGuard<'_, HashMap<Arc<str>, Vec<Option<StoredLease>>>> {
+        self.inner
+            .semaphores
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `key` has an unexpired lease, exclusive or shared.
+    pub fn is_locked(&self, key: &str) -> bool {
+        let now = Instant::now();
+        self.leases().get(key).is_some_and(|e| e.live(now))
+            || self.readers().get(key).is_some_and(|r| r.any_live(now))
+    }
+
+    /// How many keys have an unexpired lease, exclusive or shared.
     pub fn locked_count(&self) -> usize {
         let now = Instant::now();
-        self.leases()
-            .values()
-            .filter(|e| e.expires_at > now)
-            .count()
+        let exclusive = self.leases().values().filter(|e| e.live(now)).count();
+        let shared = self.readers().values().filter(|r| r.any_live(now)).count();
+        exclusive + shared
+    }
+
+    /// How many unexpired shared leases `key` has.
+    pub fn readers_of(&self, key: &str) -> usize {
+        let now = Instant::now();
+        self.readers()
+            .get(key)
+            .map_or(0, |r| r.leases.iter().filter(|l| l.live(now)).count())
+    }
+
+    /// How many slots of the semaphore `key` have an unexpired lease.
+    pub fn semaphore_holders(&self, key: &str) -> usize {
+        let now = Instant::now();
+        self.semaphores().get(key).map_or(0, |slots| {
+            slots.iter().flatten().filter(|l| l.live(now)).count()
+        })
     }
 
     /// Breaks the lease on `key`, as another client breaking an Azure lease would: the holder's
-    /// next renewal is told the lease is gone. Returns whether there was a lease to break.
+    /// next renewal is told the lease is gone. Shared leases of the key are broken too. Returns
+    /// whether there was a lease to break.
     pub fn break_lease(&self, key: &str) -> bool {
-        self.leases().remove(key).is_some()
+        let exclusive = self.leases().remove(key).is_some();
+        let shared = self.readers().remove(key).is_some();
+        exclusive || shared
+    }
+
+    /// Breaks the lease on one slot of the semaphore `key`; returns whether it was held.
+    pub fn break_semaphore_slot(&self, key: &str, slot: usize) -> bool {
+        self.semaphores()
+            .get_mut(key)
+            .and_then(|slots| slots.get_mut(slot))
+            .and_then(Option::take)
+            .is_some()
     }
 
     /// Makes renewals work, fail or hang from now on.
@@ -147,6 +220,25 @@ pub struct MemoryBackend {
 pub struct MemoryLease {
     key: Arc<str>,
     id: u64,
+    held: Held,
+}
+
+/// Which map a lease lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    Exclusive,
+    Shared,
+    Slot(usize),
+}
+
+impl MemoryLease {
+    /// The slot of a semaphore lease; `None` for a lock.
+    pub fn slot(&self) -> Option<usize> {
+        match self.held {
+            Held::Slot(slot) => Some(slot),
+            _ => None,
+        }
+    }
 }
 
 impl MemoryBackend {
@@ -167,6 +259,198 @@ impl MemoryBackend {
 
     fn unreachable() -> BackendError {
         BackendError::unreachable("the in-memory store is switched to unavailable")
+    }
+
+    fn new_lease(&self, now: Instant) -> StoredLease {
+        StoredLease {
+            lease_id: self.store.inner.next_lease.fetch_add(1, Ordering::Relaxed),
+            expires_at: crate::clock::after(now, self.lease),
+        }
+    }
+
+    fn next_token(&self) -> u64 {
+        self.store.inner.next_token.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether live readers hold `key`; if so, a writer now waits for them, and its intent
+    /// holds new readers back (see [`WRITER_INTENT`]).
+    fn read_by_others(&self, key: &str, now: Instant) -> bool {
+        let mut readers = self.store.readers();
+        let Some(entry) = readers.get_mut(key) else {
+            return false;
+        };
+        entry.leases.retain(|lease| lease.live(now));
+        if entry.leases.is_empty() {
+            readers.remove(key);
+            return false;
+        }
+        entry.writer_waits_until = Some(crate::clock::after(now, WRITER_INTENT));
+        true
+    }
+
+    fn try_read(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        let store = &self.store;
+        store.inner.attempts.fetch_add(1, Ordering::Relaxed);
+        if store.is_unavailable() {
+            return Err(Self::unreachable());
+        }
+        let now = Instant::now();
+        let leases = store.leases();
+        if leases.get(key).is_some_and(|e| e.live(now)) {
+            return Ok(None);
+        }
+        let mut readers = store.readers();
+        let (key, entry) = match readers.get_key_value(key) {
+            Some((existing, _)) => {
+                let existing = existing.clone();
+                let entry = readers.entry(existing.clone()).or_default();
+                (existing, entry)
+            }
+            None => {
+                let key: Arc<str> = Arc::from(key);
+                (key.clone(), readers.entry(key).or_default())
+            }
+        };
+        if entry.writer_waits_until.is_some_and(|until| until > now) {
+            return Ok(None);
+        }
+        entry.writer_waits_until = None;
+        let stored = self.new_lease(now);
+        let id = stored.lease_id;
+        entry.leases.push(stored);
+        let fencing_token = self.next_token();
+        drop(readers);
+        drop(leases);
+        Ok(Some(Acquired {
+            lease: MemoryLease {
+                key,
+                id,
+                held: Held::Shared,
+            },
+            fencing_token,
+        }))
+    }
+
+    fn try_take_slot(
+        &self,
+        key: &str,
+        max_count: u32,
+    ) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        let store = &self.store;
+        store.inner.attempts.fetch_add(1, Ordering::Relaxed);
+        if store.is_unavailable() {
+            return Err(Self::unreachable());
+        }
+        let count = usize::try_from(max_count).unwrap_or(usize::MAX);
+        let now = Instant::now();
+        let mut semaphores = store.semaphores();
+        let key: Arc<str> = match semaphores.get_key_value(key) {
+            Some((existing, _)) => existing.clone(),
+            None => Arc::from(key),
+        };
+        let slots = semaphores.entry(key.clone()).or_default();
+        // Slots beyond this caller's count (another process configured more) are not its to
+        // take, but their holders still count against it.
+        let held = slots.iter().flatten().filter(|l| l.live(now)).count();
+        if held >= count {
+            return Ok(None);
+        }
+        if slots.len() < count {
+            slots.resize_with(count, || None);
+        }
+        let Some(slot) = slots
+            .iter()
+            .take(count)
+            .position(|s| s.as_ref().is_none_or(|l| !l.live(now)))
+        else {
+            return Ok(None);
+        };
+        let stored = self.new_lease(now);
+        let id = stored.lease_id;
+        if let Some(place) = slots.get_mut(slot) {
+            *place = Some(stored);
+        }
+        let fencing_token = self.next_token();
+        drop(semaphores);
+        Ok(Some(Acquired {
+            lease: MemoryLease {
+                key,
+                id,
+                held: Held::Slot(slot),
+            },
+            fencing_token,
+        }))
+    }
+
+    /// Runs `f` on the stored lease of `lease`, if it is still this lease's.
+    fn with_stored<T>(
+        &self,
+        lease: &MemoryLease,
+        f: impl FnOnce(&mut StoredLease) -> T,
+    ) -> Option<T> {
+        let id = lease.id;
+        match lease.held {
+            Held::Exclusive => self
+                .store
+                .leases()
+                .get_mut(&*lease.key)
+                .filter(|e| e.lease_id == id)
+                .map(f),
+            Held::Shared => self
+                .store
+                .readers()
+                .get_mut(&*lease.key)
+                .and_then(|r| r.leases.iter_mut().find(|l| l.lease_id == id))
+                .map(f),
+            Held::Slot(slot) => self
+                .store
+                .semaphores()
+                .get_mut(&*lease.key)
+                .and_then(|slots| slots.get_mut(slot))
+                .and_then(Option::as_mut)
+                .filter(|l| l.lease_id == id)
+                .map(f),
+        }
+    }
+
+    /// Removes the stored lease of `lease`, if it is still this lease's.
+    fn remove_stored(&self, lease: &MemoryLease) -> Option<StoredLease> {
+        let id = lease.id;
+        match lease.held {
+            Held::Exclusive => {
+                let mut leases = self.store.leases();
+                let ours = leases.get(&*lease.key).is_some_and(|e| e.lease_id == id);
+                if ours {
+                    leases.remove(&*lease.key)
+                } else {
+                    None
+                }
+            }
+            Held::Shared => {
+                let mut readers = self.store.readers();
+                let entry = readers.get_mut(&*lease.key)?;
+                let at = entry.leases.iter().position(|l| l.lease_id == id)?;
+                let removed = entry.leases.swap_remove(at);
+                if entry.leases.is_empty() && entry.writer_waits_until.is_none() {
+                    readers.remove(&*lease.key);
+                }
+                Some(removed)
+            }
+            Held::Slot(slot) => {
+                let mut semaphores = self.store.semaphores();
+                let slots = semaphores.get_mut(&*lease.key)?;
+                let place = slots.get_mut(slot)?;
+                if place.as_ref().is_some_and(|l| l.lease_id == id) {
+                    let removed = place.take();
+                    if slots.iter().all(Option::is_none) {
+                        semaphores.remove(&*lease.key);
+                    }
+                    removed
+                } else {
+                    None
+                }
+            }
+        }
     }
 }
 
@@ -195,7 +479,8 @@ impl LockBackend for MemoryBackend {
             expires_at: crate::clock::after(now, self.lease),
         };
         let key = match leases.get_key_value(key) {
-            Some((_, current)) if current.expires_at > now => return Ok(None),
+            Some((_, current)) if current.live(now) => return Ok(None),
+            _ if self.read_by_others(key, now) => return Ok(None),
             Some((existing, _expired)) => {
                 let existing = existing.clone();
                 leases.insert(existing.clone(), entry);
@@ -211,9 +496,32 @@ impl LockBackend for MemoryBackend {
         let fencing_token = store.inner.next_token.fetch_add(1, Ordering::Relaxed) + 1;
         drop(leases);
         Ok(Some(Acquired {
-            lease: MemoryLease { key, id: lease_id },
+            lease: MemoryLease {
+                key,
+                id: lease_id,
+                held: Held::Exclusive,
+            },
             fencing_token,
         }))
+    }
+
+    fn supports(&self, mode: LockMode) -> bool {
+        matches!(
+            mode,
+            LockMode::Exclusive | LockMode::Shared | LockMode::Semaphore { .. }
+        )
+    }
+
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        match mode {
+            LockMode::Exclusive => self.try_acquire(key).await,
+            LockMode::Shared => self.try_read(key),
+            LockMode::Semaphore { max_count } => self.try_take_slot(key, max_count),
+        }
     }
 
     async fn renew(&self, lease: &MemoryLease) -> Result<(), BackendError> {
@@ -230,11 +538,16 @@ impl LockBackend for MemoryBackend {
             RenewalFault::Hang => std::future::pending::<()>().await,
         }
         let now = Instant::now();
-        match store.leases().get_mut(&*lease.key) {
-            Some(entry) if entry.lease_id == lease.id && entry.expires_at > now => {
+        let renewed = self.with_stored(lease, |entry| {
+            if entry.live(now) {
                 entry.expires_at = crate::clock::after(now, self.lease);
-                Ok(())
+                true
+            } else {
+                false
             }
+        });
+        match renewed {
+            Some(true) => Ok(()),
             _ => Err(BackendError::lease_gone("the lease expired or was broken")),
         }
     }
@@ -245,18 +558,10 @@ impl LockBackend for MemoryBackend {
             return Err(Self::unreachable());
         }
         let now = Instant::now();
-        let mut leases = store.leases();
-        match leases.get(&*lease.key) {
-            Some(entry) if entry.lease_id == lease.id => {
-                let expired = entry.expires_at <= now;
-                leases.remove(&*lease.key);
-                if expired {
-                    Err(BackendError::lease_gone("the lease had expired"))
-                } else {
-                    Ok(())
-                }
-            }
-            _ => Err(BackendError::lease_gone("the lease expired or was broken")),
+        match self.remove_stored(lease) {
+            Some(entry) if entry.live(now) => Ok(()),
+            Some(_) => Err(BackendError::lease_gone("the lease had expired")),
+            None => Err(BackendError::lease_gone("the lease expired or was broken")),
         }
     }
 }

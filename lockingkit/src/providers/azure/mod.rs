@@ -54,7 +54,7 @@ pub use client::SharedKeyPolicy;
 pub use errors::AzureRequestError;
 pub use guard_blob::FENCING_TOKEN_METADATA;
 pub use options::{AzureBlobOptions, MAX_LEASE_DURATION, MAX_RETRIES_LIMIT, MIN_LEASE_DURATION};
-pub use semaphore::MAX_SEMAPHORE_COUNT;
+pub use semaphore::MAX_SEMAPHORE_SLOTS;
 
 use client::{container_from_connection_string, container_with_token, GuardPath};
 use guard_blob::GuardBlobs;
@@ -72,7 +72,7 @@ const SECTION: &str = "AzureBlobOptions";
 ///
 /// # Semaphores, and no reader-writer locks
 ///
-/// A semaphore of `max_count` N (1 to [`MAX_SEMAPHORE_COUNT`]) is N slot guard blobs, named by
+/// A semaphore of `max_count` N (1 to [`MAX_SEMAPHORE_SLOTS`]) is N slot guard blobs, named by
 /// [`azure_semaphore_slot_blob_name`](crate::keys::azure_semaphore_slot_blob_name); a holder
 /// holds one slot's lease, renewed and released like a plain lock's. An attempt probes the
 /// slots from a random one and takes the first free lease, so a busy semaphore costs up to N
@@ -260,7 +260,7 @@ impl LockBackend for AzureBlobBackend {
         }))
     }
 
-    /// Exclusive locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] holders; never shared
+    /// Exclusive locks, and semaphores of 1 to [`MAX_SEMAPHORE_SLOTS`] holders; never shared
     /// holds, which blob leases cannot express.
     fn supports(&self, mode: LockMode) -> bool {
         match mode {
@@ -282,7 +282,7 @@ impl LockBackend for AzureBlobBackend {
             }
             LockMode::Semaphore { max_count } => {
                 return Err(BackendError::misconfigured(format!(
-                    "a semaphore on Azure admits 1 to {MAX_SEMAPHORE_COUNT} holders, not \
+                    "a semaphore on Azure admits 1 to {MAX_SEMAPHORE_SLOTS} holders, not \
                      {max_count}: each holder is a slot blob, and an attempt may try every slot"
                 )))
             }

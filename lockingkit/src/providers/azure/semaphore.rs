@@ -18,7 +18,9 @@ use super::AzureBlobLease;
 use crate::backend::BackendError;
 use crate::keys::azure_semaphore_slot_blob_name;
 
-/// The largest `max_count` a semaphore may have on Azure.
+/// The largest `max_count` a semaphore may have on Azure, below the engine's own limit
+/// ([`MAX_SEMAPHORE_COUNT`](crate::MAX_SEMAPHORE_COUNT)) because every slot is a blob an attempt
+/// may have to try.
 ///
 /// An attempt when every slot is taken costs one request per slot, sent one after another (a
 /// busy answer is one round trip, a few milliseconds within a region), and a waiter repeats
@@ -26,11 +28,11 @@ use crate::keys::azure_semaphore_slot_blob_name;
 /// retry — still under a tenth of a second in a region — while Azure's targets (about 500
 /// requests per second per blob, 20,000 per account) leave room for many such waiters. A
 /// larger pool of holders is better served by several semaphores or another provider.
-pub const MAX_SEMAPHORE_COUNT: u32 = 32;
+pub const MAX_SEMAPHORE_SLOTS: u32 = 32;
 
 /// Whether a semaphore of `max_count` holders can be held on Azure.
 pub(crate) fn supported_count(max_count: u32) -> bool {
-    (1..=MAX_SEMAPHORE_COUNT).contains(&max_count)
+    (1..=MAX_SEMAPHORE_SLOTS).contains(&max_count)
 }
 
 /// One attempt to take a free slot of the semaphore `key`: `Ok(None)` when all `max_count`
@@ -74,14 +76,14 @@ mod tests {
     fn counts_from_one_to_the_limit_are_supported() {
         assert!(!supported_count(0));
         assert!(supported_count(1));
-        assert!(supported_count(MAX_SEMAPHORE_COUNT));
-        assert!(!supported_count(MAX_SEMAPHORE_COUNT + 1));
+        assert!(supported_count(MAX_SEMAPHORE_SLOTS));
+        assert!(!supported_count(MAX_SEMAPHORE_SLOTS + 1));
         assert!(!supported_count(u32::MAX));
     }
 
     #[test]
     fn the_first_slot_is_spread_over_every_slot() {
-        for max_count in [1, 2, 3, MAX_SEMAPHORE_COUNT] {
+        for max_count in [1, 2, 3, MAX_SEMAPHORE_SLOTS] {
             let mut seen = vec![false; max_count as usize];
             for _ in 0..2000 {
                 let slot = first_slot(max_count);

@@ -661,7 +661,7 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
 mod semaphore {
     use super::*;
     use lockingkit::providers::azure::azure_storage_blob::models::LeaseState;
-    use lockingkit::providers::azure::{AzureBlobLease, MAX_SEMAPHORE_COUNT};
+    use lockingkit::providers::azure::{AzureBlobLease, MAX_SEMAPHORE_SLOTS};
     use lockingkit::{LockBackend, LockMode};
     use lockingkit_tests::proxy::FaultProxy;
 
@@ -926,10 +926,10 @@ mod semaphore {
         assert!(!backend.supports(LockMode::Semaphore { max_count: 0 }));
         assert!(backend.supports(LockMode::Semaphore { max_count: 1 }));
         assert!(backend.supports(LockMode::Semaphore {
-            max_count: MAX_SEMAPHORE_COUNT
+            max_count: MAX_SEMAPHORE_SLOTS
         }));
         assert!(!backend.supports(LockMode::Semaphore {
-            max_count: MAX_SEMAPHORE_COUNT + 1
+            max_count: MAX_SEMAPHORE_SLOTS + 1
         }));
 
         let key = unique("semaphore/refused");
@@ -943,7 +943,7 @@ mod semaphore {
             .try_acquire_in(
                 &key,
                 LockMode::Semaphore {
-                    max_count: MAX_SEMAPHORE_COUNT + 1,
+                    max_count: MAX_SEMAPHORE_SLOTS + 1,
                 },
             )
             .await
@@ -1036,5 +1036,106 @@ mod semaphore {
         for lease in &held {
             holder.release(lease).await.expect("release");
         }
+    }
+
+    // End to end, through `DistributedLock::semaphore` and the engine.
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_admits_three_holders_across_processes_and_a_waiter_gets_a_released_slot() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/e2e");
+        let processes: Vec<_> = (0..3).map(|_| lock_with(options(&azurite))).collect();
+        let semaphores: Vec<_> = processes
+            .iter()
+            .map(|locks| locks.semaphore(&key, 3).expect("a semaphore of three"))
+            .collect();
+        // Two holders in one process and one in another: each local holder has its own slot.
+        let mut held = vec![
+            semaphores[0].try_acquire().await.expect("a slot"),
+            semaphores[0]
+                .try_acquire()
+                .await
+                .expect("a second local slot"),
+            semaphores[1].try_acquire().await.expect("a slot"),
+        ];
+        let mut slots: Vec<u32> = held
+            .iter()
+            .map(|h| slot_of(&h.azure_blob_lease().expect("an Azure lease")))
+            .collect();
+        slots.sort_unstable();
+        assert_eq!(slots, [0, 1, 2]);
+        for semaphore in &semaphores {
+            let busy = semaphore.try_acquire().await.unwrap_err();
+            assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+        }
+        // The lock of the same name is another lock.
+        let lock = processes[2]
+            .try_acquire(&key)
+            .await
+            .expect("the lock `key` is free");
+
+        let waiter = {
+            let semaphore = semaphores[2].clone();
+            tokio::spawn(async move { semaphore.acquire(Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiter.is_finished(), "a fourth holder got in");
+        let freed = held.remove(0);
+        let freed_lease = freed.azure_blob_lease().expect("an Azure lease");
+        freed.release().await.expect("release");
+        let next = waiter
+            .await
+            .expect("the waiter")
+            .expect("the released slot");
+        let next_lease = next.azure_blob_lease().expect("an Azure lease");
+        assert_eq!(slot_of(&next_lease), slot_of(&freed_lease));
+        assert!(next.fencing_token() > freed_lease.fencing_token());
+        assert_eq!(next.fencing_token(), next_lease.fencing_token());
+        held.push(next);
+        for handle in held {
+            handle.release().await.expect("release");
+        }
+        lock.release().await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn semaphore_slots_are_renewed_past_their_lease() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/renewed");
+        let (holder, other) = (lock_with(options(&azurite)), lock_with(options(&azurite)));
+        let two = holder.semaphore(&key, 2).expect("a semaphore of two");
+        let held = [
+            two.try_acquire().await.expect("a slot"),
+            two.try_acquire().await.expect("a slot"),
+        ];
+        tokio::time::sleep(LEASE + Duration::from_secs(3)).await;
+        for handle in &held {
+            handle.ensure_held().expect("renewed past the lease");
+        }
+        let busy = other
+            .semaphore(&key, 2)
+            .expect("a semaphore of two")
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+        for handle in held {
+            handle.release().await.expect("release");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reader_writer_locks_are_misconfigured_on_azure_and_semaphores_end_at_the_slot_limit() {
+        let azurite = Azurite::start().await;
+        let locks = lock_with(options(&azurite));
+        let error = locks.reader_writer().unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        let error = locks
+            .semaphore("jobs", MAX_SEMAPHORE_SLOTS + 1)
+            .unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        locks
+            .semaphore("jobs", MAX_SEMAPHORE_SLOTS)
+            .expect("the largest Azure semaphore");
     }
 }

@@ -1176,6 +1176,99 @@ async fn broken_slot_lease(azurite: &Azurite) {
     }
 }
 
+/// As [`broken_slot_lease`], through `DistributedLock::semaphore` in three processes: the
+/// victim's engine declares `LeaseGone` at its next renewal and `run` drops its work, while the
+/// other two handles stay held through that renewal and the next.
+async fn broken_slot_lease_through_the_engine(server: Server) {
+    let Server::Azure(azurite) = &server else {
+        unreachable!("an Azure case")
+    };
+    let key = unique_prefix("chaos/slot-broken-engine");
+    let mut processes = Vec::new();
+    for id in 0..4 {
+        processes.push(server.process(id).await);
+    }
+    let mut watched = Vec::new();
+    let mut leases = Vec::new();
+    for process in &processes[..3] {
+        let handle = process
+            .locks
+            .semaphore(&key, 3)
+            .expect("a semaphore of three")
+            .acquire(PATIENCE)
+            .await
+            .expect("a slot");
+        leases.push(handle.azure_blob_lease().expect("an Azure lease"));
+        watched.push(Watched::new(process.id, handle, Instant::now()));
+    }
+    let victim = watched.remove(1);
+    let victim_lease = leases.remove(1);
+    let renewal = tokio::time::timeout(
+        RENEW_EVERY * 2,
+        processes[1].proxy.exchange_after(victim.acquired),
+    )
+    .await
+    .expect("a renewal of the victim's slot");
+    azurite
+        .plain_container_client("locks")
+        .blob_client(&azure_semaphore_slot_blob_name(
+            &key,
+            slot_of(&victim_lease),
+        ))
+        .break_lease(Some(BlobClientBreakLeaseOptions {
+            break_period: Some(0),
+            ..Default::default()
+        }))
+        .await
+        .expect("a plain SDK client breaks the slot's lease");
+
+    let (loss, _) = victim.lost_within(PATIENCE).await;
+    assert_lost(&loss, LossReason::LeaseGone);
+    assert_near(
+        "loss",
+        loss.at,
+        renewal.sent + RENEW_EVERY,
+        SEND_SKEW,
+        AZURE_LATE,
+    );
+    // The others renew through the loss and one more period without losing anything.
+    let after = loss.at + RENEW_EVERY;
+    for process in [&processes[0], &processes[2]] {
+        tokio::time::timeout(PATIENCE, process.proxy.exchange_after(after))
+            .await
+            .expect("a renewal after the victim's loss");
+    }
+    for kept in &watched {
+        assert!(
+            !kept.loss.is_finished(),
+            "process {} lost its slot",
+            kept.process
+        );
+    }
+    let next = processes[3]
+        .locks
+        .semaphore(&key, 3)
+        .expect("a semaphore of three")
+        .try_acquire()
+        .await
+        .expect("the broken slot is free");
+    let next_lease = next.azure_blob_lease().expect("an Azure lease");
+    assert_eq!(slot_of(&next_lease), slot_of(&victim_lease));
+    assert!(next.fencing_token() > victim_lease.fencing_token());
+    let busy = processes[1]
+        .locks
+        .semaphore(&key, 3)
+        .expect("a semaphore of three")
+        .try_acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+    next.release().await.expect("release");
+    for kept in watched {
+        kept.loss.abort();
+    }
+}
+
 /// How a semaphore slot holder vanishes.
 #[derive(Clone, Copy, Debug)]
 enum SlotVanish {
@@ -1260,8 +1353,8 @@ async fn vanished_slot_holder(azurite: &Azurite, how: SlotVanish) {
     contender.release(&next).await.expect("release");
 }
 
-/// Takes a slot in a separate OS process (this test binary, running
-/// [`vanishing_slot_holder_process`]), which then renews it until killed.
+/// Takes a slot through `DistributedLock::semaphore` in a separate OS process (this test
+/// binary, running [`vanishing_slot_holder_process`]), whose engine renews it until killed.
 async fn slot_holder_process(port: u16, key: &str) -> (ChildGuard, u32, u64) {
     let exe = std::env::current_exe().expect("the test binary");
     let mut child = Command::new(exe)
@@ -1310,8 +1403,13 @@ async fn vanishing_slot_holder_process() {
     ) else {
         return;
     };
-    let backend = slot_backend(port.parse().expect("a port"));
-    let lease = try_slot(&backend, &key).await.expect("a free slot");
+    let handle = lock_through(Kind::Azure, port.parse().expect("a port"))
+        .semaphore(&key, 3)
+        .expect("a semaphore of three")
+        .acquire(PATIENCE)
+        .await
+        .expect("the slot holder process acquires");
+    let lease = handle.azure_blob_lease().expect("an Azure lease");
     {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
@@ -1319,16 +1417,14 @@ async fn vanishing_slot_holder_process() {
             out,
             "HELD SLOT {} {}",
             slot_of(&lease),
-            lease.fencing_token()
+            handle.fencing_token()
         )
         .expect("report");
         out.flush().expect("flush");
     }
-    // Renew, as the engine would, until killed.
-    loop {
-        tokio::time::sleep(RENEW_EVERY).await;
-        backend.renew(&lease).await.expect("renew the slot");
-    }
+    // The engine renews the slot until the process is killed.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    drop(handle);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1598,6 +1694,12 @@ mod azure {
     async fn broken_lease_on_one_semaphore_slot_is_that_holders_loss_only() {
         let azurite = Azurite::start_local(Persistence::InMemory).await;
         broken_slot_lease(&azurite).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn broken_semaphore_slot_lease_loses_only_that_handle() {
+        let server = Server::azure(Persistence::InMemory).await;
+        broken_slot_lease_through_the_engine(server).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -203,21 +203,6 @@ impl<B: LockBackend> Engine<B> {
         LockHandle::new(held)
     }
 
-    /// Refuses a mode the backend cannot hold, before anything is attempted.
-    fn check_mode(&self, mode: LockMode) -> Result<(), LockError> {
-        if self.backend.supports(mode) {
-            Ok(())
-        } else {
-            Err(LockError::new(
-                ErrorKind::Misconfigured,
-                format!(
-                    "the {} provider cannot hold {mode} locks",
-                    self.telemetry.provider()
-                ),
-            ))
-        }
-    }
-
     /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
     /// (or are told why not); readers and semaphore holders take a lane of their own.
     fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
@@ -234,7 +219,6 @@ impl<B: LockBackend> Engine<B> {
         attempts: &mut u64,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        self.check_mode(mode)?;
         let runtime = current_runtime()?;
         let turn = match self.try_turn(key, mode) {
             Ok(turn) => turn,
@@ -264,7 +248,6 @@ impl<B: LockBackend> Engine<B> {
         attempts: &mut u64,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        self.check_mode(mode)?;
         let runtime = current_runtime()?;
         let deadline = crate::clock::in_(timeout);
         let turn = self.wait_for_turn(key, mode, deadline, timeout).await?;

@@ -152,7 +152,7 @@ async fn show(
         None => "read without a lock".to_owned(),
     };
     match state.orders.describe(&id) {
-        Some(history) => (StatusCode::OK, format!("{history}({held})\n")),
+        Some(history) => (StatusCode::OK, format!("order {id} ({held}):\n{history}")),
         None => (
             StatusCode::NOT_FOUND,
             format!("order {id}: nothing recorded yet ({held})\n"),

@@ -5,6 +5,10 @@
 //! meter provider, so tests never see each other's telemetry. Lease timing runs on paused tokio
 //! time, which makes durations exact.
 
+mod support {
+    pub mod field_log;
+}
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -18,7 +22,6 @@ use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
     LossReason, MemoryBackend, MemoryStore,
 };
-use lockingkit_tests::field_log::FieldLog;
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -28,6 +31,7 @@ use opentelemetry_sdk::metrics::{
     InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
 };
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use support::field_log::FieldLog;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 /// A key no telemetry may ever contain; its middle part is searched for on its own too, in case

@@ -1,4 +1,5 @@
-//! An orders API whose writes hold a distributed lock per order, with axum and LockingKit.
+//! An orders API whose writes hold a distributed lock per order and whose reads share it, with
+//! axum and LockingKit.
 //!
 //! ```text
 //! cargo run -p lockingkit-examples --example orders_api
@@ -25,8 +26,12 @@
 //! Routes:
 //! - `POST /orders/{id}/ship` — locks `orders/{id}` for one attempt: a second concurrent call
 //!   gets `409` with a problem document (`locking.busy`).
-//! - `POST /orders/{id}/pay` — waits up to 10 s for `orders/{id}`, so concurrent calls queue.
-//! - `GET /orders/{id}` — no lock: reads never wait for writes.
+//! - `POST /orders/{id}/pay` — waits up to 10 s for `orders/{id}`, so concurrent calls queue,
+//!   and a payment waits for the reads in flight.
+//! - `GET /orders/{id}` — reads `orders/{id}` *shared* (waiting up to 10 s for a write in
+//!   progress): reads of one order run together, never beside a write. Reading takes 3 s here
+//!   too, so you can see two reads overlap and a payment wait for both. On Azure, whose leases
+//!   are exclusive only, the example says so at startup and serves reads without a lock.
 //!
 //! Writes send the lock's fencing token to the (in-process) order store, which refuses a token
 //! lower than one it has already seen: the last line of defence when a paused process wakes up
@@ -46,8 +51,12 @@ use axum::Router;
 use lockingkit::DistributedLock;
 use lockingkit_axum::{lock_route_from_state, HeldLock, LockRejection};
 
-/// How long the simulated shipping and payment take, so that a second curl can collide.
+/// How long the simulated shipping, payment and reading take, so that a second curl can
+/// collide.
 const WORK: Duration = Duration::from_secs(3);
+
+/// How long payments and reads wait for the order's lock.
+const WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Clone)]
 struct AppState {
@@ -130,12 +139,23 @@ async fn pay(
     write(&state, &id, &lock, "paid").await
 }
 
-async fn show(State(state): State<AppState>, Path(id): Path<String>) -> (StatusCode, String) {
+async fn show(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    // `None` only where the provider cannot hold shared locks (see `app`).
+    lock: Option<HeldLock>,
+) -> (StatusCode, String) {
+    // Other reads of this order may be here at the same time; no write is.
+    tokio::time::sleep(WORK).await;
+    let held = match &lock {
+        Some(lock) => format!("read shared, fencing token {}", lock.fencing_token()),
+        None => "read without a lock".to_owned(),
+    };
     match state.orders.describe(&id) {
-        Some(history) => (StatusCode::OK, history),
+        Some(history) => (StatusCode::OK, format!("order {id} ({held}):\n{history}")),
         None => (
             StatusCode::NOT_FOUND,
-            format!("order {id}: nothing recorded yet\n"),
+            format!("order {id}: nothing recorded yet ({held})\n"),
         ),
     }
 }
@@ -219,12 +239,22 @@ fn app(state: AppState) -> Router {
     // every route added before it, and two layers locking the same key refuse each other.
     let ship_lock = lock_route_from_state(&state, "orders/{id}").map_rejection(log_rejection);
     let pay_lock = lock_route_from_state(&state, "orders/{id}")
-        .wait(Duration::from_secs(10))
+        .wait(WAIT)
         .map_rejection(log_rejection);
+    // A provider without shared locks refuses `shared()` here, at startup. Serving reads
+    // unlocked is this application's choice (reads only show the history); one whose reads
+    // must never see a write in progress would stop instead.
+    let show = match lock_route_from_state(&state, "orders/{id}").shared() {
+        Ok(read_lock) => get(show).route_layer(read_lock.wait(WAIT).map_rejection(log_rejection)),
+        Err(error) => {
+            eprintln!("orders_api: reads take no lock: {error}");
+            get(show)
+        }
+    };
     Router::new()
         .route("/orders/{id}/ship", post(ship).route_layer(ship_lock))
         .route("/orders/{id}/pay", post(pay).route_layer(pay_lock))
-        .route("/orders/{id}", get(show))
+        .route("/orders/{id}", show)
         .with_state(state)
 }
 
@@ -256,8 +286,8 @@ async fn run() -> Result<(), Box<dyn Error>> {
     println!("  curl -s -X POST http://{addr}/orders/42/pay & curl -s -X POST http://{addr}/orders/42/pay; wait");
     println!("Different orders run in parallel:");
     println!("  curl -s -X POST http://{addr}/orders/1/ship & curl -s -X POST http://{addr}/orders/2/ship; wait");
-    println!("Reads take no lock:");
-    println!("  curl -s http://{addr}/orders/42");
+    println!("Two reads run together; a payment waits for both, a ship is refused meanwhile:");
+    println!("  curl -s http://{addr}/orders/42 & curl -s http://{addr}/orders/42 & sleep 0.5; curl -si -X POST http://{addr}/orders/42/ship; curl -s -X POST http://{addr}/orders/42/pay; wait");
 
     let state = AppState {
         locks,

@@ -655,3 +655,487 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
     assert!(guard_exists);
     assert!(!placeholder_exists);
 }
+
+/// Semaphores at the backend level, through [`LockBackend::try_acquire_in`] as the engine calls
+/// it: every holder is one lease on one slot blob.
+mod semaphore {
+    use super::*;
+    use lockingkit::providers::azure::azure_storage_blob::models::LeaseState;
+    use lockingkit::providers::azure::{AzureBlobLease, MAX_SEMAPHORE_SLOTS};
+    use lockingkit::{LockBackend, LockMode};
+    use lockingkit_tests::proxy::FaultProxy;
+
+    const THREE: LockMode = LockMode::Semaphore { max_count: 3 };
+
+    fn backend(azurite: &Azurite) -> AzureBlobBackend {
+        AzureBlobBackend::new(options(azurite)).expect("valid Azure options")
+    }
+
+    /// One attempt at a slot of `key`; `None` when every slot is taken.
+    async fn try_slot(
+        backend: &AzureBlobBackend,
+        key: &str,
+        mode: LockMode,
+    ) -> Option<AzureBlobLease> {
+        backend
+            .try_acquire_in(key, mode)
+            .await
+            .unwrap_or_else(|e| panic!("a semaphore attempt failed: {e}"))
+            .map(|acquired| {
+                assert_eq!(acquired.fencing_token, acquired.lease.fencing_token());
+                acquired.lease
+            })
+    }
+
+    fn slot_of(lease: &AzureBlobLease) -> u32 {
+        lease
+            .semaphore_slot()
+            .expect("a semaphore lease names its slot")
+    }
+
+    /// Which of the semaphore's first `slots` slot blobs are leased right now, asked through a
+    /// plain SDK client.
+    async fn leased_slots(azurite: &Azurite, key: &str, slots: u32) -> Vec<u32> {
+        let container = azurite.plain_container_client("locks");
+        let mut leased = Vec::new();
+        for slot in 0..slots {
+            let blob =
+                container.blob_client(&lockingkit::keys::azure_semaphore_slot_blob_name(key, slot));
+            match blob.get_properties(None).await {
+                Ok(properties) => {
+                    if properties.lease_state().expect("lease state header")
+                        == Some(LeaseState::Leased)
+                    {
+                        leased.push(slot);
+                    }
+                }
+                Err(e) if status_of(&e) == Some(404) => {}
+                Err(e) => panic!("slot properties: {e}"),
+            }
+        }
+        leased
+    }
+
+    /// The fencing token kept in a slot blob's metadata, read through a plain SDK client.
+    async fn slot_token(azurite: &Azurite, key: &str, slot: u32) -> Option<String> {
+        azurite
+            .plain_container_client("locks")
+            .blob_client(&lockingkit::keys::azure_semaphore_slot_blob_name(key, slot))
+            .get_properties(None)
+            .await
+            .expect("slot properties")
+            .metadata()
+            .expect("metadata")
+            .get(FENCING_TOKEN_METADATA)
+            .cloned()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn three_holders_across_backends_take_three_slots_and_a_fourth_is_busy() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/three");
+        let backends: Vec<_> = (0..4).map(|_| backend(&azurite)).collect();
+        let mut held = Vec::new();
+        for backend in &backends[..3] {
+            held.push(try_slot(backend, &key, THREE).await.expect("a free slot"));
+        }
+        let mut slots: Vec<u32> = held.iter().map(slot_of).collect();
+        slots.sort_unstable();
+        assert_eq!(slots, [0, 1, 2]);
+        assert!(
+            try_slot(&backends[3], &key, THREE).await.is_none(),
+            "a fourth holder got in"
+        );
+        // The engine may ask again while it holds a slot: its own slots are taken too.
+        assert!(
+            try_slot(&backends[0], &key, THREE).await.is_none(),
+            "a holder got a second slot"
+        );
+        assert_eq!(leased_slots(&azurite, &key, 3).await, [0, 1, 2]);
+        for (backend, lease) in backends.iter().zip(&held) {
+            backend.release(lease).await.expect("release");
+        }
+        assert!(leased_slots(&azurite, &key, 3).await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_released_slot_lets_the_next_holder_in() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/next");
+        let (holder, waiter) = (backend(&azurite), backend(&azurite));
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(try_slot(&holder, &key, THREE).await.expect("a free slot"));
+        }
+        assert!(try_slot(&waiter, &key, THREE).await.is_none());
+        let freed = held.remove(1);
+        holder.release(&freed).await.expect("release");
+        let next = try_slot(&waiter, &key, THREE)
+            .await
+            .expect("the freed slot");
+        assert_eq!(slot_of(&next), slot_of(&freed));
+        assert!(next.fencing_token() > freed.fencing_token());
+        assert!(try_slot(&holder, &key, THREE).await.is_none());
+        waiter.release(&next).await.expect("release");
+        for lease in &held {
+            holder.release(lease).await.expect("release");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_attempt_never_holds_two_slots() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/one");
+        let five = LockMode::Semaphore { max_count: 5 };
+        let backends: Vec<_> = (0..2).map(|_| backend(&azurite)).collect();
+        let mut held = Vec::new();
+        // Attempts from two processes, alternating: after each, exactly one more slot is
+        // leased, and it is the one the attempt reported.
+        for attempt in 0..5 {
+            let backend = &backends[attempt % 2];
+            let lease = try_slot(backend, &key, five).await.expect("a free slot");
+            held.push(slot_of(&lease));
+            let mut expected = held.clone();
+            expected.sort_unstable();
+            assert_eq!(
+                leased_slots(&azurite, &key, 5).await,
+                expected,
+                "after attempt {attempt}"
+            );
+        }
+        assert!(try_slot(&backends[0], &key, five).await.is_none());
+        assert_eq!(leased_slots(&azurite, &key, 5).await.len(), 5);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_semaphore_k_and_the_lock_k_do_not_interfere() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/namespace");
+        let one = LockMode::Semaphore { max_count: 1 };
+        let (first, second) = (backend(&azurite), backend(&azurite));
+        // The lock first, then the semaphore of the same name, and both are held at once.
+        let lock = first
+            .try_acquire(&key)
+            .await
+            .expect("lock")
+            .expect("free lock");
+        let slot = try_slot(&second, &key, one)
+            .await
+            .expect("the semaphore is free");
+        assert_eq!(lock.fencing_token, 1);
+        assert_eq!(slot.fencing_token(), 1, "the slot has a token of its own");
+        // Each is busy for its own kind only.
+        assert!(first
+            .try_acquire_in(&key, LockMode::Exclusive)
+            .await
+            .expect("attempt")
+            .is_none());
+        assert!(try_slot(&first, &key, one).await.is_none());
+        // The lock named like the slot's blob is yet another lock.
+        let named_like_slot = format!("{key}~slot~0");
+        let other = first
+            .try_acquire(&named_like_slot)
+            .await
+            .expect("lock")
+            .expect("an unrelated lock is free");
+        assert_ne!(
+            other.lease.blob_client().url(),
+            slot.blob_client().url(),
+            "a lock and a slot share a blob"
+        );
+        // The slot's lease names its slot blob, and the lock's its guard.
+        assert_eq!(
+            slot.blob_client().url(),
+            second.semaphore_slot_blob(&key, 0).url()
+        );
+        assert_eq!(lock.lease.blob_client().url(), first.guard_blob(&key).url());
+        assert_eq!(lock.lease.semaphore_slot(), None);
+        first.release(&lock.lease).await.expect("release");
+        first.release(&other.lease).await.expect("release");
+        // The semaphore is still held after the lock is gone, and the lock is free while it is.
+        assert!(try_slot(&first, &key, one).await.is_none());
+        let again = first
+            .try_acquire(&key)
+            .await
+            .expect("lock")
+            .expect("free lock");
+        assert_eq!(again.fencing_token, 2);
+        first.release(&again.lease).await.expect("release");
+        second.release(&slot).await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fencing_tokens_grow_per_slot() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/tokens");
+        let two = LockMode::Semaphore { max_count: 2 };
+        let (first, second) = (backend(&azurite), backend(&azurite));
+        let kept = try_slot(&first, &key, two).await.expect("a free slot");
+        assert_eq!(kept.fencing_token(), 1);
+        // The other slot changes hands between two processes; its token grows with each holder
+        // while the kept slot's stays where it was.
+        for (round, backend) in [&first, &second, &second, &first].into_iter().enumerate() {
+            let lease = try_slot(backend, &key, two).await.expect("the other slot");
+            assert_ne!(slot_of(&lease), slot_of(&kept));
+            assert_eq!(lease.fencing_token(), round as u64 + 1);
+            backend.release(&lease).await.expect("release");
+        }
+        let kept_slot = slot_of(&kept);
+        assert_eq!(
+            slot_token(&azurite, &key, kept_slot).await.as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            slot_token(&azurite, &key, 1 - kept_slot).await.as_deref(),
+            Some("4")
+        );
+        first.release(&kept).await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_lease_is_renewed_and_released_like_a_lock() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/renew");
+        let (holder, other) = (backend(&azurite), backend(&azurite));
+        let one = LockMode::Semaphore { max_count: 1 };
+        let lease = try_slot(&holder, &key, one).await.expect("a free slot");
+        holder.renew(&lease).await.expect("renew the slot's lease");
+        assert!(try_slot(&other, &key, one).await.is_none());
+        holder
+            .release(&lease)
+            .await
+            .expect("release the slot's lease");
+        let error = holder.renew(&lease).await.unwrap_err();
+        assert_eq!(
+            error.kind(),
+            lockingkit::BackendErrorKind::LeaseGone,
+            "{error}"
+        );
+        let next = try_slot(&other, &key, one)
+            .await
+            .expect("free after release");
+        other.release(&next).await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reader_writer_locks_are_refused_and_semaphores_have_a_limit() {
+        let azurite = Azurite::start().await;
+        let backend = backend(&azurite);
+        assert!(!backend.supports(LockMode::Shared));
+        assert!(backend.supports(LockMode::Exclusive));
+        assert!(!backend.supports(LockMode::Semaphore { max_count: 0 }));
+        assert!(backend.supports(LockMode::Semaphore { max_count: 1 }));
+        assert!(backend.supports(LockMode::Semaphore {
+            max_count: MAX_SEMAPHORE_SLOTS
+        }));
+        assert!(!backend.supports(LockMode::Semaphore {
+            max_count: MAX_SEMAPHORE_SLOTS + 1
+        }));
+
+        let key = unique("semaphore/refused");
+        let shared = backend
+            .try_acquire_in(&key, LockMode::Shared)
+            .await
+            .unwrap_err();
+        assert_eq!(shared.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        assert!(shared.message().contains("reader-writer"), "{shared}");
+        let too_many = backend
+            .try_acquire_in(
+                &key,
+                LockMode::Semaphore {
+                    max_count: MAX_SEMAPHORE_SLOTS + 1,
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(too_many.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        let none = backend
+            .try_acquire_in(&key, LockMode::Semaphore { max_count: 0 })
+            .await
+            .unwrap_err();
+        assert_eq!(none.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        // Nothing was sent: no guard and no slot blob exists.
+        assert!(!plain_guard(&azurite, &key).exists().await.expect("exists"));
+        assert!(leased_slots(&azurite, &key, 1).await.is_empty());
+        assert!(!backend
+            .semaphore_slot_blob(&key, 0)
+            .exists()
+            .await
+            .expect("exists"));
+    }
+
+    /// Requests per attempt, counted by a proxy in front of Azurite: a full semaphore costs one
+    /// request per slot; with N − 1 slots taken an attempt probes from a random slot until the
+    /// free one (1 to N requests), then writes the slot's fencing token (one request, two if the
+    /// slot's metadata must be read first).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_per_attempt_with_n_minus_one_slots_taken_stay_within_n_plus_two() {
+        const N: u32 = 8;
+        let eight = LockMode::Semaphore { max_count: N };
+        let azurite = Azurite::start_local(Persistence::InMemory).await;
+        let key = unique("semaphore/requests");
+        let holder = backend(&azurite);
+        // Every slot blob exists and all but one are taken.
+        let mut held = Vec::new();
+        for _ in 0..N {
+            held.push(try_slot(&holder, &key, eight).await.expect("a free slot"));
+        }
+        let freed = held.pop().expect("a lease");
+        holder.release(&freed).await.expect("release");
+
+        let proxy = FaultProxy::to_port(azurite.port()).await;
+        let through_proxy = azurite.connection_string().replace(
+            &format!(":{}/", azurite.port()),
+            &format!(":{}/", proxy.port()),
+        );
+        let counted = AzureBlobBackend::new(
+            AzureBlobOptions::from_connection_string(through_proxy)
+                .lease_duration(LEASE)
+                .request_timeout(Duration::from_secs(2)),
+        )
+        .expect("valid Azure options");
+        let mut counts = Vec::new();
+        for _ in 0..24 {
+            let before = proxy.exchanges().len();
+            let lease = try_slot(&counted, &key, eight)
+                .await
+                .expect("the free slot");
+            assert_eq!(slot_of(&lease), slot_of(&freed));
+            counts.push(proxy.exchanges().len() - before);
+            counted.release(&lease).await.expect("release");
+        }
+        let before = proxy.exchanges().len();
+        let busy_holder = try_slot(&counted, &key, eight)
+            .await
+            .expect("the free slot");
+        let filled = proxy.exchanges().len() - before;
+        let before = proxy.exchanges().len();
+        assert!(try_slot(&counted, &key, eight).await.is_none());
+        let full = proxy.exchanges().len() - before;
+        eprintln!(
+            "requests per attempt, N = {N}, N - 1 taken: {counts:?} (mean {:.2}); full: {full}",
+            counts.iter().sum::<usize>() as f64 / counts.len() as f64
+        );
+        assert_eq!(
+            full, N as usize,
+            "a full semaphore costs one request per slot"
+        );
+        // The first attempt reads the slot's metadata (two requests after the probes); later
+        // ones find the slot as this process last wrote it (one request).
+        assert!((3..=N as usize + 2).contains(&counts[0]), "{counts:?}");
+        assert!(
+            counts[1..]
+                .iter()
+                .all(|&c| (2..=N as usize + 1).contains(&c)),
+            "{counts:?}"
+        );
+        assert!((2..=N as usize + 1).contains(&filled));
+        // The probes start at a random slot: the counts vary.
+        assert!(counts[1..].iter().any(|&c| c != counts[1]), "{counts:?}");
+        counted.release(&busy_holder).await.expect("release");
+        for lease in &held {
+            holder.release(lease).await.expect("release");
+        }
+    }
+
+    // End to end, through `DistributedLock::semaphore` and the engine.
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_admits_three_holders_across_processes_and_a_waiter_gets_a_released_slot() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/e2e");
+        let processes: Vec<_> = (0..3).map(|_| lock_with(options(&azurite))).collect();
+        let semaphores: Vec<_> = processes
+            .iter()
+            .map(|locks| locks.semaphore(&key, 3).expect("a semaphore of three"))
+            .collect();
+        // Two holders in one process and one in another: each local holder has its own slot.
+        let mut held = vec![
+            semaphores[0].try_acquire().await.expect("a slot"),
+            semaphores[0]
+                .try_acquire()
+                .await
+                .expect("a second local slot"),
+            semaphores[1].try_acquire().await.expect("a slot"),
+        ];
+        let mut slots: Vec<u32> = held
+            .iter()
+            .map(|h| slot_of(&h.azure_blob_lease().expect("an Azure lease")))
+            .collect();
+        slots.sort_unstable();
+        assert_eq!(slots, [0, 1, 2]);
+        for semaphore in &semaphores {
+            let busy = semaphore.try_acquire().await.unwrap_err();
+            assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+        }
+        // The lock of the same name is another lock.
+        let lock = processes[2]
+            .try_acquire(&key)
+            .await
+            .expect("the lock `key` is free");
+
+        let waiter = {
+            let semaphore = semaphores[2].clone();
+            tokio::spawn(async move { semaphore.acquire(Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiter.is_finished(), "a fourth holder got in");
+        let freed = held.remove(0);
+        let freed_lease = freed.azure_blob_lease().expect("an Azure lease");
+        freed.release().await.expect("release");
+        let next = waiter
+            .await
+            .expect("the waiter")
+            .expect("the released slot");
+        let next_lease = next.azure_blob_lease().expect("an Azure lease");
+        assert_eq!(slot_of(&next_lease), slot_of(&freed_lease));
+        assert!(next.fencing_token() > freed_lease.fencing_token());
+        assert_eq!(next.fencing_token(), next_lease.fencing_token());
+        held.push(next);
+        for handle in held {
+            handle.release().await.expect("release");
+        }
+        lock.release().await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn semaphore_slots_are_renewed_past_their_lease() {
+        let azurite = Azurite::start().await;
+        let key = unique("semaphore/renewed");
+        let (holder, other) = (lock_with(options(&azurite)), lock_with(options(&azurite)));
+        let two = holder.semaphore(&key, 2).expect("a semaphore of two");
+        let held = [
+            two.try_acquire().await.expect("a slot"),
+            two.try_acquire().await.expect("a slot"),
+        ];
+        tokio::time::sleep(LEASE + Duration::from_secs(3)).await;
+        for handle in &held {
+            handle.ensure_held().expect("renewed past the lease");
+        }
+        let busy = other
+            .semaphore(&key, 2)
+            .expect("a semaphore of two")
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+        for handle in held {
+            handle.release().await.expect("release");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reader_writer_locks_are_misconfigured_on_azure_and_semaphores_end_at_the_slot_limit() {
+        let azurite = Azurite::start().await;
+        let locks = lock_with(options(&azurite));
+        let error = locks.reader_writer().unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        let error = locks
+            .semaphore("jobs", MAX_SEMAPHORE_SLOTS + 1)
+            .unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        locks
+            .semaphore("jobs", MAX_SEMAPHORE_SLOTS)
+            .expect("the largest Azure semaphore");
+    }
+}

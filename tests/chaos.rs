@@ -25,12 +25,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::keys::azure_blob_name;
+use lockingkit::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
 use lockingkit::providers::azure::azure_storage_blob::models::BlobClientBreakLeaseOptions;
+use lockingkit::providers::azure::AzureBlobLease;
 use lockingkit::testing::{quick_polling, unique_prefix, Hold, IntervalChecker};
 use lockingkit::{
-    AzureBlobBackend, AzureBlobOptions, DistributedLock, ErrorKind, LockError, LockHandle,
-    LossReason, PostgresBackend, PostgresOptions,
+    AzureBlobBackend, AzureBlobOptions, BackendErrorKind, DistributedLock, ErrorKind, LockBackend,
+    LockError, LockHandle, LockMode, LossReason, PostgresBackend, PostgresOptions,
 };
 use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
 use lockingkit_tests::postgres::PostgresServer;
@@ -1038,6 +1039,395 @@ async fn slow_network(server: Server) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// 9. Azure semaphore slots: a fault on one slot is that holder's alone
+// ----------------------------------------------------------------------------------------------
+
+/// A semaphore of three holders.
+const THREE_SLOTS: LockMode = LockMode::Semaphore { max_count: 3 };
+
+const CHILD_SLOT_PORT: &str = "LOCKINGKIT_CHAOS_CHILD_SLOT_PORT";
+const CHILD_SLOT_KEY: &str = "LOCKINGKIT_CHAOS_CHILD_SLOT_KEY";
+
+/// An Azure backend behind `port`, with the chaos suite's lease and request timeout, driven
+/// directly (renewals included) as the engine would drive it.
+fn slot_backend(port: u16) -> AzureBlobBackend {
+    AzureBlobBackend::new(
+        AzureBlobOptions::from_connection_string(connection_string(Kind::Azure, port))
+            .lease_duration(LEASE)
+            .request_timeout(REQUEST_TIMEOUT),
+    )
+    .expect("valid Azure options")
+}
+
+/// One attempt at a free slot of `key`.
+async fn try_slot(backend: &AzureBlobBackend, key: &str) -> Option<AzureBlobLease> {
+    backend
+        .try_acquire_in(key, THREE_SLOTS)
+        .await
+        .unwrap_or_else(|e| panic!("a semaphore attempt failed: {e}"))
+        .map(|acquired| acquired.lease)
+}
+
+fn slot_of(lease: &AzureBlobLease) -> u32 {
+    lease.semaphore_slot().expect("a slot lease")
+}
+
+/// Renews `lease` every [`RENEW_EVERY`] until the task is aborted, panicking on a failure: a
+/// holder the case expects to keep its slot throughout.
+fn keep_renewing(backend: AzureBlobBackend, lease: AzureBlobLease) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(RENEW_EVERY).await;
+            backend
+                .renew(&lease)
+                .await
+                .unwrap_or_else(|e| panic!("slot {} lost its lease: {e}", slot_of(&lease)));
+        }
+    })
+}
+
+/// A write to the slot's blob fenced by the lease: `Ok` only while the lease is this holder's.
+async fn fenced_write(lease: &AzureBlobLease) -> Result<(), u16> {
+    lease
+        .blob_client()
+        .upload(
+            lockingkit::providers::azure::azure_core::http::RequestContent::from(
+                b"written under a slot".to_vec(),
+            ),
+            Some(lease.upload_options()),
+        )
+        .await
+        .map(drop)
+        .map_err(|e| e.http_status().map(u16::from).unwrap_or(0))
+}
+
+/// Polls for a slot every 100 ms; returns it with the instant it was granted.
+async fn poll_for_slot(backend: &AzureBlobBackend, key: &str) -> (AzureBlobLease, Instant) {
+    tokio::time::timeout(PATIENCE, async {
+        loop {
+            if let Some(lease) = try_slot(backend, key).await {
+                return (lease, Instant::now());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("a slot within the patience")
+}
+
+/// Three holders in three processes; one slot's lease is broken by a plain SDK client. Only
+/// that holder loses (its next renewal is told the lease is gone, its fenced writes are
+/// refused); the others renew and write on, and the freed slot goes to the next acquirer with
+/// a higher token of that slot.
+async fn broken_slot_lease(azurite: &Azurite) {
+    let key = unique_prefix("chaos/slot-broken");
+    let backends: Vec<_> = (0..4).map(|_| slot_backend(azurite.port())).collect();
+    let mut held = Vec::new();
+    for backend in &backends[..3] {
+        held.push(try_slot(backend, &key).await.expect("a free slot"));
+    }
+    let victim = held[1].clone();
+    azurite
+        .plain_container_client("locks")
+        .blob_client(&azure_semaphore_slot_blob_name(&key, slot_of(&victim)))
+        .break_lease(Some(BlobClientBreakLeaseOptions {
+            break_period: Some(0),
+            ..Default::default()
+        }))
+        .await
+        .expect("a plain SDK client breaks the slot's lease");
+
+    let error = backends[1].renew(&victim).await.unwrap_err();
+    assert_eq!(error.kind(), BackendErrorKind::LeaseGone, "{error}");
+    assert_eq!(fenced_write(&victim).await, Err(412));
+    for (backend, lease) in [(&backends[0], &held[0]), (&backends[2], &held[2])] {
+        backend
+            .renew(lease)
+            .await
+            .expect("the other holders keep their slots");
+        fenced_write(lease)
+            .await
+            .expect("a fenced write on a kept slot");
+    }
+
+    let next = try_slot(&backends[3], &key)
+        .await
+        .expect("the broken slot is free");
+    assert_eq!(slot_of(&next), slot_of(&victim));
+    assert!(next.fencing_token() > victim.fencing_token());
+    // Three holders again: the victim cannot slip back in, and nobody lost a second slot.
+    assert!(try_slot(&backends[1], &key).await.is_none());
+    for (backend, lease) in [
+        (&backends[0], &held[0]),
+        (&backends[2], &held[2]),
+        (&backends[3], &next),
+    ] {
+        backend.renew(lease).await.expect("still held");
+        fenced_write(lease)
+            .await
+            .expect("still fenced by its own lease");
+    }
+    for (backend, lease) in [
+        (&backends[0], &held[0]),
+        (&backends[2], &held[2]),
+        (&backends[3], &next),
+    ] {
+        backend.release(lease).await.expect("release");
+    }
+}
+
+/// As [`broken_slot_lease`], through `DistributedLock::semaphore` in three processes: the
+/// victim's engine declares `LeaseGone` at its next renewal and `run` drops its work, while the
+/// other two handles stay held through that renewal and the next.
+async fn broken_slot_lease_through_the_engine(server: Server) {
+    let Server::Azure(azurite) = &server else {
+        unreachable!("an Azure case")
+    };
+    let key = unique_prefix("chaos/slot-broken-engine");
+    let mut processes = Vec::new();
+    for id in 0..4 {
+        processes.push(server.process(id).await);
+    }
+    let mut watched = Vec::new();
+    let mut leases = Vec::new();
+    for process in &processes[..3] {
+        let handle = process
+            .locks
+            .semaphore(&key, 3)
+            .expect("a semaphore of three")
+            .acquire(PATIENCE)
+            .await
+            .expect("a slot");
+        leases.push(handle.azure_blob_lease().expect("an Azure lease"));
+        watched.push(Watched::new(process.id, handle, Instant::now()));
+    }
+    let victim = watched.remove(1);
+    let victim_lease = leases.remove(1);
+    let renewal = tokio::time::timeout(
+        RENEW_EVERY * 2,
+        processes[1].proxy.exchange_after(victim.acquired),
+    )
+    .await
+    .expect("a renewal of the victim's slot");
+    azurite
+        .plain_container_client("locks")
+        .blob_client(&azure_semaphore_slot_blob_name(
+            &key,
+            slot_of(&victim_lease),
+        ))
+        .break_lease(Some(BlobClientBreakLeaseOptions {
+            break_period: Some(0),
+            ..Default::default()
+        }))
+        .await
+        .expect("a plain SDK client breaks the slot's lease");
+
+    let (loss, _) = victim.lost_within(PATIENCE).await;
+    assert_lost(&loss, LossReason::LeaseGone);
+    assert_near(
+        "loss",
+        loss.at,
+        renewal.sent + RENEW_EVERY,
+        SEND_SKEW,
+        AZURE_LATE,
+    );
+    // The others renew through the loss and one more period without losing anything.
+    let after = loss.at + RENEW_EVERY;
+    for process in [&processes[0], &processes[2]] {
+        tokio::time::timeout(PATIENCE, process.proxy.exchange_after(after))
+            .await
+            .expect("a renewal after the victim's loss");
+    }
+    for kept in &watched {
+        assert!(
+            !kept.loss.is_finished(),
+            "process {} lost its slot",
+            kept.process
+        );
+    }
+    let next = processes[3]
+        .locks
+        .semaphore(&key, 3)
+        .expect("a semaphore of three")
+        .try_acquire()
+        .await
+        .expect("the broken slot is free");
+    let next_lease = next.azure_blob_lease().expect("an Azure lease");
+    assert_eq!(slot_of(&next_lease), slot_of(&victim_lease));
+    assert!(next.fencing_token() > victim_lease.fencing_token());
+    let busy = processes[1]
+        .locks
+        .semaphore(&key, 3)
+        .expect("a semaphore of three")
+        .try_acquire()
+        .await
+        .unwrap_err();
+    assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+    next.release().await.expect("release");
+    for kept in watched {
+        kept.loss.abort();
+    }
+}
+
+/// How a semaphore slot holder vanishes.
+#[derive(Clone, Copy, Debug)]
+enum SlotVanish {
+    /// The holder stops renewing and never releases: its lease is left to expire.
+    LeaseLeft,
+    /// The holder's OS process is killed while it renews.
+    ProcessKilled,
+}
+
+/// Two holders keep their slots; the third vanishes. A contender polling all along gets the
+/// vanished holder's slot when its lease runs out — 15 s after the service last took the
+/// acquire or a renewal — and not before; the others never lose theirs.
+async fn vanished_slot_holder(azurite: &Azurite, how: SlotVanish) {
+    let key = unique_prefix("chaos/slot-vanish");
+    let line = FaultProxy::to_port(azurite.port()).await;
+    let keepers: Vec<_> = (0..2).map(|_| slot_backend(azurite.port())).collect();
+    let mut renewing = Vec::new();
+    let mut kept = Vec::new();
+    for backend in &keepers {
+        let lease = try_slot(backend, &key).await.expect("a free slot");
+        kept.push(lease.clone());
+        renewing.push(keep_renewing(backend.clone(), lease));
+    }
+    let (vanished_slot, vanished_token, _child) = match how {
+        SlotVanish::LeaseLeft => {
+            let lease = try_slot(&slot_backend(line.port()), &key)
+                .await
+                .expect("the third slot");
+            (slot_of(&lease), lease.fencing_token(), None)
+        }
+        SlotVanish::ProcessKilled => {
+            let (mut child, slot, token) = slot_holder_process(line.port(), &key).await;
+            // Killed after a renewal, so the lease runs out from the renewal, not the acquire.
+            let acquired = Instant::now();
+            tokio::time::timeout(PATIENCE, line.exchange_after(acquired + RENEW_EVERY / 2))
+                .await
+                .expect("a renewal by the holder process");
+            child.0.kill().expect("SIGKILL the holder");
+            child.0.wait().expect("reap the holder");
+            (slot, token, Some(child))
+        }
+    };
+    // The service starts the lease when it takes the request, between the proxy reading it and
+    // reading the answer; the last one is the acquire's metadata write or the last renewal,
+    // both under the lease, so the lease runs out no later than LEASE after it was answered and
+    // no earlier than LEASE after the lease request was read.
+    let exchanges = line.exchanges();
+    let last = *exchanges.last().expect("the holder's requests");
+    let lease_taken = match how {
+        // The attempt's lease request is the first exchange that got the slot: with two other
+        // slots taken it is preceded by up to two busy probes, so bound it by the first request.
+        SlotVanish::LeaseLeft => exchanges.first().expect("the acquire").sent,
+        SlotVanish::ProcessKilled => last.sent,
+    };
+    let contender = slot_backend(azurite.port());
+    let (next, start) = poll_for_slot(&contender, &key).await;
+    assert!(
+        start + Duration::from_millis(100) >= lease_taken + LEASE,
+        "the slot was taken {:?} before its lease could have run out",
+        (lease_taken + LEASE) - start
+    );
+    // Polling every 100 ms, two or three requests per attempt, on a loaded machine.
+    assert_near(
+        "the next holder of the vanished slot",
+        start,
+        last.answered + LEASE,
+        LEASE,
+        Duration::from_millis(1500),
+    );
+    assert_eq!(slot_of(&next), vanished_slot);
+    assert!(next.fencing_token() > vanished_token);
+    for task in &renewing {
+        assert!(!task.is_finished(), "a keeper lost its slot");
+    }
+    for task in renewing {
+        task.abort();
+    }
+    for (backend, lease) in keepers.iter().zip(&kept) {
+        backend.renew(lease).await.expect("the keepers still hold");
+        backend.release(lease).await.expect("release");
+    }
+    contender.release(&next).await.expect("release");
+}
+
+/// Takes a slot through `DistributedLock::semaphore` in a separate OS process (this test
+/// binary, running [`vanishing_slot_holder_process`]), whose engine renews it until killed.
+async fn slot_holder_process(port: u16, key: &str) -> (ChildGuard, u32, u64) {
+    let exe = std::env::current_exe().expect("the test binary");
+    let mut child = Command::new(exe)
+        .args([
+            "vanishing_slot_holder_process",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(CHILD_SLOT_PORT, port.to_string())
+        .env(CHILD_SLOT_KEY, key)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the slot holder process");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let guard = ChildGuard(child);
+    let held = tokio::time::timeout(
+        PATIENCE,
+        tokio::task::spawn_blocking(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(held) = line.strip_prefix("HELD SLOT ") {
+                    let (slot, token) = held.trim().split_once(' ')?;
+                    return Some((slot.parse::<u32>().ok()?, token.parse::<u64>().ok()?));
+                }
+            }
+            None
+        }),
+    )
+    .await
+    .expect("the slot holder reports its slot")
+    .expect("the reading task")
+    .expect("the slot holder took a slot");
+    (guard, held.0, held.1)
+}
+
+/// Not a case of its own: the slot holder process that
+/// [`vanished_slot_holder`] starts and kills. It does nothing unless started by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a separate process by the vanishing slot holder case"]
+async fn vanishing_slot_holder_process() {
+    let (Ok(port), Ok(key)) = (
+        std::env::var(CHILD_SLOT_PORT),
+        std::env::var(CHILD_SLOT_KEY),
+    ) else {
+        return;
+    };
+    let handle = lock_through(Kind::Azure, port.parse().expect("a port"))
+        .semaphore(&key, 3)
+        .expect("a semaphore of three")
+        .acquire(PATIENCE)
+        .await
+        .expect("the slot holder process acquires");
+    let lease = handle.azure_blob_lease().expect("an Azure lease");
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(
+            out,
+            "HELD SLOT {} {}",
+            slot_of(&lease),
+            handle.fencing_token()
+        )
+        .expect("report");
+        out.flush().expect("flush");
+    }
+    // The engine renews the slot until the process is killed.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    drop(handle);
+}
+
+// ----------------------------------------------------------------------------------------------
 // The cases, per backend
 // ----------------------------------------------------------------------------------------------
 
@@ -1298,6 +1688,30 @@ mod azure {
     async fn latency_of_200ms_causes_no_false_loss() {
         let server = Server::azure(Persistence::InMemory).await;
         slow_network(server).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn broken_lease_on_one_semaphore_slot_is_that_holders_loss_only() {
+        let azurite = Azurite::start_local(Persistence::InMemory).await;
+        broken_slot_lease(&azurite).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn broken_semaphore_slot_lease_loses_only_that_handle() {
+        let server = Server::azure(Persistence::InMemory).await;
+        broken_slot_lease_through_the_engine(server).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn semaphore_slot_left_to_expire_is_free_when_its_lease_runs_out_and_not_before() {
+        let azurite = Azurite::start_local(Persistence::InMemory).await;
+        vanished_slot_holder(&azurite, SlotVanish::LeaseLeft).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_semaphore_slot_holder_frees_its_slot_when_the_lease_runs_out() {
+        let azurite = Azurite::start_local(Persistence::InMemory).await;
+        vanished_slot_holder(&azurite, SlotVanish::ProcessKilled).await;
     }
 }
 

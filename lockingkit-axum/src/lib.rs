@@ -7,6 +7,10 @@
 //!   document with code `locking.busy`; if the lock is lost while the handler runs, the
 //!   handler's future is dropped and the client gets `503`. [`lock_route_waiting`] waits for
 //!   the lock instead.
+//! - `lock_route(…).shared()?` lets reading routes hold the key together while writing routes
+//!   (the default, exclusive) hold it alone, and `lock_route(…).semaphore(n)?` caps the
+//!   requests per key across the fleet (a full limit is `429` with code `locking.busy`). Both
+//!   refuse, when the layer is built, a provider that cannot hold such locks.
 //! - [`HeldLock`] is the extractor that gives the handler the key, the fencing token and the
 //!   loss signal.
 //! - [`lock_route_from_state`] takes the `DistributedLock` from the application state through
@@ -26,6 +30,40 @@
 //!     .route("/orders/{id}/ship", post(ship))
 //!     .route_layer(lock_route(DistributedLock::in_memory(), "orders/{id}"));
 //! # let _ = app;
+//! ```
+//!
+//! Reads of an order can run together while a write waits for them:
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{extract::Path, routing::{get, post}, Router};
+//! use lockingkit::DistributedLock;
+//! use lockingkit_axum::{lock_route, lock_route_waiting, HeldLock};
+//!
+//! async fn show(Path(id): Path<u64>) -> String {
+//!     format!("order {id}")
+//! }
+//!
+//! async fn ship(Path(id): Path<u64>, lock: HeldLock) -> String {
+//!     format!("order {id} shipped, fencing token {}", lock.fencing_token())
+//! }
+//!
+//! # fn main() -> Result<(), lockingkit::LockError> {
+//! const WAIT: Duration = Duration::from_secs(10);
+//! let locks = DistributedLock::in_memory();
+//! let app: Router = Router::new()
+//!     // Fails here, not per request, if the provider cannot hold shared locks.
+//!     .route(
+//!         "/orders/{id}",
+//!         get(show).route_layer(lock_route(locks.clone(), "orders/{id}").shared()?),
+//!     )
+//!     .route(
+//!         "/orders/{id}/ship",
+//!         // Waits up to 10 s for the reads in flight, then ships alone.
+//!         post(ship).route_layer(lock_route_waiting(locks, "orders/{id}", WAIT)),
+//!     );
+//! # let _ = app;
+//! # Ok(()) }
 //! ```
 //!
 //! Everything about the lock itself — modes, rejections, body holding, custom responses — is

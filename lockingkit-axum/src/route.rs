@@ -16,6 +16,35 @@ use crate::PathTemplate;
 /// [`hold_until_body_ends`](LockLayer::hold_until_body_ends) or
 /// [`map_rejection`](LockLayer::map_rejection). See [`PathTemplate`] for the template syntax.
 ///
+/// The key is held exclusively by default. [`shared`](LockLayer::shared) makes it a reader's
+/// hold, for reading routes that may run together (writers still run alone), and
+/// [`semaphore`](LockLayer::semaphore) makes the layer a fleet-wide limit of `n` requests per
+/// key, answering `429` when full. Both return a `Result`: a provider that cannot hold such
+/// locks (Azure) is refused when the router is built, never by locking exclusively instead:
+///
+/// ```
+/// use axum::{routing::{get, post}, Router};
+/// use lockingkit::DistributedLock;
+/// use lockingkit_axum::lock_route;
+///
+/// # fn main() -> Result<(), lockingkit::LockError> {
+/// let locks = DistributedLock::in_memory();
+/// let app: Router = Router::new()
+///     .route(
+///         "/catalog/{sku}",
+///         get(|| async { "price" })
+///             .route_layer(lock_route(locks.clone(), "catalog/{sku}").shared()?),
+///     )
+///     // At most 3 exports per tenant at once; the 4th gets 429 with `Retry-After`.
+///     .route(
+///         "/tenants/{tenant}/export",
+///         post(|| async { "exported" })
+///             .route_layer(lock_route(locks, "exports/{tenant}").semaphore(3)?),
+///     );
+/// # let _ = app;
+/// # Ok(()) }
+/// ```
+///
 /// `Router::route_layer` wraps every route added *before* it, so routes that need different
 /// locks (or one lock in different modes) each take theirs on the method router:
 /// `post(ship).route_layer(lock_route(…))`. Two layers locking the same key on one request

@@ -4,13 +4,16 @@
 //! service, hands the inner service a [`RequestLock`] (key, fencing token, loss signal) in the
 //! request extensions, and drops the inner service's future if the lock is lost mid-request.
 //! It releases the lock once the response is produced (or, optionally, once a streamed body
-//! ends). Requests it cannot serve get RFC 9457 `application/problem+json` responses with a
-//! stable error code:
+//! ends). By default each request holds its key alone; [`LockLayer::shared`] lets reading
+//! requests hold it together (writers still alone), and [`LockLayer::semaphore`] turns the
+//! layer into a fleet-wide concurrency limit of N requests per key. Requests it cannot serve
+//! get RFC 9457 `application/problem+json` responses with a stable error code:
 //!
 //! | situation | status | `code` |
 //! |---|---|---|
 //! | someone else holds the lock | 409 + `Retry-After` | `locking.busy` |
 //! | waited the whole timeout (wait mode) | 409 + `Retry-After` | `locking.timeout` |
+//! | every slot of a semaphore layer taken (or for the whole wait) | 429 + `Retry-After` | `locking.busy` (`locking.timeout`) |
 //! | lock backend down | 503 + `Retry-After` | `locking.unavailable` |
 //! | no key / invalid key | 400 | `locking.invalid_key` |
 //! | lock lost while handling | 503 | `locking.lost` |

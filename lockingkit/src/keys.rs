@@ -108,6 +108,51 @@ fn hex_digit(nibble: u8, upper: bool) -> char {
     char::from(digits[usize::from(nibble & 0x0f)])
 }
 
+/// The infix that separates a semaphore's name from a slot number in a slot blob's name.
+///
+/// [`azure_blob_name`] never produces `~s` except in its `~sha256~` prefix, so no plain lock's
+/// guard blob contains it after the start.
+const AZURE_SLOT_INFIX: &str = "~slot~";
+
+/// Maps a semaphore key and a slot number (from 0) to the name of that slot's guard blob.
+///
+/// A semaphore of `max_count` N on Azure is N guard blobs, one lease each; holding a slot is
+/// holding its blob's lease. The name is the key's [`azure_blob_name`] followed by `~slot~`
+/// and the slot number in decimal: slot 2 of the semaphore `jobs/export` is the blob
+/// `jobs/export~slot~2`. When that would exceed Azure's 1024 characters, the key part is
+/// hashed as for a plain guard: `~sha256~{64 lowercase hex}~slot~2`.
+///
+/// Slot names never equal a plain lock's guard name (those never contain `~s` after their
+/// first character, and a hashed one is exactly 72 characters, all of its own), and different
+/// (key, slot) pairs never share a name: the first `~s` after the start marks where the key
+/// part ends, the key part decodes back to the key (or is its SHA-256), and the number has no
+/// leading zeros. Every process using a semaphore must give it the same `max_count`: the slots
+/// are shared by name, so a process that believes in more slots takes the extra ones too.
+///
+/// ```
+/// use lockingkit::keys::azure_semaphore_slot_blob_name;
+/// assert_eq!(azure_semaphore_slot_blob_name("jobs/export", 2), "jobs/export~slot~2");
+/// assert_eq!(azure_semaphore_slot_blob_name("ключ", 0), "~D0~BA~D0~BB~D1~8E~D1~87~slot~0");
+/// ```
+pub fn azure_semaphore_slot_blob_name(key: &str, slot: u32) -> String {
+    let base = azure_blob_name(key);
+    let named = format!("{base}{AZURE_SLOT_INFIX}{slot}");
+    // The suffix adds no `/`, so only the length can go over Azure's limits.
+    if named.len() <= AZURE_MAX_BLOB_NAME_CHARS {
+        return named;
+    }
+    let digest = Sha256::digest(key.as_bytes());
+    let mut hashed = String::with_capacity(8 + 64 + AZURE_SLOT_INFIX.len() + 10);
+    hashed.push_str("~sha256~");
+    for byte in digest {
+        hashed.push(hex_digit(byte >> 4, false));
+        hashed.push(hex_digit(byte & 0x0f, false));
+    }
+    hashed.push_str(AZURE_SLOT_INFIX);
+    hashed.push_str(&slot.to_string());
+    hashed
+}
+
 /// How lock keys become PostgreSQL advisory lock keys.
 ///
 /// The advisory key is the first 8 bytes of the SHA-256 of the UTF-8 key, read as a big-endian
@@ -320,6 +365,116 @@ mod tests {
             "(a/){100,300}a",
             "é{300,512}",
         ]
+    }
+
+    /// Splits a slot blob name into its key part and slot number, as an operator would.
+    fn split_slot_name(name: &str) -> Option<(&str, u32)> {
+        // The key part ends at the first `~s` after the start (a hashed key part starts with one).
+        let at = name[1..].find("~s").map(|i| i + 1)?;
+        let number = name[at..].strip_prefix(AZURE_SLOT_INFIX)?;
+        if number.len() > 1 && number.starts_with('0') {
+            return None;
+        }
+        Some((&name[..at], number.parse().ok()?))
+    }
+
+    #[test]
+    fn slot_names_extend_the_guard_name_and_hash_only_when_too_long() {
+        assert_eq!(
+            azure_semaphore_slot_blob_name("orders/42", 0),
+            "orders/42~slot~0"
+        );
+        assert_eq!(
+            azure_semaphore_slot_blob_name("a~2Fb", 31),
+            "a~7E2Fb~slot~31"
+        );
+        assert_eq!(azure_semaphore_slot_blob_name("a/", 1), "a~2F~slot~1");
+        // 1018 characters of name plus `~slot~0` is 1025: the key part is hashed.
+        let long = "~".repeat(339) + "a";
+        assert_eq!(azure_blob_name(&long).len(), 1018);
+        let hashed = azure_semaphore_slot_blob_name(&long, 0);
+        assert!(
+            hashed.starts_with("~sha256~") && hashed.ends_with("~slot~0"),
+            "{hashed}"
+        );
+        assert_eq!(hashed.len(), 8 + 64 + 7);
+        // One character less fits exactly.
+        let fits = "~".repeat(339);
+        assert_eq!(azure_semaphore_slot_blob_name(&fits, 0).len(), 1024);
+        // A key whose guard is hashed already keeps that hash in its slot names.
+        let many = "é".repeat(512);
+        assert_eq!(
+            azure_semaphore_slot_blob_name(&many, 7),
+            format!("{}~slot~7", azure_blob_name(&many))
+        );
+        assert_eq!(
+            azure_semaphore_slot_blob_name(&"x".repeat(512), u32::MAX),
+            format!("{}~slot~4294967295", "x".repeat(512))
+        );
+    }
+
+    /// Keys as `key_strategy`, plus keys whose guard name is 1005 to 1026 characters: their slot
+    /// names fall either side of the 1024-character limit.
+    fn slot_key_strategy() -> impl Strategy<Value = String> {
+        prop_oneof![key_strategy(), "~{335,341}a{0,3}"]
+    }
+
+    proptest! {
+        #[test]
+        fn slot_names_are_valid_azure_names(key in slot_key_strategy(), slot in any::<u32>()) {
+            let name = azure_semaphore_slot_blob_name(&key, slot);
+            prop_assert!(is_valid_azure_name(&name), "invalid name {name:?}");
+        }
+
+        #[test]
+        fn slot_names_never_equal_a_plain_guard_name(
+            key in slot_key_strategy(),
+            plain in key_strategy(),
+            slot in any::<u32>(),
+        ) {
+            let name = azure_semaphore_slot_blob_name(&key, slot);
+            // The semaphore `k` and the lock `k` are unrelated.
+            prop_assert_ne!(&name, &azure_blob_name(&key));
+            prop_assert_ne!(&name, &azure_blob_name(&plain));
+            // Not even the plain lock of the very name an operator sees: the lock `k~slot~0`
+            // escapes its `~`.
+            prop_assert_ne!(&name, &azure_blob_name(&name));
+        }
+
+        #[test]
+        fn slot_names_split_back_into_the_key_and_the_slot(
+            key in slot_key_strategy(),
+            slot in any::<u32>(),
+        ) {
+            let name = azure_semaphore_slot_blob_name(&key, slot);
+            let (base, number) = split_slot_name(&name).expect("a slot name splits");
+            prop_assert_eq!(number, slot);
+            match decode(base) {
+                Some(decoded) => prop_assert_eq!(decoded, key),
+                None => prop_assert!(base.starts_with("~sha256~") && base.len() == 8 + 64),
+            }
+        }
+
+        #[test]
+        fn distinct_keys_or_slots_get_distinct_slot_names(
+            a in slot_key_strategy(),
+            b in slot_key_strategy(),
+            slot_a in 0u32..40,
+            slot_b in 0u32..40,
+        ) {
+            prop_assume!(a != b || slot_a != slot_b);
+            prop_assert_ne!(
+                azure_semaphore_slot_blob_name(&a, slot_a),
+                azure_semaphore_slot_blob_name(&b, slot_b)
+            );
+        }
+
+        #[test]
+        fn every_slot_of_one_semaphore_has_its_own_name(key in slot_key_strategy()) {
+            let names: std::collections::HashSet<String> =
+                (0..64).map(|slot| azure_semaphore_slot_blob_name(&key, slot)).collect();
+            prop_assert_eq!(names.len(), 64);
+        }
     }
 
     proptest! {

@@ -29,8 +29,9 @@ pub const MAX_SEMAPHORE_COUNT: u32 = 1024;
 ///   do. Readers never wait for one another: each reader takes a shared lease of its own.
 /// - A writer that waits for readers is not starved by new ones: while a writer waits, the
 ///   backend refuses new readers of the key (the writer's *intent*), in this process and in
-///   others. How the intent is kept is the backend's: the in-memory provider records it for
-///   twice the writer's longest retry delay after each of its attempts; PostgreSQL queues the
+///   others. How the intent is kept is the backend's: the in-memory provider keeps it for
+///   [`WRITER_INTENT`](crate::providers::memory::WRITER_INTENT) after each of the writer's
+///   attempts; PostgreSQL queues the
 ///   writer in the server's lock queue (see the PostgreSQL guide). Readers that already hold
 ///   the key keep it; the writer gets in once they have all released.
 ///

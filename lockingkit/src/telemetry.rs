@@ -143,6 +143,17 @@ impl Outcome {
     }
 }
 
+/// The values of `lockingkit.lock.mode`, in the order of [`mode_index`].
+const MODES: [&str; 3] = ["exclusive", "shared", "semaphore"];
+
+fn mode_index(mode: LockMode) -> usize {
+    match mode {
+        LockMode::Exclusive => 0,
+        LockMode::Shared => 1,
+        LockMode::Semaphore { .. } => 2,
+    }
+}
+
 /// Every attribute set a measurement can carry, built once per lock.
 ///
 /// The attribute values come from a handful of fixed strings, so building the sets up front
@@ -150,8 +161,8 @@ impl Outcome {
 /// hot path, which is what keeps the no-provider path as cheap as not recording at all.
 struct AttributeSets {
     base: Box<[KeyValue]>,
-    /// Indexed by `[Operation as usize][Outcome as usize]`.
-    acquire: [[Box<[KeyValue]>; Outcome::COUNT]; Operation::COUNT],
+    /// Indexed by `[mode_index(mode)][Operation as usize][Outcome as usize]`.
+    acquire: [[[Box<[KeyValue]>; Outcome::COUNT]; Operation::COUNT]; MODES.len()],
     hold_released: Box<[KeyValue]>,
     hold_lost: Box<[KeyValue]>,
     renewal_ok: Box<[KeyValue]>,
@@ -168,12 +179,15 @@ impl AttributeSets {
         ];
         let with =
             |extra: &[KeyValue]| -> Box<[KeyValue]> { base.iter().chain(extra).cloned().collect() };
-        let acquire = Operation::ALL.map(|operation| {
-            Outcome::ALL.map(|outcome| {
-                with(&[
-                    KeyValue::new("lockingkit.operation", operation.as_str()),
-                    KeyValue::new("lockingkit.outcome", outcome.as_str()),
-                ])
+        let acquire = MODES.map(|mode| {
+            Operation::ALL.map(|operation| {
+                Outcome::ALL.map(|outcome| {
+                    with(&[
+                        KeyValue::new("lockingkit.operation", operation.as_str()),
+                        KeyValue::new("lockingkit.lock.mode", mode),
+                        KeyValue::new("lockingkit.outcome", outcome.as_str()),
+                    ])
+                })
             })
         });
         AttributeSets {
@@ -341,6 +355,7 @@ impl Telemetry {
         &self,
         span: &Span,
         operation: Operation,
+        mode: LockMode,
         outcome: Outcome,
         error: Option<&LockError>,
         attempts: u64,
@@ -360,7 +375,8 @@ impl Telemetry {
                 }
             }
         }
-        let attrs = &self.attributes.acquire[operation as usize][outcome as usize];
+        let attrs =
+            &self.attributes.acquire[mode_index(mode)][operation as usize][outcome as usize];
         self.acquire_duration.record(elapsed.as_secs_f64(), attrs);
         self.acquire_attempts
             .record(attempts, &self.attributes.base);
@@ -454,23 +470,35 @@ mod tests {
                 .find(|kv| kv.key.as_str() == key)
                 .map(|kv| kv.value.as_str().into_owned())
         };
-        for operation in Operation::ALL {
-            for outcome in Outcome::ALL {
-                let attrs = &sets.acquire[operation as usize][outcome as usize];
-                assert_eq!(attrs.len(), 4);
-                assert_eq!(value(attrs, "lockingkit.lock").as_deref(), Some("Jobs"));
-                assert_eq!(
-                    value(attrs, "lockingkit.provider").as_deref(),
-                    Some("in_memory")
-                );
-                assert_eq!(
-                    value(attrs, "lockingkit.operation").as_deref(),
-                    Some(operation.as_str())
-                );
-                assert_eq!(
-                    value(attrs, "lockingkit.outcome").as_deref(),
-                    Some(outcome.as_str())
-                );
+        let modes = [
+            LockMode::Exclusive,
+            LockMode::Shared,
+            LockMode::Semaphore { max_count: 2 },
+        ];
+        for mode in modes {
+            for operation in Operation::ALL {
+                for outcome in Outcome::ALL {
+                    let attrs =
+                        &sets.acquire[mode_index(mode)][operation as usize][outcome as usize];
+                    assert_eq!(attrs.len(), 5);
+                    assert_eq!(value(attrs, "lockingkit.lock").as_deref(), Some("Jobs"));
+                    assert_eq!(
+                        value(attrs, "lockingkit.provider").as_deref(),
+                        Some("in_memory")
+                    );
+                    assert_eq!(
+                        value(attrs, "lockingkit.operation").as_deref(),
+                        Some(operation.as_str())
+                    );
+                    assert_eq!(
+                        value(attrs, "lockingkit.lock.mode").as_deref(),
+                        Some(mode.as_str())
+                    );
+                    assert_eq!(
+                        value(attrs, "lockingkit.outcome").as_deref(),
+                        Some(outcome.as_str())
+                    );
+                }
             }
         }
         for reason in LossReason::ALL {

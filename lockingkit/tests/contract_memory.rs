@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use lockingkit::testing::ContractBackend;
 use lockingkit::{
-    Acquired, BackendError, DistributedLock, LeaseTiming, LockBackend, LockOptions, MemoryBackend,
-    MemoryStore,
+    Acquired, BackendError, DistributedLock, LeaseTiming, LockBackend, LockMode, LockOptions,
+    MemoryBackend, MemoryStore,
 };
 
 /// Short leases so the renewal case covers three lease periods in a few seconds.
@@ -42,6 +42,21 @@ impl LockBackend for RoundTrip {
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         tokio::time::sleep(ONE_WAY).await;
         let answer = self.0.try_acquire(key).await;
+        tokio::time::sleep(ONE_WAY).await;
+        answer
+    }
+
+    fn supports(&self, mode: LockMode) -> bool {
+        self.0.supports(mode)
+    }
+
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        tokio::time::sleep(ONE_WAY).await;
+        let answer = self.0.try_acquire_in(key, mode).await;
         tokio::time::sleep(ONE_WAY).await;
         answer
     }

@@ -16,6 +16,11 @@ use super::rejection::MissingLock;
 /// with [`MissingLock`] (`500`). Extract `Option<HeldLock>` in handlers that run both with and
 /// without a lock.
 ///
+/// Behind a [`shared`](lockingkit_tower::LockLayer::shared) layer it is the request's reader
+/// hold, behind a [`semaphore`](lockingkit_tower::LockLayer::semaphore) layer its slot;
+/// [`mode`](RequestLock::mode) tells which. Each is released when the response is produced and
+/// watched for loss exactly like an exclusive lock.
+///
 /// If the lock is lost while the handler runs, the layer drops the handler's future and the
 /// client gets `503`; the handler does not need to watch for loss itself. Send
 /// [`fencing_token`](RequestLock::fencing_token) with every write to a resource that can

@@ -95,10 +95,7 @@ where
         mapper: Arc<M>,
     ) -> Self {
         let (parts, body) = request.into_parts();
-        let acquire = config
-            .key
-            .clone()
-            .acquire_for(parts, config.locks.clone(), config.wait);
+        let acquire = config.key.clone().acquire_for(parts, config.clone());
         ResponseFuture {
             state: State::Acquiring {
                 acquire,
@@ -168,7 +165,7 @@ where
     let mut request = Request::from_parts(parts, body);
     Poll::Ready(match derived {
         Derived::Acquired { handle } => {
-            let view = RequestLock::new(&handle);
+            let view = RequestLock::new(&handle, config.hold.mode());
             let lost = view.loss_signal();
             request.extensions_mut().insert(view);
             Step::Next(State::Calling {
@@ -177,7 +174,7 @@ where
             })
         }
         Derived::NoKey if !config.pass_through_without_key => {
-            Step::Finish(Outcome::Rejected(LockRejection::no_key()))
+            Step::Finish(Outcome::Rejected(LockRejection::no_key(config.hold.mode())))
         }
         Derived::NotApplicable | Derived::NoKey => Step::Next(State::Unlocked {
             response: service.call(request),
@@ -193,6 +190,7 @@ where
             }
             Step::Finish(Outcome::Rejected(LockRejection::acquire(
                 error,
+                config.hold.mode(),
                 config.busy_retry_after,
                 config.unavailable_retry_after,
             )))
@@ -217,7 +215,8 @@ where
             .as_ref()
             .and_then(|handle| handle.ensure_held().err())
             .unwrap_or_else(|| LockError::lost(None));
-        return Poll::Ready(Step::Finish(Outcome::Rejected(LockRejection::lost(error))));
+        let rejection = LockRejection::lost(error, config.hold.mode());
+        return Poll::Ready(Step::Finish(Outcome::Rejected(rejection)));
     };
     let Some(handle) = handle.take() else {
         return Poll::Ready(Step::Next(State::Done));
@@ -284,6 +283,13 @@ fn log_rejection(config: &LockConfig, rejection: &LockRejection) {
     let lock = config.locks.name();
     let code = rejection.code();
     match rejection.kind() {
+        ErrorKind::Busy | ErrorKind::Timeout if rejection.is_concurrency_limit() => {
+            tracing::debug!(
+                lock,
+                code,
+                "request refused: every slot of the semaphore is taken"
+            );
+        }
         ErrorKind::Busy | ErrorKind::Timeout => {
             tracing::debug!(lock, code, "request refused: the lock is busy");
         }

@@ -4,11 +4,12 @@
 use std::future::{ready, Future};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::request::Parts;
-use lockingkit::{DistributedLock, LockError, LockHandle};
+use lockingkit::{LockError, LockHandle};
 
+use super::hold::same_namespace;
+use super::layer::LockConfig;
 use super::RequestLock;
 
 /// Derives the lock key of a request.
@@ -77,7 +78,7 @@ pub(crate) enum Derived {
     },
     Refused {
         error: LockError,
-        /// An outer lock layer already holds this key for this request.
+        /// An outer lock layer already holds this key (in the same namespace) for this request.
         nested: bool,
     },
 }
@@ -88,23 +89,14 @@ pub(crate) type Acquisition = Pin<Box<dyn Future<Output = (Parts, Derived)> + Se
 /// per-request work (key derivation and acquisition) in one allocation.
 pub(crate) trait AcquireForRequest: Send + Sync + 'static {
     /// Takes `parts` for the duration and hands them back with the outcome.
-    fn acquire_for(
-        self: Arc<Self>,
-        parts: Parts,
-        locks: DistributedLock,
-        wait: Option<Duration>,
-    ) -> Acquisition;
+    /// The layer's `config` says on which provider, in which mode and how long to wait.
+    fn acquire_for(self: Arc<Self>, parts: Parts, config: Arc<LockConfig>) -> Acquisition;
 }
 
 impl<K: LockKey> AcquireForRequest for K {
-    fn acquire_for(
-        self: Arc<Self>,
-        mut parts: Parts,
-        locks: DistributedLock,
-        wait: Option<Duration>,
-    ) -> Acquisition {
+    fn acquire_for(self: Arc<Self>, mut parts: Parts, config: Arc<LockConfig>) -> Acquisition {
         Box::pin(async move {
-            let derived = derive_and_acquire(&*self, &mut parts, &locks, wait).await;
+            let derived = derive_and_acquire(&*self, &mut parts, &config).await;
             (parts, derived)
         })
     }
@@ -113,8 +105,7 @@ impl<K: LockKey> AcquireForRequest for K {
 async fn derive_and_acquire<K: LockKey>(
     key: &K,
     parts: &mut Parts,
-    locks: &DistributedLock,
-    wait: Option<Duration>,
+    config: &LockConfig,
 ) -> Derived {
     if !key.applies_to(parts).await {
         return Derived::NotApplicable;
@@ -122,17 +113,13 @@ async fn derive_and_acquire<K: LockKey>(
     let Some(key) = key.lock_key(parts).await else {
         return Derived::NoKey;
     };
-    let acquired = match wait {
-        None => locks.try_acquire(&key).await,
-        Some(timeout) => locks.acquire(&key, timeout).await,
-    };
+    let acquired = config.hold.take(&config.locks, &key, config.wait).await;
     match acquired {
         Ok(handle) => Derived::Acquired { handle },
         Err(error) => Derived::Refused {
-            nested: parts
-                .extensions
-                .get::<RequestLock>()
-                .is_some_and(|outer| outer.key() == key),
+            nested: parts.extensions.get::<RequestLock>().is_some_and(|outer| {
+                outer.key() == key && same_namespace(outer.mode(), config.hold.mode())
+            }),
             error,
         },
     }

@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use lockingkit::DistributedLock;
+use lockingkit::{DistributedLock, LockError, LockMode};
 use tower_layer::Layer;
 
+use super::hold::Hold;
 use super::key::{AcquireForRequest, LockKey};
 use super::rejection::{
     LockRejection, ProblemDetails, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
@@ -91,6 +92,7 @@ pub struct LockLayer<M = ProblemDetails> {
 pub(crate) struct LockConfig {
     pub(crate) locks: DistributedLock,
     pub(crate) key: Arc<dyn AcquireForRequest>,
+    pub(crate) hold: Hold,
     /// `None` tries once; `Some` waits up to the timeout.
     pub(crate) wait: Option<Duration>,
     pub(crate) pass_through_without_key: bool,
@@ -114,6 +116,7 @@ impl LockLayer {
             config: Arc::new(LockConfig {
                 locks,
                 key: Arc::new(key),
+                hold: Hold::Exclusive,
                 wait: None,
                 pass_through_without_key: false,
                 hold_until_body_ends: false,
@@ -129,6 +132,91 @@ impl<M> LockLayer<M> {
     fn configure(mut self, change: impl FnOnce(&mut LockConfig)) -> Self {
         change(Arc::make_mut(&mut self.config));
         self
+    }
+
+    /// Takes each request's key *shared*, as a reader: requests for one key run together,
+    /// while a request that locks the key exclusively (a layer without `shared`, or
+    /// [`DistributedLock::acquire`] anywhere in the fleet) runs alone.
+    ///
+    /// Use it on reading routes and leave writing routes on the default exclusive mode. The
+    /// exclusive lock is the key's plain lock, the writer of
+    /// [`DistributedLock::reader_writer`]: a writer that waits (with [`wait`](Self::wait))
+    /// holds new readers back, so a stream of reads cannot starve it. A reader that finds the
+    /// key written (or a writer waiting) is refused like any busy lock: `409`, code
+    /// `locking.busy`, or waits with [`wait`](Self::wait).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Misconfigured`](lockingkit::ErrorKind::Misconfigured) if the provider cannot
+    /// hold shared locks (Azure Blob leases are exclusive only). The layer is refused when it
+    /// is built rather than locking exclusively behind your back or answering `500` to every
+    /// request.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http::request::Parts;
+    /// use lockingkit::DistributedLock;
+    /// use lockingkit_tower::LockLayer;
+    ///
+    /// # fn main() -> Result<(), lockingkit::LockError> {
+    /// let locks = DistributedLock::in_memory();
+    /// let order = |parts: &Parts| Some(parts.uri.path().trim_start_matches('/').to_owned());
+    /// // Put reading routes behind `reads`: reads of one order run together …
+    /// let reads = LockLayer::new(locks.clone(), order).shared()?;
+    /// // … and writing routes behind `writes`: a write waits for the reads, then runs alone.
+    /// let writes = LockLayer::new(locks, order).wait(Duration::from_secs(5));
+    /// # let _ = (reads, writes);
+    /// # Ok(()) }
+    /// ```
+    pub fn shared(self) -> Result<Self, LockError> {
+        let hold = Hold::shared(&self.config.locks)?;
+        Ok(self.configure(|config| config.hold = hold))
+    }
+
+    /// Turns the layer into a distributed concurrency limit: each request takes one of at most
+    /// `max_count` slots of the semaphore named by its key, so at most `max_count` requests per
+    /// key run at once across every instance sharing the provider.
+    ///
+    /// The handler sees its slot as a [`RequestLock`](crate::RequestLock) whose
+    /// [`mode`](crate::RequestLock::mode) is [`LockMode::Semaphore`]; the slot is freed when
+    /// the response is produced (or when the body ends, with
+    /// [`hold_until_body_ends`](Self::hold_until_body_ends)), and the handler is dropped if
+    /// the slot is lost. When every slot is taken the request is refused with `429 Too Many
+    /// Requests`, `Retry-After` and code `locking.busy` (`locking.timeout` after
+    /// [`wait`](Self::wait)): a full semaphore is a capacity limit, not a conflict with the
+    /// resource's state, so clients and proxies should treat it like rate limiting.
+    ///
+    /// Semaphores have a namespace of their own: the semaphore `exports/7` and the lock
+    /// `exports/7` are unrelated, so a route can take both.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Misconfigured`](lockingkit::ErrorKind::Misconfigured) if `max_count` is 0
+    /// or above [`MAX_SEMAPHORE_COUNT`](lockingkit::MAX_SEMAPHORE_COUNT), or if the provider
+    /// cannot hold a semaphore of that size — when the layer is built, not on every request.
+    ///
+    /// ```
+    /// use http::request::Parts;
+    /// use lockingkit::DistributedLock;
+    /// use lockingkit_tower::LockLayer;
+    ///
+    /// # fn main() -> Result<(), lockingkit::LockError> {
+    /// // At most 3 exports per tenant at once, fleet-wide.
+    /// let tenant = |parts: &Parts| {
+    ///     let tenant = parts.headers.get("x-tenant")?.to_str().ok()?;
+    ///     Some(format!("exports/{tenant}"))
+    /// };
+    /// let limit = LockLayer::new(DistributedLock::in_memory(), tenant).semaphore(3)?;
+    /// # let _ = limit;
+    /// # Ok(()) }
+    /// ```
+    pub fn semaphore(self, max_count: u32) -> Result<Self, LockError> {
+        let hold = Hold::slot(&self.config.locks, max_count)?;
+        Ok(self.configure(|config| config.hold = hold))
+    }
+
+    /// The mode the layer takes keys in: [`LockMode::Exclusive`] unless built with
+    /// [`shared`](Self::shared) or [`semaphore`](Self::semaphore).
+    pub fn mode(&self) -> LockMode {
+        self.config.hold.mode()
     }
 
     /// Waits up to `timeout` for a busy lock instead of refusing at once.
@@ -245,6 +333,7 @@ impl<M> fmt::Debug for LockLayer<M> {
 impl LockConfig {
     pub(crate) fn fmt_fields(&self, mut s: fmt::DebugStruct<'_, '_>) -> fmt::Result {
         s.field("locks", &self.locks)
+            .field("mode", &self.hold.mode())
             .field("wait", &self.wait)
             .field("pass_through_without_key", &self.pass_through_without_key)
             .field("hold_until_body_ends", &self.hold_until_body_ends)

@@ -1,8 +1,10 @@
 //! The lock-per-request middleware: `LockService` here, `LockLayer` in `layer.rs`, the response
-//! future in `future.rs`, rejections, their mapper and the problem document in `rejection.rs`.
+//! future in `future.rs`, rejections, their mapper and the problem document in `rejection.rs`,
+//! and the mode each request's key is held in (exclusive, shared, semaphore slot) in `hold.rs`.
 
 mod body;
 mod future;
+mod hold;
 mod key;
 mod layer;
 mod rejection;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
-use lockingkit::{ErrorKind, LockError};
+use lockingkit::{ErrorKind, LockError, LockMode};
 use serde::Serialize;
 
 use super::LockBody;
@@ -97,6 +97,7 @@ impl ProblemDocument {
 /// | kind | status | `Retry-After` |
 /// |---|---|---|
 /// | `Busy`, `Timeout` | 409 Conflict | yes |
+/// | `Busy`, `Timeout` of a [semaphore](crate::LockLayer::semaphore) layer | 429 Too Many Requests | yes |
 /// | `Unavailable` | 503 Service Unavailable | yes |
 /// | `InvalidKey` (also: no key derivable) | 400 Bad Request | no |
 /// | `Lost` mid-request | 503 Service Unavailable | no |
@@ -112,6 +113,7 @@ impl ProblemDocument {
 pub struct LockRejection {
     cause: Cause,
     retry_after: Option<Duration>,
+    mode: LockMode,
 }
 
 enum Cause {
@@ -121,14 +123,20 @@ enum Cause {
 }
 
 impl LockRejection {
-    pub(crate) fn no_key() -> Self {
+    pub(crate) fn no_key(mode: LockMode) -> Self {
         LockRejection {
             cause: Cause::NoKey,
             retry_after: None,
+            mode,
         }
     }
 
-    pub(crate) fn acquire(error: LockError, busy_retry: Duration, down_retry: Duration) -> Self {
+    pub(crate) fn acquire(
+        error: LockError,
+        mode: LockMode,
+        busy_retry: Duration,
+        down_retry: Duration,
+    ) -> Self {
         let retry_after = match error.kind() {
             ErrorKind::Busy | ErrorKind::Timeout => Some(busy_retry),
             ErrorKind::Unavailable => Some(down_retry),
@@ -137,13 +145,15 @@ impl LockRejection {
         LockRejection {
             cause: Cause::Acquire(error),
             retry_after,
+            mode,
         }
     }
 
-    pub(crate) fn lost(error: LockError) -> Self {
+    pub(crate) fn lost(error: LockError, mode: LockMode) -> Self {
         LockRejection {
             cause: Cause::Lost(error),
             retry_after: None,
+            mode,
         }
     }
 
@@ -158,6 +168,19 @@ impl LockRejection {
     /// The stable error code, such as `locking.busy`.
     pub fn code(&self) -> &'static str {
         self.kind().code()
+    }
+
+    /// The mode of the layer that refused: [`LockMode::Semaphore`] for a concurrency limit
+    /// (whose busy answer is `429`), else [`LockMode::Exclusive`] or [`LockMode::Shared`].
+    pub fn mode(&self) -> LockMode {
+        self.mode
+    }
+
+    /// Whether every slot of a [semaphore](crate::LockLayer::semaphore) layer was taken (for
+    /// the whole wait, in wait mode): a capacity limit rather than a conflict.
+    pub fn is_concurrency_limit(&self) -> bool {
+        matches!(self.mode, LockMode::Semaphore { .. })
+            && matches!(self.kind(), ErrorKind::Busy | ErrorKind::Timeout)
     }
 
     /// Whether the lock was lost while the inner service was handling the request.
@@ -188,6 +211,9 @@ impl LockRejection {
 
     /// The HTTP status of the default response.
     pub fn status(&self) -> StatusCode {
+        if self.is_concurrency_limit() {
+            return StatusCode::TOO_MANY_REQUESTS;
+        }
         match self.kind() {
             ErrorKind::Busy | ErrorKind::Timeout => StatusCode::CONFLICT,
             ErrorKind::Unavailable | ErrorKind::Lost => StatusCode::SERVICE_UNAVAILABLE,
@@ -198,6 +224,15 @@ impl LockRejection {
 
     /// A sentence for the client. It names neither the key nor backend internals.
     pub fn detail(&self) -> &'static str {
+        if self.is_concurrency_limit() {
+            return match self.kind() {
+                ErrorKind::Timeout => {
+                    "Too many requests for this resource stayed in progress for the whole wait. \
+                     Retry later."
+                }
+                _ => "Too many requests for this resource are in progress. Retry later.",
+            };
+        }
         match (&self.cause, self.kind()) {
             (Cause::NoKey, _) => "No lock key could be derived from the request.",
             (_, ErrorKind::Busy) => "The resource is locked by another request. Retry later.",
@@ -271,14 +306,16 @@ where
 }
 
 impl From<LockError> for LockRejection {
-    /// The rejection the layer itself would send for `error`: a [`ErrorKind::Lost`] error is
-    /// the lost-mid-request rejection, any other an acquisition's, with the default
-    /// `Retry-After`s ([`DEFAULT_BUSY_RETRY_AFTER`], [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]).
+    /// The rejection an exclusive layer would send for `error`: a [`ErrorKind::Lost`] error
+    /// is the lost-mid-request rejection, any other an acquisition's, with the default
+    /// `Retry-After`s ([`DEFAULT_BUSY_RETRY_AFTER`], [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]). A
+    /// busy error is therefore `409`, also when it came from a semaphore.
     fn from(error: LockError) -> Self {
         match error.kind() {
-            ErrorKind::Lost => Self::lost(error),
+            ErrorKind::Lost => Self::lost(error, LockMode::Exclusive),
             _ => Self::acquire(
                 error,
+                LockMode::Exclusive,
                 DEFAULT_BUSY_RETRY_AFTER,
                 DEFAULT_UNAVAILABLE_RETRY_AFTER,
             ),
@@ -306,6 +343,7 @@ impl fmt::Debug for LockRejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockRejection")
             .field("code", &self.code())
+            .field("mode", &self.mode)
             .field("status", &self.status().as_u16())
             .field("lost_mid_request", &self.is_lost_mid_request())
             .field("retry_after", &self.retry_after)
@@ -331,8 +369,13 @@ mod tests {
     use super::*;
 
     fn rejection(kind: ErrorKind) -> LockRejection {
+        rejection_in(kind, LockMode::Exclusive)
+    }
+
+    fn rejection_in(kind: ErrorKind, mode: LockMode) -> LockRejection {
         LockRejection::acquire(
             LockError::new(kind, "test"),
+            mode,
             Duration::from_millis(1500),
             Duration::from_secs(5),
         )
@@ -358,11 +401,42 @@ mod tests {
             rejection(ErrorKind::Backend).status(),
             StatusCode::INTERNAL_SERVER_ERROR
         );
-        let lost = LockRejection::lost(LockError::lost(None));
+        let lost = LockRejection::lost(LockError::lost(None), LockMode::Exclusive);
         assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(lost.retry_after().is_none());
-        assert_eq!(LockRejection::no_key().status(), StatusCode::BAD_REQUEST);
-        assert_eq!(LockRejection::no_key().code(), "locking.invalid_key");
+        assert_eq!(
+            LockRejection::no_key(LockMode::Exclusive).status(),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            LockRejection::no_key(LockMode::Exclusive).code(),
+            "locking.invalid_key"
+        );
+    }
+
+    #[test]
+    fn a_full_semaphore_is_429_with_retry_after_and_keeps_its_code() {
+        let slots = LockMode::Semaphore { max_count: 2 };
+        for (kind, code) in [
+            (ErrorKind::Busy, "locking.busy"),
+            (ErrorKind::Timeout, "locking.timeout"),
+        ] {
+            let full = rejection_in(kind, slots);
+            assert!(full.is_concurrency_limit());
+            let response = full.problem_response::<Bytes>();
+            assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(response.headers()[RETRY_AFTER], "2");
+            let doc: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+            assert_eq!(doc["code"], code);
+            assert_eq!(doc["title"], "Too Many Requests");
+        }
+        // Only contention is a capacity limit; the rest answer as any lock layer does.
+        let down = rejection_in(ErrorKind::Unavailable, slots);
+        assert!(!down.is_concurrency_limit());
+        assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
+        // A busy reader is a conflict with a writer, like a busy lock.
+        let reader = rejection_in(ErrorKind::Busy, LockMode::Shared);
+        assert_eq!(reader.status(), StatusCode::CONFLICT);
     }
 
     #[test]
@@ -412,7 +486,7 @@ mod tests {
 
     #[test]
     fn problem_document_members_keep_their_documented_order() {
-        let json = LockRejection::no_key().problem_json();
+        let json = LockRejection::no_key(LockMode::Exclusive).problem_json();
         assert_eq!(
             std::str::from_utf8(&json).unwrap(),
             "{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::future::Future;
 
-use lockingkit::{CancellationToken, LockError, LockHandle, LockView};
+use lockingkit::{CancellationToken, LockError, LockHandle, LockMode, LockView};
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -11,20 +11,23 @@ use lockingkit::{CancellationToken, LockError, LockHandle, LockView};
 /// cloned) and puts this cheap, cloneable view into the request extensions, where the inner
 /// service finds it with `request.extensions().get::<RequestLock>()`.
 ///
-/// The view tells the key, the fencing token to send with every write, and whether the lock is
-/// still held. Its [`lost_token`](Self::lost_token) fires when the lock is lost, and also when
+/// The view tells the key, the [mode](Self::mode) it is held in (alone, shared with other
+/// readers, or as one slot of a semaphore), the fencing token to send with every write, and
+/// whether the lock is still held. Its [`lost_token`](Self::lost_token) fires when the lock is lost, and also when
 /// the layer releases the lock after the response, so work spawned from the handler and tied to
 /// the token stops once the request no longer holds the lock.
 #[derive(Clone)]
 pub struct RequestLock {
     view: LockView,
+    mode: LockMode,
 }
 
 impl RequestLock {
     /// The view of `handle` the handler sees.
-    pub(crate) fn new(handle: &LockHandle) -> Self {
+    pub(crate) fn new(handle: &LockHandle, mode: LockMode) -> Self {
         RequestLock {
             view: handle.view(),
+            mode,
         }
     }
 
@@ -36,6 +39,13 @@ impl RequestLock {
     /// The key of the lock.
     pub fn key(&self) -> &str {
         self.view.key()
+    }
+
+    /// How the layer holds the key: [`LockMode::Exclusive`] by default, [`LockMode::Shared`]
+    /// after [`LockLayer::shared`](crate::LockLayer::shared), [`LockMode::Semaphore`] after
+    /// [`LockLayer::semaphore`](crate::LockLayer::semaphore).
+    pub fn mode(&self) -> LockMode {
+        self.mode
     }
 
     /// The fencing token of this hold; strictly greater than every earlier token for the key.
@@ -74,6 +84,7 @@ impl fmt::Debug for RequestLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The key is left out on purpose: keys routinely carry customer ids.
         f.debug_struct("RequestLock")
+            .field("mode", &self.mode)
             .field("fencing_token", &self.fencing_token())
             .field("is_held", &self.is_held())
             .finish_non_exhaustive()

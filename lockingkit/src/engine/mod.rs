@@ -203,21 +203,6 @@ impl<B: LockBackend> Engine<B> {
         LockHandle::new(held)
     }
 
-    /// Refuses a mode the backend cannot hold, before anything is attempted.
-    fn check_mode(&self, mode: LockMode) -> Result<(), LockError> {
-        if self.backend.supports(mode) {
-            Ok(())
-        } else {
-            Err(LockError::new(
-                ErrorKind::Misconfigured,
-                format!(
-                    "the {} provider cannot hold {mode} locks",
-                    self.telemetry.provider()
-                ),
-            ))
-        }
-    }
-
     /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
     /// (or are told why not); readers and semaphore holders take a lane of their own.
     fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
@@ -234,7 +219,6 @@ impl<B: LockBackend> Engine<B> {
         attempts: &mut u64,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        self.check_mode(mode)?;
         let runtime = current_runtime()?;
         let turn = match self.try_turn(key, mode) {
             Ok(turn) => turn,
@@ -264,27 +248,9 @@ impl<B: LockBackend> Engine<B> {
         attempts: &mut u64,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        self.check_mode(mode)?;
         let runtime = current_runtime()?;
         let deadline = crate::clock::in_(timeout);
-        let arrival = match mode {
-            LockMode::Exclusive => self.room.enter(key),
-            _ => Arrival::Front(self.room.own_lane(key)),
-        };
-        let turn = match arrival {
-            Arrival::Front(turn) => turn,
-            Arrival::Queued(ticket) => {
-                self.telemetry.waiter_queued();
-                let _left = Defer(|| self.telemetry.waiter_left());
-                let evidence = ticket.evidence_handle();
-                match tokio::time::timeout_at(deadline, ticket.turn()).await {
-                    // A turn that arrives at the deadline is passed on unused: the caller's
-                    // time is up, and an attempt now would only add a request.
-                    Ok(turn) if Instant::now() < deadline => turn,
-                    _ => return Err(wait_error(evidence.read(), timeout)),
-                }
-            }
-        };
+        let turn = self.wait_for_turn(key, mode, deadline, timeout).await?;
         let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
         // What the latest finished attempt found, and when the one in flight (if any) was sent:
         // they decide between `Timeout` and `Unavailable` (see `wait_outcome`).
@@ -301,6 +267,12 @@ impl<B: LockBackend> Engine<B> {
                 let hint = match mode {
                     LockMode::Semaphore { .. } => None,
                     _ => Some(self.backend.release_hint(current.key())),
+                };
+                let hint = async move {
+                    match hint {
+                        Some(hint) => hint.await,
+                        None => std::future::pending().await,
+                    }
                 };
                 in_flight = Some(Instant::now());
                 let (current, sent, result) = self.attempt(current, mode).await;
@@ -324,7 +296,7 @@ impl<B: LockBackend> Engine<B> {
                 // turn stays with us so local waiters behind us stay quiet.
                 tokio::select! {
                     biased;
-                    _ = async { match hint { Some(hint) => hint.await, None => std::future::pending().await } }, if busy => {}
+                    _ = hint, if busy => {}
                     _ = tokio::time::sleep_until(wake), if wake < deadline => {}
                     // Neither: the deadline (outside) ends the wait.
                     else => std::future::pending::<()>().await,
@@ -343,12 +315,42 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
+    /// The turn to attempt `key` under: at once for the front caller of an exclusive key and
+    /// for readers and semaphore holders (a lane of their own), otherwise once the local
+    /// callers ahead have gone, or a `Timeout`/`Unavailable` error at the deadline.
+    async fn wait_for_turn(
+        self: &Arc<Self>,
+        key: &str,
+        mode: LockMode,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Turn, LockError> {
+        let arrival = match mode {
+            LockMode::Exclusive => self.room.enter(key),
+            _ => Arrival::Front(self.room.own_lane(key)),
+        };
+        let ticket = match arrival {
+            Arrival::Front(turn) => return Ok(turn),
+            Arrival::Queued(ticket) => ticket,
+        };
+        self.telemetry.waiter_queued();
+        let _left = Defer(|| self.telemetry.waiter_left());
+        let evidence = ticket.evidence_handle();
+        match tokio::time::timeout_at(deadline, ticket.turn()).await {
+            // A turn that arrives at the deadline is passed on unused: the caller's time is up,
+            // and an attempt now would only add a request.
+            Ok(turn) if Instant::now() < deadline => Ok(turn),
+            _ => Err(wait_error(evidence.read(), timeout)),
+        }
+    }
+
     /// Starts recording an acquire call: its span, and its outcome when it ends.
     fn record(&self, operation: Operation, mode: LockMode) -> AcquireRecord<'_> {
         AcquireRecord {
             telemetry: &self.telemetry,
             span: self.telemetry.acquire_span(operation, mode),
             operation,
+            mode,
             started: Instant::now(),
             attempts: 0,
             finished: false,
@@ -460,6 +462,7 @@ struct AcquireRecord<'a> {
     telemetry: &'a Telemetry,
     span: tracing::Span,
     operation: Operation,
+    mode: LockMode,
     started: Instant,
     attempts: u64,
     finished: bool,
@@ -479,6 +482,7 @@ impl AcquireRecord<'_> {
         self.telemetry.acquire_finished(
             &self.span,
             self.operation,
+            self.mode,
             outcome,
             error,
             self.attempts,

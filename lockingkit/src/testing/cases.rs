@@ -9,7 +9,10 @@ use tokio::time::Instant;
 use super::{
     abandon_after_polls, quick_polling, unique_prefix, ContractBackend, Hold, IntervalChecker,
 };
-use crate::{DistributedLock, ErrorKind, LockError, LockHandle, LockOptions};
+use crate::{
+    DistributedLock, DistributedSemaphore, ErrorKind, LockError, LockHandle, LockOptions,
+    ReaderWriterLock,
+};
 
 /// Unwraps a result the contract requires to be `Ok`, failing the case with context otherwise.
 #[track_caller]
@@ -546,4 +549,330 @@ pub async fn local_waiters_are_served_in_arrival_order<B: ContractBackend>(backe
         (0..6).collect::<Vec<_>>(),
         "waiters served out of order"
     );
+}
+
+/// The reader-writer lock of the backend, or `None` after checking that the provider refuses
+/// it as `Misconfigured` (a provider whose locks are exclusive only must say so, never hand out
+/// an exclusive lock as a shared one).
+fn reader_writer_or_refused(lock: &DistributedLock) -> Option<ReaderWriterLock> {
+    match lock.reader_writer() {
+        Ok(rw) => Some(rw),
+        Err(error) => {
+            assert_eq!(
+                error.kind(),
+                ErrorKind::Misconfigured,
+                "contract broken: a provider without shared locks must refuse them: {error}"
+            );
+            None
+        }
+    }
+}
+
+/// The semaphore `key` of `max_count` on the backend, or `None` after checking that the
+/// provider refuses semaphores as `Misconfigured`.
+fn semaphore_or_refused(
+    lock: &DistributedLock,
+    key: &str,
+    max_count: u32,
+) -> Option<DistributedSemaphore> {
+    match lock.semaphore(key, max_count) {
+        Ok(semaphore) => Some(semaphore),
+        Err(error) => {
+            assert_eq!(
+                error.kind(),
+                ErrorKind::Misconfigured,
+                "contract broken: a provider without semaphores must refuse them: {error}"
+            );
+            None
+        }
+    }
+}
+
+/// Readers in several processes hold a key together; a writer excludes readers and writers, in
+/// its own process and in others; every hold is given back at once.
+pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 3, quick_polling()).await;
+    let rws: Vec<ReaderWriterLock> = match procs.iter().map(reader_writer_or_refused).collect() {
+        Some(rws) => rws,
+        None => return,
+    };
+    let key = unique_prefix("rw");
+    let mut readers = Vec::new();
+    for (index, rw) in rws.iter().enumerate() {
+        readers.push(required(rw.try_read(&key).await, "a reader beside readers"));
+        let what = format!("a second reader in process {index}");
+        readers.push(required(rw.try_read(&key).await, &what));
+    }
+    assert!(readers.iter().all(LockHandle::is_held));
+    for rw in &rws {
+        expect_kind(
+            rw.try_write(&key).await,
+            ErrorKind::Busy,
+            "a writer among readers",
+        );
+    }
+    expect_kind(
+        procs[0].try_acquire(&key).await,
+        ErrorKind::Busy,
+        "a plain lock is the writer: busy among readers",
+    );
+    for reader in readers {
+        required(reader.release().await, "release a reader");
+    }
+    until_idle(
+        &procs[1],
+        release_settles_within(backend),
+        "readers released",
+    )
+    .await;
+    until_idle(
+        &procs[2],
+        release_settles_within(backend),
+        "readers released",
+    )
+    .await;
+
+    // The writer must not wait for its own intent: the readers are gone.
+    let writer = match tokio::time::timeout(
+        release_settles_within(backend) + quick_polling().max_retry_delay * 4,
+        rws[1].write(&key, Duration::from_secs(30)),
+    )
+    .await
+    {
+        Ok(writer) => required(writer, "the writer once every reader left"),
+        Err(_) => panic!("contract broken: the writer did not get in once every reader left"),
+    };
+    for rw in &rws {
+        expect_kind(
+            rw.try_read(&key).await,
+            ErrorKind::Busy,
+            "a reader beside a writer",
+        );
+        expect_kind(
+            rw.try_write(&key).await,
+            ErrorKind::Busy,
+            "a writer beside a writer",
+        );
+    }
+    required(writer.release().await, "release the writer");
+    until_idle(
+        &procs[1],
+        release_settles_within(backend),
+        "the writer released",
+    )
+    .await;
+    let reader = required(rws[0].try_read(&key).await, "a reader after the writer");
+    required(reader.release().await, "release");
+}
+
+/// A writer that waits behind a stream of overlapping readers is not starved: new readers are
+/// held back while it waits, and it gets in soon after the readers it found have left.
+pub async fn a_writer_waiting_behind_overlapping_readers_gets_in<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 3, quick_polling()).await;
+    let Some(writer_rw) = reader_writer_or_refused(&procs[0]) else {
+        return;
+    };
+    let key = unique_prefix("writer-starvation");
+    let reader_hold = Duration::from_millis(100);
+    let writer_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two reader processes take turns so that some reader always holds the key: each reader
+    // starts before the other's ends.
+    let mut streams = Vec::new();
+    for (process, lock) in procs.iter().enumerate().skip(1) {
+        let Some(rw) = reader_writer_or_refused(lock) else {
+            return;
+        };
+        let key = key.clone();
+        let done = writer_done.clone();
+        streams.push(tokio::spawn(async move {
+            tokio::time::sleep(reader_hold / 2 * (process as u32 - 1)).await;
+            let mut reads = 0usize;
+            while !done.load(Ordering::SeqCst) {
+                if let Ok(reader) = rw.try_read(&key).await {
+                    reads += 1;
+                    tokio::time::sleep(reader_hold).await;
+                    let _ = reader.release().await;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            reads
+        }));
+    }
+    // Let the readers overlap for a while before the writer arrives.
+    tokio::time::sleep(reader_hold * 3).await;
+    let asked = Instant::now();
+    let bound =
+        reader_hold * 2 + quick_polling().max_retry_delay * 4 + release_settles_within(backend);
+    let writer =
+        tokio::time::timeout(bound * 4, writer_rw.write(&key, Duration::from_secs(60))).await;
+    writer_done.store(true, Ordering::SeqCst);
+    let waited = asked.elapsed();
+    let writer = match writer {
+        Ok(writer) => required(writer, "the waiting writer"),
+        Err(_) => panic!(
+            "contract broken: a writer behind overlapping readers waited over {:?}",
+            bound * 4
+        ),
+    };
+    assert!(
+        waited <= bound,
+        "contract broken: the writer waited {waited:?} behind overlapping readers (bound {bound:?})"
+    );
+    let mut reads = 0;
+    for stream in streams {
+        reads += match stream.await {
+            Ok(reads) => reads,
+            Err(join) => panic!("reader stream failed: {join}"),
+        };
+    }
+    assert!(reads >= 2, "the readers never overlapped ({reads} reads)");
+    required(writer.release().await, "release the writer");
+}
+
+/// Eighty acquisitions of a semaphore of three by twenty contenders in four processes never
+/// have more than three holders at once, and slots are given back at once.
+pub async fn a_semaphore_never_has_more_than_its_count_of_holders<B: ContractBackend>(backend: &B) {
+    const COUNT: u32 = 3;
+    let procs = processes(backend, 4, quick_polling()).await;
+    let key = unique_prefix("semaphore");
+    let mut semaphores = Vec::new();
+    for process in &procs {
+        let Some(semaphore) = semaphore_or_refused(process, &key, COUNT) else {
+            return;
+        };
+        semaphores.push(semaphore);
+    }
+    let checker = Arc::new(IntervalChecker::new());
+    let most = Arc::new(AtomicUsize::new(0));
+    let current = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for contender in 0..20 {
+        let process = contender % 4;
+        let semaphore = semaphores[process].clone();
+        let (checker, most, current, key) =
+            (checker.clone(), most.clone(), current.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let slot = required(semaphore.acquire(Duration::from_secs(120)).await, "a slot");
+                let start = Instant::now();
+                let now = current.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                assert!(slot.is_held(), "lost while held");
+                current.fetch_sub(1, Ordering::SeqCst);
+                let end = Instant::now();
+                checker.record(Hold {
+                    key: key.clone(),
+                    process,
+                    fencing_token: slot.fencing_token(),
+                    start,
+                    end,
+                });
+                required(slot.release().await, "release a slot");
+            }
+        }));
+    }
+    for task in tasks {
+        if let Err(join) = task.await {
+            panic!("contender failed: {join}");
+        }
+    }
+    assert_eq!(checker.holds().len(), 80);
+    checker.assert_at_most(COUNT as usize);
+    assert!(
+        most.load(Ordering::SeqCst) >= 2,
+        "twenty contenders never held two slots at once: the semaphore acted as a lock"
+    );
+    // Every slot is free again, for another process, at once.
+    for process in &procs {
+        until_idle(process, release_settles_within(backend), "slots released").await;
+    }
+    let mut again = Vec::new();
+    for _ in 0..COUNT {
+        again.push(required(
+            semaphores[0].try_acquire().await,
+            "a free slot after the run",
+        ));
+    }
+    expect_kind(
+        semaphores[1].try_acquire().await,
+        ErrorKind::Busy,
+        "a fourth holder",
+    );
+    // The semaphore's key names no lock: the lock of the same key is free.
+    let lock = required(
+        procs[2].try_acquire(&key).await,
+        "the lock named like the semaphore",
+    );
+    required(lock.release().await, "release");
+    for slot in again {
+        required(slot.release().await, "release");
+    }
+}
+
+/// Dropping a reader's or a semaphore holder's acquire before, during or after its attempt
+/// leaks nothing, and both kinds of hold are renewed over three lease periods.
+pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("shared-holds");
+    let (Some(semaphore), Some(other)) = (
+        semaphore_or_refused(&procs[0], &key, 2),
+        semaphore_or_refused(&procs[1], &key, 2),
+    ) else {
+        return;
+    };
+    let rw = reader_writer_or_refused(&procs[0]);
+    for polls in 1..=6 {
+        drop(abandon_after_polls(semaphore.try_acquire(), polls).await);
+        if let Some(rw) = &rw {
+            drop(abandon_after_polls(rw.try_read(&key), polls).await);
+        }
+        until_idle(
+            &procs[0],
+            release_settles_within(backend),
+            "an abandoned attempt",
+        )
+        .await;
+        let a = required(
+            other.try_acquire().await,
+            "the first slot from another process",
+        );
+        let b = required(
+            other.try_acquire().await,
+            "the second slot from another process",
+        );
+        required(a.release().await, "release");
+        required(b.release().await, "release");
+        let writer = required(
+            procs[1].try_acquire(&key).await,
+            "the writer after readers went",
+        );
+        required(writer.release().await, "release");
+    }
+
+    let period = backend.lease_period();
+    let slot = required(semaphore.try_acquire().await, "a slot");
+    let reader = match &rw {
+        Some(rw) => Some(required(rw.try_read(&key).await, "a reader")),
+        None => None,
+    };
+    let until = Instant::now() + period * 3 + period / 2;
+    while Instant::now() < until {
+        assert!(
+            slot.is_held(),
+            "contract broken: a slot was lost while renewed"
+        );
+        if let Some(reader) = &reader {
+            assert!(
+                reader.is_held(),
+                "contract broken: a reader was lost while renewed"
+            );
+        }
+        tokio::time::sleep(period / 4).await;
+    }
+    required(slot.release().await, "release the slot");
+    if let Some(reader) = reader {
+        required(reader.release().await, "release the reader");
+    }
 }

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 
 /// Wraps a [`LockBackend`] and counts, for every lease it grants, the releases sent for it.
 ///
@@ -62,6 +62,26 @@ impl<B> CountingBackend<B> {
     }
 }
 
+impl<B: LockBackend> CountingBackend<B> {
+    /// Starts counting the releases of a lease just granted.
+    fn counted(
+        &self,
+        acquired: Option<Acquired<B::Lease>>,
+    ) -> Option<Acquired<CountedLease<B::Lease>>> {
+        acquired.map(|acquired| {
+            let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
+            releases.push(0);
+            Acquired {
+                lease: CountedLease {
+                    inner: acquired.lease,
+                    index: releases.len() - 1,
+                },
+                fencing_token: acquired.fencing_token,
+            }
+        })
+    }
+}
+
 impl<B: LockBackend> LockBackend for CountingBackend<B> {
     type Lease = CountedLease<B::Lease>;
 
@@ -75,17 +95,20 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
 
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         let acquired = self.inner.try_acquire(key).await?;
-        Ok(acquired.map(|acquired| {
-            let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
-            releases.push(0);
-            Acquired {
-                lease: CountedLease {
-                    inner: acquired.lease,
-                    index: releases.len() - 1,
-                },
-                fencing_token: acquired.fencing_token,
-            }
-        }))
+        Ok(self.counted(acquired))
+    }
+
+    fn supports(&self, mode: LockMode) -> bool {
+        self.inner.supports(mode)
+    }
+
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        let acquired = self.inner.try_acquire_in(key, mode).await?;
+        Ok(self.counted(acquired))
     }
 
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {

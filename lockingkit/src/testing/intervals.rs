@@ -81,6 +81,54 @@ impl IntervalChecker {
         violations
     }
 
+    /// For a semaphore: describes every instant at which more than `max_holders` holds of one
+    /// key overlapped. Fencing tokens are not compared, since a backend may keep them per slot.
+    pub fn count_violations(&self, max_holders: usize) -> Vec<String> {
+        let mut by_key: HashMap<String, Vec<Hold>> = HashMap::new();
+        for hold in self.holds() {
+            by_key.entry(hold.key.clone()).or_default().push(hold);
+        }
+        let mut violations = Vec::new();
+        for holds in by_key.values() {
+            // Ends sort before starts at the same instant: a hold that ends as another begins
+            // does not overlap it.
+            let mut events: Vec<(Instant, bool, &Hold)> = holds
+                .iter()
+                .flat_map(|h| [(h.start, true, h), (h.end, false, h)])
+                .collect();
+            events.sort_by_key(|(at, starts, _)| (*at, *starts));
+            let mut current = 0usize;
+            for (_, starts, hold) in events {
+                if !starts {
+                    current = current.saturating_sub(1);
+                    continue;
+                }
+                current += 1;
+                if current > max_holders {
+                    violations.push(format!(
+                        "{current} holders at once (at most {max_holders}): process {} (token {}) \
+                         began while {} others held",
+                        hold.process,
+                        hold.fencing_token,
+                        current - 1
+                    ));
+                }
+            }
+        }
+        violations
+    }
+
+    /// Panics if more than `max_holders` holds of one key ever overlapped.
+    pub fn assert_at_most(&self, max_holders: usize) {
+        let violations = self.count_violations(max_holders);
+        assert!(
+            violations.is_empty(),
+            "{} violations:\n{}",
+            violations.len(),
+            violations.join("\n")
+        );
+    }
+
     /// Panics with every violation, if there is any.
     pub fn assert_consistent(&self) {
         let violations = self.violations();
@@ -106,6 +154,19 @@ mod tests {
             start: base + Duration::from_millis(start_ms),
             end: base + Duration::from_millis(end_ms),
         }
+    }
+
+    #[test]
+    fn counts_holders_at_once() {
+        let base = Instant::now();
+        let checker = IntervalChecker::new();
+        checker.record(hold(0, 1, 0, 10, base));
+        checker.record(hold(1, 2, 5, 20, base));
+        checker.record(hold(2, 3, 10, 30, base)); // starts as the first ends: two at once
+        assert!(checker.count_violations(2).is_empty());
+        checker.record(hold(3, 4, 15, 16, base)); // three at once
+        assert_eq!(checker.count_violations(2).len(), 1);
+        assert!(checker.count_violations(3).is_empty());
     }
 
     #[test]

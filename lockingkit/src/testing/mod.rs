@@ -5,22 +5,37 @@
 //! [`DistributedLock`] with its own client or pool, all on one real backend), then generate the
 //! suite with [`contract_tests!`](crate::contract_tests):
 //!
-//! ```ignore
-//! struct MyBackendContract { /* a running server */ }
+//! ```
+//! use std::time::Duration;
+//! use lockingkit::testing::ContractBackend;
+//! use lockingkit::{DistributedLock, LockOptions, MemoryBackend, MemoryStore};
 //!
-//! impl lockingkit::testing::ContractBackend for MyBackendContract {
-//!     async fn new_process(&self, options: lockingkit::LockOptions) -> lockingkit::DistributedLock {
-//!         lockingkit::DistributedLock::builder(MyBackend::connect(&self.url))
+//! /// Your backend's test server; here the in-memory store stands in for it.
+//! struct MyBackendContract {
+//!     server: MemoryStore,
+//! }
+//!
+//! impl ContractBackend for MyBackendContract {
+//!     async fn new_process(&self, options: LockOptions) -> DistributedLock {
+//!         // Each "process" gets a client of its own on the shared server.
+//!         let backend = MemoryBackend::with_lease(self.server.clone(), self.lease_period());
+//!         DistributedLock::builder(backend)
 //!             .options(options)
 //!             .build()
 //!             .expect("valid options")
 //!     }
-//!     fn lease_period(&self) -> std::time::Duration {
-//!         std::time::Duration::from_secs(1)
+//!
+//!     fn lease_period(&self) -> Duration {
+//!         Duration::from_secs(1)
 //!     }
 //! }
 //!
-//! lockingkit::contract_tests!(async { MyBackendContract::start().await });
+//! lockingkit::contract_tests!(async {
+//!     MyBackendContract {
+//!         server: MemoryStore::new(),
+//!     }
+//! });
+//! # fn main() {}
 //! ```
 //!
 //! The cases run in real time against the real backend; they panic with a description when the
@@ -32,16 +47,20 @@
 //! [`CountingBackend`], and [`a_repeated_or_late_release_never_frees_the_next_holder`] sends
 //! releases directly. Call them from your own tests:
 //!
-//! ```ignore
+//! ```
+//! # use std::time::Duration;
+//! # use lockingkit::{MemoryBackend, MemoryStore};
 //! #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 //! async fn each_lease_is_released_exactly_once() {
-//!     let server = MyServer::start().await;
+//!     let server = MemoryStore::new(); // your backend's test server
+//!     let lease = Duration::from_secs(1);
 //!     lockingkit::testing::each_lease_is_released_exactly_once(
-//!         || MyBackend::connect(&server.url),
-//!         std::time::Duration::from_secs(1),
+//!         || MemoryBackend::with_lease(server.clone(), lease),
+//!         lease,
 //!     )
 //!     .await;
 //! }
+//! # fn main() {}
 //! ```
 
 mod cases;
@@ -129,6 +148,10 @@ macro_rules! contract_tests {
             renewal_keeps_the_lock_over_three_lease_periods,
             fencing_tokens_grow,
             local_waiters_are_served_in_arrival_order,
+            readers_hold_together_and_a_writer_holds_alone,
+            a_writer_waiting_behind_overlapping_readers_gets_in,
+            a_semaphore_never_has_more_than_its_count_of_holders,
+            shared_holds_leak_nothing_and_stay_renewed,
         );
     };
     (@cases $setup:expr; $($case:ident),+ $(,)?) => {

@@ -26,7 +26,7 @@ use super::client::{GuardPath, PLACEHOLDER_BLOB};
 use super::errors;
 use super::AzureBlobLease;
 use crate::backend::BackendError;
-use crate::keys::azure_blob_name;
+use crate::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
 
 /// The metadata entry holding a guard's fencing token: the last token handed out, in decimal.
 pub const FENCING_TOKEN_METADATA: &str = "lockingkit_fencing_token";
@@ -86,6 +86,11 @@ impl GuardBlobs {
         self.container.blob_client(&azure_blob_name(key))
     }
 
+    pub(crate) fn slot(&self, key: &str, slot: u32) -> BlobClient {
+        self.container
+            .blob_client(&azure_semaphore_slot_blob_name(key, slot))
+    }
+
     fn classify(&self, operation: &'static str, error: &azure_core::Error) -> BackendError {
         errors::classify(&self.container_name, operation, error)
     }
@@ -129,12 +134,21 @@ impl GuardBlobs {
             .map_err(|_| errors::timed_out(operation, self.request_timeout))
     }
 
-    /// One attempt: `Ok(None)` when someone else holds the lease.
+    /// One attempt at `key`'s guard: `Ok(None)` when someone else holds the lease.
     pub(crate) async fn try_acquire(
         &self,
         key: &str,
     ) -> Result<Option<AzureBlobLease>, BackendError> {
-        let name = azure_blob_name(key);
+        self.try_acquire_named(azure_blob_name(key), None).await
+    }
+
+    /// One attempt at the guard blob `name` (a semaphore's slot `slot`, or a plain lock's
+    /// guard when `None`): `Ok(None)` when someone else holds the lease.
+    pub(crate) async fn try_acquire_named(
+        &self,
+        name: String,
+        slot: Option<u32>,
+    ) -> Result<Option<AzureBlobLease>, BackendError> {
         // The real guard's client is for the caller's fenced writes; our own requests go
         // through the placeholder with this path.
         let blob = Arc::new(self.container.blob_client(&name));
@@ -156,6 +170,7 @@ impl GuardBlobs {
             path,
             lease_id,
             fencing_token,
+            slot,
         }))
     }
 

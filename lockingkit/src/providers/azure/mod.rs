@@ -38,13 +38,14 @@ use azure_core::credentials::TokenCredential;
 use azure_storage_blob::models::{BlobClientSetMetadataOptions, BlobClientUploadOptions};
 use azure_storage_blob::{BlobClient, BlobContainerClient};
 
-use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::error::LockError;
 
 mod client;
 mod errors;
 mod guard_blob;
 mod options;
+mod semaphore;
 
 /// The SDK crates this provider is built on, re-exported so callers use the same versions.
 pub use azure_core;
@@ -53,6 +54,7 @@ pub use client::SharedKeyPolicy;
 pub use errors::AzureRequestError;
 pub use guard_blob::FENCING_TOKEN_METADATA;
 pub use options::{AzureBlobOptions, MAX_LEASE_DURATION, MAX_RETRIES_LIMIT, MIN_LEASE_DURATION};
+pub use semaphore::MAX_SEMAPHORE_SLOTS;
 
 use client::{container_from_connection_string, container_with_token, GuardPath};
 use guard_blob::GuardBlobs;
@@ -67,6 +69,20 @@ const SECTION: &str = "AzureBlobOptions";
 /// a proposed lease id, creates a missing guard create-only, and raises the fencing token in
 /// the guard's metadata under the lease. Leases are renewed by the engine every third of the
 /// lease by default and released with the handle.
+///
+/// # Semaphores, and no reader-writer locks
+///
+/// A semaphore of `max_count` N (1 to [`MAX_SEMAPHORE_SLOTS`]) is N slot guard blobs, named by
+/// [`azure_semaphore_slot_blob_name`](crate::keys::azure_semaphore_slot_blob_name); a holder
+/// holds one slot's lease, renewed and released like a plain lock's. An attempt probes the
+/// slots from a random one and takes the first free lease, so a busy semaphore costs up to N
+/// requests per attempt. Fencing tokens are **per slot**: each slot blob keeps its own, growing
+/// with every holder of that slot ([`AzureBlobLease::semaphore_slot`] says which).
+///
+/// Reader-writer locks are refused ([`LockBackend::supports`] is false for
+/// [`LockMode::Shared`], which the engine reports as `Misconfigured`): a blob lease is
+/// exclusive, Azure has no shared lease, and a lock that quietly let one reader in at a time
+/// would not be the lock the caller asked for.
 #[derive(Clone)]
 pub struct AzureBlobBackend {
     guards: Arc<GuardBlobs>,
@@ -204,6 +220,13 @@ impl AzureBlobBackend {
     pub fn guard_blob(&self, key: &str) -> BlobClient {
         self.guards.guard(key)
     }
+
+    /// The client of slot `slot` (from 0) of the semaphore `key`, named by
+    /// [`azure_semaphore_slot_blob_name`](crate::keys::azure_semaphore_slot_blob_name), so
+    /// operators can find and inspect it.
+    pub fn semaphore_slot_blob(&self, key: &str, slot: u32) -> BlobClient {
+        self.guards.slot(key, slot)
+    }
 }
 
 impl fmt::Debug for AzureBlobBackend {
@@ -237,6 +260,45 @@ impl LockBackend for AzureBlobBackend {
         }))
     }
 
+    /// Exclusive locks, and semaphores of 1 to [`MAX_SEMAPHORE_SLOTS`] holders; never shared
+    /// holds, which blob leases cannot express.
+    fn supports(&self, mode: LockMode) -> bool {
+        match mode {
+            LockMode::Exclusive => true,
+            LockMode::Semaphore { max_count } => semaphore::supported_count(max_count),
+            LockMode::Shared => false,
+        }
+    }
+
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<AzureBlobLease>>, BackendError> {
+        let lease = match mode {
+            LockMode::Exclusive => self.guards.try_acquire(key).await?,
+            LockMode::Semaphore { max_count } if semaphore::supported_count(max_count) => {
+                semaphore::try_acquire_slot(&self.guards, key, max_count).await?
+            }
+            LockMode::Semaphore { max_count } => {
+                return Err(BackendError::misconfigured(format!(
+                    "a semaphore on Azure admits 1 to {MAX_SEMAPHORE_SLOTS} holders, not \
+                     {max_count}: each holder is a slot blob, and an attempt may try every slot"
+                )))
+            }
+            LockMode::Shared => {
+                return Err(BackendError::misconfigured(
+                    "reader-writer locks are not available on Azure: a blob lease is \
+                     exclusive, so readers could not share it",
+                ))
+            }
+        };
+        Ok(lease.map(|lease| Acquired {
+            fencing_token: lease.fencing_token,
+            lease,
+        }))
+    }
+
     async fn renew(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
         self.guards.renew(lease).await
     }
@@ -247,6 +309,9 @@ impl LockBackend for AzureBlobBackend {
 }
 
 /// A held Azure lock's guard blob and lease, for writes fenced by the lease itself.
+///
+/// For a semaphore holder the guard blob is the slot it holds
+/// ([`semaphore_slot`](Self::semaphore_slot)), and the fencing token is that slot's.
 ///
 /// Get it from [`LockHandle::azure_blob_lease`](crate::LockHandle::azure_blob_lease). Azure
 /// refuses a write that carries a lease id which is no longer the blob's lease (412), so a
@@ -275,6 +340,8 @@ pub struct AzureBlobLease {
     path: GuardPath,
     lease_id: String,
     fencing_token: u64,
+    /// The semaphore slot this lease holds; `None` for a plain lock.
+    slot: Option<u32>,
 }
 
 impl AzureBlobLease {
@@ -288,9 +355,15 @@ impl AzureBlobLease {
         &self.lease_id
     }
 
-    /// The fencing token of this hold.
+    /// The fencing token of this hold. For a semaphore it is the slot's own token: it grows
+    /// with each holder of this slot, and tokens of different slots are not comparable.
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
+    }
+
+    /// The semaphore slot (from 0) whose blob this lease holds; `None` for a plain lock.
+    pub fn semaphore_slot(&self) -> Option<u32> {
+        self.slot
     }
 
     /// `metadata` plus the fencing token entry, for writes that replace the guard's metadata.
@@ -337,6 +410,7 @@ impl fmt::Debug for AzureBlobLease {
         // The blob URL is the key (and may carry a SAS); the lease id is a write capability.
         f.debug_struct("AzureBlobLease")
             .field("fencing_token", &self.fencing_token)
+            .field("semaphore_slot", &self.slot)
             .finish_non_exhaustive()
     }
 }

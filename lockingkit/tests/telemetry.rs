@@ -5,6 +5,10 @@
 //! meter provider, so tests never see each other's telemetry. Lease timing runs on paused tokio
 //! time, which makes durations exact.
 
+mod support {
+    pub mod field_log;
+}
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -18,7 +22,6 @@ use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
     LossReason, MemoryBackend, MemoryStore,
 };
-use lockingkit_tests::field_log::FieldLog;
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -28,6 +31,7 @@ use opentelemetry_sdk::metrics::{
     InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
 };
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use support::field_log::FieldLog;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 /// A key no telemetry may ever contain; its middle part is searched for on its own too, in case
@@ -430,6 +434,62 @@ async fn try_acquire_and_release_are_client_spans_named_after_the_lock() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn readers_and_semaphore_holders_are_recorded_with_their_mode() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+
+    let writer = locks.try_acquire(KEY).await.expect("free");
+    let span = rec.span("try_acquire Jobs");
+    assert_eq!(
+        str_attr(&span, "lockingkit.lock.mode").as_deref(),
+        Some("exclusive")
+    );
+    writer.release().await.expect("confirmed");
+
+    let reader = locks
+        .reader_writer()
+        .expect("in-memory locks can be shared")
+        .read(KEY, Duration::from_secs(1))
+        .await
+        .expect("free");
+    let span = rec.span("acquire Jobs");
+    assert_common(&span, "acquire");
+    assert_eq!(
+        str_attr(&span, "lockingkit.lock.mode").as_deref(),
+        Some("shared")
+    );
+    reader.release().await.expect("confirmed");
+
+    let slot = locks
+        .semaphore(KEY, 2)
+        .expect("in-memory semaphores")
+        .try_acquire()
+        .await
+        .expect("a free slot");
+    slot.release().await.expect("confirmed");
+
+    let metrics = rec.collect();
+    for (operation, mode) in [
+        ("try_acquire", "exclusive"),
+        ("acquire", "shared"),
+        ("try_acquire", "semaphore"),
+    ] {
+        let point = metrics
+            .point(
+                "lockingkit.acquire.duration",
+                &[
+                    ("lockingkit.lock.mode", mode),
+                    ("lockingkit.operation", operation),
+                    ("lockingkit.outcome", "acquired"),
+                ],
+            )
+            .unwrap_or_else(|| panic!("no {mode} {operation} duration"));
+        assert_eq!(point.count, 1, "{mode}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn acquire_span_records_attempts_and_token_of_a_wait_that_succeeds() {
     let rec = Recording::start();
     let store = MemoryStore::new();
@@ -539,6 +599,7 @@ async fn timeout_is_an_outcome_not_an_error() {
         .point(
             "lockingkit.acquire.duration",
             &[
+                ("lockingkit.lock.mode", "exclusive"),
                 ("lockingkit.operation", "acquire"),
                 ("lockingkit.outcome", "timeout"),
             ],
@@ -582,6 +643,7 @@ async fn an_unreachable_backend_is_a_failure_with_error_type_and_kind() {
             .point(
                 "lockingkit.acquire.duration",
                 &[
+                    ("lockingkit.lock.mode", "exclusive"),
                     ("lockingkit.operation", operation),
                     ("lockingkit.outcome", "failure"),
                 ],
@@ -632,6 +694,7 @@ async fn a_dropped_acquire_queued_behind_a_local_holder_is_cancelled() {
         .point(
             "lockingkit.acquire.duration",
             &[
+                ("lockingkit.lock.mode", "exclusive"),
                 ("lockingkit.operation", "acquire"),
                 ("lockingkit.outcome", "cancelled"),
             ],
@@ -802,6 +865,7 @@ async fn a_released_hold_is_measured_and_leaves_locks_held() {
         .point(
             "lockingkit.acquire.duration",
             &[
+                ("lockingkit.lock.mode", "exclusive"),
                 ("lockingkit.operation", "try_acquire"),
                 ("lockingkit.outcome", "acquired"),
             ],

@@ -612,7 +612,7 @@ impl LockBackend for PostgresBackend {
 }
 
 /// An unlock on its way. Dropped unsettled (no answer in time, an error, the caller gone), the
-/// key is left possibly held, and the session settles it (see [`Session::mark_unconfirmed`]).
+/// key is left possibly held, and the session settles it (see [`Session::release_unconfirmed`]).
 struct Unlocking<'a> {
     session: &'a Arc<Session>,
     hold: Advisory,

@@ -3,10 +3,20 @@
 //!
 //! Many locks live on one session. tokio-postgres pipelines the statements that concurrent
 //! callers send on one client, so attempts, unlocks and checks of different locks do not wait
-//! for each other's round trips. What the session must get right is which keys it holds:
-//! session advisory locks are reentrant, so a key is taken at most once per session, and a key
-//! whose outcome is unknown (an attempt or unlock that did not answer) is not taken on this
-//! session again until the server has said it is free.
+//! for each other's round trips. What the session must get right is which locks it holds:
+//! session advisory locks are reentrant, and one session's locks never conflict with each
+//! other, so the server would grant this session anything it asks for again.
+//!
+//! - An exclusive key (a plain lock, a writer) or a semaphore slot is taken at most once per
+//!   session, and never while the session holds the key in the other mode.
+//! - A key may be held shared many times over (the server counts the holds, and each lease
+//!   unlocks one); never exclusively at the same time.
+//! - A semaphore attempt skips the slots the session holds, and at most one attempt per
+//!   semaphore runs on a session at once, since which slot it takes is known only from its
+//!   answer.
+//! - What an attempt or unlock that did not answer may have left held is not taken on this
+//!   session again until the server has said it is free (see [`Resolution`] for how each kind
+//!   is settled).
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -2072,4 +2072,184 @@ mod modes {
         );
         written.release().await.expect("release");
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unanswered_semaphore_attempt_frees_whatever_slot_it_took_and_keeps_the_sessions_locks(
+    ) {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+        let backend = PostgresBackend::new(PostgresOptions {
+            connection_string: format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+                proxy.port()
+            )
+            .into(),
+            max_sessions: 1,
+            query_timeout: Duration::from_millis(300),
+            check_interval: Duration::from_secs(30),
+            ..PostgresOptions::default()
+        })
+        .expect("options");
+        let key = unique_prefix("modes/unanswered-slot");
+        let lock_key = unique_prefix("modes/unanswered-slot-neighbour");
+        let five = semaphore(5);
+        let neighbour = held(take(&backend, &lock_key, EXCLUSIVE).await, "a plain lock");
+        let first = held(take(&backend, &key, five).await, "a slot");
+
+        // The attempt reaches the server, which takes a slot, but its answer comes too late.
+        proxy.set_latency(Duration::from_millis(700));
+        let unanswered = backend.try_acquire_in(&key, five).await;
+        assert!(
+            unanswered.is_err(),
+            "no answer within the statement timeout"
+        );
+        proxy.set_latency(Duration::ZERO);
+
+        // The late attempt took a slot: it drew a fencing token in the same statement.
+        eventually(
+            "the late attempt reaching the server",
+            Duration::from_secs(5),
+            async || {
+                let last: i64 = admin
+                    .query_one("SELECT last_value FROM lockingkit.fencing_tokens", &[])
+                    .await
+                    .expect("the fencing sequence")
+                    .get(0);
+                u64::try_from(last).is_ok_and(|last| last > first.fencing_token)
+            },
+        )
+        .await;
+        eventually(
+            "the slot the unanswered attempt took freed again",
+            Duration::from_secs(5),
+            async || slot_rows(&admin, &key).await.len() == 1,
+        )
+        .await;
+        assert_eq!(
+            slot_rows(&admin, &key).await[0].1,
+            i64::from(first.lease.semaphore_slot().expect("slot").1),
+            "the lease's own slot stays"
+        );
+        assert_eq!(
+            key_rows(&admin, &lock_key).await.len(),
+            1,
+            "the neighbour stays"
+        );
+        assert_eq!(backend.open_sessions(), 1, "on the same session");
+        let second = held(take(&backend, &key, five).await, "a slot once settled");
+        assert_eq!(slot_rows(&admin, &key).await.len(), 2);
+        release(&backend, second).await;
+        release(&backend, first).await;
+        release(&backend, neighbour).await;
+        assert!(slot_rows(&admin, &key).await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn more_local_readers_and_slot_holders_than_sessions_all_fit_and_leave_nothing_behind() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let locks = lock_on(PostgresOptions {
+            max_sessions: 2,
+            ..server.options(CHECK)
+        });
+        let rw = locks.reader_writer().expect("rw");
+        let key = unique_prefix("modes/many-readers");
+        let reads = futures_join_all((0..12).map(|_| rw.try_read(&key))).await;
+        let reads: Vec<LockHandle> = reads
+            .into_iter()
+            .map(|r| r.expect("every reader fits"))
+            .collect();
+        assert!(backend(&locks).open_sessions() <= 2);
+        let sessions = key_rows(&admin, &key).await;
+        assert!(sessions.len() <= 2, "{sessions:?}");
+        assert_eq!(
+            kind_of(
+                process(&server)
+                    .reader_writer()
+                    .expect("rw")
+                    .try_write(&key)
+                    .await
+            ),
+            ErrorKind::Busy
+        );
+        for read in reads {
+            read.release().await.expect("release");
+        }
+        assert!(
+            key_rows(&admin, &key).await.is_empty(),
+            "each lease unlocked its own hold"
+        );
+
+        let slots = locks.semaphore(&key, 8).expect("semaphore");
+        let holders = futures_join_all((0..8).map(|_| slots.try_acquire())).await;
+        let holders: Vec<LockHandle> = holders
+            .into_iter()
+            .map(|h| h.expect("eight slots for eight holders"))
+            .collect();
+        assert_eq!(kind_of(slots.try_acquire().await), ErrorKind::Busy);
+        assert_eq!(slot_rows(&admin, &key).await.len(), 8);
+        for holder in holders {
+            holder.release().await.expect("release");
+        }
+        assert!(slot_rows(&admin, &key).await.is_empty());
+        assert!(backend(&locks).open_sessions() <= 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_terminated_slot_holder_frees_its_slot_and_the_other_holders_keep_theirs() {
+        let server = PostgresServer::start().await;
+        let admin = server.connect().await;
+        let key = unique_prefix("modes/terminated-slot");
+        let doomed = named_process(&server, "doomed-slot", server.options(CHECK))
+            .semaphore(&key, 2)
+            .expect("semaphore");
+        let other = process(&server).semaphore(&key, 2).expect("semaphore");
+        let a = doomed.try_acquire().await.expect("slot");
+        let b = other.try_acquire().await.expect("slot");
+        assert_eq!(kind_of(other.try_acquire().await), ErrorKind::Busy);
+
+        assert_eq!(server.terminate_backends("doomed-slot").await, 1);
+        tokio::time::timeout(Duration::from_secs(2), a.lost_token().cancelled())
+            .await
+            .expect("the terminated holder sees loss");
+        let c = other
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("the freed slot");
+        assert!(c.fencing_token() > a.fencing_token());
+        assert!(b.is_held());
+        b.release().await.expect("release");
+        c.release().await.expect("release");
+        assert!(slot_rows(&admin, &key).await.is_empty());
+    }
+
+    /// Runs the futures concurrently on this task and collects their outputs in order.
+    async fn futures_join_all<F: std::future::Future>(
+        futures: impl Iterator<Item = F>,
+    ) -> Vec<F::Output> {
+        let mut set = Vec::new();
+        for future in futures {
+            set.push(Box::pin(future));
+        }
+        let mut outputs: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
+        std::future::poll_fn(|cx| {
+            let mut pending = false;
+            for (future, output) in set.iter_mut().zip(outputs.iter_mut()) {
+                if output.is_none() {
+                    match future.as_mut().poll(cx) {
+                        std::task::Poll::Ready(value) => *output = Some(value),
+                        std::task::Poll::Pending => pending = true,
+                    }
+                }
+            }
+            if pending {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
+        })
+        .await;
+        outputs.into_iter().flatten().collect()
+    }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
     Acquired, BackendError, CancellationToken, DistributedLock, ErrorKind, LeaseTiming,
-    LockBackend, LossReason, MemoryBackend, MemoryStore,
+    LockBackend, LockMode, LossReason, MemoryBackend, MemoryStore,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -1186,4 +1186,102 @@ async fn dropping_the_last_lock_of_an_engine_ends_its_schedule_driver() {
         0,
         "nothing is left running for an engine nobody can use"
     );
+}
+
+/// The in-memory backend in every mode, counting the release hints the engine asks for.
+struct HintCounting {
+    inner: MemoryBackend,
+    hints: Arc<AtomicUsize>,
+}
+
+impl LockBackend for HintCounting {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        "hint_counting"
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+    fn supports(&self, mode: LockMode) -> bool {
+        self.inner.supports(mode)
+    }
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key).await
+    }
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire_in(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.release(lease).await
+    }
+    fn release_hint(&self, _key: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.hints.fetch_add(1, Ordering::SeqCst);
+        std::future::pending()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_semaphore_wait_asks_for_no_release_hint_and_a_reader_wait_does() {
+    let hints = Arc::new(AtomicUsize::new(0));
+    let locks = DistributedLock::builder(HintCounting {
+        inner: MemoryBackend::new(MemoryStore::new()),
+        hints: hints.clone(),
+    })
+    .build()
+    .unwrap();
+
+    let semaphore = locks.semaphore("k", 1).unwrap();
+    let _slot = semaphore.try_acquire().await.unwrap();
+    let err = semaphore.acquire(Duration::from_secs(3)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert_eq!(
+        hints.load(Ordering::SeqCst),
+        0,
+        "a semaphore's key names no lock the backend could watch"
+    );
+
+    // The lock `k` is unrelated to the semaphore `k`; a reader waiting for its writer asks.
+    let _writer = locks.try_acquire("k").await.unwrap();
+    let readers = locks.reader_writer().unwrap();
+    let err = readers.read("k", Duration::from_secs(3)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert!(hints.load(Ordering::SeqCst) > 0);
+}
+
+#[tokio::test]
+async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphores() {
+    let locks = DistributedLock::builder(Failing(|| BackendError::transient("unused")))
+        .build()
+        .unwrap();
+    let err = locks.reader_writer().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    let err = locks.semaphore("k", 2).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+
+    let locks = DistributedLock::in_memory();
+    assert_eq!(
+        locks.semaphore("k", 0).unwrap_err().kind(),
+        ErrorKind::Misconfigured
+    );
+    assert_eq!(
+        locks
+            .semaphore("k", lockingkit::MAX_SEMAPHORE_COUNT + 1)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Misconfigured
+    );
+    assert_eq!(
+        locks.semaphore("", 2).unwrap_err().kind(),
+        ErrorKind::InvalidKey
+    );
+    assert!(locks
+        .semaphore("k", lockingkit::MAX_SEMAPHORE_COUNT)
+        .is_ok());
 }

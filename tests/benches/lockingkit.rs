@@ -9,7 +9,8 @@
 //! Without `--bench` (`cargo test --all-targets`) every measurement runs a few samples as a
 //! smoke test; it lists no tests to nextest.
 //!
-//! `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` runs only the row of
+//! `cargo bench -p lockingkit-tests --bench lockingkit -- memory` runs only row 3 (in-memory
+//! pairs), and `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` only the row of
 //! the HTTP layer's own cost (in-memory lock, no servers to start).
 
 use std::time::Duration;
@@ -123,6 +124,11 @@ fn main() {
     let sizes = mode.pick(FULL, SMOKE);
     // The first argument that is not a flag names the one row to run, if any.
     let only = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
+    if only.as_deref() == Some("memory") {
+        let (pairs, raw) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
+        println!("| 3. in-memory uncontended pairs, one thread | {pairs:.0}/s | raw {raw:.0}/s |");
+        return;
+    }
     if only.as_deref() == Some("http-memory") {
         let cost = http_layer_cost(sizes);
         print_http_layer_cost(&cost);

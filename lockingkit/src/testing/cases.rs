@@ -817,8 +817,45 @@ pub async fn a_semaphore_never_has_more_than_its_count_of_holders<B: ContractBac
     }
 }
 
-/// Dropping a reader's or a semaphore holder's acquire before, during or after its attempt
-/// leaks nothing, and both kinds of hold are renewed over three lease periods.
+/// A semaphore of one is a lock: its holders never overlap, and their fencing tokens grow in
+/// the order they held it, across processes.
+pub async fn a_semaphore_of_one_hands_out_growing_tokens<B: ContractBackend>(backend: &B) {
+    let procs = processes(backend, 2, quick_polling()).await;
+    let key = unique_prefix("semaphore-of-one");
+    let mut semaphores = Vec::new();
+    for process in &procs {
+        let Some(semaphore) = semaphore_or_refused(process, &key, 1) else {
+            return;
+        };
+        semaphores.push(semaphore);
+    }
+    let mut last = 0u64;
+    for round in 0..6 {
+        let semaphore = &semaphores[round % 2];
+        let slot = required(semaphore.try_acquire().await, "the only slot");
+        expect_kind(
+            semaphores[(round + 1) % 2].try_acquire().await,
+            ErrorKind::Busy,
+            "a second holder of a semaphore of one",
+        );
+        assert!(
+            slot.fencing_token() > last,
+            "contract broken: token {} after {last}",
+            slot.fencing_token()
+        );
+        last = slot.fencing_token();
+        required(slot.release().await, "release");
+        until_idle(
+            &procs[round % 2],
+            release_settles_within(backend),
+            "released",
+        )
+        .await;
+    }
+}
+
+/// Dropping a reader's or a semaphore holder's acquire before (while it waits), during or after
+/// its attempt leaks nothing, and both kinds of hold are renewed over three lease periods.
 pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(backend: &B) {
     let procs = processes(backend, 2, quick_polling()).await;
     let key = unique_prefix("shared-holds");
@@ -856,6 +893,47 @@ pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(back
         );
         required(writer.release().await, "release");
     }
+
+    // Before: a semaphore wait and a reader's wait dropped while they wait.
+    let (a, b) = (
+        required(other.try_acquire().await, "a slot"),
+        required(other.try_acquire().await, "a slot"),
+    );
+    let writer = match &rw {
+        Some(_) => Some(required(procs[1].try_acquire(&key).await, "a writer")),
+        None => None,
+    };
+    let waits = tokio::time::timeout(Duration::from_millis(50), async {
+        let slot = semaphore.acquire(Duration::from_secs(30)).await;
+        let read = match &rw {
+            Some(rw) => Some(rw.read(&key, Duration::from_secs(30)).await),
+            None => None,
+        };
+        (slot.is_ok(), read.map(|r| r.is_ok()))
+    })
+    .await;
+    assert!(waits.is_err(), "the waits should still be waiting");
+    for held in [Some(a), Some(b), writer].into_iter().flatten() {
+        required(held.release().await, "release");
+    }
+    until_idle(&procs[0], release_settles_within(backend), "dropped waits").await;
+    // After: holds dropped as soon as they were won are given back at once.
+    drop(required(semaphore.try_acquire().await, "a slot"));
+    if let Some(rw) = &rw {
+        drop(required(rw.try_read(&key).await, "a reader"));
+    }
+    until_idle(&procs[0], release_settles_within(backend), "dropped holds").await;
+    let (a, b) = (
+        required(other.try_acquire().await, "the first slot after drops"),
+        required(other.try_acquire().await, "the second slot after drops"),
+    );
+    required(a.release().await, "release");
+    required(b.release().await, "release");
+    let writer = required(
+        procs[1].try_acquire(&key).await,
+        "the writer after a dropped reader",
+    );
+    required(writer.release().await, "release");
 
     let period = backend.lease_period();
     let slot = required(semaphore.try_acquire().await, "a slot");

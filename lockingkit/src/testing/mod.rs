@@ -151,6 +151,7 @@ macro_rules! contract_tests {
             readers_hold_together_and_a_writer_holds_alone,
             a_writer_waiting_behind_overlapping_readers_gets_in,
             a_semaphore_never_has_more_than_its_count_of_holders,
+            a_semaphore_of_one_hands_out_growing_tokens,
             shared_holds_leak_nothing_and_stay_renewed,
         );
     };

@@ -81,16 +81,22 @@ pub fn azure_blob_name(key: &str) -> String {
     }
     // Every pushed character is ASCII, so the byte length is the character count.
     if out.len() > AZURE_MAX_BLOB_NAME_CHARS || segments > AZURE_MAX_BLOB_NAME_SEGMENTS {
-        let digest = Sha256::digest(key.as_bytes());
-        let mut hashed = String::with_capacity(8 + 64);
-        hashed.push_str("~sha256~");
-        for byte in digest {
-            hashed.push(hex_digit(byte >> 4, false));
-            hashed.push(hex_digit(byte & 0x0f, false));
-        }
-        return hashed;
+        return hashed_blob_name(key);
     }
     out
+}
+
+/// `~sha256~` and the 64 lowercase hex digits of the SHA-256 of `key`: the name of a key whose
+/// escaped name would be too long or too deep for Azure.
+fn hashed_blob_name(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut hashed = String::with_capacity(8 + 64 + AZURE_SLOT_INFIX.len() + 10);
+    hashed.push_str("~sha256~");
+    for byte in digest {
+        hashed.push(hex_digit(byte >> 4, false));
+        hashed.push(hex_digit(byte & 0x0f, false));
+    }
+    hashed
 }
 
 fn push_escaped(out: &mut String, byte: u8) {
@@ -141,13 +147,7 @@ pub fn azure_semaphore_slot_blob_name(key: &str, slot: u32) -> String {
     if named.len() <= AZURE_MAX_BLOB_NAME_CHARS {
         return named;
     }
-    let digest = Sha256::digest(key.as_bytes());
-    let mut hashed = String::with_capacity(8 + 64 + AZURE_SLOT_INFIX.len() + 10);
-    hashed.push_str("~sha256~");
-    for byte in digest {
-        hashed.push(hex_digit(byte >> 4, false));
-        hashed.push(hex_digit(byte & 0x0f, false));
-    }
+    let mut hashed = hashed_blob_name(key);
     hashed.push_str(AZURE_SLOT_INFIX);
     hashed.push_str(&slot.to_string());
     hashed
@@ -269,6 +269,19 @@ mod tests {
                 -3062980543607982088,
             ),
         ]
+    }
+
+    #[test]
+    fn a_name_of_exactly_1024_characters_stays_readable_and_1025_is_hashed() {
+        let at_limit = format!("{}a", "~".repeat(341));
+        assert_eq!(azure_blob_name(&at_limit).len(), AZURE_MAX_BLOB_NAME_CHARS);
+        assert_eq!(decode(&azure_blob_name(&at_limit)), Some(at_limit));
+        let over = format!("{}ab", "~".repeat(341));
+        assert_eq!(azure_blob_name(&over), hashed_blob_name(&over));
+        let deepest = format!("{}a", "a/".repeat(AZURE_MAX_BLOB_NAME_SEGMENTS - 1));
+        assert_eq!(azure_blob_name(&deepest), deepest);
+        let deeper = format!("{}a", "a/".repeat(AZURE_MAX_BLOB_NAME_SEGMENTS));
+        assert_eq!(azure_blob_name(&deeper), hashed_blob_name(&deeper));
     }
 
     #[test]

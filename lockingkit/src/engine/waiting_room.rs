@@ -368,6 +368,28 @@ mod tests {
         assert_eq!(room.active_keys(), 0, "the last turn forgets the key");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_leaves_the_queue_takes_nothing_from_the_holder_or_the_others() {
+        let room = Arc::new(WaitingRoom::default());
+        let Arrival::Front(holder) = room.enter("k") else {
+            panic!("front")
+        };
+        holder.note_attempt(true, true);
+        let Arrival::Queued(leaving) = room.enter("k") else {
+            panic!("queued")
+        };
+        let Arrival::Queued(staying) = room.enter("k") else {
+            panic!("queued")
+        };
+        drop(leaving);
+        assert_eq!(room.queued("k"), 1);
+        assert_eq!(room.waiting("k"), 1, "the holder still holds; one waits");
+        let early = tokio::time::timeout(std::time::Duration::from_secs(1), staying.turn()).await;
+        assert!(early.is_err(), "the turn stays with the holder");
+        drop(holder);
+        assert_eq!(room.active_keys(), 0, "the one waiter left too");
+    }
+
     #[tokio::test]
     async fn a_ticket_dropped_after_the_turn_reached_it_hands_the_turn_on() {
         let room = Arc::new(WaitingRoom::default());

@@ -339,7 +339,15 @@ impl Drop for Ticket {
 mod tests {
     use super::*;
 
-    #[tokio::test]
+    /// The turn of `ticket`, failing the test (on paused time, at once) if it never comes.
+    async fn turn_of(ticket: Ticket) -> Turn {
+        match tokio::time::timeout(std::time::Duration::from_secs(60), ticket.turn()).await {
+            Ok(turn) => turn,
+            Err(_) => panic!("the turn never reached a waiter"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn turns_pass_in_arrival_order() {
         let room = Arc::new(WaitingRoom::default());
         let Arrival::Front(first) = room.enter("k") else {
@@ -361,7 +369,7 @@ mod tests {
         drop(first);
         let mut served = Vec::new();
         for ticket in tickets {
-            let turn = ticket.turn().await;
+            let turn = turn_of(ticket).await;
             served.push(turn.id);
         }
         assert_eq!(served, ids);
@@ -390,7 +398,7 @@ mod tests {
         assert_eq!(room.active_keys(), 0, "the one waiter left too");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_ticket_dropped_after_the_turn_reached_it_hands_the_turn_on() {
         let room = Arc::new(WaitingRoom::default());
         let Arrival::Front(first) = room.enter("k") else {
@@ -404,7 +412,7 @@ mod tests {
         };
         drop(first); // the turn moves to `second`, which never looks
         drop(second);
-        let turn = third.turn().await;
+        let turn = turn_of(third).await;
         drop(turn);
         assert_eq!(room.active_keys(), 0);
     }

@@ -1285,3 +1285,25 @@ async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphore
         .semaphore("k", lockingkit::MAX_SEMAPHORE_COUNT)
         .is_ok());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_passed_on_unused() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let holder = locks.try_acquire("k").await.unwrap();
+    let waiter = {
+        let locks = locks.clone();
+        tokio::spawn(async move { locks.acquire("k", Duration::from_secs(1)).await })
+    };
+    while locks.waiting("k") == 0 {
+        tokio::task::yield_now().await;
+    }
+    let attempts = store.attempts();
+    // The release lands at the waiter's deadline: its time is up, so it must not attempt.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    holder.release().await.unwrap();
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert_eq!(store.attempts(), attempts, "no attempt after the deadline");
+    assert_eq!(locks.active_keys(), 0);
+}

@@ -174,26 +174,7 @@ impl PostgresBackend {
         let (Some(tls), true) = (tls, problems.is_empty()) else {
             return Err(LockError::misconfigured(problems));
         };
-        let config = &mut settings.config;
-        // A vanished peer is noticed by keepalive probes within about a minute instead of
-        // the kernel's two hours; settings from the connection string win.
-        config.keepalives(true);
-        if config.get_keepalives_idle() >= Duration::from_secs(7200) {
-            config.keepalives_idle(Duration::from_secs(30));
-        }
-        if config.get_keepalives_interval().is_none() {
-            config.keepalives_interval(Duration::from_secs(10));
-        }
-        if config.get_keepalives_retries().is_none() {
-            config.keepalives_retries(3);
-        }
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(options.query_timeout);
-        }
-        // Lets an operator find lock sessions in pg_stat_activity.
-        if config.get_application_name().is_none() {
-            config.application_name("lockingkit");
-        }
+        tune_connection(&mut settings.config, options.query_timeout);
         let releases = watch::ReleaseWatch::new(
             settings.config.clone(),
             tls.clone(),
@@ -205,48 +186,31 @@ impl PostgresBackend {
         let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
         Ok(PostgresBackend {
             inner: Arc::new(Backend {
-            sessions,
-            max_sessions,
-            timeout,
-            check_interval: options.check_interval,
-            lock: format!(
-                "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock($1) AS ok OFFSET 0) s WHERE ok"
-            ),
-            lock_shared: format!(
-                "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock_shared($1) AS ok OFFSET 0) s WHERE ok"
-            ),
-            // The server grants a session a shared lock it holds already without looking at
-            // the queue, so a queued writer (see `watch`) would not hold this reader back: look
-            // for one first. Only on this path, as pg_locks takes every lock-table partition.
-            lock_shared_again: format!(
-                "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock_shared($1) AS ok \
-                 FROM (SELECT WHERE NOT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' \
-                 AND objsubid = 1 AND NOT granted AND mode = 'ExclusiveLock' \
-                 AND classid = (($1 >> 32) & 4294967295)::oid AND objid = ($1 & 4294967295)::oid \
-                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))) w \
-                 OFFSET 0) s WHERE ok"
-            ),
-            // One round trip: slots are tried from `$3` on, skipping those this session holds
-            // (`$4`; the server would grant them again by re-entrancy), until one is taken; the
-            // LIMIT stops the scan there, so one attempt never takes two slots. CASE fixes the
-            // order: the planner may reorder plain AND-ed conditions.
-            lock_slot: format!(
-                "SELECT slot, nextval('{sequence}') FROM (SELECT slot \
-                 FROM (SELECT (i + $3) % $2 AS slot FROM generate_series(0, $2 - 1) i) c \
-                 WHERE CASE WHEN slot = ANY($4) THEN false ELSE pg_try_advisory_lock($1, slot) END \
-                 LIMIT 1) taken"
-            ),
-            offsets: std::collections::hash_map::RandomState::new(),
-            attempts: std::sync::atomic::AtomicU64::new(0),
-            fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
-            fencing_setup: format!(
-                "SELECT pg_advisory_xact_lock({}, {});\
+                sessions,
+                max_sessions,
+                timeout,
+                check_interval: options.check_interval,
+                lock: format!(
+                    "SELECT nextval('{sequence}') FROM \
+                 (SELECT pg_try_advisory_lock($1) AS ok OFFSET 0) s WHERE ok"
+                ),
+                lock_shared: format!(
+                    "SELECT nextval('{sequence}') FROM \
+                 (SELECT pg_try_advisory_lock_shared($1) AS ok OFFSET 0) s WHERE ok"
+                ),
+                lock_shared_again: lock_shared_again_sql(&sequence),
+                lock_slot: lock_slot_sql(&sequence),
+                offsets: std::collections::hash_map::RandomState::new(),
+                attempts: std::sync::atomic::AtomicU64::new(0),
+                fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
+                fencing_setup: format!(
+                    "SELECT pg_advisory_xact_lock({}, {});\
                  CREATE SCHEMA IF NOT EXISTS {};\
                  CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint MINVALUE 1 NO CYCLE CACHE 1;",
-                FENCING_SETUP_LOCK.0, FENCING_SETUP_LOCK.1, options.fencing_schema
-            ),
-            fencing_ready: AtomicBool::new(false),
-            releases,
+                    FENCING_SETUP_LOCK.0, FENCING_SETUP_LOCK.1, options.fencing_schema
+                ),
+                fencing_ready: AtomicBool::new(false),
+                releases,
             }),
         })
     }
@@ -338,6 +302,18 @@ impl PostgresBackend {
         }
     }
 
+    /// The statement that takes a lock for `attempt`; `again` when the session already reads the
+    /// key (the statement then looks for a queued writer first).
+    fn lock_statement(&self, attempt: Attempt, again: bool) -> (Prepared, &str) {
+        let inner = &*self.inner;
+        match attempt {
+            Attempt::Exclusive(_) => (Prepared::Lock, &inner.lock),
+            Attempt::Shared(_) if again => (Prepared::LockSharedAgain, &inner.lock_shared_again),
+            Attempt::Shared(_) => (Prepared::LockShared, &inner.lock_shared),
+            Attempt::Semaphore { .. } => (Prepared::LockSlot, &inner.lock_slot),
+        }
+    }
+
     /// One attempt: reserves it on a session, sends its statement, and reads the answer.
     async fn attempt(
         &self,
@@ -350,15 +326,7 @@ impl PostgresBackend {
             return Ok(None);
         };
         let session = reservation.session();
-        let inner = &*self.inner;
-        let (which, sql) = match attempt {
-            Attempt::Exclusive(_) => (Prepared::Lock, &inner.lock),
-            Attempt::Shared(_) if reservation.again() => {
-                (Prepared::LockSharedAgain, &inner.lock_shared_again)
-            }
-            Attempt::Shared(_) => (Prepared::LockShared, &inner.lock_shared),
-            Attempt::Semaphore { .. } => (Prepared::LockSlot, &inner.lock_slot),
-        };
+        let (which, sql) = self.lock_statement(attempt, reservation.again());
         let statement = match self.prepare_attempt(session, which, sql).await {
             Ok(statement) => statement,
             Err(error) => {
@@ -402,27 +370,7 @@ impl PostgresBackend {
             self.busy(attempt);
             return Ok(None);
         };
-        let answer = match attempt {
-            Attempt::Exclusive(key) => row
-                .try_get::<_, i64>(0)
-                .ok()
-                .map(|t| (Advisory::Exclusive(key), t)),
-            Attempt::Shared(key) => row
-                .try_get::<_, i64>(0)
-                .ok()
-                .map(|t| (Advisory::Shared(key), t)),
-            Attempt::Semaphore { key, max_count } => {
-                match (row.try_get::<_, i32>(0), row.try_get::<_, i64>(1)) {
-                    (Ok(slot), Ok(token)) if (0..i32::from(max_count)).contains(&slot) => {
-                        Some((Advisory::Slot(key, slot), token))
-                    }
-                    _ => None,
-                }
-            }
-        };
-        let Some((hold, Ok(fencing_token))) =
-            answer.map(|(hold, token)| (hold, u64::try_from(token)))
-        else {
+        let Some((hold, fencing_token)) = taken(attempt, &row) else {
             reservation.failed();
             return Err(BackendError::permanent(
                 "unexpected answer to the lock statement",
@@ -671,6 +619,74 @@ impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Stateme
             Err(_) => Err(errors::timed_out(*this.stage, this.backend.inner.timeout)),
         })
     }
+}
+
+/// Connection settings a lock session needs, where the connection string leaves them open.
+fn tune_connection(config: &mut tokio_postgres::Config, connect_timeout: Duration) {
+    // A vanished peer is noticed by keepalive probes within about a minute instead of the
+    // kernel's two hours; settings from the connection string win.
+    config.keepalives(true);
+    if config.get_keepalives_idle() >= Duration::from_secs(7200) {
+        config.keepalives_idle(Duration::from_secs(30));
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(Duration::from_secs(10));
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(3);
+    }
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(connect_timeout);
+    }
+    // Lets an operator find lock sessions in pg_stat_activity.
+    if config.get_application_name().is_none() {
+        config.application_name("lockingkit");
+    }
+}
+
+/// A reader's statement on a session that reads the key already. The server grants a session a
+/// shared lock it holds without looking at the queue, so a queued writer (see `watch`) would
+/// not hold this reader back: it looks for one first. Only this path pays for that, as
+/// `pg_locks` takes every lock-table partition.
+fn lock_shared_again_sql(sequence: &str) -> String {
+    format!(
+        "SELECT nextval('{sequence}') FROM (SELECT pg_try_advisory_lock_shared($1) AS ok \
+         FROM (SELECT WHERE NOT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' \
+         AND objsubid = 1 AND NOT granted AND mode = 'ExclusiveLock' \
+         AND classid = (($1 >> 32) & 4294967295)::oid AND objid = ($1 & 4294967295)::oid \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))) w \
+         OFFSET 0) s WHERE ok"
+    )
+}
+
+/// A semaphore attempt in one round trip: slots are tried from `$3` on, skipping those this
+/// session holds (`$4`; the server would grant them again by re-entrancy), until one is taken;
+/// the LIMIT stops the scan there, so one attempt never takes two slots. CASE fixes the order:
+/// the planner may reorder plain AND-ed conditions.
+fn lock_slot_sql(sequence: &str) -> String {
+    format!(
+        "SELECT slot, nextval('{sequence}') FROM (SELECT slot \
+         FROM (SELECT (i + $3) % $2 AS slot FROM generate_series(0, $2 - 1) i) c \
+         WHERE CASE WHEN slot = ANY($4) THEN false ELSE pg_try_advisory_lock($1, slot) END \
+         LIMIT 1) taken"
+    )
+}
+
+/// What a lock statement's row says was taken: the advisory lock and its fencing token, or
+/// `None` for an answer the statement cannot give.
+fn taken(attempt: Attempt, row: &tokio_postgres::Row) -> Option<(Advisory, u64)> {
+    let (hold, token) = match attempt {
+        Attempt::Exclusive(key) => (Advisory::Exclusive(key), row.try_get::<_, i64>(0).ok()?),
+        Attempt::Shared(key) => (Advisory::Shared(key), row.try_get::<_, i64>(0).ok()?),
+        Attempt::Semaphore { key, max_count } => {
+            let slot = row.try_get::<_, i32>(0).ok()?;
+            if !(0..i32::from(max_count)).contains(&slot) {
+                return None;
+            }
+            (Advisory::Slot(key, slot), row.try_get::<_, i64>(1).ok()?)
+        }
+    };
+    Some((hold, u64::try_from(token).ok()?))
 }
 
 /// A held PostgreSQL advisory lock: the key and the shared session that holds it.

@@ -190,7 +190,7 @@ fn collect_strings(value: &Value, out: &mut Vec<String>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::time::Duration;
 
     use serde::Deserialize;
@@ -199,17 +199,19 @@ mod tests {
     use super::*;
     use crate::config::SecretString;
 
+    /// Settings with a secret, a duration and a number, for the binding tests here and in
+    /// `section.rs`.
     #[derive(Debug, Deserialize)]
     #[allow(dead_code)]
-    struct Account {
-        account: String,
-        account_key: SecretString,
+    pub(in crate::registry) struct Account {
+        pub(in crate::registry) account: String,
+        pub(in crate::registry) account_key: SecretString,
         #[serde(with = "crate::config::duration")]
-        lease_duration: Duration,
-        max_connections: u32,
+        pub(in crate::registry) lease_duration: Duration,
+        pub(in crate::registry) max_connections: u32,
     }
 
-    fn settings(value: Value) -> Map<String, Value> {
+    pub(in crate::registry) fn settings(value: Value) -> Map<String, Value> {
         match value {
             Value::Object(map) => map,
             _ => unreachable!("test settings are objects"),

@@ -320,29 +320,10 @@ impl fmt::Debug for ProviderSection {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use serde_json::json;
 
     use super::*;
-    use crate::config::SecretString;
-
-    #[derive(Debug, Deserialize)]
-    #[allow(dead_code)]
-    struct Account {
-        account: String,
-        account_key: SecretString,
-        #[serde(with = "crate::config::duration")]
-        lease_duration: Duration,
-        max_connections: u32,
-    }
-
-    fn settings(value: Value) -> Map<String, Value> {
-        match value {
-            Value::Object(map) => map,
-            _ => unreachable!("test settings are objects"),
-        }
-    }
+    use crate::registry::bind::tests::{settings, Account};
 
     fn section(value: Value) -> ProviderSection {
         ProviderSection::new(

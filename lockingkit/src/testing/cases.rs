@@ -16,7 +16,7 @@ use crate::{
 
 /// Unwraps a result the contract requires to be `Ok`, failing the case with context otherwise.
 #[track_caller]
-fn required<T>(result: Result<T, LockError>, what: &str) -> T {
+pub(super) fn required<T>(result: Result<T, LockError>, what: &str) -> T {
     match result {
         Ok(value) => value,
         Err(error) => panic!("contract broken: {what}: {error}"),
@@ -63,7 +63,7 @@ fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
 /// Waits, yielding, until `lock` holds, attempts and queues for nothing, failing the case after
 /// `within`. The engine passes a key on only once its release at the backend has answered, so an
 /// idle process has given every lock it had back to the backend.
-async fn until_idle(lock: &DistributedLock, within: Duration, what: &str) {
+pub(super) async fn until_idle(lock: &DistributedLock, within: Duration, what: &str) {
     let give_up = Instant::now() + within;
     while lock.active_keys() != 0 {
         assert!(

@@ -5,16 +5,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::cases::{required, until_idle};
 use super::{abandon_after_polls, quick_polling, unique_prefix, CountingBackend};
-use crate::{DistributedLock, LockBackend, LockError, LockHandle};
-
-#[track_caller]
-fn required<T>(result: Result<T, LockError>, what: &str) -> T {
-    match result {
-        Ok(value) => value,
-        Err(error) => panic!("contract broken: {what}: {error}"),
-    }
-}
+use crate::{DistributedLock, LockBackend, LockHandle};
 
 fn process<B: LockBackend>(backend: B) -> DistributedLock {
     required(
@@ -23,19 +16,6 @@ fn process<B: LockBackend>(backend: B) -> DistributedLock {
             .build(),
         "contract options are valid",
     )
-}
-
-/// Waits, yielding, until `lock` holds, attempts and queues for nothing (every release it sent
-/// has answered), failing the case after `within`.
-async fn until_idle(lock: &DistributedLock, within: Duration, what: &str) {
-    let give_up = Instant::now() + within;
-    while lock.active_keys() != 0 {
-        assert!(
-            Instant::now() < give_up,
-            "contract broken: {what}: still busy after {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
 }
 
 async fn acquire<B: LockBackend>(backend: &B, key: &str, what: &str) -> B::Lease {

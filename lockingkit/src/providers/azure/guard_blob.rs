@@ -101,25 +101,30 @@ impl GuardBlobs {
     ///
     /// The placeholder is read, never written: no blob is created by a check.
     pub(crate) async fn verify(&self) -> Result<(), BackendError> {
-        let answer = self
-            .call("check container", self.placeholder.get_properties(None))
-            .await?;
-        match answer {
-            Ok(_) => Ok(()),
-            Err(e) if errors::is(&e, 404, "BlobNotFound") => Ok(()),
-            Err(e) => Err(self.classify("check container", &e)),
-        }
+        let request = self.placeholder.get_properties(None);
+        self.call_expecting("check container", request, (404, "BlobNotFound"))
+            .await
     }
 
     /// Creates the container unless it exists.
     pub(crate) async fn ensure_container(&self) -> Result<(), BackendError> {
-        let answer = self
-            .call("create container", self.container.create(None))
-            .await?;
-        match answer {
+        let request = self.container.create(None);
+        self.call_expecting("create container", request, (409, "ContainerAlreadyExists"))
+            .await
+    }
+
+    /// Sends `request`, for which success and the error `expected` (status, code) both mean
+    /// the account is in the state asked for.
+    async fn call_expecting<T>(
+        &self,
+        operation: &'static str,
+        request: impl Future<Output = azure_core::Result<T>>,
+        expected: (u16, &str),
+    ) -> Result<(), BackendError> {
+        match self.call(operation, request).await? {
             Ok(_) => Ok(()),
-            Err(e) if errors::is(&e, 409, "ContainerAlreadyExists") => Ok(()),
-            Err(e) => Err(self.classify("create container", &e)),
+            Err(e) if errors::is(&e, expected.0, expected.1) => Ok(()),
+            Err(e) => Err(self.classify(operation, &e)),
         }
     }
 

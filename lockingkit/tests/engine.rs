@@ -464,6 +464,44 @@ async fn an_unanswered_connection_check_is_loss_after_one_interval() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_keeper_starts_only_for_a_hold_that_outlives_the_watch_delay() {
+    let connection = Connection::new();
+    let watchers = connection.closed.clone();
+    let locks = DistributedLock::builder(connection).build().unwrap();
+    let settle = || async {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    };
+    // A hold released at once never costs a keeper (the keeper is what watches the connection).
+    let short = locks.try_acquire("short").await.unwrap();
+    settle().await;
+    assert_eq!(
+        watchers.receiver_count(),
+        0,
+        "no keeper before the watch delay"
+    );
+    short.release().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        watchers.receiver_count(),
+        0,
+        "none after the release either"
+    );
+    // A hold kept a little longer is watched within the watch delay of 10 ms.
+    let long = locks.try_acquire("long").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(11)).await;
+    assert_eq!(
+        watchers.receiver_count(),
+        1,
+        "its keeper watches the connection"
+    );
+    long.release().await.unwrap();
+    settle().await;
+    assert_eq!(watchers.receiver_count(), 0, "and stops at the release");
+}
+
+#[tokio::test(start_paused = true)]
 async fn after_a_loss_local_callers_reach_the_backend_while_its_release_still_hangs() {
     let connection = Connection::new();
     let (hang, attempts) = (connection.hang.clone(), connection.attempts.clone());

@@ -39,6 +39,9 @@ pub(crate) struct RenewalScheduler {
     /// Holds that ended since the last sweep (see [`RenewalScheduler::left`]).
     left: AtomicUsize,
     wake: Notify,
+    /// How many times the driver has looked at the queue (for tests of how rarely it wakes).
+    #[cfg(test)]
+    wakeups: AtomicUsize,
 }
 
 /// A hold waiting for its keeper. Weak, so a hold that ends is freed at once; its entry stays
@@ -135,6 +138,12 @@ impl RenewalScheduler {
     pub(crate) fn pending(&self) -> usize {
         self.state().due.len()
     }
+
+    /// How many times the driver has looked at the queue (for tests).
+    #[cfg(test)]
+    pub(crate) fn wakeups(&self) -> usize {
+        self.wakeups.load(Ordering::Relaxed)
+    }
 }
 
 /// Marks the driver as gone when its task ends or is dropped with its runtime, so the next
@@ -152,6 +161,8 @@ impl Drop for DriverRunning {
 async fn drive(running: DriverRunning) {
     let scheduler = &running.0;
     loop {
+        #[cfg(test)]
+        scheduler.wakeups.fetch_add(1, Ordering::Relaxed);
         let (ready, next) = {
             let mut state = scheduler.state();
             if state.closed {
@@ -345,5 +356,87 @@ mod tests {
         assert_eq!(f.scheduler.pending(), 1);
         tokio::time::sleep(Duration::from_secs(10)).await;
         assert_eq!(f.started(), 2);
+    }
+
+    /// Lets the driver do all it can without time passing.
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_of_short_holds_wakes_the_driver_about_once_per_keeper_delay() {
+        let f = Fixture::new();
+        let keeper_delay = Duration::from_secs(10);
+        let short_hold = || f.end(f.hold_on(&Handle::current(), Instant::now() + keeper_delay));
+        // A hundred holds at one instant (all due together), then a thousand a millisecond
+        // apart; each ends before its keeper is due, and the driver runs after each.
+        for _ in 0..100 {
+            short_hold();
+            settle().await;
+        }
+        for _ in 0..1000 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            short_hold();
+            settle().await;
+        }
+        tokio::time::sleep(keeper_delay * 2).await;
+        assert_eq!(f.started(), 0);
+        assert_eq!(f.scheduler.pending(), 0);
+        // Started once, and woken once when the first hold's keeper was due: 1,100 holds over
+        // 21 s, at most one wake-up per keeper delay.
+        assert!(
+            f.scheduler.wakeups() <= 3,
+            "the driver woke {} times",
+            f.scheduler.wakeups()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ended_holds_behind_a_due_one_leave_with_it() {
+        let f = Fixture::new();
+        let _first = f.hold_due_in(5);
+        f.end(f.hold_due_in(10));
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(f.started(), 1);
+        assert_eq!(
+            f.scheduler.pending(),
+            0,
+            "the ended hold left when the driver passed it, not at its own due time"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_few_ended_holds_are_not_worth_a_sweep() {
+        let f = Fixture::new();
+        let _live = f.hold_due_in(3600);
+        for _ in 0..10 {
+            f.end(f.hold_due_in(3600));
+        }
+        let _last = f.hold_due_in(3600);
+        assert_eq!(
+            f.scheduler.pending(),
+            12,
+            "ten ended holds wait to be due; a sweep walks the whole queue"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ended_holds_are_swept_once_they_outnumber_the_live_ones() {
+        let f = Fixture::new();
+        let live: Vec<_> = (0..1500).map(|_| f.hold_due_in(3600)).collect();
+        let mut most = 0;
+        for _ in 0..4000 {
+            f.end(f.hold_due_in(3600));
+            most = most.max(f.scheduler.pending());
+        }
+        assert!(
+            most <= 2 * live.len() + 1,
+            "{most} entries kept for {} live holds",
+            live.len()
+        );
+        tokio::time::sleep(Duration::from_secs(3601)).await;
+        assert_eq!(f.started(), live.len(), "every live hold's keeper starts");
     }
 }

@@ -15,7 +15,8 @@ pub enum ErrorKind {
     Busy,
     /// The caller waited the whole timeout; the backend answered, and the lock stayed busy.
     Timeout,
-    /// The backend could not be reached, so nothing is known about the lock.
+    /// The backend could not be reached, or answered with a failure of its own (a 5xx, a full
+    /// lock table), so nothing is known about the lock.
     Unavailable,
     /// The handle no longer holds the lock.
     Lost,

@@ -101,10 +101,10 @@ impl DistributedLock {
     /// `timeout` is accepted: `Duration::MAX` waits as long as it takes.
     ///
     /// When the time runs out, the latest attempt decides how the wait ends:
-    /// - [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the backend answered it (the lock
-    ///   was busy);
-    /// - [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if it could not reach the
-    ///   backend, if no attempt finished, or if the attempt in flight at the deadline had been
+    /// - [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the backend answered it "busy";
+    /// - [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if the backend answered it
+    ///   with a failure (a 5xx, a full lock table) or it could not reach the backend, if no
+    ///   attempt finished, or if the attempt in flight at the deadline had been
     ///   unanswered for at least `max_retry_delay`. The latest cause is in the message and is
     ///   the error's `source()`.
     ///

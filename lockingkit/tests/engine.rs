@@ -1180,17 +1180,86 @@ async fn lease_gone_before_any_lease_exists_is_unavailable_not_lost() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_wait_whose_backend_answers_with_failures_ends_in_timeout_as_it_was_answering() {
-    // The backend answered every attempt (a 5xx, say): it is reachable, so the wait is not
-    // reported as an outage; queued local waiters read the same evidence.
-    let locks = DistributedLock::builder(Failing(|| BackendError::transient("server busy")))
-        .build()
-        .unwrap();
-    let err = locks
-        .acquire("k", Duration::from_secs(3))
+async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_cause() {
+    // The backend answered every attempt, but with a failure it reported itself (a 5xx, a full
+    // lock table): the lock service is out, not contended, and the caller learns why. A local
+    // waiter queued behind the attempting caller reads the same evidence.
+    let locks = DistributedLock::builder(Failing(|| {
+        BackendError::transient("out of shared memory; raise max_locks_per_transaction")
+    }))
+    .build()
+    .unwrap();
+    let front = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.acquire("k", Duration::from_secs(3)).await }
+    });
+    while locks.waiting("k") == 0 {
+        tokio::task::yield_now().await;
+    }
+    let queued = locks
+        .acquire("k", Duration::from_secs(2))
         .await
         .unwrap_err();
+    assert_eq!(queued.kind(), ErrorKind::Unavailable, "{queued}");
+    assert!(queued.to_string().contains("with a failure"), "{queued}");
+
+    let err = front.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("max_locks_per_transaction"),
+        "the cause is kept: {err}"
+    );
+    assert!(std::error::Error::source(&err).is_some());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_that_ends_on_busy_after_failures_is_a_timeout() {
+    // Failures early in the wait do not count once the backend answers "busy" again.
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(FailingWhile {
+        inner: MemoryBackend::new(store.clone()),
+        failing: failing.clone(),
+    })
+    .build()
+    .unwrap();
+    let _remote = DistributedLock::in_memory_shared(&store)
+        .try_acquire("k")
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(async move { locks.acquire("k", Duration::from_secs(3)).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    failing.store(false, Ordering::SeqCst);
+    let err = waiter.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+}
+
+/// Answers with a failure the backend reports itself while `failing` is set.
+struct FailingWhile {
+    inner: MemoryBackend,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LockBackend for FailingWhile {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        "failing-while"
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(BackendError::transient("server error"));
+        }
+        self.inner.try_acquire(key).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.release(lease).await
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -23,7 +23,7 @@ use crate::telemetry::{Operation, Outcome, Telemetry};
 use backoff::Backoff;
 use hold::Hold;
 use hold::RenewalScheduler;
-use waiting_room::{Arrival, Turn, WaitEvidence, WaitingRoom};
+use waiting_room::{Answer, Arrival, Turn, WaitEvidence, WaitingRoom};
 
 /// How long a connection-held lock goes unwatched after it is taken (see
 /// `Engine::keeper_starts_after`). Loss through a closed connection is declared at most this
@@ -169,10 +169,12 @@ impl<B: LockBackend> Engine<B> {
                 LockMode::Exclusive => backend.try_acquire(turn.key()).await,
                 mode => backend.try_acquire_in(turn.key(), mode).await,
             };
-            turn.note_attempt(
-                !matches!(&result, Err(e) if !e.reached()),
-                matches!(&result, Ok(Some(_))),
-            );
+            turn.note_attempt(match &result {
+                Ok(Some(_)) => Answer::Took,
+                Ok(None) => Answer::Busy,
+                Err(error) if error.reached() => Answer::Failed,
+                Err(_) => Answer::Unreached,
+            });
             (turn, sent, result)
         };
         Orphanable::new(
@@ -231,6 +233,12 @@ impl<B: LockBackend> Engine<B> {
                     "the backend did not answer the last attempt for this key",
                 ))
             }
+            Err(WaitEvidence::Failing) => {
+                return Err(LockError::new(
+                    ErrorKind::Unavailable,
+                    "the backend answered the last attempt for this key with a failure",
+                ))
+            }
         };
         *attempts += 1;
         match self.attempt(turn, mode).await {
@@ -282,9 +290,9 @@ impl<B: LockBackend> Engine<B> {
                 let busy = matches!(result, Ok(None));
                 match result {
                     Ok(Some(acquired)) => return Ok(self.hold(&runtime, current, acquired, sent)),
-                    Ok(None) => latest = Latest::Answered,
+                    Ok(None) => latest = Latest::Busy,
                     Err(error) if error.is_transient() && error.reached() => {
-                        latest = Latest::Answered
+                        latest = Latest::Failed(error)
                     }
                     Err(error) if error.is_transient() => latest = Latest::Unreached(error),
                     Err(error) => return Err(attempt_error(error)),
@@ -532,6 +540,13 @@ fn attempt_error(error: BackendError) -> LockError {
 fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError {
     match evidence {
         WaitEvidence::Contended => timeout_error(timeout),
+        WaitEvidence::Failing => LockError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "the backend answered the latest attempt for this key with a failure, and the \
+                 timeout of {timeout:?} ran out"
+            ),
+        ),
         WaitEvidence::Unreached => unreachable_error(timeout),
     }
 }
@@ -554,14 +569,17 @@ fn unreachable_error(timeout: Duration) -> LockError {
 enum Latest {
     /// No attempt has finished yet.
     NoAnswer,
-    /// The backend answered: busy, or a failure it reported itself.
-    Answered,
+    /// The backend answered "busy".
+    Busy,
+    /// The backend answered with a failure it reported itself (a 5xx, a full lock table).
+    Failed(BackendError),
     /// The attempt could not reach the backend, for this reason.
     Unreached(BackendError),
 }
 
-/// How a wait that ran out of time ends: `Timeout` only if the backend was answering at the
-/// end, `Unavailable` (with the latest cause) if the latest attempts could not reach it.
+/// How a wait that ran out of time ends: `Timeout` only if the backend was answering "busy" at
+/// the end; `Unavailable` (with the latest cause) if the latest attempt failed, whether the
+/// backend reported the failure or could not be reached.
 ///
 /// The latest *finished* attempt decides, except that an attempt still unanswered at the
 /// deadline after `patience` (the longest the engine sleeps between attempts: a backend that
@@ -585,7 +603,15 @@ fn wait_outcome(
         }
     }
     match latest {
-        Latest::Answered => timeout_error(timeout),
+        Latest::Busy => timeout_error(timeout),
+        Latest::Failed(cause) => LockError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "the backend answered the latest attempt with a failure ({}), and the timeout of {timeout:?} ran out",
+                cause.message()
+            ),
+        )
+        .with_source(cause),
         Latest::NoAnswer => unreachable_error(timeout),
         Latest::Unreached(cause) => LockError::new(
             ErrorKind::Unavailable,

@@ -23,8 +23,8 @@ pub(crate) struct WaitingRoom {
 #[derive(Debug)]
 struct Slot {
     active: u64,
-    /// Whether the most recent backend attempt for this key got an answer; `None` before any.
-    last_attempt_reached: Option<bool>,
+    /// What the most recent backend attempt for this key got; `None` before any.
+    last_answer: Option<Answer>,
     /// Whether the active party holds the lock (as opposed to attempting it).
     held: bool,
     queue: VecDeque<Waiter>,
@@ -36,12 +36,27 @@ struct Waiter {
     wake: Arc<Notify>,
 }
 
+/// What a backend attempt got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// The lock.
+    Took,
+    /// "Busy".
+    Busy,
+    /// A failure the backend reported itself (a 5xx, a full lock table).
+    Failed,
+    /// Nothing: the attempt did not reach the backend.
+    Unreached,
+}
+
 /// What a waiter learned about the key when it gave up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum WaitEvidence {
     /// The lock was held here or the backend answered that it was busy.
     Contended,
-    /// No attempt reached the backend.
+    /// The backend answered the latest attempt with a failure.
+    Failing,
+    /// The latest attempt did not reach the backend.
     Unreached,
 }
 
@@ -196,20 +211,21 @@ impl WaitingRoom {
 }
 
 impl Slot {
-    /// Held here, or the backend answered: contention. Only attempts that never reached the
-    /// backend (say, one still running against a dead server) mean "unreached".
+    /// Held here, or the backend answered "busy" (or nothing has finished yet, while the key
+    /// has an active party): contention. A failed or unreached latest attempt is not.
     fn evidence(&self) -> WaitEvidence {
-        if self.held || self.last_attempt_reached != Some(false) {
-            WaitEvidence::Contended
-        } else {
-            WaitEvidence::Unreached
+        match self.last_answer {
+            _ if self.held => WaitEvidence::Contended,
+            Some(Answer::Failed) => WaitEvidence::Failing,
+            Some(Answer::Unreached) => WaitEvidence::Unreached,
+            Some(Answer::Took | Answer::Busy) | None => WaitEvidence::Contended,
         }
     }
 
     fn new(active: u64) -> Self {
         Slot {
             active,
-            last_attempt_reached: None,
+            last_answer: None,
             held: false,
             queue: VecDeque::new(),
         }
@@ -241,16 +257,15 @@ impl Turn {
         &self.key
     }
 
-    /// Records the answer to the latest attempt: whether it reached the backend (for queued
-    /// waiters that time out) and whether it took the lock (the key is then held here). One
-    /// lookup for both, since this runs on every attempt.
-    pub(crate) fn note_attempt(&self, reached: bool, took: bool) {
+    /// Records the answer to the latest attempt, for queued waiters that time out, and
+    /// whether the key is now held here. One lookup, since this runs on every attempt.
+    pub(crate) fn note_attempt(&self, answer: Answer) {
         if self.own_lane {
             return;
         }
         self.room.update(&self.key, self.id, |slot| {
-            slot.last_attempt_reached = Some(reached);
-            slot.held = took;
+            slot.last_answer = Some(answer);
+            slot.held = answer == Answer::Took;
         });
     }
 }
@@ -382,7 +397,7 @@ mod tests {
         let Arrival::Front(holder) = room.enter("k") else {
             panic!("front")
         };
-        holder.note_attempt(true, true);
+        holder.note_attempt(Answer::Took);
         let Arrival::Queued(leaving) = room.enter("k") else {
             panic!("queued")
         };

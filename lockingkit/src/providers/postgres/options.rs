@@ -47,7 +47,7 @@ pub struct PostgresOptions {
     /// this capped them. It is still read as a cap on `max_sessions`, so a configuration that
     /// sets it never opens more connections than before.
     #[deprecated(
-        since = "0.2.0",
+        since = "0.1.0",
         note = "held locks share sessions now; set `max_sessions` (default 4) instead"
     )]
     pub pool_size: usize,
@@ -70,7 +70,7 @@ pub(crate) const DEFAULT_MAX_SESSIONS: usize = 4;
 /// The default budget of sessions that wait for keys held by other processes.
 pub(crate) const DEFAULT_MAX_WAIT_SESSIONS: usize = 16;
 /// The former default pool size, now only a cap on `max_sessions` that never binds.
-#[deprecated(since = "0.2.0", note = "see `PostgresOptions::pool_size`")]
+#[deprecated(since = "0.1.0", note = "see `PostgresOptions::pool_size`")]
 pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
 /// The default connection check interval.
 pub(crate) const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(5);

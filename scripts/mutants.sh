@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 if ! cargo mutants --version >/dev/null 2>&1; then
   cargo install cargo-mutants --locked
 fi
+if ! cargo nextest --version >/dev/null 2>&1; then
+  cargo install cargo-nextest --locked
+fi
 
 files=(--file 'lockingkit/src/engine/**/*.rs' --file 'lockingkit/src/keys.rs')
 if [ "$#" -gt 0 ]; then

@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# nextest runs the suites (its profile ends a hung test; see .config/nextest.toml).
+if ! cargo nextest --version >/dev/null 2>&1; then
+  cargo install cargo-nextest --locked
+fi
+
 for setup in scripts/setup-*.sh; do
   [ -e "$setup" ] && bash "$setup"
 done

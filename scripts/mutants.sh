@@ -4,6 +4,9 @@
 #
 #   bash scripts/mutants.sh                 # engine/ and keys.rs
 #   bash scripts/mutants.sh --file 'lockingkit/src/keys.rs'   # narrower
+#   bash scripts/mutants.sh --iterate       # only what the last run did not catch, and new code
+#
+# Arguments go to cargo-mutants; without a --file the engine and keys.rs are mutated.
 #
 # Installs cargo-mutants from crates.io if it is missing. Results land in mutants.out/
 # (caught, missed, unviable, timeout); a missed mutant is a change no test noticed.
@@ -18,13 +21,15 @@ if ! cargo nextest --version >/dev/null 2>&1; then
 fi
 
 files=(--file 'lockingkit/src/engine/**/*.rs' --file 'lockingkit/src/keys.rs')
-if [ "$#" -gt 0 ]; then
-  files=("$@")
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --file | --file=*) files=() ;;
+  esac
+done
 
 # The fast suites of the lockingkit crate: no server needed. The in-memory contract run and
 # the property tests need the `testing` feature; the providers' features are off so each
 # mutant builds quickly.
 exec cargo mutants --package lockingkit "${files[@]}" \
   --test-tool nextest --features testing \
-  --timeout 120
+  --timeout 120 "$@"

@@ -1144,6 +1144,10 @@ async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs(
 
     let err = locks.try_acquire("k").await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("did not answer"),
+        "an outage, not a failure the backend reported: {err}"
+    );
     *recording.gate.lock().unwrap() = None;
     gate.notify_one();
 }
@@ -1208,6 +1212,10 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
     assert!(
         err.to_string().contains("max_locks_per_transaction"),
         "the cause is kept: {err}"
+    );
+    assert!(
+        err.to_string().contains("answered the latest attempt with a failure"),
+        "a failure the backend reported, not an outage: {err}"
     );
     assert!(std::error::Error::source(&err).is_some());
 }
@@ -1360,6 +1368,201 @@ async fn a_semaphore_wait_asks_for_no_release_hint_and_a_reader_wait_does() {
     let err = readers.read("k", Duration::from_secs(3)).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert!(hints.load(Ordering::SeqCst) > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    // Another "process" fills the semaphore for 10 s.
+    let remote = DistributedLock::in_memory_shared(&store);
+    let full = remote.semaphore("exports", 1).unwrap();
+    let remote_slot = full.try_acquire().await.unwrap();
+
+    let semaphore = locks.semaphore("exports", 1).unwrap();
+    let before = store.attempts();
+    let mut waiters = Vec::new();
+    for _ in 0..20 {
+        let semaphore = semaphore.clone();
+        waiters.push(tokio::spawn(async move {
+            semaphore.acquire(Duration::from_secs(60)).await
+        }));
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // One caller polls, backing off from 50 ms to 1 s: about 15 attempts in 10 s. Twenty
+    // callers polling on their own would make about 300.
+    let polled = store.attempts() - before;
+    assert!(polled <= 25, "{polled} attempts in 10 s");
+
+    // A caller that only tries goes behind them, without asking the backend.
+    let tried = store.attempts();
+    let err = semaphore.try_acquire().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Busy, "{err}");
+    assert_eq!(store.attempts(), tried);
+
+    remote_slot.release().await.unwrap();
+    // Each holder hands over as it leaves: the next local waiter is nudged at once.
+    let start = Instant::now();
+    let first = tokio::time::timeout(Duration::from_secs(2), waiters.remove(0))
+        .await
+        .expect("the front waiter takes the freed slot within its backoff")
+        .unwrap()
+        .unwrap();
+    let handed_over = Instant::now();
+    first.release().await.unwrap();
+    let second = waiters.remove(0).await.unwrap().unwrap();
+    assert_eq!(
+        Instant::now(),
+        handed_over,
+        "a local release lets the next waiter in at once, not after its backoff"
+    );
+    assert!(handed_over - start <= Duration::from_secs(1));
+    second.release().await.unwrap();
+    for waiter in waiters {
+        waiter.await.unwrap().unwrap().release().await.unwrap();
+    }
+    assert_eq!(locks.active_keys(), 0, "no queue or lane left behind");
+}
+
+#[tokio::test(start_paused = true)]
+async fn callers_of_a_semaphore_with_room_get_in_together() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let semaphore = locks.semaphore("exports", 5).unwrap();
+    let before = store.attempts();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let semaphore = semaphore.clone();
+            tokio::spawn(async move { semaphore.acquire(Duration::from_secs(60)).await })
+        })
+        .collect();
+    let mut handles = Vec::new();
+    for task in tasks {
+        handles.push(task.await.unwrap().unwrap());
+    }
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(
+        store.attempts() - before,
+        5,
+        "one attempt each, none queued"
+    );
+    assert_eq!(store.semaphore_holders("exports"), 5);
+    drop(handles);
+}
+
+/// An in-memory backend whose attempts take `ATTEMPT_TIME` to answer, as over a network.
+struct Distant(MemoryBackend);
+
+const ATTEMPT_TIME: Duration = Duration::from_millis(10);
+
+impl LockBackend for Distant {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        "distant"
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.0.timing()
+    }
+    fn supports(&self, mode: LockMode) -> bool {
+        self.0.supports(mode)
+    }
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        tokio::time::sleep(ATTEMPT_TIME).await;
+        self.0.try_acquire(key).await
+    }
+    async fn try_acquire_in(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        tokio::time::sleep(ATTEMPT_TIME).await;
+        self.0.try_acquire_in(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.release(lease).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_the_front_semaphore_waiter_takes_a_slot_the_next_tries_at_once() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(Distant(MemoryBackend::new(store.clone())))
+        .build()
+        .unwrap();
+    let remote = DistributedLock::in_memory_shared(&store)
+        .semaphore("k", 2)
+        .unwrap();
+    let remote_slots = [
+        remote.try_acquire().await.unwrap(),
+        remote.try_acquire().await.unwrap(),
+    ];
+    let semaphore = locks.semaphore("k", 2).unwrap();
+    // Both callers find nobody waiting and attempt at once; both are answered "full", and the
+    // one answered second queues behind the other.
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let semaphore = semaphore.clone();
+            tokio::spawn(async move {
+                let slot = semaphore.acquire(Duration::from_secs(60)).await;
+                (Instant::now(), slot)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for slot in remote_slots {
+        slot.release().await.unwrap();
+    }
+    let mut taken = Vec::new();
+    for waiter in waiters {
+        let (at, slot) = waiter.await.unwrap();
+        taken.push((at, slot.unwrap()));
+    }
+    taken.sort_by_key(|(at, _)| *at);
+    assert_eq!(
+        taken[1].0 - taken[0].0,
+        ATTEMPT_TIME,
+        "the caller behind attempts as the front one takes its slot, without a backoff"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_semaphore_waiter_that_gives_up_passes_the_polling_on() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let remote = DistributedLock::in_memory_shared(&store);
+    let remote_slot = remote
+        .semaphore("k", 1)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let semaphore = locks.semaphore("k", 1).unwrap();
+    let front = tokio::spawn({
+        let semaphore = semaphore.clone();
+        async move { semaphore.acquire(Duration::from_secs(60)).await }
+    });
+    tokio::task::yield_now().await;
+    let behind = tokio::spawn({
+        let semaphore = semaphore.clone();
+        async move { semaphore.acquire(Duration::from_secs(60)).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    front.abort();
+    let _ = front.await;
+    remote_slot.release().await.unwrap();
+    let slot = tokio::time::timeout(Duration::from_secs(2), behind)
+        .await
+        .expect("the caller behind polls once the front one left")
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.semaphore_holders("k"), 1);
+    slot.release().await.unwrap();
+    assert_eq!(locks.active_keys(), 0);
 }
 
 #[tokio::test]

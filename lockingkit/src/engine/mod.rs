@@ -60,6 +60,9 @@ pub(crate) struct Engine<B: LockBackend> {
     timing: LeaseTiming,
     options: LockOptions,
     room: Arc<WaitingRoom>,
+    /// Local callers waiting for a semaphore that was full, one queue per semaphore name (a
+    /// namespace apart from lock keys): only the front one polls the backend.
+    semaphore_room: Arc<WaitingRoom>,
     scheduler: Arc<RenewalScheduler>,
     telemetry: Telemetry,
 }
@@ -135,6 +138,7 @@ impl<B: LockBackend> Engine<B> {
             backend: Arc::new(backend),
             options,
             room: Arc::new(WaitingRoom::default()),
+            semaphore_room: Arc::new(WaitingRoom::default()),
             scheduler: Arc::new(RenewalScheduler::default()),
             telemetry,
         }
@@ -190,9 +194,14 @@ impl<B: LockBackend> Engine<B> {
         self: &Arc<Self>,
         runtime: &tokio::runtime::Handle,
         turn: Turn,
+        mode: LockMode,
         acquired: Acquired<B::Lease>,
         sent: Instant,
     ) -> LockHandle {
+        let turn = match mode {
+            LockMode::Semaphore { .. } => self.semaphore_holder_turn(turn),
+            _ => turn,
+        };
         let held = Arc::new(Hold::new(
             self.clone(),
             runtime.clone(),
@@ -205,12 +214,31 @@ impl<B: LockBackend> Engine<B> {
         LockHandle::new(held)
     }
 
+    /// The turn a semaphore holder keeps: a lane of its own (the semaphore's queue turn, if it
+    /// waited in it, passes on now, so the next local waiter attempts at once), which nudges
+    /// the front local waiter of the semaphore when the hold ends.
+    fn semaphore_holder_turn(&self, turn: Turn) -> Turn {
+        let lane = if turn.is_own_lane() {
+            turn
+        } else {
+            let lane = self.room.own_lane(turn.key());
+            drop(turn);
+            lane
+        };
+        lane.nudging(self.semaphore_room.clone())
+    }
+
     /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
-    /// (or are told why not); readers and semaphore holders take a lane of their own.
+    /// (or are told why not); readers take a lane of their own, and so do semaphore callers
+    /// unless callers here already wait for the semaphore (it was full: they go first).
     fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
         match mode {
             LockMode::Exclusive => self.room.try_enter(key),
-            _ => Ok(self.room.own_lane(key)),
+            LockMode::Semaphore { .. } => match self.semaphore_room.occupied(key) {
+                Some(evidence) => Err(evidence),
+                None => Ok(self.room.own_lane(key)),
+            },
+            LockMode::Shared => Ok(self.room.own_lane(key)),
         }
     }
 
@@ -242,7 +270,7 @@ impl<B: LockBackend> Engine<B> {
         };
         *attempts += 1;
         match self.attempt(turn, mode).await {
-            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, acquired, sent)),
+            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, mode, acquired, sent)),
             (_, _, Ok(None)) => Err(LockError::busy()),
             (_, _, Err(error)) => Err(attempt_error(error)),
         }
@@ -258,46 +286,87 @@ impl<B: LockBackend> Engine<B> {
         validate_key(key)?;
         let runtime = current_runtime()?;
         let deadline = crate::clock::in_(timeout);
-        let turn = self.wait_for_turn(key, mode, deadline, timeout).await?;
-        let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
         // What the latest finished attempt found, and when the one in flight (if any) was sent:
         // they decide between `Timeout` and `Unavailable` (see `wait_outcome`).
         let mut latest = Latest::NoAnswer;
         let mut in_flight: Option<Instant> = None;
+        // A semaphore caller tries at once, on a lane of its own, unless callers here already
+        // wait for the semaphore; only if it is full does it join them, so an uncontended
+        // semaphore takes parallel callers in parallel and a full one costs one poller.
+        let mut attempted = false;
+        if matches!(mode, LockMode::Semaphore { .. }) && self.semaphore_room.occupied(key).is_none()
+        {
+            *attempts += 1;
+            in_flight = Some(Instant::now());
+            let first = self.attempt(self.room.own_lane(key), mode);
+            let Ok((lane, sent, result)) = tokio::time::timeout_at(deadline, first).await else {
+                return Err(wait_outcome(
+                    timeout,
+                    latest,
+                    in_flight,
+                    self.options.max_retry_delay,
+                ));
+            };
+            in_flight = None;
+            match result {
+                Ok(Some(acquired)) => return Ok(self.hold(&runtime, lane, mode, acquired, sent)),
+                Ok(None) => latest = Latest::Busy,
+                Err(error) => latest = Latest::after_failure(error)?,
+            }
+            attempted = true;
+        }
+        let (turn, queued) = self.wait_for_turn(key, mode, deadline, timeout).await?;
+        let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
+        // A semaphore's key names no lock, so the backend has nothing to watch for it; a local
+        // holder that leaves nudges the front waiter instead.
+        let nudge = match mode {
+            LockMode::Semaphore { .. } => Some(turn.nudges()),
+            _ => None,
+        };
+        // A turn that came through the queue is for attempting at once (the caller ahead took a
+        // slot or left). A semaphore caller that is the front of the queue straight after its
+        // first attempt waits before the next, and tells callers who queue behind it what that
+        // attempt found.
+        let mut skip_attempt = attempted && !queued;
+        if skip_attempt {
+            turn.note_attempt(latest.answer());
+        }
         let mut turn = Some(turn);
         let waited = tokio::time::timeout_at(deadline, async {
             loop {
-                let Some(current) = turn.take() else {
-                    return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
+                // Made before the attempt, so a release during the attempt is not missed.
+                let hint = match &nudge {
+                    Some(_) => None,
+                    None => Some(self.backend.release_hint(key)),
                 };
-                *attempts += 1;
-                // A semaphore's key names no lock, so the backend has nothing to watch for it.
-                let hint = match mode {
-                    LockMode::Semaphore { .. } => None,
-                    _ => Some(self.backend.release_hint(current.key())),
-                };
+                let nudge = nudge.clone();
                 let hint = async move {
-                    match hint {
-                        Some(hint) => hint.await,
-                        None => std::future::pending().await,
+                    match (hint, nudge) {
+                        (Some(hint), _) => hint.await,
+                        (None, Some(nudge)) => nudge.notified().await,
+                        (None, None) => std::future::pending().await,
                     }
                 };
-                in_flight = Some(Instant::now());
-                let (current, sent, result) = self.attempt(current, mode).await;
-                in_flight = None;
+                if !std::mem::take(&mut skip_attempt) {
+                    let Some(current) = turn.take() else {
+                        return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
+                    };
+                    *attempts += 1;
+                    in_flight = Some(Instant::now());
+                    let (current, sent, result) = self.attempt(current, mode).await;
+                    in_flight = None;
+                    match result {
+                        Ok(Some(acquired)) => {
+                            return Ok(self.hold(&runtime, current, mode, acquired, sent))
+                        }
+                        Ok(None) => latest = Latest::Busy,
+                        Err(error) => latest = Latest::after_failure(error)?,
+                    }
+                    turn = Some(current);
+                }
                 // Only a busy answer waits for the hint: after a failure the lock may well be
                 // free, and a hint that fires whenever it is would turn backoff into a spin.
-                let busy = matches!(result, Ok(None));
-                match result {
-                    Ok(Some(acquired)) => return Ok(self.hold(&runtime, current, acquired, sent)),
-                    Ok(None) => latest = Latest::Busy,
-                    Err(error) if error.is_transient() && error.reached() => {
-                        latest = Latest::Failed(error)
-                    }
-                    Err(error) if error.is_transient() => latest = Latest::Unreached(error),
-                    Err(error) => return Err(attempt_error(error)),
-                }
-                turn = Some(current);
+                let busy = matches!(latest, Latest::Busy);
                 let wake = crate::clock::in_(backoff.next_delay());
                 // The backend's hint, if it has one, cuts the sleep short. A sleep that would
                 // end at or after the deadline is not armed: the deadline ends the wait, and the
@@ -323,22 +392,24 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
-    /// The turn to attempt `key` under: at once for the front caller of an exclusive key and
-    /// for readers and semaphore holders (a lane of their own), otherwise once the local
-    /// callers ahead have gone, or a `Timeout`/`Unavailable` error at the deadline.
+    /// The turn to attempt `key` under, and whether the caller waited in a queue for it: at
+    /// once for the front caller of an exclusive key or of a semaphore's queue, and for readers
+    /// (a lane of their own); otherwise once the local callers ahead have gone, or a
+    /// `Timeout`/`Unavailable` error at the deadline.
     async fn wait_for_turn(
         self: &Arc<Self>,
         key: &str,
         mode: LockMode,
         deadline: Instant,
         timeout: Duration,
-    ) -> Result<Turn, LockError> {
+    ) -> Result<(Turn, bool), LockError> {
         let arrival = match mode {
             LockMode::Exclusive => self.room.enter(key),
-            _ => Arrival::Front(self.room.own_lane(key)),
+            LockMode::Semaphore { .. } => self.semaphore_room.enter(key),
+            LockMode::Shared => Arrival::Front(self.room.own_lane(key)),
         };
         let ticket = match arrival {
-            Arrival::Front(turn) => return Ok(turn),
+            Arrival::Front(turn) => return Ok((turn, false)),
             Arrival::Queued(ticket) => ticket,
         };
         self.telemetry.waiter_queued();
@@ -347,7 +418,7 @@ impl<B: LockBackend> Engine<B> {
         match tokio::time::timeout_at(deadline, ticket.turn()).await {
             // A turn that arrives at the deadline is passed on unused: the caller's time is up,
             // and an attempt now would only add a request.
-            Ok(turn) if Instant::now() < deadline => Ok(turn),
+            Ok(turn) if Instant::now() < deadline => Ok((turn, true)),
             _ => Err(wait_error(evidence.read(), timeout)),
         }
     }
@@ -434,7 +505,7 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
     }
 
     fn busy_keys(&self) -> usize {
-        self.room.active_keys()
+        self.room.active_keys() + self.semaphore_room.active_keys()
     }
 
     fn waiting(&self, key: &str) -> usize {
@@ -575,6 +646,26 @@ enum Latest {
     Failed(BackendError),
     /// The attempt could not reach the backend, for this reason.
     Unreached(BackendError),
+}
+
+impl Latest {
+    /// The answer this stands for, for callers queued behind.
+    fn answer(&self) -> Answer {
+        match self {
+            Latest::NoAnswer | Latest::Busy => Answer::Busy,
+            Latest::Failed(_) => Answer::Failed,
+            Latest::Unreached(_) => Answer::Unreached,
+        }
+    }
+
+    /// What a failed attempt found; a failure no retry can fix ends the wait with its error.
+    fn after_failure(error: BackendError) -> Result<Latest, LockError> {
+        match error {
+            error if error.is_transient() && error.reached() => Ok(Latest::Failed(error)),
+            error if error.is_transient() => Ok(Latest::Unreached(error)),
+            error => Err(attempt_error(error)),
+        }
+    }
 }
 
 /// How a wait that ran out of time ends: `Timeout` only if the backend was answering "busy" at

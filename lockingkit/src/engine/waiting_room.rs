@@ -28,6 +28,8 @@ struct Slot {
     /// Whether the active party holds the lock (as opposed to attempting it).
     held: bool,
     queue: VecDeque<Waiter>,
+    /// Asks the active party to attempt again now (see [`Turn::nudges`]); made on first use.
+    nudge: Option<Arc<Notify>>,
 }
 
 #[derive(Debug)]
@@ -90,6 +92,7 @@ impl WaitingRoom {
             key,
             id,
             own_lane: false,
+            nudges: None,
         })
     }
 
@@ -104,6 +107,7 @@ impl WaitingRoom {
             key: Arc::from(key),
             id: self.new_id(),
             own_lane: true,
+            nudges: None,
         }
     }
 
@@ -133,6 +137,7 @@ impl WaitingRoom {
             key,
             id,
             own_lane: false,
+            nudges: None,
         })
     }
 
@@ -151,6 +156,9 @@ impl WaitingRoom {
             Some(next) => {
                 slot.active = next.id;
                 slot.held = false;
+                // A nudge meant for the party that left would only cost the next one an
+                // attempt: it attempts as soon as it has the turn anyway.
+                slot.nudge = None;
                 next.wake.notify_one();
             }
             None => {
@@ -186,6 +194,20 @@ impl WaitingRoom {
             Some(slot) => slot.evidence(),
             // The key was freed in the instant before we looked: it was contended until then.
             None => WaitEvidence::Contended,
+        }
+    }
+
+    /// What is known about `key` if a caller here is attempting, holding or waiting for it.
+    pub(crate) fn occupied(&self, key: &str) -> Option<WaitEvidence> {
+        self.slots().get(key).map(Slot::evidence)
+    }
+
+    /// Asks the active party of `key` to attempt again now, if it listens for that.
+    fn nudge(&self, key: &str) {
+        let nudge = self.slots().get(key).and_then(|slot| slot.nudge.clone());
+        if let Some(nudge) = nudge {
+            // A permit is kept if the party is not waiting yet, so a nudge is never lost.
+            nudge.notify_one();
         }
     }
 
@@ -228,6 +250,7 @@ impl Slot {
             last_answer: None,
             held: false,
             queue: VecDeque::new(),
+            nudge: None,
         }
     }
 }
@@ -250,11 +273,39 @@ pub(crate) struct Turn {
     id: u64,
     /// A turn of its own lane, outside the key's queue.
     own_lane: bool,
+    /// The room whose active party for the same key this turn nudges when it ends.
+    nudges: Option<Arc<WaitingRoom>>,
 }
 
 impl Turn {
     pub(crate) fn key(&self) -> &Arc<str> {
         &self.key
+    }
+
+    /// Whether this is a turn of its own lane rather than the key's turn.
+    pub(crate) fn is_own_lane(&self) -> bool {
+        self.own_lane
+    }
+
+    /// Makes this turn, when it ends, nudge whoever is active for the same key in `room`: a
+    /// semaphore holder that leaves tells the local waiter polling that semaphore to try now.
+    pub(crate) fn nudging(mut self, room: Arc<WaitingRoom>) -> Turn {
+        self.nudges = Some(room);
+        self
+    }
+
+    /// The signal another party's [`nudging`](Self::nudging) turn gives this turn's holder
+    /// when it ends. Made on first use; a nudge given before the holder waits is kept.
+    pub(crate) fn nudges(&self) -> Arc<Notify> {
+        let mut slots = self.room.slots();
+        match slots.get_mut(&self.key) {
+            Some(slot) if slot.active == self.id => slot
+                .nudge
+                .get_or_insert_with(|| Arc::new(Notify::new()))
+                .clone(),
+            // Not the key's active party (an own lane): nothing nudges it.
+            _ => Arc::new(Notify::new()),
+        }
     }
 
     /// Records the answer to the latest attempt, for queued waiters that time out, and
@@ -276,6 +327,9 @@ impl Drop for Turn {
             self.room.lanes.fetch_sub(1, Ordering::Relaxed);
         } else {
             self.room.pass_on(&self.key, self.id);
+        }
+        if let Some(room) = &self.nudges {
+            room.nudge(&self.key);
         }
     }
 }
@@ -309,6 +363,7 @@ impl Ticket {
                     key: self.key.clone(),
                     id: self.id,
                     own_lane: false,
+                    nudges: None,
                 };
                 // The turn now owns the place; the ticket must not leave the queue again.
                 self.promoted = true;

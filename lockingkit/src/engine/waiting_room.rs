@@ -233,11 +233,11 @@ impl WaitingRoom {
 }
 
 impl Slot {
-    /// Held here, or the backend answered "busy" (or nothing has finished yet, while the key
-    /// has an active party): contention. A failed or unreached latest attempt is not.
+    /// Held here (the latest attempt took it), or the backend answered "busy", or nothing has
+    /// finished yet while the key has an active party: contention. A failed or unreached latest
+    /// attempt is not.
     fn evidence(&self) -> WaitEvidence {
         match self.last_answer {
-            _ if self.held => WaitEvidence::Contended,
             Some(Answer::Failed) => WaitEvidence::Failing,
             Some(Answer::Unreached) => WaitEvidence::Unreached,
             Some(Answer::Took | Answer::Busy) | None => WaitEvidence::Contended,

@@ -99,12 +99,12 @@ impl fmt::Debug for ReaderWriterLock {
 /// semaphore `exports/tenant-7` and the lock `exports/tenant-7` are unrelated.
 ///
 /// How many fit is always the backend's answer. A caller attempts at once unless callers in
-/// this process already wait for the semaphore, so callers of a semaphore with room get in
-/// together. Once one is answered "full", the callers here that wait queue in arrival order and
-/// only the front one polls the backend (with backoff): a full semaphore costs one stream of
-/// requests per process, not one per waiter. When the front caller takes a slot the next one
-/// attempts at once, and a holder here that leaves has the front caller attempt at once.
-/// `try_acquire` while callers here wait is `Busy`, without a request.
+/// this process already wait for the semaphore (of the same count), so callers of a semaphore
+/// with room get in together. Once one is answered "full", the callers here that wait queue in
+/// arrival order and only the front one polls the backend (with backoff): a full semaphore
+/// costs one stream of requests per process, not one per waiter. When the front caller takes a
+/// slot the next one attempts at once, and a holder here that releases its slot has the front
+/// caller attempt at once. `try_acquire` while callers here wait is `Busy`, without a request.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]

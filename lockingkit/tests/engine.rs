@@ -1214,7 +1214,8 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
         "the cause is kept: {err}"
     );
     assert!(
-        err.to_string().contains("answered the latest attempt with a failure"),
+        err.to_string()
+            .contains("answered the latest attempt with a failure"),
         "a failure the backend reported, not an outage: {err}"
     );
     assert!(std::error::Error::source(&err).is_some());
@@ -1425,33 +1426,6 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     assert_eq!(locks.active_keys(), 0, "no queue or lane left behind");
 }
 
-#[tokio::test(start_paused = true)]
-async fn callers_of_a_semaphore_with_room_get_in_together() {
-    let store = MemoryStore::new();
-    let locks = DistributedLock::in_memory_shared(&store);
-    let semaphore = locks.semaphore("exports", 5).unwrap();
-    let before = store.attempts();
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..5)
-        .map(|_| {
-            let semaphore = semaphore.clone();
-            tokio::spawn(async move { semaphore.acquire(Duration::from_secs(60)).await })
-        })
-        .collect();
-    let mut handles = Vec::new();
-    for task in tasks {
-        handles.push(task.await.unwrap().unwrap());
-    }
-    assert_eq!(start.elapsed(), Duration::ZERO);
-    assert_eq!(
-        store.attempts() - before,
-        5,
-        "one attempt each, none queued"
-    );
-    assert_eq!(store.semaphore_holders("exports"), 5);
-    drop(handles);
-}
-
 /// An in-memory backend whose attempts take `ATTEMPT_TIME` to answer, as over a network.
 struct Distant(MemoryBackend);
 
@@ -1486,6 +1460,108 @@ impl LockBackend for Distant {
     async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.0.release(lease).await
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn callers_of_a_semaphore_with_room_get_in_together() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(Distant(MemoryBackend::new(store.clone())))
+        .build()
+        .unwrap();
+    let semaphore = locks.semaphore("exports", 5).unwrap();
+    let before = store.attempts();
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let semaphore = semaphore.clone();
+            tokio::spawn(async move { semaphore.acquire(Duration::from_secs(60)).await })
+        })
+        .collect();
+    let mut handles = Vec::new();
+    for task in tasks {
+        handles.push(task.await.unwrap().unwrap());
+    }
+    assert_eq!(
+        start.elapsed(),
+        ATTEMPT_TIME,
+        "the five attempts ran at the same time, not one after another"
+    );
+    assert_eq!(store.attempts() - before, 5, "one attempt each");
+    assert_eq!(store.semaphore_holders("exports"), 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn semaphores_of_one_name_and_different_counts_share_no_queue() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let remote = DistributedLock::in_memory_shared(&store);
+    let _remote_slot = remote
+        .semaphore("k", 1)
+        .unwrap()
+        .try_acquire()
+        .await
+        .unwrap();
+    let waiter = tokio::spawn({
+        let one = locks.semaphore("k", 1).unwrap();
+        async move { one.acquire(Duration::from_secs(60)).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A semaphore of five has room although the semaphore of one is full.
+    let five = locks.semaphore("k", 5).unwrap();
+    let start = Instant::now();
+    let slot = five.acquire(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    let other = five.try_acquire().await.unwrap();
+    slot.release().await.unwrap();
+    other.release().await.unwrap();
+    waiter.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn callers_queued_for_a_semaphore_during_an_outage_are_told_of_the_outage() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    store.set_unavailable(true);
+    let semaphore = locks.semaphore("k", 1).unwrap();
+    let front = tokio::spawn({
+        let semaphore = semaphore.clone();
+        async move { semaphore.acquire(Duration::from_secs(60)).await }
+    });
+    tokio::task::yield_now().await;
+    let err = semaphore
+        .acquire(Duration::from_millis(10))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let err = semaphore.try_acquire().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    store.set_unavailable(false);
+    let slot = tokio::time::timeout(Duration::from_secs(2), front)
+        .await
+        .expect("the front caller gets in once the backend is back")
+        .unwrap()
+        .unwrap();
+    slot.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_freed_here_at_a_semaphore_waiters_deadline_is_not_taken_late() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let semaphore = locks.semaphore("k", 1).unwrap();
+    let holder = semaphore.try_acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let semaphore = semaphore.clone();
+        async move { semaphore.acquire(Duration::from_secs(1)).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let attempts = store.attempts();
+    // The release nudges the waiter exactly at its deadline: its time is up.
+    holder.release().await.unwrap();
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert_eq!(store.attempts(), attempts, "no attempt after the deadline");
+    assert_eq!(locks.active_keys(), 0);
 }
 
 #[tokio::test(start_paused = true)]

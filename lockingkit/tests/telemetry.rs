@@ -529,6 +529,34 @@ async fn acquire_span_records_attempts_and_token_of_a_wait_that_succeeds() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_semaphore_wait_records_every_attempt() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = rec.lock(&store);
+    let holder = other_process(&store)
+        .semaphore(KEY, 1)
+        .expect("in-memory semaphores")
+        .try_acquire()
+        .await
+        .expect("free");
+
+    let before = store.attempts();
+    let semaphore = locks.semaphore(KEY, 1).expect("in-memory semaphores");
+    let waiter = semaphore.acquire(Duration::from_secs(10));
+    tokio::pin!(waiter);
+    assert!(poll_once(waiter.as_mut()).await.is_none(), "full at first");
+    holder.release().await.expect("confirmed");
+    let _slot = waiter.await.expect("a slot once one is free");
+    let attempts = store.attempts() - before;
+    assert!(attempts >= 2, "one answered 'full' and one that won");
+    let span = rec.span("acquire Jobs");
+    assert_eq!(
+        int_attr(&span, "lockingkit.acquire.attempts"),
+        Some(attempts as i64)
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn busy_is_an_outcome_not_an_error() {
     let rec = Recording::start();
     let store = MemoryStore::new();

@@ -6,7 +6,8 @@ mod hold;
 mod options;
 mod waiting_room;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -60,9 +61,11 @@ pub(crate) struct Engine<B: LockBackend> {
     timing: LeaseTiming,
     options: LockOptions,
     room: Arc<WaitingRoom>,
-    /// Local callers waiting for a semaphore that was full, one queue per semaphore name (a
-    /// namespace apart from lock keys): only the front one polls the backend.
-    semaphore_room: Arc<WaitingRoom>,
+    /// Local callers waiting for a semaphore that was full, one room per count with one queue
+    /// per semaphore name in it (a namespace apart from lock keys): only the front one polls
+    /// the backend. Semaphores of one name and different counts share no queue: a slot one
+    /// cannot take, the other may.
+    semaphore_rooms: Mutex<HashMap<u32, Arc<WaitingRoom>>>,
     scheduler: Arc<RenewalScheduler>,
     telemetry: Telemetry,
 }
@@ -138,7 +141,7 @@ impl<B: LockBackend> Engine<B> {
             backend: Arc::new(backend),
             options,
             room: Arc::new(WaitingRoom::default()),
-            semaphore_room: Arc::new(WaitingRoom::default()),
+            semaphore_rooms: Mutex::default(),
             scheduler: Arc::new(RenewalScheduler::default()),
             telemetry,
         }
@@ -199,7 +202,7 @@ impl<B: LockBackend> Engine<B> {
         sent: Instant,
     ) -> LockHandle {
         let turn = match mode {
-            LockMode::Semaphore { .. } => self.semaphore_holder_turn(turn),
+            LockMode::Semaphore { max_count } => self.semaphore_holder_turn(turn, max_count),
             _ => turn,
         };
         let held = Arc::new(Hold::new(
@@ -214,10 +217,19 @@ impl<B: LockBackend> Engine<B> {
         LockHandle::new(held)
     }
 
+    /// The room of the local queues for semaphores of `max_count`.
+    fn semaphore_room(&self, max_count: u32) -> Arc<WaitingRoom> {
+        let mut rooms = self
+            .semaphore_rooms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        rooms.entry(max_count).or_default().clone()
+    }
+
     /// The turn a semaphore holder keeps: a lane of its own (the semaphore's queue turn, if it
     /// waited in it, passes on now, so the next local waiter attempts at once), which nudges
     /// the front local waiter of the semaphore when the hold ends.
-    fn semaphore_holder_turn(&self, turn: Turn) -> Turn {
+    fn semaphore_holder_turn(&self, turn: Turn, max_count: u32) -> Turn {
         let lane = if turn.is_own_lane() {
             turn
         } else {
@@ -225,7 +237,8 @@ impl<B: LockBackend> Engine<B> {
             drop(turn);
             lane
         };
-        lane.nudging(self.semaphore_room.clone())
+        let key = lane.key().clone();
+        lane.nudging(self.semaphore_room(max_count), key)
     }
 
     /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
@@ -234,7 +247,8 @@ impl<B: LockBackend> Engine<B> {
     fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
         match mode {
             LockMode::Exclusive => self.room.try_enter(key),
-            LockMode::Semaphore { .. } => match self.semaphore_room.occupied(key) {
+            LockMode::Semaphore { max_count } => match self.semaphore_room(max_count).occupied(key)
+            {
                 Some(evidence) => Err(evidence),
                 None => Ok(self.room.own_lane(key)),
             },
@@ -294,8 +308,8 @@ impl<B: LockBackend> Engine<B> {
         // wait for the semaphore; only if it is full does it join them, so an uncontended
         // semaphore takes parallel callers in parallel and a full one costs one poller.
         let mut attempted = false;
-        if matches!(mode, LockMode::Semaphore { .. }) && self.semaphore_room.occupied(key).is_none()
-        {
+        let nobody_waits = |max_count| self.semaphore_room(max_count).occupied(key).is_none();
+        if matches!(mode, LockMode::Semaphore { max_count } if nobody_waits(max_count)) {
             *attempts += 1;
             in_flight = Some(Instant::now());
             let first = self.attempt(self.room.own_lane(key), mode);
@@ -378,6 +392,11 @@ impl<B: LockBackend> Engine<B> {
                     // Neither: the deadline (outside) ends the wait.
                     else => std::future::pending::<()>().await,
                 }
+                if Instant::now() >= deadline {
+                    // A hint that lands at the deadline starts no attempt: the time is up, and
+                    // the deadline (outside) ends the wait.
+                    std::future::pending::<()>().await;
+                }
             }
         })
         .await;
@@ -405,7 +424,7 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<(Turn, bool), LockError> {
         let arrival = match mode {
             LockMode::Exclusive => self.room.enter(key),
-            LockMode::Semaphore { .. } => self.semaphore_room.enter(key),
+            LockMode::Semaphore { max_count } => self.semaphore_room(max_count).enter(key),
             LockMode::Shared => Arrival::Front(self.room.own_lane(key)),
         };
         let ticket = match arrival {
@@ -505,7 +524,11 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
     }
 
     fn busy_keys(&self) -> usize {
-        self.room.active_keys() + self.semaphore_room.active_keys()
+        let rooms = self
+            .semaphore_rooms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.room.active_keys() + rooms.values().map(|room| room.active_keys()).sum::<usize>()
     }
 
     fn waiting(&self, key: &str) -> usize {

@@ -273,8 +273,8 @@ pub(crate) struct Turn {
     id: u64,
     /// A turn of its own lane, outside the key's queue.
     own_lane: bool,
-    /// The room whose active party for the same key this turn nudges when it ends.
-    nudges: Option<Arc<WaitingRoom>>,
+    /// The room, and the key in it, whose active party this turn nudges when it ends.
+    nudges: Option<(Arc<WaitingRoom>, Arc<str>)>,
 }
 
 impl Turn {
@@ -287,10 +287,10 @@ impl Turn {
         self.own_lane
     }
 
-    /// Makes this turn, when it ends, nudge whoever is active for the same key in `room`: a
-    /// semaphore holder that leaves tells the local waiter polling that semaphore to try now.
-    pub(crate) fn nudging(mut self, room: Arc<WaitingRoom>) -> Turn {
-        self.nudges = Some(room);
+    /// Makes this turn, when it ends, nudge whoever is active for `key` in `room`: a semaphore
+    /// holder that leaves tells the local waiter polling that semaphore to try now.
+    pub(crate) fn nudging(mut self, room: Arc<WaitingRoom>, key: Arc<str>) -> Turn {
+        self.nudges = Some((room, key));
         self
     }
 
@@ -328,8 +328,8 @@ impl Drop for Turn {
         } else {
             self.room.pass_on(&self.key, self.id);
         }
-        if let Some(room) = &self.nudges {
-            room.nudge(&self.key);
+        if let Some((room, key)) = &self.nudges {
+            room.nudge(key);
         }
     }
 }

@@ -1395,6 +1395,11 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     // callers polling on their own would make about 300.
     let polled = store.attempts() - before;
     assert!(polled <= 25, "{polled} attempts in 10 s");
+    assert_eq!(
+        locks.active_keys(),
+        1,
+        "the twenty waiters are one queue, and hold nothing here"
+    );
 
     // A caller that only tries goes behind them, without asking the backend.
     let tried = store.attempts();

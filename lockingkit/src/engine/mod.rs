@@ -226,17 +226,9 @@ impl<B: LockBackend> Engine<B> {
         rooms.entry(max_count).or_default().clone()
     }
 
-    /// The turn a semaphore holder keeps: a lane of its own (the semaphore's queue turn, if it
-    /// waited in it, passes on now, so the next local waiter attempts at once), which nudges
-    /// the front local waiter of the semaphore when the hold ends.
-    fn semaphore_holder_turn(&self, turn: Turn, max_count: u32) -> Turn {
-        let lane = if turn.is_own_lane() {
-            turn
-        } else {
-            let lane = self.room.own_lane(turn.key());
-            drop(turn);
-            lane
-        };
+    /// The turn a semaphore holder keeps, its lane, made to nudge the front local waiter of the
+    /// semaphore when the hold ends.
+    fn semaphore_holder_turn(&self, lane: Turn, max_count: u32) -> Turn {
         let key = lane.key().clone();
         lane.nudging(self.semaphore_room(max_count), key)
     }
@@ -371,7 +363,17 @@ impl<B: LockBackend> Engine<B> {
                     in_flight = None;
                     match result {
                         Ok(Some(acquired)) => {
-                            return Ok(self.hold(&runtime, current, mode, acquired, sent))
+                            let turn = match mode {
+                                // A semaphore holder keeps a lane of its own; the queue's turn
+                                // passes on now, so the next local waiter attempts at once.
+                                LockMode::Semaphore { .. } => {
+                                    let lane = self.room.own_lane(key);
+                                    drop(current);
+                                    lane
+                                }
+                                _ => current,
+                            };
+                            return Ok(self.hold(&runtime, turn, mode, acquired, sent));
                         }
                         Ok(None) => latest = Latest::Busy,
                         Err(error) => latest = Latest::after_failure(error)?,

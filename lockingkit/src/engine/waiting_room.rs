@@ -282,11 +282,6 @@ impl Turn {
         &self.key
     }
 
-    /// Whether this is a turn of its own lane rather than the key's turn.
-    pub(crate) fn is_own_lane(&self) -> bool {
-        self.own_lane
-    }
-
     /// Makes this turn, when it ends, nudge whoever is active for `key` in `room`: a semaphore
     /// holder that leaves tells the local waiter polling that semaphore to try now.
     pub(crate) fn nudging(mut self, room: Arc<WaitingRoom>, key: Arc<str>) -> Turn {
@@ -296,15 +291,16 @@ impl Turn {
 
     /// The signal another party's [`nudging`](Self::nudging) turn gives this turn's holder
     /// when it ends. Made on first use; a nudge given before the holder waits is kept.
+    /// Only the key's active party asks for it.
     pub(crate) fn nudges(&self) -> Arc<Notify> {
         let mut slots = self.room.slots();
         match slots.get_mut(&self.key) {
-            Some(slot) if slot.active == self.id => slot
+            Some(slot) => slot
                 .nudge
                 .get_or_insert_with(|| Arc::new(Notify::new()))
                 .clone(),
-            // Not the key's active party (an own lane): nothing nudges it.
-            _ => Arc::new(Notify::new()),
+            // The key is forgotten only once its active party has gone: nothing nudges it.
+            None => Arc::new(Notify::new()),
         }
     }
 

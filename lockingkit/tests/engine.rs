@@ -1224,14 +1224,11 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
 #[tokio::test(start_paused = true)]
 async fn a_wait_that_ends_on_busy_after_failures_is_a_timeout() {
     // Failures early in the wait do not count once the backend answers "busy" again.
-    let failing = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(FailingWhile {
-        inner: MemoryBackend::new(store.clone()),
-        failing: failing.clone(),
-    })
-    .build()
-    .unwrap();
+    let remote = Remote::new(&store, Duration::ZERO);
+    let failing = remote.failing.clone();
+    failing.store(true, Ordering::SeqCst);
+    let locks = DistributedLock::builder(remote).build().unwrap();
     let _remote = DistributedLock::in_memory_shared(&store)
         .try_acquire("k")
         .await
@@ -1241,34 +1238,6 @@ async fn a_wait_that_ends_on_busy_after_failures_is_a_timeout() {
     failing.store(false, Ordering::SeqCst);
     let err = waiter.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
-}
-
-/// Answers with a failure the backend reports itself while `failing` is set.
-struct FailingWhile {
-    inner: MemoryBackend,
-    failing: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl LockBackend for FailingWhile {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "failing-while"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        if self.failing.load(Ordering::SeqCst) {
-            return Err(BackendError::transient("server error"));
-        }
-        self.inner.try_acquire(key).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.release(lease).await
-    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -1431,46 +1400,71 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     assert_eq!(locks.active_keys(), 0, "no queue or lane left behind");
 }
 
-/// An in-memory backend whose attempts take `ATTEMPT_TIME` to answer, as over a network.
-struct Distant(MemoryBackend);
+/// An in-memory backend seen over a network: each attempt takes `latency` to answer, and
+/// while `failing` is set it answers with a failure the backend reports itself.
+struct Remote {
+    inner: MemoryBackend,
+    latency: Duration,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+}
 
+/// How long a [`Remote`] attempt takes in the tests that give it one.
 const ATTEMPT_TIME: Duration = Duration::from_millis(10);
 
-impl LockBackend for Distant {
+impl Remote {
+    fn new(store: &MemoryStore, latency: Duration) -> Self {
+        Remote {
+            inner: MemoryBackend::new(store.clone()),
+            latency,
+            failing: Arc::default(),
+        }
+    }
+
+    /// What the network and the server do before the store sees an attempt.
+    async fn reach(&self) -> Result<(), BackendError> {
+        tokio::time::sleep(self.latency).await;
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(BackendError::transient("server error"));
+        }
+        Ok(())
+    }
+}
+
+impl LockBackend for Remote {
     type Lease = <MemoryBackend as LockBackend>::Lease;
     fn provider(&self) -> &str {
-        "distant"
+        "remote"
     }
     fn timing(&self) -> LeaseTiming {
-        self.0.timing()
+        self.inner.timing()
     }
     fn supports(&self, mode: LockMode) -> bool {
-        self.0.supports(mode)
+        self.inner.supports(mode)
     }
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        tokio::time::sleep(ATTEMPT_TIME).await;
-        self.0.try_acquire(key).await
+        self.reach().await?;
+        self.inner.try_acquire(key).await
     }
     async fn try_acquire_in(
         &self,
         key: &str,
         mode: LockMode,
     ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        tokio::time::sleep(ATTEMPT_TIME).await;
-        self.0.try_acquire_in(key, mode).await
+        self.reach().await?;
+        self.inner.try_acquire_in(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.renew(lease).await
+        self.inner.renew(lease).await
     }
     async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.release(lease).await
+        self.inner.release(lease).await
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn callers_of_a_semaphore_with_room_get_in_together() {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(Distant(MemoryBackend::new(store.clone())))
+    let locks = DistributedLock::builder(Remote::new(&store, ATTEMPT_TIME))
         .build()
         .unwrap();
     let semaphore = locks.semaphore("exports", 5).unwrap();
@@ -1572,7 +1566,7 @@ async fn a_slot_freed_here_at_a_semaphore_waiters_deadline_is_not_taken_late() {
 #[tokio::test(start_paused = true)]
 async fn when_the_front_semaphore_waiter_takes_a_slot_the_next_tries_at_once() {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(Distant(MemoryBackend::new(store.clone())))
+    let locks = DistributedLock::builder(Remote::new(&store, ATTEMPT_TIME))
         .build()
         .unwrap();
     let remote = DistributedLock::in_memory_shared(&store)

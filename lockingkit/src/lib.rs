@@ -53,7 +53,10 @@ pub use lock::{DistributedLock, DistributedLockBuilder};
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
-pub use providers::postgres::{PostgresBackend, PostgresOptions};
+pub use providers::postgres::{
+    PostgresBackend, PostgresOptions, PostgresTransactionLocks, PostgresTransactionOptions,
+    TransactionLock,
+};
 pub use registry::{Locking, LockingConfig};
 pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};
 pub use telemetry::LossReason;

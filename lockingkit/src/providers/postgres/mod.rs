@@ -57,6 +57,7 @@ mod options;
 mod session;
 mod sessions;
 mod tls;
+mod transaction;
 mod watch;
 
 use std::fmt;
@@ -70,6 +71,7 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 
 pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
+pub use transaction::{PostgresTransactionLocks, PostgresTransactionOptions, TransactionLock};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::error::LockError;
@@ -203,12 +205,7 @@ impl PostgresBackend {
                 offsets: std::collections::hash_map::RandomState::new(),
                 attempts: std::sync::atomic::AtomicU64::new(0),
                 fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
-                fencing_setup: format!(
-                    "SELECT pg_advisory_xact_lock({}, {});\
-                 CREATE SCHEMA IF NOT EXISTS {};\
-                 CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint MINVALUE 1 NO CYCLE CACHE 1;",
-                    FENCING_SETUP_LOCK.0, FENCING_SETUP_LOCK.1, options.fencing_schema
-                ),
+                fencing_setup: fencing_setup_sql(&options.fencing_schema, &sequence),
                 fencing_ready: AtomicBool::new(false),
                 releases,
             }),
@@ -619,6 +616,17 @@ impl<T, F: Future<Output = Result<T, tokio_postgres::Error>>> Future for Stateme
             Err(_) => Err(errors::timed_out(*this.stage, this.backend.inner.timeout)),
         })
     }
+}
+
+/// Creates the fencing schema and `sequence` (`schema.name`) unless they exist, in one implicit
+/// transaction serialized by [`FENCING_SETUP_LOCK`], so processes starting together do not race.
+fn fencing_setup_sql(schema: &str, sequence: &str) -> String {
+    format!(
+        "SELECT pg_advisory_xact_lock({}, {});\
+         CREATE SCHEMA IF NOT EXISTS {schema};\
+         CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint MINVALUE 1 NO CYCLE CACHE 1;",
+        FENCING_SETUP_LOCK.0, FENCING_SETUP_LOCK.1
+    )
 }
 
 /// Connection settings a lock session needs, where the connection string leaves them open.

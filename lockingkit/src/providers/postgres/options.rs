@@ -140,18 +140,27 @@ impl PostgresOptions {
         if self.query_timeout.is_zero() {
             problems.push(format!("{section}.query_timeout must be greater than zero"));
         }
-        for (field, value) in [
-            ("fencing_schema", &self.fencing_schema),
-            ("fencing_sequence", &self.fencing_sequence),
-        ] {
-            if !is_plain_identifier(value) {
-                problems.push(format!(
-                    "{section}.{field} must be a lowercase SQL identifier of at most 63 characters (letters, digits, _; not starting with a digit)"
-                ));
-            }
-        }
+        problems.extend(fencing_problems(
+            section,
+            &self.fencing_schema,
+            &self.fencing_sequence,
+        ));
         problems
     }
+}
+
+/// The problems with a fencing schema and sequence name, for every option struct that names
+/// them: they are spliced into SQL, so only plain identifiers pass.
+pub(super) fn fencing_problems(section: &str, schema: &str, sequence: &str) -> Vec<String> {
+    [("fencing_schema", schema), ("fencing_sequence", sequence)]
+        .into_iter()
+        .filter(|(_, value)| !is_plain_identifier(value))
+        .map(|(field, _)| {
+            format!(
+                "{section}.{field} must be a lowercase SQL identifier of at most 63 characters (letters, digits, _; not starting with a digit)"
+            )
+        })
+        .collect()
 }
 
 /// An identifier PostgreSQL keeps as written without quotes, so it can be spliced into SQL

@@ -517,3 +517,55 @@ async fn a_deadpool_transaction_is_taken_as_it_is() {
     assert!(read.fencing_token() > lock.fencing_token());
     second.commit().await.unwrap();
 }
+
+/// Whether a session of LockingKit's is queued for `key` exclusively: a waiting writer's intent.
+async fn writer_is_queued(admin: &Client, key: &str) -> bool {
+    let advisory_key = PostgresLockKeys::advisory_key(key);
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND mode = 'ExclusiveLock' AND NOT granted \
+             AND ((classid::bigint << 32) | objid::bigint) = $1",
+            &[&advisory_key],
+        )
+        .await
+        .expect("pg_locks")
+        .get::<_, i64>(0)
+        > 0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_writer_waiting_for_the_key_holds_transaction_readers_back() {
+    let server = PostgresServer::start().await;
+    let (holder, writer) = (session_locks(&server), session_locks(&server));
+    let locks = locks();
+    let key = unique_prefix("tx/writer-intent");
+    let reading = holder
+        .reader_writer()
+        .unwrap()
+        .try_read(&key)
+        .await
+        .unwrap();
+    let waiting = tokio::spawn({
+        let (writer, key) = (writer.reader_writer().unwrap(), key.clone());
+        async move { writer.write(&key, Duration::from_secs(20)).await }
+    });
+    let admin = server.connect().await;
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while !writer_is_queued(&admin, &key).await {
+        assert!(Instant::now() < give_up, "the writer's intent never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let mut client = server.connect().await;
+    let transaction = client.transaction().await.unwrap();
+    assert_eq!(
+        kind_of(locks.try_read(&transaction, &key).await),
+        ErrorKind::Busy,
+        "a new reader got in past a waiting writer"
+    );
+    transaction.rollback().await.unwrap();
+    reading.release().await.unwrap();
+    let written = waiting.await.unwrap().expect("the writer gets in");
+    written.release().await.unwrap();
+}

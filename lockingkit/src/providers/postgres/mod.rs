@@ -47,6 +47,9 @@
 //!   up after half a second (`lock_timeout`) and are sent again, so no snapshot is held for
 //!   longer (see `watch`). Queued exclusively, it is also the waiting writer's intent, which
 //!   new readers respect. Polling stays the fallback.
+//! - **Locks inside the caller's own transaction** are the other shape:
+//!   [`PostgresTransactionLocks`] takes `pg_try_advisory_xact_lock` on a transaction the caller
+//!   owns, with the same keys and fencing sequence, held until COMMIT or ROLLBACK.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
 //!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
 //!   or statement pooling mode breaks session locks; use session pooling or connect directly.

@@ -10,5 +10,6 @@ pub mod bench_sessions;
 #[path = "../../lockingkit/tests/support/field_log.rs"]
 pub mod field_log;
 pub mod http;
+pub mod pgbouncer;
 pub mod postgres;
 pub mod proxy;

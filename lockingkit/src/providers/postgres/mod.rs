@@ -51,12 +51,15 @@
 //!   [`PostgresTransactionLocks`] takes `pg_try_advisory_xact_lock` on a transaction the caller
 //!   owns, with the same keys and fencing sequence, held until COMMIT or ROLLBACK.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
-//!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
-//!   or statement pooling mode breaks session locks; use session pooling or connect directly.
+//!   lock is gone and every holder sees loss. Locks are per database.
+//! - **Session pooling only**: a pooler in transaction or statement mode (PgBouncer's
+//!   `pool_mode`) would lend a lock's server session to other clients. It is looked for when a
+//!   session opens and in every check, and refused with `Misconfigured` (see `pooler`).
 
 mod connection;
 mod errors;
 mod options;
+mod pooler;
 mod session;
 mod sessions;
 mod tls;
@@ -103,8 +106,8 @@ const UNLOCK_STRAY_SLOTS: &str =
     "SELECT pg_advisory_unlock($1, objid::bigint::int4) FROM pg_locks \
      WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid() \
      AND classid = $1::oid AND NOT objid::bigint::int4 = ANY($2)";
-/// The session check.
-const CHECK: &str = "SELECT 1";
+/// The session check; its answer also shows a session that a pooler moved (see `pooler`).
+const CHECK: &str = "SELECT pg_backend_pid()";
 
 /// The PostgreSQL backend: a connection pool and the statements of the lock protocol.
 ///
@@ -133,6 +136,8 @@ pub struct PostgresBackend {
 /// What the clones of one [`PostgresBackend`] share.
 struct Backend {
     sessions: SessionSet,
+    /// Whether a transaction- or statement-mode pooler was found in front of the server.
+    pooling: Arc<pooler::Pooling>,
     max_sessions: usize,
     timeout: Duration,
     check_interval: Duration,
@@ -187,11 +192,15 @@ impl PostgresBackend {
         );
         let timeout = options.query_timeout;
         let max_sessions = options.session_budget();
-        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout);
+        // Shared by the sessions, which verify at open and in every check that no pooler
+        // hands their server session to others (see `pooler`).
+        let pooling = Arc::new(pooler::Pooling::default());
+        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout, &pooling);
         let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
         Ok(PostgresBackend {
             inner: Arc::new(Backend {
                 sessions,
+                pooling,
                 max_sessions,
                 timeout,
                 check_interval: options.check_interval,
@@ -320,6 +329,7 @@ impl PostgresBackend {
         attempt: Attempt,
         advisory_key: i64,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
+        self.inner.pooling.refuse_if_found()?;
         let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
             // This process holds the key, or may still: on every session it could try.
             self.busy(attempt);
@@ -476,6 +486,10 @@ impl LockBackend for PostgresBackend {
         let timeout = self.inner.timeout.min(self.inner.check_interval);
         if session.check(self.inner.check_interval, timeout).await {
             Ok(())
+        } else if self.inner.pooling.found() {
+            Err(BackendError::lease_gone(
+                "the lock's PostgreSQL session moved to another server process: a transaction- or statement-mode pooler hands it to other clients",
+            ))
         } else {
             Err(BackendError::lease_gone(
                 "the lock's PostgreSQL session failed its check",

@@ -35,6 +35,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
 use super::errors::{self, Stage};
+use super::pooler::Pooling;
 use crate::backend::BackendError;
 
 /// The statements of the lock protocol, prepared once per session on first use.
@@ -44,8 +45,6 @@ pub(super) enum Prepared {
     Lock,
     /// `pg_advisory_unlock($1)`.
     Unlock,
-    /// `SELECT 1`, the session check.
-    Check,
     /// Shared try-lock with the fencing token.
     LockShared,
     /// Shared try-lock on a session that already holds the key shared, which the server
@@ -62,20 +61,19 @@ pub(super) enum Prepared {
 }
 
 impl Prepared {
-    const COUNT: usize = 9;
+    const COUNT: usize = 8;
 
     fn index_and_types(self) -> (usize, &'static [Type]) {
         const KEY: &[Type] = &[Type::INT8];
         match self {
             Prepared::Lock => (0, KEY),
             Prepared::Unlock => (1, KEY),
-            Prepared::Check => (2, &[]),
-            Prepared::LockShared => (3, KEY),
-            Prepared::LockSharedAgain => (4, KEY),
-            Prepared::UnlockShared => (5, KEY),
-            Prepared::LockSlot => (6, &[Type::INT4, Type::INT4, Type::INT4, Type::INT4_ARRAY]),
-            Prepared::UnlockSlot => (7, &[Type::INT4, Type::INT4]),
-            Prepared::UnlockStraySlots => (8, &[Type::INT4, Type::INT4_ARRAY]),
+            Prepared::LockShared => (2, KEY),
+            Prepared::LockSharedAgain => (3, KEY),
+            Prepared::UnlockShared => (4, KEY),
+            Prepared::LockSlot => (5, &[Type::INT4, Type::INT4, Type::INT4, Type::INT4_ARRAY]),
+            Prepared::UnlockSlot => (6, &[Type::INT4, Type::INT4]),
+            Prepared::UnlockStraySlots => (7, &[Type::INT4, Type::INT4_ARRAY]),
         }
     }
 }
@@ -196,6 +194,9 @@ pub(super) struct Session {
     solo_timer: Mutex<Pin<Box<Sleep>>>,
     solo_taken: AtomicBool,
     driver: JoinHandle<()>,
+    /// The server process the session was opened on, which every check's answer must name.
+    backend_pid: i32,
+    pooling: Arc<Pooling>,
 }
 
 #[derive(Default)]
@@ -222,6 +223,7 @@ impl Session {
         tls: &MakeRustlsConnect,
         timeout: Duration,
         changed: Arc<Notify>,
+        pooling: &Arc<Pooling>,
     ) -> Result<Session, BackendError> {
         let connecting = config.connect(tls.clone());
         let (client, connection) = match within(timeout, connecting).await {
@@ -240,6 +242,14 @@ impl Session {
             let _signal = signal;
             let _ = connection.await;
         });
+        let verified = pooling.verify_new_session(&client, config, tls, timeout);
+        let backend_pid = match verified.await {
+            Ok(pid) => pid,
+            Err(error) => {
+                driver.abort();
+                return Err(error);
+            }
+        };
         Ok(Session {
             client,
             ended,
@@ -252,6 +262,8 @@ impl Session {
             solo_timer: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
             solo_taken: AtomicBool::new(false),
             driver,
+            backend_pid,
+            pooling: pooling.clone(),
         })
     }
 
@@ -552,11 +564,13 @@ async fn run_check(
     sent: Instant,
     timeout: Duration,
 ) {
-    let checked = async {
-        let statement = session.statement(Prepared::Check, super::CHECK).await?;
-        session.client.query_one(&statement, &[]).await
+    // Unnamed: its answer must come from whichever server process runs it, even behind a
+    // pooler that would fail a prepared statement there (see `pooler`).
+    let checked = session.client.query_typed_one(super::CHECK, &[]);
+    let alive = match session.bounded(timeout, checked).await {
+        Ok(Ok(row)) => session.pooling.same_process(session.backend_pid, &row),
+        _ => false,
     };
-    let alive = matches!(session.bounded(timeout, checked).await, Ok(Ok(_)));
     {
         let mut state = session.check.lock().unwrap_or_else(PoisonError::into_inner);
         state.running = None;

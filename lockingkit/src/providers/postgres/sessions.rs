@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::pooler::Pooling;
 use super::session::{Advisory, Attempt, Availability, Session};
 use crate::backend::BackendError;
 
@@ -32,6 +33,7 @@ pub(super) struct SessionSet {
     config: Config,
     tls: MakeRustlsConnect,
     timeout: Duration,
+    pooling: Arc<Pooling>,
 }
 
 #[derive(Default)]
@@ -55,6 +57,7 @@ impl SessionSet {
         config: Config,
         tls: MakeRustlsConnect,
         timeout: Duration,
+        pooling: &Arc<Pooling>,
     ) -> Self {
         SessionSet {
             slots: Mutex::new(Slots::default()),
@@ -63,6 +66,7 @@ impl SessionSet {
             config,
             tls,
             timeout,
+            pooling: pooling.clone(),
         }
     }
 
@@ -172,6 +176,7 @@ impl SessionSet {
             &self.tls,
             self.timeout,
             self.changed.clone(),
+            &self.pooling,
         ))
         .await?;
         let session = Arc::new(session);

@@ -1,0 +1,184 @@
+//! Session pooling, verified: a pooler in transaction or statement mode (PgBouncer with
+//! `pool_mode = transaction` or `statement`, and proxies like it) is refused before a session
+//! takes any lock, and a session found on another server process later ends.
+//!
+//! # Why it must be found
+//! A session advisory lock belongs to the server process (backend) that took it. Such a pooler
+//! hands that backend to other clients between our statements, so a lock "held" here would be
+//! granted to them too (session locks are reentrant), unlocked by them, or freed when the pooler
+//! closes the backend, while this process still believes it holds it.
+//!
+//! # How, and what it costs
+//! - **When a session opens**: the new session asks for its backend
+//!   (`SELECT pg_backend_pid()`). On a direct connection (or through a plain TCP proxy) that is
+//!   the process id in the cancel key the server sent at startup, read back without a round
+//!   trip (see [`cancel_key_pid`]); a pooler issues cancel keys of its own, since it must route
+//!   cancel requests itself. So a direct connection is verified by that one statement. Otherwise
+//!   (and when the session requires TLS, which hides the key from this check) the session asks
+//!   again while a second connection with the same settings opens, the second connection asks
+//!   for its backend and closes, and the session asks a last time. Through session pooling the
+//!   session keeps its backend and the second connection gets another. A transaction- or
+//!   statement-mode pooler returns the session's backend to the pool as soon as each statement
+//!   ends. PgBouncer reuses the most recently released backend first (LIFO, its default), so
+//!   the second connection gets the session's backend; with `server_round_robin = 1` it takes
+//!   the least recently used one, so the session's second statement moves to another backend
+//!   if one is idle, and the second connection gets the session's if none is. Any of these is
+//!   refused with `Misconfigured`. The probe cannot see the pooler when other clients'
+//!   transactions take and give back backends at that very moment in just the order that hides
+//!   it; the checks below cover that.
+//! - **In every check**: the session check is `SELECT pg_backend_pid()` instead of `SELECT 1`
+//!   (the same round trip), sent unnamed so that it answers on whichever backend runs it. An
+//!   answer from another backend than at open means the session
+//!   moved: it fails the check, which ends it (loss for every lock on it), and from then on the
+//!   backend refuses every attempt and every session fails its next check. A moved session is
+//!   proof of such a pooler: a direct connection has one backend for life. A pooler that lets
+//!   other clients use the session's backend between its statements, yet always gives it back
+//!   for the next one, is visible only to the probe at open.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio_postgres::config::SslMode;
+use tokio_postgres::{Client, Config, Row};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use super::errors::{self, Stage};
+use super::session::within;
+use crate::backend::BackendError;
+
+/// Asks which server process answers.
+const BACKEND_PID: &str = "SELECT pg_backend_pid()";
+
+/// What a backend knows about a pooler in front of its server: set once a session was seen
+/// on two server processes, or the probe at open found one shared.
+#[derive(Debug, Default)]
+pub(super) struct Pooling {
+    found: AtomicBool,
+}
+
+/// The one error for a transaction- or statement-mode pooler, naming the fixes.
+fn refused() -> BackendError {
+    BackendError::misconfigured(
+        "PostgreSQL is reached through a pooler in transaction or statement mode (such as \
+         PgBouncer with pool_mode = transaction or statement): it hands the server session, and \
+         every session lock on it, to other clients between statements. Connect directly or \
+         use pool_mode = session, or take transaction-scoped locks inside your own \
+         transactions (PostgresTransactionLocks)",
+    )
+}
+
+impl Pooling {
+    /// Refuses every attempt once a pooler has been found.
+    pub(super) fn refuse_if_found(&self) -> Result<(), BackendError> {
+        if self.found.load(Ordering::Acquire) {
+            Err(refused())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whether a pooler has been found.
+    pub(super) fn found(&self) -> bool {
+        self.found.load(Ordering::Acquire)
+    }
+
+    /// Checks a new session (`client`) for a transaction- or statement-mode pooler, with a
+    /// second connection made from `config` (see the module doc). Every step is bounded by
+    /// `timeout`; the second connection is closed before this returns.
+    pub(super) async fn verify_new_session(
+        &self,
+        client: &Client,
+        config: &Config,
+        tls: &MakeRustlsConnect,
+        timeout: Duration,
+    ) -> Result<i32, BackendError> {
+        self.refuse_if_found()?;
+        let first = backend_pid(client, timeout).await?;
+        if cancel_key_pid(client, config).await == Some(first) {
+            // The server's own cancel key reached us: nothing in between issues keys of its
+            // own, as a pooler must, so nothing can lend this backend to other clients.
+            return Ok(first);
+        }
+        // The probe connects while the session asks again; it asks only after that answer.
+        let (second, probe) =
+            tokio::join!(backend_pid(client, timeout), connect(config, tls, timeout));
+        let (second, probe) = (second?, probe?);
+        let other = backend_pid(&probe, timeout).await?;
+        drop(probe);
+        let last = backend_pid(client, timeout).await?;
+        if other == first || second != first || last != first {
+            self.found.store(true, Ordering::Release);
+            return Err(refused());
+        }
+        Ok(first)
+    }
+
+    /// Whether a check's answer `row` comes from `pid`, the session's server process at open.
+    /// Another process means a pooler moved the session: it is recorded, and every session of
+    /// the backend fails its next check.
+    pub(super) fn same_process(&self, pid: i32, row: &Row) -> bool {
+        let same = row
+            .try_get::<_, i32>(0)
+            .is_ok_and(|answered| answered == pid);
+        if !same {
+            self.found.store(true, Ordering::Release);
+        }
+        same && !self.found()
+    }
+}
+
+/// A second connection with the session's settings, its task driving it until it is dropped.
+async fn connect(
+    config: &Config,
+    tls: &MakeRustlsConnect,
+    timeout: Duration,
+) -> Result<Client, BackendError> {
+    match within(timeout, config.connect(tls.clone())).await {
+        Some(Ok((client, connection))) => {
+            // Dropping the task's handle does not stop it: it ends with the client.
+            tokio::spawn(connection);
+            Ok(client)
+        }
+        Some(Err(error)) => Err(errors::query_error(error, Stage::Connect)),
+        None => Err(errors::timed_out(Stage::Connect, timeout)),
+    }
+}
+
+/// The process id in the cancel key `client` was given at startup: the server's own backend
+/// pid on a direct connection (or through a plain TCP proxy), a key of the pooler's own
+/// through PgBouncer, which must route cancel requests itself. tokio-postgres keeps the key
+/// private, but writes it in a cancel request: one is written into memory and read back, never
+/// sent. `None` when the session requires TLS (the request would negotiate it first).
+async fn cancel_key_pid(client: &Client, config: &Config) -> Option<i32> {
+    use tokio::io::AsyncReadExt;
+    // CancelRequest: length 16, the request code 80877102, the process id, the secret key.
+    const HEADER: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+    if !matches!(config.get_ssl_mode(), SslMode::Disable | SslMode::Prefer) {
+        return None;
+    }
+    let (mut ours, theirs) = tokio::io::duplex(64);
+    let token = client.cancel_token();
+    let mut request = [0u8; 16];
+    // Without TLS (which `NoTls` cannot do), the request is written as it is.
+    let (written, read) = tokio::join!(
+        token.cancel_query_raw(theirs, tokio_postgres::NoTls),
+        ours.read_exact(&mut request)
+    );
+    let (Ok(()), Ok(_)) = (written, read) else {
+        return None;
+    };
+    let (header, pid) = request.split_at(8);
+    (header == HEADER).then(|| i32::from_be_bytes([pid[0], pid[1], pid[2], pid[3]]))
+}
+
+/// The server process (`pg_backend_pid()`) that answers on `client`: one unnamed statement,
+/// which any pooler passes on.
+async fn backend_pid(client: &Client, timeout: Duration) -> Result<i32, BackendError> {
+    match within(timeout, client.query_typed_one(BACKEND_PID, &[])).await {
+        Some(Ok(row)) => row
+            .try_get::<_, i32>(0)
+            .map_err(|_| BackendError::permanent("unexpected answer to pg_backend_pid()")),
+        Some(Err(error)) => Err(errors::query_error(error, Stage::Attempt)),
+        None => Err(errors::timed_out(Stage::Attempt, timeout)),
+    }
+}

@@ -1,0 +1,338 @@
+//! The PostgreSQL provider through a real PgBouncer (Debian's `pgbouncer`, started by
+//! `lockingkit_tests::pgbouncer` on a loopback port): session locks refused behind transaction
+//! and statement pooling before any lock is handed out, and when pooling starts later; session
+//! pooling passing the contract suite; transaction-scoped locks working through transaction
+//! pooling.
+
+use std::time::Duration;
+
+use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
+use lockingkit::{
+    DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, PostgresBackend,
+    PostgresTransactionLocks,
+};
+use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
+use lockingkit_tests::postgres::PostgresServer;
+use tokio::time::Instant;
+
+/// A check interval short enough for the loss test to finish quickly.
+const CHECK: Duration = Duration::from_millis(300);
+
+fn lock_through(bouncer: &PgBouncer) -> DistributedLock {
+    lock_through_options(bouncer.options(CHECK))
+}
+
+fn lock_through_options(options: lockingkit::PostgresOptions) -> DistributedLock {
+    let backend = PostgresBackend::new(lockingkit::PostgresOptions {
+        check_interval: CHECK,
+        ..options
+    })
+    .expect("valid options");
+    DistributedLock::builder(backend)
+        .options(quick_polling())
+        .build()
+        .expect("valid lock options")
+}
+
+fn sessions(lock: &DistributedLock) -> usize {
+    lock.backend::<PostgresBackend>()
+        .expect("a PostgreSQL lock")
+        .open_sessions()
+}
+
+#[track_caller]
+fn refusal(result: Result<LockHandle, LockError>) -> LockError {
+    match result {
+        Ok(handle) => panic!(
+            "a lock on {} was handed out behind the pooler",
+            handle.key()
+        ),
+        Err(error) => error,
+    }
+}
+
+#[track_caller]
+fn assert_names_the_pooler_and_the_fix(error: &LockError) {
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    let message = error.message();
+    for needle in [
+        "pooler",
+        "PgBouncer",
+        "pool_mode = session",
+        "PostgresTransactionLocks",
+    ] {
+        assert!(
+            message.contains(needle),
+            "{needle:?} missing from: {message}"
+        );
+    }
+}
+
+/// Every way of taking a lock is refused before one is handed out, and nothing stays behind.
+async fn assert_session_locks_refused(mode: PoolMode) {
+    let server = PostgresServer::start_local().await;
+    let bouncer = PgBouncer::start(&server, mode).await;
+    assert_refused_through(&server, &bouncer).await;
+}
+
+async fn assert_refused_through(server: &PostgresServer, bouncer: &PgBouncer) {
+    let locks = lock_through(bouncer);
+    let key = unique_prefix("pgbouncer/refused");
+
+    assert_names_the_pooler_and_the_fix(&refusal(locks.try_acquire(&key).await));
+    let started = Instant::now();
+    let waited = refusal(locks.acquire(&key, Duration::from_secs(20)).await);
+    assert_names_the_pooler_and_the_fix(&waited);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a wait went on for {:?} behind the pooler",
+        started.elapsed()
+    );
+    let readers = locks.reader_writer().expect("readers");
+    assert_names_the_pooler_and_the_fix(&refusal(readers.try_read(&key).await));
+    let slots = locks.semaphore(&key, 3).expect("a semaphore");
+    assert_names_the_pooler_and_the_fix(&refusal(slots.try_acquire().await));
+
+    assert!(server.lock_holders(&key).await.is_empty());
+    assert_eq!(sessions(&locks), 0, "a refused session stayed open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_pooling_is_refused_before_any_lock_is_handed_out() {
+    assert_session_locks_refused(PoolMode::Transaction).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_pooling_is_refused_before_any_lock_is_handed_out() {
+    assert_session_locks_refused(PoolMode::Statement).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_transaction_pooling_over_two_idle_backends_is_refused_too() {
+    let server = PostgresServer::start_local().await;
+    let bouncer =
+        PgBouncer::start_with(&server, PoolMode::Transaction, "server_round_robin = 1\n").await;
+    // Two backends in the pool, idle (transactions open at once each need their own). Handed
+    // out oldest first, they make the pooler hardest to see: the session's first statement
+    // runs on one, the second connection's on the other, and the session's next on the first
+    // again, unless the session asks twice before the second connection does.
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        clients.push(bouncer.connect().await);
+    }
+    let mut open = Vec::new();
+    for client in &mut clients {
+        let transaction = client.transaction().await.unwrap();
+        let pid: i32 = transaction
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        open.push((transaction, pid));
+    }
+    let pids: std::collections::HashSet<i32> = open.iter().map(|(_, pid)| *pid).collect();
+    assert_eq!(pids.len(), 2, "the pool did not grow");
+    for (transaction, _) in open {
+        transaction.commit().await.unwrap();
+    }
+    assert_refused_through(&server, &bouncer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_pooling_is_accepted_and_its_locks_exclude_each_other() {
+    let server = PostgresServer::start_local().await;
+    let bouncer = PgBouncer::start(&server, PoolMode::Session).await;
+    let (first, second) = (lock_through(&bouncer), lock_through(&bouncer));
+    let key = unique_prefix("pgbouncer/session");
+    let held = first
+        .try_acquire(&key)
+        .await
+        .expect("through session pooling");
+    assert_eq!(server.lock_holders(&key).await.len(), 1);
+    assert_eq!(
+        second.try_acquire(&key).await.unwrap_err().kind(),
+        ErrorKind::Busy
+    );
+    // Checks keep passing: the session keeps its server process.
+    tokio::time::sleep(CHECK * 4).await;
+    held.ensure_held().expect("still held after several checks");
+    let waiting = tokio::spawn({
+        let (second, key) = (second.clone(), key.clone());
+        async move { second.acquire(&key, Duration::from_secs(10)).await }
+    });
+    held.release().await.expect("confirmed release");
+    let next = waiting
+        .await
+        .unwrap()
+        .expect("the waiter through the pooler");
+    assert!(next.is_held());
+    next.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verifying_a_session_opens_no_extra_connection_when_direct_and_one_through_a_pooler() {
+    let server = PostgresServer::start_local().await;
+    // A plain TCP proxy passes the server's own cancel key on: verified by one statement.
+    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let direct = lock_through_options(lockingkit::PostgresOptions::new(format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+        proxy.port()
+    )));
+    let key = unique_prefix("pgbouncer/cost");
+    direct
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    assert_eq!(proxy.connections_accepted(), 1);
+
+    // Through PgBouncer (its own cancel keys), the second connection is opened once per session.
+    let bouncer = PgBouncer::start(&server, PoolMode::Session).await;
+    let logins = |bouncer: &PgBouncer| bouncer.log().matches("login attempt").count();
+    let before = logins(&bouncer);
+    let pooled = lock_through(&bouncer);
+    for _ in 0..3 {
+        pooled
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    assert_eq!(sessions(&pooled), 1);
+    assert_eq!(logins(&bouncer) - before, 2, "{}", bouncer.log());
+}
+
+/// The server process (pid) whose session holds `key`.
+async fn holder_of(server: &PostgresServer, key: &str) -> i32 {
+    let holders = server.lock_holders(key).await;
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    holders[0]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused() {
+    let server = PostgresServer::start_local().await;
+    let mut bouncer = PgBouncer::start(&server, PoolMode::Session).await;
+    let locks = lock_through(&bouncer);
+    let key = unique_prefix("pgbouncer/later");
+    let held = locks
+        .try_acquire(&key)
+        .await
+        .expect("through session pooling");
+    let holder = holder_of(&server, &key).await;
+
+    // From now on the pooler lends the lock's server process to other clients between the
+    // session's statements. Another client keeps asking until it is lent that process, then
+    // stays in a transaction on it.
+    bouncer.switch_to(PoolMode::Transaction).await;
+    let mut other = bouncer.connect().await;
+    let give_up = Instant::now() + Duration::from_secs(20);
+    let (lent, taken) = loop {
+        let transaction = other.transaction().await.unwrap();
+        let pid: i32 = transaction
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if pid == holder {
+            // What makes it unsafe: the lock's session lock is granted to this client too.
+            let taken: bool = transaction
+                .query_one(
+                    "SELECT pg_try_advisory_lock($1)",
+                    &[&lockingkit::keys::PostgresLockKeys::advisory_key(&key)],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            break (transaction, taken);
+        }
+        transaction.commit().await.unwrap();
+        assert!(Instant::now() < give_up, "never lent the lock's process");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(taken, "the lent process grants the lock by re-entrancy");
+
+    // The session's next check runs on another process: the lock is lost, not silently held.
+    tokio::time::timeout(CHECK * 10, held.lost_token().cancelled())
+        .await
+        .expect("the holder sees loss within a few checks");
+    assert_eq!(held.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
+    let other_key = unique_prefix("pgbouncer/after");
+    assert_names_the_pooler_and_the_fix(&refusal(locks.try_acquire(&other_key).await));
+    lent.rollback().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_scoped_locks_work_through_transaction_pooling() {
+    let server = PostgresServer::start_local().await;
+    let bouncer = PgBouncer::start(&server, PoolMode::Transaction).await;
+    let locks = PostgresTransactionLocks::default();
+    locks
+        .create_fencing_sequence(&bouncer.connect().await)
+        .await
+        .expect("the fencing sequence through the pooler");
+    let key = unique_prefix("pgbouncer/transaction");
+    let (mut a, mut b) = (bouncer.connect().await, bouncer.connect().await);
+
+    for _ in 0..3 {
+        let first = a.transaction().await.unwrap();
+        let held = locks.try_acquire(&first, &key).await.expect("free key");
+        let second = b.transaction().await.unwrap();
+        assert_eq!(
+            locks.try_acquire(&second, &key).await.unwrap_err().kind(),
+            ErrorKind::Busy
+        );
+        assert_eq!(server.lock_holders(&key).await.len(), 1);
+        first.commit().await.unwrap();
+        let next = locks
+            .acquire(&second, &key, Duration::from_secs(5))
+            .await
+            .expect("free after the commit");
+        assert!(next.fencing_token() > held.fencing_token());
+        second.rollback().await.unwrap();
+    }
+    assert!(server.lock_holders(&key).await.is_empty());
+    assert!(
+        !server.server_log().contains("ERROR:"),
+        "{}",
+        server.server_log()
+    );
+}
+
+mod contract {
+    use super::*;
+
+    /// Each "process" is a `DistributedLock` with its own sessions, all through one
+    /// session-mode PgBouncer in front of one server.
+    pub(super) struct ThroughSessionPooling {
+        bouncer: PgBouncer,
+        _server: PostgresServer,
+    }
+
+    impl ContractBackend for ThroughSessionPooling {
+        async fn new_process(&self, options: LockOptions) -> DistributedLock {
+            let backend = PostgresBackend::new(self.bouncer.options(CHECK)).expect("options");
+            DistributedLock::builder(backend)
+                .options(options)
+                .build()
+                .expect("lock options")
+        }
+
+        fn lease_period(&self) -> Duration {
+            CHECK
+        }
+    }
+
+    lockingkit::contract_tests!(async {
+        let server = PostgresServer::start_local().await;
+        let bouncer = PgBouncer::start(&server, PoolMode::Session).await;
+        ThroughSessionPooling {
+            bouncer,
+            _server: server,
+        }
+    });
+}

@@ -108,7 +108,11 @@ async fn commit_frees_the_key_and_so_do_rollback_and_dropping_the_transaction() 
         .try_acquire(&other, &key)
         .await
         .expect("free after COMMIT");
-    assert!(taken.fencing_token() > held.fencing_token());
+    assert_eq!(
+        taken.fencing_token(),
+        held.fencing_token() + 1,
+        "a busy attempt must leave the sequence alone"
+    );
     other.rollback().await.expect("rollback");
 
     let again = first.transaction().await.unwrap();

@@ -180,12 +180,11 @@ impl PostgresTransactionLocks {
 
     fn build(options: PostgresTransactionOptions) -> Self {
         let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
-        let lock = |function: &str| {
-            format!(
-                "SELECT nextval('{sequence}') FROM \
-                 (SELECT {function}($1) AS ok OFFSET 0) s WHERE ok"
-            )
-        };
+        // A SELECT without FROM plans its WHERE as a one-time filter, run before the target
+        // list: the sequence is touched only once the lock is taken. Planned anew on every
+        // call (the statement is unnamed), this form costs the server less than the session
+        // provider's subquery (row 11 of the benchmark).
+        let lock = |function: &str| format!("SELECT nextval('{sequence}') WHERE {function}($1)");
         PostgresTransactionLocks {
             inner: Arc::new(Statements {
                 lock: lock("pg_try_advisory_xact_lock"),

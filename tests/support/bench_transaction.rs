@@ -85,6 +85,52 @@ fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// The five ways of taking the lock, by variant number.
+struct Variants {
+    locks: PostgresTransactionLocks,
+    try_lock: tokio_postgres::Statement,
+    fenced_lock: tokio_postgres::Statement,
+    fenced: String,
+}
+
+impl Variants {
+    /// One lock statement of `variant` in `transaction`, on `key` (`advisory` for raw SQL).
+    async fn run(
+        &self,
+        variant: usize,
+        transaction: &tokio_postgres::Transaction<'_>,
+        key: &str,
+        advisory: i64,
+    ) {
+        match variant {
+            0 => {
+                let lock = self.locks.try_acquire(transaction, key).await;
+                lock.expect("the lockingkit key was busy");
+            }
+            1 => {
+                let row = transaction.query_one(&self.try_lock, &[&advisory]).await;
+                assert!(row.expect("raw lock").get::<_, bool>(0), "raw key busy");
+            }
+            2 => {
+                let row = transaction.query_opt(&self.fenced_lock, &[&advisory]).await;
+                row.expect("raw fenced lock").expect("raw fenced key busy");
+            }
+            3 => {
+                let row = transaction
+                    .query_typed_one(TRY_XACT_LOCK, &[(&advisory, Type::INT8)])
+                    .await;
+                assert!(row.expect("raw lock").get::<_, bool>(0), "raw key busy");
+            }
+            _ => {
+                let row = transaction
+                    .query_typed_opt(&self.fenced, &[(&advisory, Type::INT8)])
+                    .await;
+                row.expect("raw fenced lock").expect("raw fenced key busy");
+            }
+        }
+    }
+}
+
 /// Measures `samples` lock statements of each variant, interleaved, after a warm-up.
 pub async fn measure_transaction(
     server: &PostgresServer,
@@ -105,8 +151,12 @@ pub async fn measure_transaction(
         .create_fencing_sequence(&clients[0])
         .await
         .expect("fencing sequence");
-    let try_lock = clients[1].prepare(TRY_XACT_LOCK).await.expect("prepare");
-    let fenced_lock = clients[2].prepare(&fenced).await.expect("prepare");
+    let variants = Variants {
+        try_lock: clients[1].prepare(TRY_XACT_LOCK).await.expect("prepare"),
+        fenced_lock: clients[2].prepare(&fenced).await.expect("prepare"),
+        fenced,
+        locks,
+    };
     let pid = std::process::id();
     let keys: Vec<String> = (0..VARIANTS)
         .map(|v| format!("bench/transaction/{v}/{pid}"))
@@ -125,34 +175,10 @@ pub async fn measure_transaction(
         for variant in order {
             let client: &mut Client = &mut clients[variant];
             let transaction = client.transaction().await.expect("BEGIN");
-            let key = advisory[variant];
             let started = Instant::now();
-            match variant {
-                0 => {
-                    let lock = locks.try_acquire(&transaction, &keys[0]).await;
-                    lock.expect("the lockingkit key was busy");
-                }
-                1 => {
-                    let row = transaction.query_one(&try_lock, &[&key]).await;
-                    assert!(row.expect("raw lock").get::<_, bool>(0), "raw key busy");
-                }
-                2 => {
-                    let row = transaction.query_opt(&fenced_lock, &[&key]).await;
-                    row.expect("raw fenced lock").expect("raw fenced key busy");
-                }
-                3 => {
-                    let row = transaction
-                        .query_typed_one(TRY_XACT_LOCK, &[(&key, Type::INT8)])
-                        .await;
-                    assert!(row.expect("raw lock").get::<_, bool>(0), "raw key busy");
-                }
-                _ => {
-                    let row = transaction
-                        .query_typed_opt(&fenced, &[(&key, Type::INT8)])
-                        .await;
-                    row.expect("raw fenced lock").expect("raw fenced key busy");
-                }
-            }
+            variants
+                .run(variant, &transaction, &keys[0], advisory[variant])
+                .await;
             let elapsed = started.elapsed();
             transaction.commit().await.expect("COMMIT");
             if round >= warm_up {

@@ -119,7 +119,8 @@ impl LockError {
     }
 
     /// The [`ErrorKind::Timeout`] error: the backend answered "busy" until the wait of
-    /// `timeout` ended.
+    /// `timeout` ended. (The engine still words its own copy, `timeout_error`.)
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn timed_out(timeout: std::time::Duration) -> Self {
         LockError::new(
             ErrorKind::Timeout,

@@ -132,7 +132,9 @@ impl PgBouncer {
     fn launch(server_port: u16, mode: PoolMode, settings: String) -> io::Result<PgBouncer> {
         let binary = find_binary()?;
         static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let dir = PathBuf::from("/tmp/lockingkit-pgbouncer").join(format!(
+        let root = PathBuf::from(ROOT);
+        stop_abandoned(&root);
+        let dir = root.join(format!(
             "b{}-{}",
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
@@ -163,6 +165,8 @@ impl PgBouncer {
                 command.uid(uid).gid(gid);
             }
             let mut child = command.spawn()?;
+            // For `stop_abandoned`, should this test process die without dropping the fixture.
+            fs::write(dir.join("child.pid"), child.id().to_string())?;
             match wait_until_listening(&mut child, port, &dir) {
                 Ok(()) => {
                     return Ok(PgBouncer {
@@ -236,6 +240,58 @@ impl Drop for PgBouncer {
         let _ = self.child.wait();
         let _ = fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Where each fixture's directory lives: `b{test process id}-{n}`.
+const ROOT: &str = "/tmp/lockingkit-pgbouncer";
+
+/// Stops the PgBouncers of test processes that died without dropping their fixture (killed by
+/// a test timeout, say), and deletes their directories: each name starts with the dead
+/// process's id, and holds the PgBouncer's in `child.pid`.
+fn stop_abandoned(root: &std::path::Path) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let owner = name
+            .strip_prefix('b')
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<i32>().ok());
+        let Some(owner) = owner else {
+            continue;
+        };
+        if owner == std::process::id() as i32 || alive(owner) {
+            continue;
+        }
+        let child = fs::read_to_string(entry.path().join("child.pid"))
+            .ok()
+            .and_then(|pid| pid.trim().parse::<i32>().ok());
+        // Only a PgBouncer started with this directory's configuration: the pid may be reused.
+        let ours = |pid: &i32| {
+            fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                String::from_utf8_lossy(&cmdline).contains(&*entry.path().to_string_lossy())
+            })
+        };
+        if let Some(child) = child.filter(|pid| alive(*pid) && ours(pid)) {
+            // SAFETY: kill has no memory-safety preconditions; a stale pid only yields ESRCH.
+            unsafe {
+                libc::kill(child, libc::SIGKILL);
+            }
+        }
+        let _ = fs::remove_dir_all(entry.path());
+    }
+}
+
+/// Whether process `pid` runs (a zombie holds nothing any more).
+fn alive(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().to_owned())
+        })
+        .is_some_and(|rest| !rest.starts_with('Z'))
 }
 
 fn find_binary() -> io::Result<PathBuf> {

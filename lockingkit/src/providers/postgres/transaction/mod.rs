@@ -69,9 +69,10 @@ use crate::keys::{validate_key, PostgresLockKeys};
 ///   tokens come from the same sequence, so they grow across both APIs.
 /// - **Reentrant within one transaction**, as PostgreSQL's locks are: a transaction that holds
 ///   a key is granted it again (with a new, larger token); it never excludes itself.
-/// - **Through PgBouncer in transaction mode**: each call is one statement with no prepared
-///   statement left on the server, inside your transaction, which the pooler keeps on one
-///   server session until it ends. (Statement mode allows no transactions at all.)
+/// - **Through PgBouncer in transaction mode**: each attempt is one unnamed statement (the
+///   first of a value is preceded by a look for the fencing sequence), so no prepared statement
+///   is left on the server, inside your transaction, which the pooler keeps on one server
+///   session until it ends. (Statement mode allows no transactions at all.)
 ///
 /// # Waiting
 /// [`acquire`](Self::acquire) and [`read`](Self::read) never wait in one long statement, which

@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::{ErrorKind, LockError};
+use crate::error::{ErrorKind, LockError, SharedSource};
 
 /// How a backend keeps a lease alive, which decides how the engine detects loss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,11 +88,13 @@ pub enum BackendErrorKind {
 
 /// A failure reported by a [`LockBackend`].
 ///
-/// The message must not contain the lock key or secrets.
+/// The message must not contain the lock key or secrets. Cloning is cheap: the cause is
+/// shared, so one failure can answer every caller that meets it.
+#[derive(Clone)]
 pub struct BackendError {
     kind: BackendErrorKind,
     message: String,
-    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    source: Option<SharedSource>,
 }
 
 impl BackendError {
@@ -135,7 +137,7 @@ impl BackendError {
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
-        self.source = Some(source.into());
+        self.source = Some(SharedSource::from(source.into()));
         self
     }
 
@@ -172,7 +174,7 @@ impl BackendError {
         };
         let err = LockError::new(kind, self.message);
         match self.source {
-            Some(source) => err.with_source(source),
+            Some(source) => err.with_shared_source(source),
             None => err,
         }
     }
@@ -197,8 +199,8 @@ impl fmt::Display for BackendError {
 impl std::error::Error for BackendError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source
-            .as_ref()
-            .map(|s| s.as_ref() as &(dyn std::error::Error + 'static))
+            .as_deref()
+            .map(|s| s as &(dyn std::error::Error + 'static))
     }
 }
 

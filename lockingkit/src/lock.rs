@@ -137,6 +137,19 @@ impl DistributedLock {
         self.engine.supports(mode)
     }
 
+    /// The failure this provider's callers are refused with right now, if its backend is
+    /// failing: from the first attempt that fails (the backend could not be reached, refused
+    /// our credentials, answered with a failure of its own) until one is answered again.
+    /// Meanwhile callers are refused at once with this error and one attempt at a time is
+    /// sent, ever less often (see [`LockOptions::max_outage_retry_delay`]).
+    ///
+    /// It costs nothing: no request is made. A readiness check can report it.
+    ///
+    /// [`LockOptions::max_outage_retry_delay`]: crate::LockOptions::max_outage_retry_delay
+    pub fn current_failure(&self) -> Option<LockError> {
+        self.engine.current_failure()
+    }
+
     /// How many keys this provider is currently holding, attempting or queueing for.
     pub fn active_keys(&self) -> usize {
         self.engine.busy_keys()

@@ -299,6 +299,16 @@ impl Telemetry {
         }
     }
 
+    /// The provider name, shared with whoever reports on this provider besides telemetry.
+    pub(crate) fn provider_shared(&self) -> Arc<str> {
+        self.provider.clone()
+    }
+
+    /// The lock's registration name, shared likewise.
+    pub(crate) fn lock_name_shared(&self) -> Arc<str> {
+        self.lock.clone()
+    }
+
     pub(crate) fn provider(&self) -> &str {
         &self.provider
     }

@@ -1,7 +1,6 @@
 //! The engine: waiting, backoff, renewal, loss detection and release, written once for every
 //! backend.
 
-mod backoff;
 mod hold;
 mod options;
 mod waiting_room;
@@ -18,13 +17,14 @@ use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode}
 use crate::background::{self, BoxFuture, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::LockHandle;
+use crate::health::{Admission, Health, Probe, Refusal};
 use crate::keys::validate_key;
 use crate::telemetry::{Operation, Outcome, Telemetry};
 
-use backoff::Backoff;
+use crate::backoff::Backoff;
 use hold::Hold;
 use hold::RenewalScheduler;
-use waiting_room::{Answer, Arrival, Turn, WaitEvidence, WaitingRoom};
+use waiting_room::{Answer, Arrival, Occupied, Turn, WaitEvidence, WaitingRoom};
 
 /// How long a connection-held lock goes unwatched after it is taken (see
 /// `Engine::keeper_starts_after`). Loss through a closed connection is declared at most this
@@ -51,6 +51,8 @@ pub(crate) trait AnyEngine: Send + Sync {
     ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
     /// Whether the backend can hold locks in `mode`.
     fn supports(&self, mode: LockMode) -> bool;
+    /// The failure callers are refused with while the backend is failing.
+    fn current_failure(&self) -> Option<LockError>;
     fn busy_keys(&self) -> usize;
     fn waiting(&self, key: &str) -> usize;
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
@@ -67,6 +69,9 @@ pub(crate) struct Engine<B: LockBackend> {
     /// cannot take, the other may.
     semaphore_rooms: Mutex<HashMap<u32, Arc<WaitingRoom>>>,
     scheduler: Arc<RenewalScheduler>,
+    /// Whether the backend is failing: while it is, one attempt at a time goes out and the
+    /// other callers are refused with the latest cause (see `crate::health`).
+    health: Arc<Health>,
     telemetry: Telemetry,
 }
 
@@ -136,13 +141,20 @@ impl<B: LockBackend> Engine<B> {
         meter: &opentelemetry::metrics::Meter,
     ) -> Self {
         let telemetry = Telemetry::new(name, backend.provider(), meter);
+        let health = Health::logged(
+            options.min_retry_delay,
+            options.max_outage_retry_delay,
+            telemetry.lock_name_shared(),
+            telemetry.provider_shared(),
+        );
         Engine {
             timing: backend.timing(),
             backend: Arc::new(backend),
+            room: Arc::new(WaitingRoom::new(options.max_retry_delay)),
             options,
-            room: Arc::new(WaitingRoom::default()),
             semaphore_rooms: Mutex::default(),
             scheduler: Arc::new(RenewalScheduler::default()),
+            health: Arc::new(health),
             telemetry,
         }
     }
@@ -168,28 +180,58 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
-    /// One backend attempt under `turn`. If the caller drops this future while the attempt is
-    /// in flight, the attempt finishes in the background, a lease it won is released, and only
-    /// then does the turn pass to the next local waiter.
+    /// Whether an attempt may go out now (see `crate::health`): `Err` with the latest cause
+    /// while the backend is failing and another caller probes it, or the probe is not due.
+    fn admit(&self) -> Result<Option<Probe>, Refusal> {
+        match self.health.admit() {
+            Admission::Go => Ok(None),
+            Admission::Probe(probe) => Ok(Some(probe)),
+            Admission::Refused(refusal) => Err(refusal),
+        }
+    }
+
+    /// One backend attempt under `turn`, let through by [`admit`](Self::admit) (as its `probe`
+    /// while the backend is failing); `again` when the turn attempted before, which callers that
+    /// meet the key should know is in flight. If the caller drops this future while the attempt
+    /// is in flight, the attempt finishes in the background, a lease it won is released, and
+    /// only then does the turn pass to the next local waiter.
     fn attempt(
         &self,
         turn: Turn,
         mode: LockMode,
+        probe: Option<Probe>,
+        again: bool,
     ) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
         let backend = self.backend.clone();
+        let health = self.health.clone();
         let release_timeout = self.options.release_timeout;
         let work = async move {
             let sent = Instant::now();
+            if again {
+                turn.note_sent(sent);
+            }
             let result = match mode {
                 LockMode::Exclusive => backend.try_acquire(turn.key()).await,
                 mode => backend.try_acquire_in(turn.key(), mode).await,
             };
-            turn.note_attempt(match &result {
+            let answer = match &result {
                 Ok(Some(_)) => Answer::Took,
                 Ok(None) => Answer::Busy,
-                Err(error) if error.reached() => Answer::Failed,
-                Err(_) => Answer::Unreached,
-            });
+                Err(error) => Answer::Failed(error.clone()),
+            };
+            match (&answer, probe) {
+                (Answer::Failed(error), Some(probe)) => probe.failed(error),
+                (Answer::Failed(error), None) => {
+                    health.failed(error, false);
+                }
+                (_, Some(probe)) => {
+                    probe.answered();
+                }
+                (_, None) => {
+                    health.answered();
+                }
+            }
+            turn.note_attempt(answer);
             (turn, sent, result)
         };
         Orphanable::new(
@@ -225,13 +267,37 @@ impl<B: LockBackend> Engine<B> {
         LockHandle::new(held)
     }
 
+    /// The hold of a lock won under a queue's turn. A semaphore holder keeps a lane of its own:
+    /// the queue's turn passes on now, so the next local waiter attempts at once.
+    fn hold_won(
+        self: &Arc<Self>,
+        runtime: &tokio::runtime::Handle,
+        turn: Turn,
+        mode: LockMode,
+        acquired: Acquired<B::Lease>,
+        sent: Instant,
+    ) -> LockHandle {
+        let turn = match mode {
+            LockMode::Semaphore { .. } => {
+                let lane = self.room.own_lane(turn.key());
+                drop(turn);
+                lane
+            }
+            _ => turn,
+        };
+        self.hold(runtime, turn, mode, acquired, sent)
+    }
+
     /// The room of the local queues for semaphores of `max_count`.
     fn semaphore_room(&self, max_count: u32) -> Arc<WaitingRoom> {
         let mut rooms = self
             .semaphore_rooms
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        rooms.entry(max_count).or_default().clone()
+        rooms
+            .entry(max_count)
+            .or_insert_with(|| Arc::new(WaitingRoom::new(self.options.max_retry_delay)))
+            .clone()
     }
 
     /// The turn a semaphore holder keeps, its lane, made to nudge the front local waiter of the
@@ -244,15 +310,37 @@ impl<B: LockBackend> Engine<B> {
     /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
     /// (or are told why not); readers take a lane of their own, and so do semaphore callers
     /// unless callers here already wait for the semaphore (it was full: they go first).
-    fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
+    fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, Occupied> {
         match mode {
             LockMode::Exclusive => self.room.try_enter(key),
             LockMode::Semaphore { max_count } => match self.semaphore_room(max_count).occupied(key)
             {
-                Some(evidence) => Err(evidence),
+                Some(occupied) => Err(occupied),
                 None => Ok(self.room.own_lane(key)),
             },
             LockMode::Shared => Ok(self.room.own_lane(key)),
+        }
+    }
+
+    /// The turn for one attempt at `key`, or what the caller is told instead: a local caller
+    /// that holds or attempts the key answers for it (single flight: a caller that meets an
+    /// attempt still in flight waits for its answer rather than guess, or send another).
+    async fn try_turn_or_refusal(
+        self: &Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Turn, LockError> {
+        loop {
+            let evidence = match self.try_turn(key, mode) {
+                Ok(turn) => return Ok(turn),
+                Err(Occupied::Known(evidence)) => evidence,
+                Err(Occupied::Pending(answer)) => match answer.evidence().await {
+                    Some(evidence) => evidence,
+                    // The turn passed on without an answer: look again.
+                    None => continue,
+                },
+            };
+            return Err(refusal_error(evidence));
         }
     }
 
@@ -264,26 +352,16 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
         let runtime = current_runtime()?;
-        let turn = match self.try_turn(key, mode) {
-            Ok(turn) => turn,
-            Err(WaitEvidence::Contended) => return Err(LockError::busy()),
-            // An earlier attempt for this key is still running here and never reached the
-            // backend: during an outage, say so rather than claim the lock is taken.
-            Err(WaitEvidence::Unreached) => {
-                return Err(LockError::new(
-                    ErrorKind::Unavailable,
-                    "the backend did not answer the last attempt for this key",
-                ))
-            }
-            Err(WaitEvidence::Failing) => {
-                return Err(LockError::new(
-                    ErrorKind::Unavailable,
-                    "the backend answered the last attempt for this key with a failure",
-                ))
+        let turn = self.try_turn_or_refusal(key, mode).await?;
+        let probe = match self.admit() {
+            Ok(probe) => probe,
+            Err(refusal) => {
+                turn.note_attempt(Answer::Failed(refusal.cause.clone()));
+                return Err(failing_error(refusal));
             }
         };
         *attempts += 1;
-        match self.attempt(turn, mode).await {
+        match self.attempt(turn, mode, probe, false).await {
             (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, mode, acquired, sent)),
             (_, _, Ok(None)) => Err(LockError::busy()),
             (_, _, Err(error)) => Err(attempt_error(error)),
@@ -310,22 +388,30 @@ impl<B: LockBackend> Engine<B> {
         let mut attempted = false;
         let nobody_waits = |max_count| self.semaphore_room(max_count).occupied(key).is_none();
         if matches!(mode, LockMode::Semaphore { max_count } if nobody_waits(max_count)) {
-            *attempts += 1;
-            in_flight = Some(Instant::now());
-            let first = self.attempt(self.room.own_lane(key), mode);
-            let Ok((lane, sent, result)) = tokio::time::timeout_at(deadline, first).await else {
-                return Err(wait_outcome(
-                    timeout,
-                    latest,
-                    in_flight,
-                    self.options.max_retry_delay,
-                ));
-            };
-            in_flight = None;
-            match result {
-                Ok(Some(acquired)) => return Ok(self.hold(&runtime, lane, mode, acquired, sent)),
-                Ok(None) => latest = Latest::Busy,
-                Err(error) => latest = Latest::after_failure(error)?,
+            match self.admit() {
+                Ok(probe) => {
+                    *attempts += 1;
+                    in_flight = Some(Instant::now());
+                    let first = self.attempt(self.room.own_lane(key), mode, probe, false);
+                    let Ok((lane, sent, result)) = tokio::time::timeout_at(deadline, first).await
+                    else {
+                        return Err(wait_outcome(
+                            timeout,
+                            latest,
+                            in_flight,
+                            self.options.max_retry_delay,
+                        ));
+                    };
+                    in_flight = None;
+                    match result {
+                        Ok(Some(acquired)) => {
+                            return Ok(self.hold(&runtime, lane, mode, acquired, sent))
+                        }
+                        Ok(None) => latest = Latest::Busy,
+                        Err(error) => latest = Latest::after_failure(error)?,
+                    }
+                }
+                Err(refusal) => latest = Latest::after_failure(refusal.cause)?,
             }
             attempted = true;
         }
@@ -345,6 +431,9 @@ impl<B: LockBackend> Engine<B> {
         if skip_attempt {
             turn.note_attempt(latest.answer());
         }
+        // Whether the turn has an answer on record, which callers that meet the key read until
+        // the next attempt answers: they need to know when that attempt was sent.
+        let mut noted = skip_attempt;
         let mut turn = Some(turn);
         let waited = tokio::time::timeout_at(deadline, async {
             loop {
@@ -365,27 +454,33 @@ impl<B: LockBackend> Engine<B> {
                     let Some(current) = turn.take() else {
                         return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
                     };
-                    *attempts += 1;
-                    in_flight = Some(Instant::now());
-                    let (current, sent, result) = self.attempt(current, mode).await;
-                    in_flight = None;
-                    match result {
-                        Ok(Some(acquired)) => {
-                            let turn = match mode {
-                                // A semaphore holder keeps a lane of its own; the queue's turn
-                                // passes on now, so the next local waiter attempts at once.
-                                LockMode::Semaphore { .. } => {
-                                    let lane = self.room.own_lane(key);
-                                    drop(current);
-                                    lane
-                                }
-                                _ => current,
-                            };
-                            return Ok(self.hold(&runtime, turn, mode, acquired, sent));
+                    let current = match self.admit() {
+                        Err(refusal) => {
+                            // No request: the backend is failing and is not due to be asked.
+                            latest = Latest::after_failure(refusal.cause)?;
+                            current.note_attempt(latest.answer());
+                            noted = true;
+                            current
                         }
-                        Ok(None) => latest = Latest::Busy,
-                        Err(error) => latest = Latest::after_failure(error)?,
-                    }
+                        Ok(probe) => {
+                            *attempts += 1;
+                            in_flight = Some(Instant::now());
+                            let again = std::mem::replace(&mut noted, true);
+                            let (current, sent, result) =
+                                self.attempt(current, mode, probe, again).await;
+                            in_flight = None;
+                            match result {
+                                Ok(Some(acquired)) => {
+                                    return Ok(
+                                        self.hold_won(&runtime, current, mode, acquired, sent)
+                                    )
+                                }
+                                Ok(None) => latest = Latest::Busy,
+                                Err(error) => latest = Latest::after_failure(error)?,
+                            }
+                            current
+                        }
+                    };
                     turn = Some(current);
                 }
                 // Only a busy answer waits for the hint: after a failure the lock may well be
@@ -533,6 +628,10 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
         self.backend.supports(mode)
     }
 
+    fn current_failure(&self) -> Option<LockError> {
+        self.health.current_failure().map(failing_error)
+    }
+
     fn busy_keys(&self) -> usize {
         let rooms = self
             .semaphore_rooms
@@ -641,17 +740,54 @@ fn attempt_error(error: BackendError) -> LockError {
     }
 }
 
+/// What a `try_acquire` that could not enter is told: busy only on evidence that someone holds
+/// the key; the failure of the latest attempt as that failure.
+fn refusal_error(evidence: WaitEvidence) -> LockError {
+    match evidence {
+        WaitEvidence::Contended => LockError::busy(),
+        WaitEvidence::Failing(cause) => attempt_error(cause),
+        WaitEvidence::Unanswered => LockError::new(
+            ErrorKind::Unavailable,
+            "the backend did not answer the attempt in flight for this key",
+        ),
+    }
+}
+
+/// What a caller is told when its attempt is not sent because the backend is failing.
+fn failing_error(refusal: Refusal) -> LockError {
+    let now = Instant::now();
+    let failing_for = now.saturating_duration_since(refusal.since);
+    let asked_in = refusal.retry_at.saturating_duration_since(now);
+    let error = attempt_error(refusal.cause);
+    let message = format!(
+        "{} (not sent: the backend has been failing for {failing_for:?}, and is asked again in \
+         {asked_in:?})",
+        error.message()
+    );
+    error.with_message(message)
+}
+
+/// How a queued waiter's wait ends at its deadline, from what it knows about the key.
 fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError {
     match evidence {
         WaitEvidence::Contended => timeout_error(timeout),
-        WaitEvidence::Failing => LockError::new(
+        WaitEvidence::Failing(cause) if cause.is_transient() => {
+            let what = if cause.reached() {
+                "the backend answered the latest attempt for this key with a failure"
+            } else {
+                "the latest attempt for this key could not reach the backend"
+            };
+            let message = format!(
+                "{what} ({}), and the timeout of {timeout:?} ran out",
+                cause.message()
+            );
+            LockError::new(ErrorKind::Unavailable, message).with_source(cause)
+        }
+        WaitEvidence::Failing(cause) => attempt_error(cause),
+        WaitEvidence::Unanswered => LockError::new(
             ErrorKind::Unavailable,
-            format!(
-                "the backend answered the latest attempt for this key with a failure, and the \
-                 timeout of {timeout:?} ran out"
-            ),
+            format!("no attempt for this key was answered within the timeout of {timeout:?}"),
         ),
-        WaitEvidence::Unreached => unreachable_error(timeout),
     }
 }
 
@@ -675,28 +811,28 @@ enum Latest {
     NoAnswer,
     /// The backend answered "busy".
     Busy,
-    /// The backend answered with a failure it reported itself (a 5xx, a full lock table).
+    /// The attempt failed: the backend reported a failure itself (a 5xx, a full lock table), or
+    /// could not be reached ([`BackendError::reached`] tells which), or the attempt was not
+    /// sent because the backend was failing already.
     Failed(BackendError),
-    /// The attempt could not reach the backend, for this reason.
-    Unreached(BackendError),
 }
 
 impl Latest {
-    /// The answer this stands for, for callers queued behind.
+    /// The answer this stands for, for callers that meet the key.
     fn answer(&self) -> Answer {
         match self {
+            // Only noted after an attempt finished; "busy" is the answer that claims least.
             Latest::NoAnswer | Latest::Busy => Answer::Busy,
-            Latest::Failed(_) => Answer::Failed,
-            Latest::Unreached(_) => Answer::Unreached,
+            Latest::Failed(cause) => Answer::Failed(cause.clone()),
         }
     }
 
     /// What a failed attempt found; a failure no retry can fix ends the wait with its error.
     fn after_failure(error: BackendError) -> Result<Latest, LockError> {
-        match error {
-            error if error.is_transient() && error.reached() => Ok(Latest::Failed(error)),
-            error if error.is_transient() => Ok(Latest::Unreached(error)),
-            error => Err(attempt_error(error)),
+        if error.is_transient() {
+            Ok(Latest::Failed(error))
+        } else {
+            Err(attempt_error(error))
         }
     }
 }
@@ -728,7 +864,7 @@ fn wait_outcome(
     }
     match latest {
         Latest::Busy => timeout_error(timeout),
-        Latest::Failed(cause) => LockError::new(
+        Latest::Failed(cause) if cause.reached() => LockError::new(
             ErrorKind::Unavailable,
             format!(
                 "the backend answered the latest attempt with a failure ({}), and the timeout of {timeout:?} ran out",
@@ -737,7 +873,7 @@ fn wait_outcome(
         )
         .with_source(cause),
         Latest::NoAnswer => unreachable_error(timeout),
-        Latest::Unreached(cause) => LockError::new(
+        Latest::Failed(cause) => LockError::new(
             ErrorKind::Unavailable,
             format!(
                 "the latest attempt could not reach the backend ({}), and the timeout of {timeout:?} ran out",

@@ -13,7 +13,7 @@ use crate::clock::after;
 use super::schedule::StartKeeper;
 use super::{deadline_after, loss_deadline, Hold, HELD};
 use crate::backend::{BackendErrorKind, LeaseTiming, LockBackend};
-use crate::engine::backoff::Backoff;
+use crate::backoff::Backoff;
 use crate::telemetry::LossReason;
 
 impl<B: LockBackend> Hold<B> {

@@ -151,6 +151,13 @@ impl BackendError {
         &self.message
     }
 
+    /// The same failure told with another message (kind and cause unchanged).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn with_message(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
+    }
+
     /// Whether the backend answered before failing.
     pub(crate) fn reached(&self) -> bool {
         !matches!(self.kind, BackendErrorKind::Transient { reached: false })

@@ -24,6 +24,8 @@ pub(crate) trait AnyHold: Send + Sync {
     fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>>;
     fn release_in_background(self: Arc<Self>);
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync);
+    /// The address of the engine that holds the lock, which identifies its provider.
+    fn engine_address(&self) -> usize;
 }
 
 /// A held distributed lock.
@@ -222,6 +224,13 @@ impl LockView {
         } else {
             Err(LockError::lost(self.held.loss_reason()))
         }
+    }
+
+    /// Whether this lock was taken through `locks` (or a clone of it): the same provider, whose
+    /// keys are the same locks. Two layers of one request can tell with it that they would lock
+    /// the same key twice.
+    pub fn is_from(&self, locks: &crate::DistributedLock) -> bool {
+        self.held.engine_address() == locks.engine_address()
     }
 
     /// Runs `work` while the lock is held, dropping it the moment the lock is lost or released.

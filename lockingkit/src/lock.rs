@@ -161,6 +161,11 @@ impl DistributedLock {
         self.engine.waiting(key)
     }
 
+    /// The address of the engine, which identifies this provider (see `LockView::is_from`).
+    pub(crate) fn engine_address(&self) -> usize {
+        Arc::as_ptr(&self.engine).cast::<()>() as usize
+    }
+
     /// The backend, if it is of type `B` (for provider-specific controls).
     pub fn backend<B: LockBackend>(&self) -> Option<&B> {
         self.engine.backend_any().downcast_ref::<B>()

@@ -45,7 +45,8 @@ struct Slot {
     /// held here, so a caller that meets the key waits for the next party's own answer; a
     /// busy or failed answer stays evidence until then.
     inherited: bool,
-    /// When the active party's attempt in flight was sent.
+    /// When the active party's request in flight (an attempt, or the holder's release) was
+    /// sent.
     sent: Option<Instant>,
     /// Whether the active party holds the lock (as opposed to attempting it).
     held: bool,
@@ -317,10 +318,9 @@ impl Slot {
     /// attempt: that failure. No answer yet, or an attempt in flight for longer than
     /// `patience`: unanswered.
     fn evidence(&self, patience: Duration) -> WaitEvidence {
-        if self
-            .sent
-            .is_some_and(|sent| sent.elapsed() >= patience && !self.held)
-        {
+        // An attempt, or a holder's release, on its way for longer than a backend that answers
+        // takes: nothing is known, and a holder whose release hangs is no evidence of contention.
+        if self.sent.is_some_and(|sent| sent.elapsed() >= patience) {
             return WaitEvidence::Unanswered;
         }
         match &self.last_answer {
@@ -410,7 +410,8 @@ impl Turn {
         }
     }
 
-    /// Records that an attempt is on its way, for callers that meet it (see [`Occupied`]).
+    /// Records that an attempt (or the holder's release) is on its way, for callers that meet
+    /// it (see [`Occupied`]).
     pub(crate) fn note_sent(&self, at: Instant) {
         if self.own_lane {
             return;

@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use super::waiting_room::Turn;
 use super::Engine;
 use crate::backend::{Acquired, LeaseTiming, LockBackend};
-use crate::background::{traced, within, Orphanable};
+use crate::background::{traced, within, within_noting, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::AnyHold;
 use crate::telemetry::LossReason;
@@ -186,6 +186,13 @@ impl<B: LockBackend> Hold<B> {
         drop(turn);
     }
 
+    /// Tells the key's waiting room that the release is on its way.
+    fn note_releasing(&self) {
+        if let Some(turn) = &*self.turn.lock().unwrap_or_else(PoisonError::into_inner) {
+            turn.note_sent(Instant::now());
+        }
+    }
+
     /// Releases at the backend; the caller has already claimed the lock.
     pub(super) async fn release_claimed(&self) -> Result<(), LockError> {
         let telemetry = &self.engine.telemetry;
@@ -194,7 +201,10 @@ impl<B: LockBackend> Hold<B> {
         // Pinned where it is made and handed on by reference: each layer that took it by value
         // would copy the backend's future once more on every release.
         let release = std::pin::pin!(self.engine.backend.release(&self.lease));
-        let limited = std::pin::pin!(within(timeout, release));
+        // A release that does not answer at once is on its way: callers that meet the key
+        // learn of it, and one unanswered for longer than the engine's patience is an outage to
+        // them, not a holder they should call busy (see the waiting room).
+        let limited = std::pin::pin!(within_noting(timeout, release, || self.note_releasing()));
         let result = traced(span.clone(), limited).await;
         let result = match result {
             Some(Ok(())) => Ok(()),
@@ -287,6 +297,10 @@ impl<B: LockBackend> AnyHold for Hold<B> {
 
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync) {
         &self.lease
+    }
+
+    fn engine_address(&self) -> usize {
+        Arc::as_ptr(&self.engine).cast::<()>() as usize
     }
 }
 

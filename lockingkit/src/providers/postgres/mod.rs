@@ -54,6 +54,7 @@
 mod connection;
 mod errors;
 mod options;
+mod reconnect;
 mod session;
 mod sessions;
 mod tls;
@@ -175,14 +176,17 @@ impl PostgresBackend {
             return Err(LockError::misconfigured(problems));
         };
         tune_connection(&mut settings.config, options.query_timeout);
+        // Lock sessions and watchers back off together when the server refuses connections.
+        let reconnect = Arc::new(reconnect::Reconnect::new());
         let releases = watch::ReleaseWatch::new(
             settings.config.clone(),
             tls.clone(),
             options.max_wait_sessions,
+            reconnect.clone(),
         );
         let timeout = options.query_timeout;
         let max_sessions = options.session_budget();
-        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout);
+        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout, reconnect);
         let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
         Ok(PostgresBackend {
             inner: Arc::new(Backend {

@@ -43,8 +43,9 @@
 //!   still queued (the server drops it when the slice ends) or keeps it idle for [`LINGER`]
 //!   for another wait; a process that waits for nothing keeps nothing open.
 //! - At most `max_wait_sessions` keys are watched per backend at once; waits beyond that, and
-//!   waits while the server cannot be reached, are served by polling, which stays the fallback
-//!   and the cap in every case.
+//!   waits while the server cannot be reached (watchers connect through the backend's shared
+//!   reconnect backoff, see `reconnect`), are served by polling, which stays the fallback and
+//!   the cap in every case.
 //! - The lock is held only for the instant between the grant and the end of the statement; an
 //!   attempt of another process landing in that instant answers busy, and that process then
 //!   watches too. A queued watcher never waits long enough for the deadlock detector to look at
@@ -63,6 +64,9 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Config, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
+
+use super::errors::Stage;
+use super::reconnect::Reconnect;
 
 /// Queues for the key exclusively and gives it back in the same statement: it returns when the
 /// key is free of every holder, or fails with SQLSTATE 55P03 when the session's `lock_timeout`
@@ -106,9 +110,6 @@ const MAX_IDLE: usize = 2;
 /// survivors), so memory follows the keys waited for now.
 const FIRST_SWEEP: usize = 64;
 
-/// After a watcher could not connect, no new one starts for this long.
-const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
-
 /// The watchers of one backend and the waiters they wake.
 pub(super) struct ReleaseWatch {
     shared: Arc<WatchState>,
@@ -123,6 +124,8 @@ struct WatchState {
     max_watchers: usize,
     /// Sessions open for watchers, busy or idle.
     open: Arc<AtomicUsize>,
+    /// The backend's connect backoff, shared with its lock sessions.
+    reconnect: Arc<Reconnect>,
 }
 
 #[derive(Default)]
@@ -135,8 +138,6 @@ struct Keys {
     watchers: usize,
     /// Numbers idle sessions, so a lingering one can be found again.
     next_session: u64,
-    /// No watcher starts before this (set after a failed connect).
-    quiet_until: Option<Instant>,
 }
 
 struct WatchedKey {
@@ -155,7 +156,12 @@ struct KeyWatch {
 }
 
 impl ReleaseWatch {
-    pub(super) fn new(config: Config, tls: MakeRustlsConnect, max_watchers: usize) -> Self {
+    pub(super) fn new(
+        config: Config,
+        tls: MakeRustlsConnect,
+        max_watchers: usize,
+        reconnect: Arc<Reconnect>,
+    ) -> Self {
         ReleaseWatch {
             shared: Arc::new(WatchState {
                 keys: Mutex::new(Keys::default()),
@@ -164,6 +170,7 @@ impl ReleaseWatch {
                 stop: CancellationToken::new(),
                 max_watchers,
                 open: Arc::new(AtomicUsize::new(0)),
+                reconnect,
             }),
         }
     }
@@ -256,7 +263,8 @@ impl WatchState {
             return;
         };
         entry.key.attempts.send_modify(|attempts| *attempts += 1);
-        let quiet = keys.quiet_until.is_some_and(|until| Instant::now() < until);
+        // While connecting fails, waiters poll: a watcher could not connect either.
+        let quiet = self.reconnect.is_failing();
         if let (false, false, true, Some(runtime)) = (
             entry.watched,
             quiet,
@@ -269,13 +277,10 @@ impl WatchState {
         }
     }
 
-    /// A watcher ended; `connect_failed` holds new watchers back for a while.
-    fn watcher_ended(&self, advisory_key: i64, connect_failed: bool) {
+    /// A watcher ended.
+    fn watcher_ended(&self, advisory_key: i64) {
         let mut keys = self.keys();
         keys.watchers = keys.watchers.saturating_sub(1);
-        if connect_failed {
-            keys.quiet_until = Some(Instant::now() + CONNECT_BACKOFF);
-        }
         if let std::collections::hash_map::Entry::Occupied(mut entry) =
             keys.by_key.entry(advisory_key)
         {
@@ -344,11 +349,18 @@ impl WatchState {
             .get_connect_timeout()
             .copied()
             .unwrap_or(SLICE_GRACE);
+        let connect = async {
+            match tokio::time::timeout(timeout, self.config.connect(self.tls.clone())).await {
+                Ok(Ok(pair)) => Ok(pair),
+                Ok(Err(error)) => Err(super::errors::query_error(error, Stage::Connect)),
+                Err(_) => Err(super::errors::timed_out(Stage::Connect, timeout)),
+            }
+        };
         let connecting = tokio::select! {
             _ = self.stop.cancelled() => return None,
-            connecting = tokio::time::timeout(timeout, self.config.connect(self.tls.clone())) => connecting,
+            connecting = self.reconnect.connect(connect) => connecting,
         };
-        let (client, connection) = connecting.ok()?.ok()?;
+        let (client, connection) = connecting.ok()?;
         let driver = tokio::spawn(async move {
             let _ = connection.await;
         });
@@ -414,7 +426,6 @@ async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>)
         None if shared.stop.is_cancelled() => WatcherExit::Done,
         None => WatcherExit::ConnectFailed,
     };
-    let connect_failed = matches!(end, WatcherExit::ConnectFailed);
     match end {
         WatcherExit::Clean(session) => shared.keep_idle(*session),
         WatcherExit::Done => {}
@@ -423,7 +434,7 @@ async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>)
             key.wake.send_replace(());
         }
     }
-    shared.watcher_ended(advisory_key, connect_failed);
+    shared.watcher_ended(advisory_key);
 }
 
 /// Whether the key's waiters are gone for good: not back within [`GRACE`] (the engine makes a
@@ -574,6 +585,9 @@ mod tests {
             .expect("woken, so the waiter polls instead of waiting on a dead watcher");
         let keys = backend.inner.releases.shared.keys();
         assert_eq!(keys.watchers, 0);
-        assert!(keys.quiet_until.is_some(), "no new watcher for a while");
+        assert!(
+            backend.inner.releases.shared.reconnect.is_failing(),
+            "no new watcher for a while"
+        );
     }
 }

@@ -11,9 +11,10 @@
 //! told only what there is evidence for. *Contended* needs evidence that someone holds the key:
 //! it is held here, or the backend answered the latest attempt "busy". A failed latest attempt
 //! is reported as that failure, with its cause. With no answer yet since the active party took
-//! its turn, a `try_acquire` waits for that attempt's answer (single flight: it makes no request
-//! of its own, and a request of its own would only be refused the same way), for at most the
-//! room's *patience*; an attempt unanswered for longer than that is an outage, not contention.
+//! its turn, or while a holder's release is on its way, a `try_acquire` waits for that answer
+//! (single flight: it makes no request of its own, and a request of its own would only be
+//! refused the same way), for at most the room's *patience*; a request unanswered for longer
+//! than that is an outage, not contention.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -332,7 +333,10 @@ impl Slot {
     /// What a caller that cannot enter learns now, or the answer it should wait for.
     fn occupied(&mut self, patience: Duration) -> Occupied {
         let released = self.inherited && matches!(self.last_answer, Some(Answer::Took));
-        if self.held || (self.last_answer.is_some() && !released) {
+        // A holder whose release is on its way is giving the key up: what the caller should be
+        // told comes after the release's answer, like an attempt's.
+        let releasing = self.held && self.sent.is_some();
+        if !releasing && (self.held || (self.last_answer.is_some() && !released)) {
             return Occupied::Known(self.evidence(patience));
         }
         let now = Instant::now();
@@ -430,7 +434,8 @@ impl Turn {
         self.room.update(&self.key, self.id, |slot| {
             slot.held = matches!(answer, Answer::Took);
             slot.sent = None;
-            if let Some(answers) = &slot.answers {
+            // Callers waiting for this answer get it; later ones wait for the next.
+            if let Some(answers) = slot.answers.take() {
                 answers.send_replace(Some(answer.clone()));
             }
             slot.last_answer = Some(answer);

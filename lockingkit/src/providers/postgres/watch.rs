@@ -31,11 +31,14 @@
 //! A statement that waits in a lock queue keeps a snapshot (`backend_xmin`) for as long as it
 //! waits: VACUUM cannot remove rows that died after it, and CREATE INDEX CONCURRENTLY waits for
 //! it — and deadlocks against a holder that runs one. So a watcher never waits long in one
-//! statement: its session sets `lock_timeout` to [`SLICE`] (or half the server's
-//! `deadlock_timeout`, if that is shorter), and a statement that times out is sent again at
-//! once. Each snapshot lives at most one slice; the deadlock detector, which looks only after
-//! `deadlock_timeout`, finds the wait already gone. A release between two slices is seen by the
-//! next one, which is granted at once, so nothing is missed.
+//! statement: each waits at most [`SLICE`] (or half the server's `deadlock_timeout`, if that is
+//! shorter) under `lock_timeout`, and one that times out is sent again at once. Each snapshot
+//! lives at most one slice; the deadlock detector, which looks only after `deadlock_timeout`,
+//! finds the wait already gone. A release between two slices is seen by the next one, which is
+//! granted at once, so nothing is missed. A slice is one call of the watch function (see
+//! `schema`), which catches the timeout, so the server logs nothing; without the function (a
+//! role that may not create it, and nobody did) it is a plain statement whose timeout the
+//! server logs as an ERROR.
 //!
 //! - A watcher starts with the key's first wait and watches again only after its waiter's next
 //!   attempt, so a lock that is free while attempts fail for another reason cannot spin it.
@@ -67,10 +70,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::errors::Stage;
 use super::reconnect::Reconnect;
+use super::schema::Schema;
 
-/// Queues for the key exclusively and gives it back in the same statement: it returns when the
-/// key is free of every holder, or fails with SQLSTATE 55P03 when the session's `lock_timeout`
-/// ends the slice. The subquery runs first, so the unlock follows the grant. For writers.
+/// Without the watch function (see `schema`): queues for the key exclusively and gives it back
+/// in the same statement: it returns when the key is free of every holder, or fails with
+/// SQLSTATE 55P03 when the session's `lock_timeout` ends the slice (which the server logs as
+/// an ERROR). The subquery runs first, so the unlock follows the grant. For writers.
 const WATCH: &str = "SELECT pg_advisory_unlock($1::bigint) \
                      FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted";
 
@@ -81,6 +86,8 @@ const WATCH_SHARED: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
 
 /// The longest one watch statement (and so its snapshot) lives.
 const SLICE: Duration = Duration::from_millis(500);
+/// [`SLICE`] as the watch function takes it.
+const SLICE_MS: i32 = 500;
 
 /// Sets the session's `lock_timeout` to [`SLICE`], or to half the server's `deadlock_timeout`
 /// when that is shorter (at least 10 ms), so that a wait ends before the deadlock detector
@@ -126,6 +133,8 @@ struct WatchState {
     open: Arc<AtomicUsize>,
     /// The backend's connect backoff, shared with its lock sessions.
     reconnect: Arc<Reconnect>,
+    /// Names the watch function, which keeps the server's log clean (see `schema`).
+    schema: Arc<Schema>,
 }
 
 #[derive(Default)]
@@ -161,6 +170,7 @@ impl ReleaseWatch {
         tls: MakeRustlsConnect,
         max_watchers: usize,
         reconnect: Arc<Reconnect>,
+        schema: Arc<Schema>,
     ) -> Self {
         ReleaseWatch {
             shared: Arc::new(WatchState {
@@ -171,6 +181,7 @@ impl ReleaseWatch {
                 max_watchers,
                 open: Arc::new(AtomicUsize::new(0)),
                 reconnect,
+                schema,
             }),
         }
     }
@@ -310,15 +321,23 @@ enum WatcherExit {
 /// queued when its slice ends.
 struct WatchSession {
     client: tokio_postgres::Client,
-    /// [`WATCH`] and [`WATCH_SHARED`], prepared once: a slice is sent every half second while a
-    /// key stays busy.
-    watch: Statement,
-    watch_shared: Statement,
+    /// The statements of a slice, prepared once: one is sent every half second while a key
+    /// stays busy.
+    slices: SliceStatements,
     driver: tokio::task::JoinHandle<()>,
     idle_since: Instant,
     /// Numbers the session while it lingers idle.
     id: u64,
     open: Arc<AtomicUsize>,
+}
+
+/// How a watcher waits one slice.
+enum SliceStatements {
+    /// The watch function: answers whether the key was free, logging nothing.
+    Function(Statement),
+    /// [`WATCH`] and [`WATCH_SHARED`] under the session's `lock_timeout`, for a database
+    /// without the function.
+    Plain { watch: Statement, shared: Statement },
 }
 
 impl Drop for WatchSession {
@@ -367,21 +386,30 @@ impl WatchState {
         self.open.fetch_add(1, Ordering::Relaxed);
         let open = self.open.clone();
         let setup = async {
+            let function = client
+                .query_one(&self.schema.function_exists(), &[])
+                .await?
+                .try_get::<_, bool>(0)?;
+            if function {
+                let watch = self.schema.watch_statement();
+                let types = [Type::INT8, Type::BOOL, Type::INT4];
+                let watch = client.prepare_typed(&watch, &types).await?;
+                return Ok::<_, tokio_postgres::Error>(SliceStatements::Function(watch));
+            }
             client.batch_execute(SET_SLICE).await?;
             let watch = client.prepare_typed(WATCH, &[Type::INT8]).await?;
             let shared = client.prepare_typed(WATCH_SHARED, &[Type::INT8]).await?;
-            Ok::<_, tokio_postgres::Error>((watch, shared))
+            Ok(SliceStatements::Plain { watch, shared })
         };
         let setup = tokio::time::timeout(timeout, setup).await;
-        let Ok(Ok((watch, watch_shared))) = setup else {
+        let Ok(Ok(slices)) = setup else {
             driver.abort();
             open.fetch_sub(1, Ordering::Relaxed);
             return None;
         };
         Some(WatchSession {
             client,
-            watch,
-            watch_shared,
+            slices,
             driver,
             idle_since: Instant::now(),
             id: 0,
@@ -522,12 +550,28 @@ async fn watch_until_free(
         if key.wake.receiver_count() == 0 && waiters_left(key).await {
             return Slices::Left;
         }
-        let statement = if key.writer_waits.load(Ordering::Acquire) {
-            &session.watch
-        } else {
-            &session.watch_shared
+        let exclusive = key.writer_waits.load(Ordering::Acquire);
+        let statement = async {
+            match &session.slices {
+                SliceStatements::Function(watch) => {
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                        [&advisory_key, &exclusive, &SLICE_MS];
+                    let row = session.client.query_one(watch, &params).await?;
+                    Ok(row.try_get::<_, bool>(0)?)
+                }
+                SliceStatements::Plain { watch, shared } => {
+                    let statement = if exclusive { watch } else { shared };
+                    match session.client.query_one(statement, &params).await {
+                        Ok(_) => Ok(true),
+                        // The slice ended with the key still taken.
+                        Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                            Ok(false)
+                        }
+                        Err(error) => Err(error),
+                    }
+                }
+            }
         };
-        let statement = session.client.query_one(statement, &params);
         tokio::pin!(statement);
         let overdue = tokio::time::sleep(SLICE + SLICE_GRACE);
         tokio::pin!(overdue);
@@ -546,9 +590,9 @@ async fn watch_until_free(
             }
         };
         match answer {
-            Ok(_) => return Slices::Freed,
+            Ok(true) => return Slices::Freed,
             // The slice ended with the key still taken: the next one queues again.
-            Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {}
+            Ok(false) => {}
             Err(_) => return Slices::Failed,
         }
     }

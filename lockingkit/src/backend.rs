@@ -311,6 +311,26 @@ pub trait LockBackend: Send + Sync + 'static {
         std::future::pending()
     }
 
+    /// Optional: checks over the network what building the backend could not — that the
+    /// server answers, accepts the credentials and has (or lets us create) what locks need —
+    /// so that a deployment that cannot lock fails at startup.
+    /// [`DistributedLock::verify`](crate::DistributedLock::verify) and
+    /// [`Locking::verify`](crate::Locking::verify) call it. It must take no lock, cost a few
+    /// round trips, and leave nothing open. Misconfiguration is
+    /// [`BackendErrorKind::Misconfigured`], a server that does not answer
+    /// [`BackendErrorKind::Transient`]. The default checks nothing.
+    fn verify(&self) -> impl Future<Output = Result<(), BackendError>> + Send {
+        std::future::ready(Ok(()))
+    }
+
+    /// Optional: closes what the backend keeps open (connections, background tasks).
+    /// [`DistributedLock::shutdown`](crate::DistributedLock::shutdown) calls it last, once
+    /// every lock of the engine is released. Locks taken on this backend afterwards may fail;
+    /// the engine refuses new ones first. The default does nothing.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+
     /// Optional, for [`LeaseTiming::Expiring`] backends: whether
     /// [`lease_ended`](Self::lease_ended) can resolve for their leases. When `true`, the
     /// engine starts watching each hold shortly (about 10 ms) after the acquire rather than

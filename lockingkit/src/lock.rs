@@ -150,6 +150,44 @@ impl DistributedLock {
         self.engine.current_failure()
     }
 
+    /// Checks over the network, once at startup, what building could not: that the backend
+    /// answers, accepts the credentials and has what locks need (see each provider's guide for
+    /// what its check sends and costs). Takes no lock and leaves nothing open.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) naming what is
+    /// wrong, or [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when the backend does
+    /// not answer. [`Locking::verify`](crate::Locking::verify) checks every provider of a
+    /// registry.
+    pub async fn verify(&self) -> Result<(), LockError> {
+        self.engine.verify().await
+    }
+
+    /// Shuts the provider down within `timeout`: refuses new acquires (callers get
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)), ends waits, gives up every
+    /// lock still held (their lost tokens fire first, so work tied to them stops), waits for
+    /// those releases and for attempts whose callers went away, then closes what the backend
+    /// keeps open (PostgreSQL's sessions). Call it as the process stops, after your server has
+    /// drained its requests, so that no lease outlives the process and no session lingers.
+    ///
+    /// Every clone of this `DistributedLock` is shut down with it; a PostgreSQL backend shared
+    /// by several providers (clones of one `PostgresBackend`) closes its sessions for all of
+    /// them. `Err` of kind `Unavailable` if something was still outstanding at the timeout:
+    /// the backend then frees it when the lease expires or the connection closes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lockingkit::LockError> {
+    /// let locks = lockingkit::DistributedLock::in_memory();
+    /// let job = locks.try_acquire("jobs/nightly").await?;
+    /// locks.shutdown(Duration::from_secs(5)).await?;
+    /// assert!(!job.is_held(), "given up at shutdown");
+    /// # Ok(()) }
+    /// ```
+    pub async fn shutdown(&self, timeout: Duration) -> Result<(), LockError> {
+        self.engine.clone().shutdown(timeout).await
+    }
+
     /// How many keys this provider is currently holding, attempting or queueing for.
     pub fn active_keys(&self) -> usize {
         self.engine.busy_keys()

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 pub use options::LockOptions;
 
@@ -30,6 +31,9 @@ use waiting_room::{Answer, Arrival, Occupied, Turn, WaitEvidence, WaitingRoom};
 /// `Engine::keeper_starts_after`). Loss through a closed connection is declared at most this
 /// much later than the backend notices it, and still long before the next check.
 const CONNECTION_WATCH_DELAY: Duration = Duration::from_millis(10);
+
+/// How often a shutdown looks whether every lock and attempt has ended.
+const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
 
 /// The shortest lease, check interval or renewal interval the engine accepts.
 const SHORTEST_INTERVAL: Duration = Duration::from_millis(1);
@@ -53,6 +57,11 @@ pub(crate) trait AnyEngine: Send + Sync {
     fn supports(&self, mode: LockMode) -> bool;
     /// The failure callers are refused with while the backend is failing.
     fn current_failure(&self) -> Option<LockError>;
+    /// The backend's own startup check (see `LockBackend::verify`).
+    fn verify(&self) -> BoxFuture<'_, Result<(), LockError>>;
+    /// Refuses new acquires, gives up every lock, waits for the releases and clean-ups, then
+    /// closes the backend; all within `timeout`.
+    fn shutdown(self: Arc<Self>, timeout: Duration) -> BoxFuture<'static, Result<(), LockError>>;
     fn busy_keys(&self) -> usize;
     fn waiting(&self, key: &str) -> usize;
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
@@ -72,6 +81,9 @@ pub(crate) struct Engine<B: LockBackend> {
     /// Whether the backend is failing: while it is, one attempt at a time goes out and the
     /// other callers are refused with the latest cause (see `crate::health`).
     health: Arc<Health>,
+    /// Cancelled by [`shutdown`](AnyEngine::shutdown): new acquires are refused, waits end,
+    /// and every keeper gives its lock up.
+    pub(super) closed: CancellationToken,
     telemetry: Telemetry,
 }
 
@@ -155,6 +167,7 @@ impl<B: LockBackend> Engine<B> {
             semaphore_rooms: Mutex::default(),
             scheduler: Arc::new(RenewalScheduler::default()),
             health: Arc::new(health),
+            closed: CancellationToken::new(),
             telemetry,
         }
     }
@@ -264,6 +277,10 @@ impl<B: LockBackend> Engine<B> {
         ));
         self.telemetry.lock_taken();
         held.schedule();
+        if self.closed.is_cancelled() {
+            // Won as the engine shut down: the keeper gives it up at once.
+            self.scheduler.start_all();
+        }
         LockHandle::new(held)
     }
 
@@ -547,6 +564,41 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
+    /// See [`AnyEngine::shutdown`]. Holds give their locks up through their keepers (started
+    /// now for those still waiting for theirs), so a release answers as it does for a dropped
+    /// handle; the engine is done once no key has an active party any more: every hold ended,
+    /// every attempt (an orphaned one's clean-up included) finished.
+    async fn shut_down(&self, timeout: Duration) -> Result<(), LockError> {
+        let deadline = crate::clock::in_(timeout);
+        self.closed.cancel();
+        self.scheduler.start_all();
+        // Nothing signals the last turn's end, and a shutdown is rare: look every few ms.
+        while AnyEngine::busy_keys(self) > 0 {
+            if Instant::now() >= deadline {
+                return Err(LockError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "the shutdown did not finish within {timeout:?}: {} locks or attempts \
+                         were still outstanding (their leases expire, or their connections \
+                         close, at the backend)",
+                        AnyEngine::busy_keys(self)
+                    ),
+                ));
+            }
+            tokio::time::sleep(SHUTDOWN_POLL).await;
+        }
+        if tokio::time::timeout_at(deadline, self.backend.shutdown())
+            .await
+            .is_err()
+        {
+            return Err(LockError::new(
+                ErrorKind::Unavailable,
+                format!("the backend did not close within the shutdown's {timeout:?}"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Starts recording an acquire call: its span, and its outcome when it ends.
     fn record(&self, operation: Operation, mode: LockMode) -> AcquireRecord<'_> {
         AcquireRecord {
@@ -571,11 +623,16 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<LockHandle, LockError> {
         let mut record = self.record(Operation::TryAcquire, mode);
         let span = record.span.clone();
-        let result = background::traced(
-            span,
-            self.try_acquire_inner(key, mode, &mut record.attempts),
-        )
-        .await;
+        let result = match self.closed.is_cancelled() {
+            true => Err(shut_down_error()),
+            false => {
+                background::traced(
+                    span,
+                    self.try_acquire_inner(key, mode, &mut record.attempts),
+                )
+                .await
+            }
+        };
         record.finish(&result);
         result
     }
@@ -588,11 +645,16 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<LockHandle, LockError> {
         let mut record = self.record(Operation::Acquire, mode);
         let span = record.span.clone();
-        let result = background::traced(
+        let waiting = background::traced(
             span,
             self.acquire_inner(key, mode, timeout, &mut record.attempts),
-        )
-        .await;
+        );
+        // A shutdown ends every wait; an attempt in flight finishes in the background.
+        let result = tokio::select! {
+            biased;
+            _ = self.closed.cancelled() => Err(shut_down_error()),
+            result = waiting => result,
+        };
         record.finish(&result);
         result
     }
@@ -630,6 +692,19 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
 
     fn current_failure(&self) -> Option<LockError> {
         self.health.current_failure().map(failing_error)
+    }
+
+    fn verify(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            self.backend
+                .verify()
+                .await
+                .map_err(BackendError::into_lock_error)
+        })
+    }
+
+    fn shutdown(self: Arc<Self>, timeout: Duration) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move { self.shut_down(timeout).await })
     }
 
     fn busy_keys(&self) -> usize {
@@ -789,6 +864,11 @@ fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError {
             format!("no attempt for this key was answered within the timeout of {timeout:?}"),
         ),
     }
+}
+
+/// What a caller of an engine that was shut down is told.
+fn shut_down_error() -> LockError {
+    LockError::new(ErrorKind::Unavailable, "the lock provider was shut down")
 }
 
 fn timeout_error(timeout: Duration) -> LockError {

@@ -223,6 +223,14 @@ impl<B: LockBackend> Hold<B> {
         result
     }
 
+    /// Called by the keeper when the engine shuts down: gives the lock up as a dropped handle
+    /// would (the lost token fires first), unless it was released or lost meanwhile.
+    pub(super) async fn release_at_shutdown(&self) {
+        if self.claim(DROPPED) {
+            let _ = self.release_claimed().await;
+        }
+    }
+
     /// Called by the keeper when it can no longer vouch for the lock.
     pub(super) async fn declare_lost(&self, reason: LossReason) {
         if !self.claim(lost_state(reason)) {

@@ -602,6 +602,29 @@ impl LockBackend for PostgresBackend {
             .subscribe(PostgresLockKeys::advisory_key(key))
     }
 
+    /// One throwaway session of its own (not one of the lock sessions): connects and
+    /// authenticates, checks the fencing sequence and the watch function, creating them if
+    /// missing and allowed, and closes. Two or three round trips after the connect; no lock.
+    async fn verify(&self) -> Result<(), BackendError> {
+        let session = Box::pin(Session::open(
+            self.inner.sessions.config(),
+            self.inner.sessions.tls(),
+            self.inner.timeout,
+            Arc::new(tokio::sync::Notify::new()),
+        ))
+        .await?;
+        let checked = Box::pin(self.ensure_fencing(&session)).await;
+        session.close();
+        checked
+    }
+
+    /// Closes every lock session and watcher. Called once the engine has released its locks;
+    /// clones of this backend lose their sessions too.
+    async fn shutdown(&self) {
+        self.inner.releases.stop();
+        self.inner.sessions.close_all();
+    }
+
     fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {
         lease.session.ended().clone().cancelled_owned()
     }

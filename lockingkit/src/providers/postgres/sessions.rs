@@ -197,6 +197,16 @@ impl SessionSet {
         Ok(Reservation::new(session, attempt, false, self.timeout))
     }
 
+    /// The connection settings sessions open with.
+    pub(super) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The TLS connector sessions open with.
+    pub(super) fn tls(&self) -> &MakeRustlsConnect {
+        &self.tls
+    }
+
     /// Closes every session; their locks are lost.
     pub(super) fn close_all(&self) {
         for session in self.slots().open.drain(..) {

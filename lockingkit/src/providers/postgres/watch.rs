@@ -219,10 +219,17 @@ impl ReleaseWatch {
     }
 }
 
-impl Drop for ReleaseWatch {
-    fn drop(&mut self) {
+impl ReleaseWatch {
+    /// Ends every watcher and closes their sessions: waiters poll from now on.
+    pub(super) fn stop(&self) {
         self.shared.stop.cancel();
         self.shared.keys().idle.clear();
+    }
+}
+
+impl Drop for ReleaseWatch {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

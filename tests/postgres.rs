@@ -776,6 +776,63 @@ async fn a_wrong_password_or_a_missing_database_is_misconfigured() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_checks_the_server_the_credentials_and_the_fencing_objects_at_startup() {
+    let mut server = PostgresServer::start_local().await;
+    let admin = server.connect().await;
+    let objects = async |admin: &tokio_postgres::Client| -> (bool, bool) {
+        let row = admin
+            .query_one(
+                "SELECT to_regclass('lockingkit.fencing_tokens') IS NOT NULL, \
+                 to_regprocedure('lockingkit.watch_advisory_lock(bigint, boolean, integer)') IS NOT NULL",
+                &[],
+            )
+            .await
+            .expect("catalog");
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(objects(&admin).await, (false, false));
+    let locks = process(&server);
+    locks.verify().await.expect("a working server verifies");
+    assert_eq!(objects(&admin).await, (true, true), "created at the check");
+    assert_eq!(
+        backend(&locks).open_sessions(),
+        0,
+        "the check's session is its own, and closed"
+    );
+
+    let wrong = server.create_password_role("right-horse", "hunter2").await;
+    let error = lock_on(PostgresOptions::new(wrong))
+        .verify()
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(error.to_string().contains("credentials"), "{error}");
+    assert!(!format!("{error} {error:?}").contains("hunter2"));
+    let missing = lock_on(PostgresOptions::new(
+        server.connection_string_for_database("no_such_database"),
+    ));
+    let error = missing.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(error.to_string().contains("database"), "{error}");
+
+    // Through the registry, each problem is prefixed with its section.
+    let locking = lockingkit::Locking::from_config(lockingkit::LockingConfig::new().with_section(
+        "Default",
+        serde_json::json!({
+            "provider": "postgres",
+            "connection_string": server.connection_string_for_database("no_such_database"),
+        }),
+    ))
+    .expect("valid configuration");
+    let error = locking.verify().await.unwrap_err();
+    assert!(error.to_string().contains("Locking.Default:"), "{error}");
+
+    server.kill();
+    let error = locks.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_is_down_is_unavailable_not_busy_or_timed_out() {
     let mut server = PostgresServer::start_local().await;
     let locks = process(&server);

@@ -231,3 +231,87 @@ async fn a_template_naming_a_parameter_the_route_lacks_is_a_500_logged_once() {
     assert_eq!(errors.count(), 1);
     assert_eq!(locks.active_keys(), 0, "nothing was locked");
 }
+
+/// A backend whose startup check fails with `Misconfigured` and counts how often it runs.
+#[derive(Clone, Default)]
+struct Unverifiable {
+    checks: Arc<AtomicUsize>,
+}
+
+impl lockingkit::LockBackend for Unverifiable {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "unverifiable"
+    }
+    fn timing(&self) -> lockingkit::LeaseTiming {
+        lockingkit::LeaseTiming::Expiring(Duration::from_secs(30))
+    }
+    async fn try_acquire(
+        &self,
+        _key: &str,
+    ) -> Result<Option<lockingkit::Acquired<()>>, lockingkit::BackendError> {
+        Ok(None)
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), lockingkit::BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), lockingkit::BackendError> {
+        Ok(())
+    }
+    async fn verify(&self) -> Result<(), lockingkit::BackendError> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        Err(lockingkit::BackendError::misconfigured(
+            "the container does not exist",
+        ))
+    }
+}
+
+#[tokio::test]
+async fn the_readiness_endpoint_reports_an_outage_and_a_failed_startup_check_as_503() {
+    use lockingkit_axum::Readiness;
+
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let app = Router::new().route_service("/ready", Readiness::of([locks.clone()]));
+    let addr = serve(app).await;
+    let ready = guarded(support::get(addr, "/ready")).await;
+    assert_eq!(ready.status, StatusCode::OK, "{ready:?}");
+    assert_eq!(ready.text(), r#"{"status":"ready"}"#);
+
+    // An attempt fails: the provider is failing until one is answered again.
+    store.set_unavailable(true);
+    assert!(locks.try_acquire("k").await.is_err());
+    let down = guarded(support::get(addr, "/ready")).await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE, "{down:?}");
+    assert_eq!(down.code(), "locking.unavailable");
+    assert!(down.retry_after().is_some());
+    store.set_unavailable(false);
+    tokio::time::sleep(Duration::from_millis(100)).await; // the first probe is due by then
+    locks
+        .try_acquire("k")
+        .await
+        .expect("answered again")
+        .release()
+        .await
+        .expect("release");
+    assert_eq!(
+        guarded(support::get(addr, "/ready")).await.status,
+        StatusCode::OK
+    );
+
+    // A provider whose startup check fails is not ready, and probes do not hammer it.
+    let backend = Unverifiable::default();
+    let checks = backend.checks.clone();
+    let broken = DistributedLock::builder(backend).build().expect("provider");
+    let addr = serve(Router::new().route_service("/ready", Readiness::of([broken]))).await;
+    for _ in 0..5 {
+        let reply = guarded(support::get(addr, "/ready")).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+        assert_eq!(reply.code(), "locking.misconfigured");
+        assert!(
+            !reply.text().contains("container"),
+            "no internals in the document"
+        );
+    }
+    assert_eq!(checks.load(Ordering::SeqCst), 1, "one check per 5 s");
+}

@@ -32,12 +32,15 @@
 #![warn(unreachable_pub)]
 
 mod lock;
+mod readiness;
 
 pub use lock::{
     LockBody, LockKey, LockLayer, LockRejection, LockService, OnLoss, ProblemDetails,
     ProblemDocument, RejectionResponse, RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
     DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
+
+pub use readiness::Readiness;
 
 /// The error type of a [`LockBody`]: the inner body's error, or a [`lockingkit::LockError`]
 /// when the lock is lost while the body streams.

@@ -11,6 +11,7 @@ use crate::engine::{AnyEngine, Engine, LockOptions};
 use crate::error::LockError;
 use crate::handle::LockHandle;
 use crate::providers::memory::{MemoryBackend, MemoryStore};
+use crate::telemetry::KeyDigest;
 
 /// The name of the provider a plain `DistributedLock` stands for.
 pub(crate) const DEFAULT_NAME: &str = "Default";
@@ -68,6 +69,7 @@ impl DistributedLock {
             name: DEFAULT_NAME.to_owned(),
             options: LockOptions::default(),
             meter: None,
+            key_digest: None,
         }
     }
 
@@ -232,6 +234,7 @@ pub struct DistributedLockBuilder<B> {
     name: String,
     options: LockOptions,
     meter: Option<Meter>,
+    key_digest: Option<KeyDigest>,
 }
 
 impl<B: LockBackend> DistributedLockBuilder<B> {
@@ -265,10 +268,34 @@ impl<B: LockBackend> DistributedLockBuilder<B> {
         self
     }
 
+    /// Records a keyed digest of each lock's key as `lockingkit.key.digest` on the acquire and
+    /// release spans and on the loss log line, so that what happened to one key can be found
+    /// across spans, logs and instances without recording the key (keys routinely carry
+    /// customer ids). The digest is the first 8 bytes of HMAC-SHA256 of the key under
+    /// `secret`, as 16 hex digits: give every instance the same secret to correlate across
+    /// them, and keep it as secret as the keys, since with it a guessed key can be checked.
+    /// Off unless set.
+    pub fn key_digests(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.key_digest = Some(KeyDigest::new(secret.as_ref()));
+        self
+    }
+
+    /// The digests a registry's host asked for (see [`key_digests`](Self::key_digests)).
+    pub(crate) fn with_key_digest(mut self, key_digest: Option<KeyDigest>) -> Self {
+        self.key_digest = key_digest;
+        self
+    }
+
     /// Validates the options and builds the provider.
     pub fn build(self) -> Result<DistributedLock, LockError> {
         let meter = self.meter.unwrap_or_else(crate::telemetry::global_meter);
-        let engine = Engine::new(&self.name, self.backend, self.options, &meter)?;
+        let engine = Engine::new(
+            &self.name,
+            self.backend,
+            self.options,
+            &meter,
+            self.key_digest,
+        )?;
         Ok(DistributedLock {
             engine: Arc::new(engine),
         })
@@ -280,7 +307,7 @@ impl DistributedLockBuilder<MemoryBackend> {
     /// infallible without a panic path.
     fn build_infallible_default(self) -> DistributedLock {
         let meter = crate::telemetry::global_meter();
-        let engine = Engine::new_unchecked(&self.name, self.backend, self.options, &meter);
+        let engine = Engine::new_unchecked(&self.name, self.backend, self.options, &meter, None);
         DistributedLock {
             engine: Arc::new(engine),
         }

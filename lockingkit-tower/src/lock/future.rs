@@ -238,6 +238,7 @@ where
         tracing::warn!(
             lock = config.locks.name(),
             fencing_token = handle.as_ref().map(LockHandle::fencing_token),
+            key_digest = handle.as_ref().and_then(LockHandle::key_digest),
             reason = error.message(),
             "the lock was lost while the request was being handled; the handler was stopped and \
              the client is told the outcome is unknown"

@@ -20,7 +20,7 @@ use crate::error::{ErrorKind, LockError};
 use crate::handle::LockHandle;
 use crate::health::{Admission, Health, Probe, Refusal};
 use crate::keys::validate_key;
-use crate::telemetry::{Operation, Outcome, Telemetry};
+use crate::telemetry::{KeyDigest, Operation, Outcome, Telemetry};
 
 use crate::backoff::Backoff;
 use hold::Hold;
@@ -104,6 +104,7 @@ impl<B: LockBackend> Engine<B> {
         backend: B,
         options: LockOptions,
         meter: &opentelemetry::metrics::Meter,
+        key_digest: Option<KeyDigest>,
     ) -> Result<Self, LockError> {
         options.validate(&format!("Locking.{name}"))?;
         let timing = backend.timing();
@@ -142,7 +143,9 @@ impl<B: LockBackend> Engine<B> {
         if !problems.is_empty() {
             return Err(LockError::misconfigured(problems));
         }
-        Ok(Self::new_unchecked(name, backend, options, meter))
+        Ok(Self::new_unchecked(
+            name, backend, options, meter, key_digest,
+        ))
     }
 
     /// Builds without validating; for option sets that are valid by construction.
@@ -151,8 +154,9 @@ impl<B: LockBackend> Engine<B> {
         backend: B,
         options: LockOptions,
         meter: &opentelemetry::metrics::Meter,
+        key_digest: Option<KeyDigest>,
     ) -> Self {
-        let telemetry = Telemetry::new(name, backend.provider(), meter);
+        let telemetry = Telemetry::new(name, backend.provider(), meter, key_digest);
         let health = Health::logged(
             options.min_retry_delay,
             options.max_outage_retry_delay,
@@ -258,7 +262,7 @@ impl<B: LockBackend> Engine<B> {
 
     fn hold(
         self: &Arc<Self>,
-        runtime: &tokio::runtime::Handle,
+        caller: &Caller,
         turn: Turn,
         mode: LockMode,
         acquired: Acquired<B::Lease>,
@@ -270,10 +274,11 @@ impl<B: LockBackend> Engine<B> {
         };
         let held = Arc::new(Hold::new(
             self.clone(),
-            runtime.clone(),
+            caller.runtime.clone(),
             turn,
             acquired,
             sent,
+            caller.span.clone(),
         ));
         self.telemetry.lock_taken();
         held.schedule();
@@ -288,7 +293,7 @@ impl<B: LockBackend> Engine<B> {
     /// the queue's turn passes on now, so the next local waiter attempts at once.
     fn hold_won(
         self: &Arc<Self>,
-        runtime: &tokio::runtime::Handle,
+        caller: &Caller,
         turn: Turn,
         mode: LockMode,
         acquired: Acquired<B::Lease>,
@@ -302,7 +307,7 @@ impl<B: LockBackend> Engine<B> {
             }
             _ => turn,
         };
-        self.hold(runtime, turn, mode, acquired, sent)
+        self.hold(caller, turn, mode, acquired, sent)
     }
 
     /// The room of the local queues for semaphores of `max_count`.
@@ -366,9 +371,10 @@ impl<B: LockBackend> Engine<B> {
         key: &str,
         mode: LockMode,
         attempts: &mut u64,
+        span: tracing::Span,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        let runtime = current_runtime()?;
+        let caller = Caller::here(span)?;
         let turn = self.try_turn_or_refusal(key, mode).await?;
         let probe = match self.admit() {
             Ok(probe) => probe,
@@ -379,7 +385,7 @@ impl<B: LockBackend> Engine<B> {
         };
         *attempts += 1;
         match self.attempt(turn, mode, probe, false).await {
-            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, mode, acquired, sent)),
+            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&caller, turn, mode, acquired, sent)),
             (_, _, Ok(None)) => Err(LockError::busy()),
             (_, _, Err(error)) => Err(attempt_error(error)),
         }
@@ -391,9 +397,10 @@ impl<B: LockBackend> Engine<B> {
         mode: LockMode,
         timeout: Duration,
         attempts: &mut u64,
+        span: tracing::Span,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        let runtime = current_runtime()?;
+        let caller = Caller::here(span)?;
         let deadline = crate::clock::in_(timeout);
         // What the latest finished attempt found, and when the one in flight (if any) was sent:
         // they decide between `Timeout` and `Unavailable` (see `wait_outcome`).
@@ -422,7 +429,7 @@ impl<B: LockBackend> Engine<B> {
                     in_flight = None;
                     match result {
                         Ok(Some(acquired)) => {
-                            return Ok(self.hold(&runtime, lane, mode, acquired, sent))
+                            return Ok(self.hold(&caller, lane, mode, acquired, sent))
                         }
                         Ok(None) => latest = Latest::Busy,
                         Err(error) => latest = Latest::after_failure(error)?,
@@ -488,9 +495,7 @@ impl<B: LockBackend> Engine<B> {
                             in_flight = None;
                             match result {
                                 Ok(Some(acquired)) => {
-                                    return Ok(
-                                        self.hold_won(&runtime, current, mode, acquired, sent)
-                                    )
+                                    return Ok(self.hold_won(&caller, current, mode, acquired, sent))
                                 }
                                 Ok(None) => latest = Latest::Busy,
                                 Err(error) => latest = Latest::after_failure(error)?,
@@ -600,10 +605,10 @@ impl<B: LockBackend> Engine<B> {
     }
 
     /// Starts recording an acquire call: its span, and its outcome when it ends.
-    fn record(&self, operation: Operation, mode: LockMode) -> AcquireRecord<'_> {
+    fn record(&self, operation: Operation, mode: LockMode, key: &str) -> AcquireRecord<'_> {
         AcquireRecord {
             telemetry: &self.telemetry,
-            span: self.telemetry.acquire_span(operation, mode),
+            span: self.telemetry.acquire_span(operation, mode, key),
             operation,
             mode,
             started: Instant::now(),
@@ -621,14 +626,15 @@ impl<B: LockBackend> Engine<B> {
         key: &str,
         mode: LockMode,
     ) -> Result<LockHandle, LockError> {
-        let mut record = self.record(Operation::TryAcquire, mode);
+        let mut record = self.record(Operation::TryAcquire, mode, key);
         let span = record.span.clone();
         let result = match self.closed.is_cancelled() {
             true => Err(shut_down_error()),
             false => {
+                let caller = caller_span(&span);
                 background::traced(
                     span,
-                    self.try_acquire_inner(key, mode, &mut record.attempts),
+                    self.try_acquire_inner(key, mode, &mut record.attempts, caller),
                 )
                 .await
             }
@@ -643,11 +649,12 @@ impl<B: LockBackend> Engine<B> {
         mode: LockMode,
         timeout: Duration,
     ) -> Result<LockHandle, LockError> {
-        let mut record = self.record(Operation::Acquire, mode);
+        let mut record = self.record(Operation::Acquire, mode, key);
         let span = record.span.clone();
+        let caller = caller_span(&span);
         let waiting = background::traced(
             span,
-            self.acquire_inner(key, mode, timeout, &mut record.attempts),
+            self.acquire_inner(key, mode, timeout, &mut record.attempts, caller),
         );
         // A shutdown ends every wait; an attempt in flight finishes in the background.
         let result = tokio::select! {
@@ -792,6 +799,32 @@ struct Defer<F: FnMut()>(F);
 impl<F: FnMut()> Drop for Defer<F> {
     fn drop(&mut self) {
         (self.0)()
+    }
+}
+
+/// Where an acquire call comes from: the runtime its hold will live on, and the caller's span
+/// (a request's, say), which a loss of the hold is logged under.
+struct Caller {
+    runtime: tokio::runtime::Handle,
+    span: tracing::Span,
+}
+
+impl Caller {
+    fn here(span: tracing::Span) -> Result<Caller, LockError> {
+        Ok(Caller {
+            runtime: current_runtime()?,
+            span,
+        })
+    }
+}
+
+/// The caller's current span, when anyone traces this acquire (its own span is enabled);
+/// otherwise none, which costs nothing.
+fn caller_span(acquire_span: &tracing::Span) -> tracing::Span {
+    if acquire_span.is_disabled() {
+        tracing::Span::none()
+    } else {
+        tracing::Span::current()
     }
 }
 

@@ -45,7 +45,7 @@ use crate::backend::{Acquired, LeaseTiming, LockBackend};
 use crate::background::{traced, within, within_noting, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::AnyHold;
-use crate::telemetry::LossReason;
+use crate::telemetry::{HoldLabels, LossReason};
 
 mod keeper;
 mod schedule;
@@ -88,6 +88,11 @@ pub(crate) struct Hold<B: LockBackend> {
     turn: Mutex<Option<Turn>>,
     /// The runtime the lock was taken on; drop releases and keepers run there.
     runtime: Handle,
+    /// The key's digest, if the host asked for digests (see `telemetry::KeyDigest`).
+    key_digest: Option<Box<str>>,
+    /// The caller's span when the lock was taken (a request's, say), which its loss is logged
+    /// under; `Span::none()` when nobody traces.
+    parent: tracing::Span,
 }
 
 /// The instant at which an expiring lease must be considered lost: 90% of the lease after the
@@ -116,9 +121,13 @@ impl<B: LockBackend> Hold<B> {
         turn: Turn,
         acquired: Acquired<B::Lease>,
         sent: Instant,
+        parent: tracing::Span,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
+        let key_digest = engine.telemetry.key_digest(turn.key());
         Hold {
+            key_digest,
+            parent,
             runtime,
             key: turn.key().clone(),
             fencing_token: acquired.fencing_token,
@@ -175,9 +184,14 @@ impl<B: LockBackend> Hold<B> {
 
     /// Ends the hold: telemetry, then the turn passes to the next local waiter.
     fn finish(&self, lost: Option<LossReason>) {
+        let labels = HoldLabels {
+            fencing_token: self.fencing_token,
+            key_digest: self.key_digest.as_deref(),
+            parent: &self.parent,
+        };
         self.engine
             .telemetry
-            .lock_ended(self.origin.elapsed(), lost);
+            .lock_ended(self.origin.elapsed(), lost, labels);
         let turn = self
             .turn
             .lock()
@@ -196,7 +210,7 @@ impl<B: LockBackend> Hold<B> {
     /// Releases at the backend; the caller has already claimed the lock.
     pub(super) async fn release_claimed(&self) -> Result<(), LockError> {
         let telemetry = &self.engine.telemetry;
-        let span = telemetry.release_span(self.fencing_token);
+        let span = telemetry.release_span(self.fencing_token, self.key_digest.as_deref());
         let timeout = self.engine.options.release_timeout;
         // Pinned where it is made and handed on by reference: each layer that took it by value
         // would copy the backend's future once more on every release.
@@ -284,7 +298,7 @@ impl<B: LockBackend> AnyHold for Hold<B> {
             let error = LockError::lost(self.loss_reason());
             // The caller asked to release and is told it failed; the trace should say so too.
             let telemetry = &self.engine.telemetry;
-            let span = telemetry.release_span(self.fencing_token);
+            let span = telemetry.release_span(self.fencing_token, self.key_digest.as_deref());
             let result = Err(error);
             telemetry.release_finished(&span, &result);
             return Orphanable::finishing(std::future::ready(result));
@@ -309,6 +323,10 @@ impl<B: LockBackend> AnyHold for Hold<B> {
 
     fn engine_address(&self) -> usize {
         Arc::as_ptr(&self.engine).cast::<()>() as usize
+    }
+
+    fn key_digest(&self) -> Option<&str> {
+        self.key_digest.as_deref()
     }
 }
 

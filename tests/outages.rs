@@ -330,7 +330,11 @@ async fn a_refused_password_is_500_to_every_request_at_a_handful_of_logins() {
 
 /// An Azure provider whose requests go through `proxy` to Azurite, with `key` as its account
 /// key (`None`: the right one).
-fn azure_through(proxy: &FaultProxy, azurite: &lockingkit_tests::azurite::Azurite, key: Option<&str>) -> DistributedLock {
+fn azure_through(
+    proxy: &FaultProxy,
+    azurite: &lockingkit_tests::azurite::Azurite,
+    key: Option<&str>,
+) -> DistributedLock {
     let right = azurite.connection_string();
     let connection = right.replace(
         &format!("127.0.0.1:{}", azurite.port()),
@@ -352,7 +356,9 @@ fn azure_through(proxy: &FaultProxy, azurite: &lockingkit_tests::azurite::Azurit
             .request_timeout(Duration::from_secs(2)),
     )
     .expect("options");
-    DistributedLock::builder(backend).build().expect("lock options")
+    DistributedLock::builder(backend)
+        .build()
+        .expect("lock options")
 }
 
 /// Sixty-four callers of `try_acquire` on eight keys for `length`; the kinds of every answer.
@@ -396,13 +402,20 @@ async fn a_refused_azure_credential_costs_the_service_a_handful_of_requests() {
     )
     .await;
     let proxy = FaultProxy::to_port(azurite.port()).await;
-    let locks = azure_through(&proxy, &azurite, Some("d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXk="));
+    let locks = azure_through(
+        &proxy,
+        &azurite,
+        Some("d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXk="),
+    );
     let warnings = lines().warnings.load(Ordering::SeqCst);
     let kinds = callers_for(&locks, Duration::from_secs(5)).await;
     let requests = proxy.exchanges().len();
     let warnings = lines().warnings.load(Ordering::SeqCst) - warnings;
     eprintln!("azure, wrong key 5 s: {kinds:?}; {requests} requests reached the service; {warnings} warning lines");
-    assert!(kinds.keys().all(|kind| kind == "locking.misconfigured"), "{kinds:?}");
+    assert!(
+        kinds.keys().all(|kind| kind == "locking.misconfigured"),
+        "{kinds:?}"
+    );
     assert!(kinds.values().sum::<usize>() > 1000, "{kinds:?}");
     // The eight keys' first attempts, then one probe at a time (a request each; retries are
     // for transient failures only).
@@ -432,9 +445,15 @@ async fn an_unreachable_azure_service_is_unavailable_and_not_hammered() {
     let kinds = callers_for(&locks, Duration::from_secs(5)).await;
     let connections = proxy.connections_accepted() - connections;
     eprintln!("azure, unreachable 5 s: {kinds:?}; {connections} connections reached the proxy");
-    assert!(kinds.keys().all(|kind| kind == "locking.unavailable"), "{kinds:?}");
+    assert!(
+        kinds.keys().all(|kind| kind == "locking.unavailable"),
+        "{kinds:?}"
+    );
     // At most fifteen attempts in 5 s (the eight keys' first ones, then one probe at a time),
     // each sent up to three times by the provider's own retry policy (max_retries 2), and a
     // connection reset before the request is written may be retried once by the HTTP client.
-    assert!(connections <= 15 * 3 * 2, "{connections} connections in 5 s");
+    assert!(
+        connections <= 15 * 3 * 2,
+        "{connections} connections in 5 s"
+    );
 }

@@ -22,6 +22,7 @@ use tokio_postgres::{Client, Transaction};
 pub use options::PostgresTransactionOptions;
 
 use super::errors::{self, Stage};
+use super::schema::Schema;
 use super::session::within;
 use crate::error::{ErrorKind, LockError};
 use crate::keys::{validate_key, PostgresLockKeys};
@@ -107,7 +108,8 @@ struct Statements {
     /// `schema.sequence`, for messages.
     sequence: String,
     fencing_exists: String,
-    fencing_setup: String,
+    /// The fencing objects, and how to create them.
+    schema: Schema,
     /// Set once the sequence is known to exist; cleared when a statement finds it gone.
     fencing_ready: AtomicBool,
     options: PostgresTransactionOptions,
@@ -180,7 +182,8 @@ impl PostgresTransactionLocks {
     }
 
     fn build(options: PostgresTransactionOptions) -> Self {
-        let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
+        let schema = Schema::named(&options.fencing_schema, &options.fencing_sequence);
+        let sequence = schema.sequence.clone();
         // A SELECT without FROM plans its WHERE as a one-time filter, run before the target
         // list: the sequence is touched only once the lock is taken. Planned anew on every
         // call (the statement is unnamed), this form costs the server less than the session
@@ -191,7 +194,7 @@ impl PostgresTransactionLocks {
                 lock: lock("pg_try_advisory_xact_lock"),
                 lock_shared: lock("pg_try_advisory_xact_lock_shared"),
                 fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
-                fencing_setup: super::fencing_setup_sql(&options.fencing_schema, &sequence),
+                schema,
                 sequence,
                 fencing_ready: AtomicBool::new(false),
                 options,
@@ -256,7 +259,7 @@ impl PostgresTransactionLocks {
     /// your transaction.
     pub async fn create_fencing_sequence(&self, client: &Client) -> Result<(), LockError> {
         let timeout = self.inner.options.query_timeout;
-        match within(timeout, client.batch_execute(&self.inner.fencing_setup)).await {
+        match within(timeout, client.batch_execute(&self.inner.schema.setup)).await {
             Some(Ok(())) => {
                 self.inner.fencing_ready.store(true, Ordering::Release);
                 Ok(())

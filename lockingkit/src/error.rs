@@ -137,8 +137,7 @@ impl LockError {
     }
 
     /// The [`ErrorKind::Timeout`] error: the backend answered "busy" until the wait of
-    /// `timeout` ended. (The engine still words its own copy, `timeout_error`.)
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    /// `timeout` ended. The engine's waits and the transaction-scoped locks' end this way.
     pub(crate) fn timed_out(timeout: std::time::Duration) -> Self {
         LockError::new(
             ErrorKind::Timeout,

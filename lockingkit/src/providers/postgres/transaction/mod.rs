@@ -24,6 +24,7 @@ pub use options::PostgresTransactionOptions;
 use super::errors::{self, Stage};
 use super::schema::Schema;
 use super::session::within;
+use crate::backoff::Backoff;
 use crate::error::{ErrorKind, LockError};
 use crate::keys::{validate_key, PostgresLockKeys};
 
@@ -292,7 +293,7 @@ impl PostgresTransactionLocks {
         validate_key(key)?;
         let advisory_key = PostgresLockKeys::advisory_key(key);
         let options = &self.inner.options;
-        let delays = wait::RetryDelays::new(options.min_retry_delay, options.max_retry_delay);
+        let delays = Backoff::new(options.min_retry_delay, options.max_retry_delay);
         wait::until_taken(timeout, delays, || {
             self.attempt(transaction, advisory_key, mode)
         })

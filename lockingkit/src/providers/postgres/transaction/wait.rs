@@ -4,49 +4,16 @@
 //! transaction's snapshot for as long as it waits, and bounding it with `lock_timeout` writes
 //! an ERROR line to the server log each time a slice ends (and aborts the transaction unless a
 //! savepoint catches it). So a wait is a series of try-locks, each one short statement, with the
-//! engine's schedule between them: capped exponential delays with equal jitter.
+//! engine's schedule between them (`crate::backoff`): capped exponential delays with equal jitter.
 
 use std::future::Future;
-use std::hash::BuildHasher;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::backoff::Backoff;
 use crate::clock;
 use crate::error::LockError;
-
-/// The delays between a wait's attempts: `min`, doubling to `max`, each jittered so that half of
-/// it is fixed and the other half random (the engine's schedule, `engine/backoff.rs`).
-pub(super) struct RetryDelays {
-    next: Duration,
-    min: Duration,
-    max: Duration,
-    /// Seeded per wait from the OS: jitter needs spread between processes, not secrecy.
-    random: std::collections::hash_map::RandomState,
-    drawn: u64,
-}
-
-impl RetryDelays {
-    pub(super) fn new(min: Duration, max: Duration) -> Self {
-        RetryDelays {
-            next: min,
-            min,
-            max,
-            random: std::collections::hash_map::RandomState::new(),
-            drawn: 0,
-        }
-    }
-
-    /// The next sleep; the underlying delay doubles until it reaches the cap.
-    fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = delay.saturating_mul(2).min(self.max).max(self.min);
-        self.drawn = self.drawn.wrapping_add(1);
-        let unit = (self.random.hash_one(self.drawn) >> 11) as f64 / (1u64 << 53) as f64;
-        let half = delay / 2;
-        half + half.mul_f64(unit)
-    }
-}
 
 /// Runs `attempt` until it takes the lock, the wait of `timeout` ends, or an attempt fails.
 ///
@@ -56,7 +23,7 @@ impl RetryDelays {
 /// transaction, a failed statement aborts the transaction, so no later attempt could succeed.
 pub(super) async fn until_taken<T, F, A>(
     timeout: Duration,
-    mut delays: RetryDelays,
+    mut delays: Backoff,
     mut attempt: F,
 ) -> Result<T, LockError>
 where
@@ -109,8 +76,8 @@ mod tests {
         }
     }
 
-    fn delays() -> RetryDelays {
-        RetryDelays::new(Duration::from_millis(50), Duration::from_secs(1))
+    fn delays() -> Backoff {
+        Backoff::new(Duration::from_millis(50), Duration::from_secs(1))
     }
 
     #[tokio::test(start_paused = true)]
@@ -167,22 +134,5 @@ mod tests {
         let script = Script::new(vec![Ok(None), Ok(Some(3))]);
         let taken = until_taken(Duration::MAX, delays(), || script.attempt()).await;
         assert_eq!(taken.unwrap(), 3);
-    }
-
-    #[test]
-    fn delays_double_from_the_minimum_to_the_cap_with_equal_jitter() {
-        let mut delays = RetryDelays::new(Duration::from_millis(50), Duration::from_secs(1));
-        for base in [50u64, 100, 200, 400, 800, 1000, 1000] {
-            let base = Duration::from_millis(base);
-            let sleep = delays.next_delay();
-            assert!(
-                sleep >= base / 2 && sleep <= base,
-                "{sleep:?} outside [{:?}, {base:?}]",
-                base / 2
-            );
-        }
-        let spread: std::collections::HashSet<Duration> =
-            (0..50).map(|_| delays.next_delay()).collect();
-        assert!(spread.len() > 40, "jitter does not spread: {spread:?}");
     }
 }

@@ -573,3 +573,55 @@ async fn a_session_writer_waiting_for_the_key_holds_transaction_readers_back() {
     let written = waiting.await.unwrap().expect("the writer gets in");
     written.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_older_than_the_lock_is_refused_naming_the_isolation_level() {
+    let server = server_with_sequence().await;
+    let locks = locks();
+    let key = unique_prefix("tx/isolation");
+    let mut client = server.connect().await;
+    let before = {
+        let transaction = client.transaction().await.unwrap();
+        let token = locks.try_acquire(&transaction, &key).await.unwrap();
+        transaction.commit().await.unwrap();
+        token.fencing_token()
+    };
+
+    for (level, name) in [
+        (
+            tokio_postgres::IsolationLevel::RepeatableRead,
+            "REPEATABLE READ",
+        ),
+        (tokio_postgres::IsolationLevel::Serializable, "SERIALIZABLE"),
+    ] {
+        let transaction = client
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .await
+            .unwrap();
+        let refused = [
+            locks.try_acquire(&transaction, &key).await,
+            locks
+                .read(&transaction, &key, Duration::from_secs(30))
+                .await,
+        ];
+        for result in refused {
+            let error = result.unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+            assert!(
+                error.message().contains(name) && error.message().contains("READ COMMITTED"),
+                "{error}"
+            );
+        }
+        assert!(server.lock_holders(&key).await.is_empty(), "{name} took it");
+        assert!(usable(&transaction).await, "{name}: the refusal aborted it");
+        transaction.rollback().await.unwrap();
+    }
+
+    // Neither refusal took a token: the sequence moved on by the next lock's alone.
+    let transaction = client.transaction().await.unwrap();
+    let after = locks.try_acquire(&transaction, &key).await.unwrap();
+    assert_eq!(after.fencing_token(), before + 1);
+    transaction.commit().await.unwrap();
+}

@@ -9,6 +9,7 @@
 //! ROLLBACK, and there is no unlock: nothing of LockingKit's runs while they are held.
 
 mod options;
+mod statement;
 mod wait;
 
 use std::fmt;
@@ -27,6 +28,7 @@ use super::session::within;
 use crate::backoff::Backoff;
 use crate::error::{ErrorKind, LockError};
 use crate::keys::{validate_key, PostgresLockKeys};
+use statement::Answer;
 
 /// Locks that live inside a transaction you own: taken on it, released by its COMMIT or
 /// ROLLBACK.
@@ -69,6 +71,11 @@ use crate::keys::{validate_key, PostgresLockKeys};
 ///   [`PostgresBackend`](super::PostgresBackend) is busy here and the other way round, readers
 ///   ([`try_read`](Self::try_read), [`read`](Self::read)) share with every reader, and fencing
 ///   tokens come from the same sequence, so they grow across both APIs.
+/// - **READ COMMITTED only**: under REPEATABLE READ or SERIALIZABLE a transaction reads from
+///   a snapshot taken no later than the lock statement, so before the grant, and the lock
+///   would not protect its reads. Such a transaction is refused with
+///   [`ErrorKind::Misconfigured`] naming its isolation level, in the same round trip and
+///   before the try-lock: nothing is taken and the transaction stays usable.
 /// - **Reentrant within one transaction**, as PostgreSQL's locks are: a transaction that holds
 ///   a key is granted it again (with a new, larger token); it never excludes itself.
 /// - **Through PgBouncer in transaction mode**: each attempt is one unnamed statement (the
@@ -87,12 +94,13 @@ use crate::keys::{validate_key, PostgresLockKeys};
 ///
 /// # Failures
 /// Every statement is bounded by [`query_timeout`](PostgresTransactionOptions::query_timeout).
-/// A failure other than busy or timeout leaves the transaction in a state only ending it
-/// settles: a statement the server failed has aborted it (as any failed statement does), and a
-/// statement that did not answer in time, or whose call was dropped, may still take the lock in
-/// it. Roll it back. Failures are [`ErrorKind::Unavailable`] (no answer, the connection ended,
-/// a server failure a retry may cure), [`ErrorKind::Misconfigured`] (no fencing sequence, a
-/// read-only transaction, a missing permission) or [`ErrorKind::Backend`] (an aborted
+/// A failure other than busy, timeout or the isolation refusal leaves the transaction in a
+/// state only ending it settles: a statement the server failed has aborted it (as any failed
+/// statement does), and a statement that did not answer in time, or whose call was dropped,
+/// may still take the lock in it. Roll it back. Failures are [`ErrorKind::Unavailable`] (no
+/// answer, the connection ended, a server failure a retry may cure),
+/// [`ErrorKind::Misconfigured`] (no fencing sequence, a read-only transaction, an isolation
+/// level above READ COMMITTED, a missing permission) or [`ErrorKind::Backend`] (an aborted
 /// transaction), each with its cause.
 ///
 /// [`DistributedLock`]: crate::DistributedLock
@@ -185,11 +193,7 @@ impl PostgresTransactionLocks {
     fn build(options: PostgresTransactionOptions) -> Self {
         let schema = Schema::named(&options.fencing_schema, &options.fencing_sequence);
         let sequence = schema.sequence.clone();
-        // A SELECT without FROM plans its WHERE as a one-time filter, run before the target
-        // list: the sequence is touched only once the lock is taken. Planned anew on every
-        // call (the statement is unnamed), this form costs the server less than the session
-        // provider's subquery (row 11 of the benchmark).
-        let lock = |function: &str| format!("SELECT nextval('{sequence}') WHERE {function}($1)");
+        let lock = |function: &str| statement::lock_sql(function, &sequence);
         PostgresTransactionLocks {
             inner: Arc::new(Statements {
                 lock: lock("pg_try_advisory_xact_lock"),
@@ -320,7 +324,7 @@ impl PostgresTransactionLocks {
         // Unnamed and typed: one round trip, and no prepared statement left on a server
         // session that a transaction-mode pooler may hand to someone else afterwards.
         let params: [(&(dyn ToSql + Sync), Type); 1] = [(&advisory_key, Type::INT8)];
-        let statement = transaction.query_typed_opt(sql, &params);
+        let statement = transaction.query_typed_one(sql, &params);
         let row = match within(timeout, statement).await {
             None => return Err(no_answer(timeout)),
             Some(Err(error)) => {
@@ -329,21 +333,22 @@ impl PostgresTransactionLocks {
                 }
                 return Err(failure(error));
             }
-            Some(Ok(None)) => return Ok(None),
-            Some(Ok(Some(row))) => row,
+            Some(Ok(row)) => row,
         };
-        let token = row.try_get::<_, i64>(0).ok();
-        let Some(fencing_token) = token.and_then(|t| u64::try_from(t).ok()) else {
-            return Err(LockError::new(
+        let answer = row.try_get::<_, i64>(0).ok().and_then(statement::read);
+        match answer {
+            Some(Answer::Taken(fencing_token)) => Ok(Some(TransactionLock {
+                fencing_token,
+                advisory_key,
+                shared: mode == Mode::Shared,
+            })),
+            Some(Answer::Busy) => Ok(None),
+            Some(Answer::Refused(level)) => Err(statement::refused(level)),
+            None => Err(LockError::new(
                 ErrorKind::Backend,
                 "unexpected answer to the lock statement; the transaction may hold the lock until it ends",
-            ));
-        };
-        Ok(Some(TransactionLock {
-            fencing_token,
-            advisory_key,
-            shared: mode == Mode::Shared,
-        }))
+            )),
+        }
     }
 
     /// Finds out whether the fencing sequence exists, in a statement that cannot fail for its

@@ -439,10 +439,13 @@ async fn a_missing_fencing_sequence_is_misconfigured_and_leaves_the_transaction_
         error_lines(&server)
     );
 
+    transaction.rollback().await.unwrap();
+
     locks
         .create_fencing_sequence(&server.connect().await)
         .await
         .unwrap();
+    let transaction = client.transaction().await.unwrap();
     let lock = locks.try_acquire(&transaction, &key).await.unwrap();
     assert!(lock.fencing_token() >= 1);
     transaction.commit().await.unwrap();
@@ -624,4 +627,36 @@ async fn a_snapshot_older_than_the_lock_is_refused_naming_the_isolation_level() 
     let after = locks.try_acquire(&transaction, &key).await.unwrap();
     assert_eq!(after.fencing_token(), before + 1);
     transaction.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_value_on_a_database_without_the_sequence_is_misconfigured_after_one_with_it() {
+    let server = server_with_sequence().await;
+    server.create_database("no_sequence").await;
+    let locks = locks();
+    let key = unique_prefix("tx/two-databases");
+    let mut with = server.connect().await;
+    let mut without = connect(&server.connection_string_for_database("no_sequence")).await;
+
+    for _ in 0..2 {
+        let transaction = with.transaction().await.unwrap();
+        locks.try_acquire(&transaction, &key).await.unwrap();
+        transaction.commit().await.unwrap();
+
+        // The same value, now on a database without the sequence: refused, never failed.
+        let transaction = without.transaction().await.unwrap();
+        let error = locks.try_acquire(&transaction, &key).await.unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        assert!(
+            error.message().contains("lockingkit.fencing_tokens"),
+            "{error}"
+        );
+        assert!(usable(&transaction).await, "the refusal aborted it");
+        transaction.rollback().await.unwrap();
+    }
+    assert!(
+        error_lines(&server).is_empty(),
+        "{:?}",
+        error_lines(&server)
+    );
 }

@@ -13,7 +13,6 @@ mod statement;
 mod wait;
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,9 +77,8 @@ use statement::Answer;
 ///   before the try-lock: nothing is taken and the transaction stays usable.
 /// - **Reentrant within one transaction**, as PostgreSQL's locks are: a transaction that holds
 ///   a key is granted it again (with a new, larger token); it never excludes itself.
-/// - **Through PgBouncer in transaction mode**: each attempt is one unnamed statement (the
-///   first of a value is preceded by a look for the fencing sequence), so no prepared statement
-///   is left on the server, inside your transaction, which the pooler keeps on one server
+/// - **Through PgBouncer in transaction mode**: each attempt is one unnamed statement, so no
+///   prepared statement is left on the server, inside your transaction, which the pooler keeps on one server
 ///   session until it ends. (Statement mode allows no transactions at all.)
 ///
 /// # Waiting
@@ -116,11 +114,8 @@ struct Statements {
     lock_shared: String,
     /// `schema.sequence`, for messages.
     sequence: String,
-    fencing_exists: String,
     /// The fencing objects, and how to create them.
     schema: Schema,
-    /// Set once the sequence is known to exist; cleared when a statement finds it gone.
-    fencing_ready: AtomicBool,
     options: PostgresTransactionOptions,
 }
 
@@ -198,10 +193,8 @@ impl PostgresTransactionLocks {
             inner: Arc::new(Statements {
                 lock: lock("pg_try_advisory_xact_lock"),
                 lock_shared: lock("pg_try_advisory_xact_lock_shared"),
-                fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
                 schema,
                 sequence,
-                fencing_ready: AtomicBool::new(false),
                 options,
             }),
         }
@@ -257,18 +250,16 @@ impl PostgresTransactionLocks {
         self.wait_in(transaction, key, Mode::Shared, timeout).await
     }
 
-    /// Creates the fencing schema and sequence unless they exist, on `client` outside any
-    /// transaction of yours: what a [`PostgresBackend`](super::PostgresBackend) does on first
-    /// use. Run it once (at startup, or in a migration), or create them with the SQL in the
-    /// PostgreSQL guide; locks refuse to run without the sequence rather than create it inside
-    /// your transaction.
+    /// Creates the fencing schema and sequence (and the session provider's watch function)
+    /// unless they exist, on `client` outside any transaction of yours: what a
+    /// [`PostgresBackend`](super::PostgresBackend) does on first use. Run it once per database
+    /// (at startup, or in a migration), or create them with
+    /// [`setup_sql`](super::setup_sql); without the sequence, every attempt in that database is
+    /// [`ErrorKind::Misconfigured`] rather than create it inside your transaction.
     pub async fn create_fencing_sequence(&self, client: &Client) -> Result<(), LockError> {
         let timeout = self.inner.options.query_timeout;
         match within(timeout, client.batch_execute(&self.inner.schema.setup)).await {
-            Some(Ok(())) => {
-                self.inner.fencing_ready.store(true, Ordering::Release);
-                Ok(())
-            }
+            Some(Ok(())) => Ok(()),
             Some(Err(error)) => Err(failure(error)),
             None => Err(no_answer(timeout)),
         }
@@ -312,10 +303,6 @@ impl PostgresTransactionLocks {
         mode: Mode,
     ) -> Result<Option<TransactionLock>, LockError> {
         let inner = &*self.inner;
-        if !inner.fencing_ready.load(Ordering::Acquire) {
-            // Boxed: it runs once per value, and inline it would enlarge every attempt.
-            Box::pin(self.check_fencing(transaction)).await?;
-        }
         let sql = match mode {
             Mode::Exclusive => &inner.lock,
             Mode::Shared => &inner.lock_shared,
@@ -327,12 +314,7 @@ impl PostgresTransactionLocks {
         let statement = transaction.query_typed_one(sql, &params);
         let row = match within(timeout, statement).await {
             None => return Err(no_answer(timeout)),
-            Some(Err(error)) => {
-                if errors::is_missing_object(&error) {
-                    inner.fencing_ready.store(false, Ordering::Release);
-                }
-                return Err(failure(error));
-            }
+            Some(Err(error)) => return Err(failure(error)),
             Some(Ok(row)) => row,
         };
         let answer = row.try_get::<_, i64>(0).ok().and_then(statement::read);
@@ -344,35 +326,12 @@ impl PostgresTransactionLocks {
             })),
             Some(Answer::Busy) => Ok(None),
             Some(Answer::Refused(level)) => Err(statement::refused(level)),
+            Some(Answer::NoSequence) => Err(statement::no_sequence(&inner.sequence)),
             None => Err(LockError::new(
                 ErrorKind::Backend,
                 "unexpected answer to the lock statement; the transaction may hold the lock until it ends",
             )),
         }
-    }
-
-    /// Finds out whether the fencing sequence exists, in a statement that cannot fail for its
-    /// absence (the lock statement would, aborting the caller's transaction).
-    async fn check_fencing(&self, transaction: &Transaction<'_>) -> Result<(), LockError> {
-        let inner = &*self.inner;
-        let timeout = inner.options.query_timeout;
-        let probe = transaction.query_typed_one(&inner.fencing_exists, &[]);
-        let exists = match within(timeout, probe).await {
-            None => return Err(no_answer(timeout)),
-            Some(Err(error)) => return Err(failure(error)),
-            Some(Ok(row)) => row.try_get::<_, bool>(0).unwrap_or(false),
-        };
-        if !exists {
-            return Err(LockError::new(
-                ErrorKind::Misconfigured,
-                format!(
-                    "the fencing sequence {} does not exist: create it once with PostgresTransactionLocks::create_fencing_sequence or the SQL in the PostgreSQL guide (a PostgresBackend on the same database creates it on first use)",
-                    inner.sequence
-                ),
-            ));
-        }
-        inner.fencing_ready.store(true, Ordering::Release);
-        Ok(())
     }
 }
 

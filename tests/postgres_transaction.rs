@@ -9,8 +9,8 @@ use std::time::Duration;
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{
-    DistributedLock, ErrorKind, LockError, PostgresBackend, PostgresTransactionLocks,
-    PostgresTransactionOptions, TransactionLock,
+    DistributedLock, ErrorKind, LockError, PostgresBackend, PostgresTransactionLock,
+    PostgresTransactionLocks, PostgresTransactionOptions,
 };
 use lockingkit_tests::bench_postgres::raw_pool;
 use lockingkit_tests::postgres::PostgresServer;
@@ -59,7 +59,7 @@ async fn connect(connection_string: &str) -> Client {
 }
 
 #[track_caller]
-fn kind_of(result: Result<TransactionLock, LockError>) -> ErrorKind {
+fn kind_of(result: Result<PostgresTransactionLock, LockError>) -> ErrorKind {
     match result {
         Ok(lock) => panic!("expected an error, got {lock:?}"),
         Err(error) => error.kind(),

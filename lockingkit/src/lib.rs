@@ -56,8 +56,8 @@ pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{
-    PostgresBackend, PostgresOptions, PostgresTransactionLocks, PostgresTransactionOptions,
-    TransactionLock,
+    PostgresBackend, PostgresOptions, PostgresTransactionLock, PostgresTransactionLocks,
+    PostgresTransactionOptions,
 };
 pub use registry::{Locking, LockingConfig};
 pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};

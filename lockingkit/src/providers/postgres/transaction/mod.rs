@@ -124,13 +124,13 @@ struct Statements {
 /// It is a receipt, not a handle: the lock belongs to the transaction, dropping this value
 /// releases nothing, and nothing here can tell whether the transaction has ended since.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct TransactionLock {
+pub struct PostgresTransactionLock {
     fencing_token: u64,
     advisory_key: i64,
     shared: bool,
 }
 
-impl TransactionLock {
+impl PostgresTransactionLock {
     /// The fencing token: greater than every token handed out before it from the same sequence,
     /// by either API. Send it with every write the lock guards.
     pub fn fencing_token(&self) -> u64 {
@@ -149,10 +149,10 @@ impl TransactionLock {
     }
 }
 
-impl fmt::Debug for TransactionLock {
+impl fmt::Debug for PostgresTransactionLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The advisory key is a hash of the lock key, which may carry customer data.
-        f.debug_struct("TransactionLock")
+        f.debug_struct("PostgresTransactionLock")
             .field("fencing_token", &self.fencing_token)
             .field("shared", &self.shared)
             .finish_non_exhaustive()
@@ -213,7 +213,7 @@ impl PostgresTransactionLocks {
         &self,
         transaction: &Transaction<'_>,
         key: &str,
-    ) -> Result<TransactionLock, LockError> {
+    ) -> Result<PostgresTransactionLock, LockError> {
         self.try_in(transaction, key, Mode::Exclusive).await
     }
 
@@ -224,7 +224,7 @@ impl PostgresTransactionLocks {
         transaction: &Transaction<'_>,
         key: &str,
         timeout: Duration,
-    ) -> Result<TransactionLock, LockError> {
+    ) -> Result<PostgresTransactionLock, LockError> {
         self.wait_in(transaction, key, Mode::Exclusive, timeout)
             .await
     }
@@ -236,7 +236,7 @@ impl PostgresTransactionLocks {
         &self,
         transaction: &Transaction<'_>,
         key: &str,
-    ) -> Result<TransactionLock, LockError> {
+    ) -> Result<PostgresTransactionLock, LockError> {
         self.try_in(transaction, key, Mode::Shared).await
     }
 
@@ -246,7 +246,7 @@ impl PostgresTransactionLocks {
         transaction: &Transaction<'_>,
         key: &str,
         timeout: Duration,
-    ) -> Result<TransactionLock, LockError> {
+    ) -> Result<PostgresTransactionLock, LockError> {
         self.wait_in(transaction, key, Mode::Shared, timeout).await
     }
 
@@ -270,7 +270,7 @@ impl PostgresTransactionLocks {
         transaction: &Transaction<'_>,
         key: &str,
         mode: Mode,
-    ) -> Result<TransactionLock, LockError> {
+    ) -> Result<PostgresTransactionLock, LockError> {
         validate_key(key)?;
         let advisory_key = PostgresLockKeys::advisory_key(key);
         self.attempt(transaction, advisory_key, mode)
@@ -284,7 +284,7 @@ impl PostgresTransactionLocks {
         key: &str,
         mode: Mode,
         timeout: Duration,
-    ) -> Result<TransactionLock, LockError> {
+    ) -> Result<PostgresTransactionLock, LockError> {
         validate_key(key)?;
         let advisory_key = PostgresLockKeys::advisory_key(key);
         let options = &self.inner.options;
@@ -301,7 +301,7 @@ impl PostgresTransactionLocks {
         transaction: &Transaction<'_>,
         advisory_key: i64,
         mode: Mode,
-    ) -> Result<Option<TransactionLock>, LockError> {
+    ) -> Result<Option<PostgresTransactionLock>, LockError> {
         let inner = &*self.inner;
         let sql = match mode {
             Mode::Exclusive => &inner.lock,
@@ -319,7 +319,7 @@ impl PostgresTransactionLocks {
         };
         let answer = row.try_get::<_, i64>(0).ok().and_then(statement::read);
         match answer {
-            Some(Answer::Taken(fencing_token)) => Ok(Some(TransactionLock {
+            Some(Answer::Taken(fencing_token)) => Ok(Some(PostgresTransactionLock {
                 fencing_token,
                 advisory_key,
                 shared: mode == Mode::Shared,

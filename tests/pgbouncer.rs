@@ -303,6 +303,77 @@ async fn transaction_scoped_locks_work_through_transaction_pooling() {
     );
 }
 
+/// Pins server process `wanted` in a transaction of a fresh client (kept in `pinned`): opens
+/// transactions on fresh clients, keeping each open, until one runs on `wanted`. The pooler
+/// hands out its idle processes before opening new ones, so `wanted`, idle, is reached
+/// within as many tries as the pool has processes.
+async fn pin_until(bouncer: &PgBouncer, wanted: i32, pinned: &mut Vec<tokio_postgres::Client>) {
+    for _ in 0..50 {
+        let client = bouncer.connect().await;
+        client.batch_execute("BEGIN").await.unwrap();
+        let pid: i32 = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        pinned.push(client);
+        if pid == wanted {
+            return;
+        }
+    }
+    panic!("the pooler never handed out process {wanted}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_attempts_through_a_pooler_without_prepared_statements_are_misconfigured() {
+    let server = PostgresServer::start_local().await;
+    let bouncer = PgBouncer::start(&server, PoolMode::Transaction).await;
+    let locks = PostgresTransactionLocks::default();
+    locks
+        .create_fencing_sequence(&bouncer.connect().await)
+        .await
+        .unwrap();
+    let config: tokio_postgres::Config = bouncer.connection_string().parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(1)
+        .build()
+        .unwrap();
+    let mut client = pool.get().await.unwrap();
+    let key = unique_prefix("pgbouncer/prepared");
+
+    // Prepared on the server process of the first transaction.
+    let first = client.transaction().await.unwrap();
+    let prepared_on: i32 = first
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    locks.try_acquire(&first, &key).await.expect("prepared");
+    first.commit().await.unwrap();
+
+    // With that process pinned by another client, the next transaction runs on another one,
+    // which has never seen the statement: PgBouncer 1.18 does not carry it over.
+    let mut pinned = Vec::new();
+    pin_until(&bouncer, prepared_on, &mut pinned).await;
+    let second = client.transaction().await.unwrap();
+    let error = locks.try_acquire(&second, &key).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    for needle in ["26000", "max_prepared_statements", "&*transaction"] {
+        assert!(error.message().contains(needle), "{needle}: {error}");
+    }
+    second.rollback().await.unwrap();
+
+    // The unnamed form works on the same transaction-pooled connection.
+    let third = client.transaction().await.unwrap();
+    locks
+        .try_acquire(&*third, &key)
+        .await
+        .expect("unnamed through the pooler");
+    third.commit().await.unwrap();
+    drop(pinned);
+}
+
 mod contract {
     use super::*;
 

@@ -501,28 +501,60 @@ async fn a_transaction_whose_connection_ends_frees_its_lock_and_cannot_commit() 
     );
 }
 
+/// The lock statements prepared on `client`'s server session (asked unnamed, so the question
+/// is not among them).
+async fn prepared_lock_statements(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_typed_one(
+            "SELECT count(*) FROM pg_prepared_statements \
+             WHERE statement LIKE '%pg_try_advisory_xact_lock%'",
+            &[],
+        )
+        .await
+        .expect("pg_prepared_statements")
+        .get(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deadpool_transaction_is_taken_as_it_is() {
+async fn a_deadpool_transaction_is_taken_as_it_is_and_prepares_each_statement_once() {
     let server = server_with_sequence().await;
     let locks = locks();
     let key = unique_prefix("tx/deadpool");
     let pool = raw_pool(&server, 2);
     let mut client = pool.get().await.unwrap();
-    let transaction = client.transaction().await.unwrap();
-    let lock = locks
-        .acquire(&transaction, &key, Duration::from_secs(1))
-        .await
-        .unwrap();
     let mut other = pool.get().await.unwrap();
-    let second = other.transaction().await.unwrap();
-    assert_eq!(
-        kind_of(locks.try_read(&second, &key).await),
-        ErrorKind::Busy
-    );
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        let transaction = client.transaction().await.unwrap();
+        let lock = locks
+            .acquire(&transaction, &key, Duration::from_secs(1))
+            .await
+            .unwrap();
+        let second = other.transaction().await.unwrap();
+        assert_eq!(
+            kind_of(locks.try_read(&second, &key).await),
+            ErrorKind::Busy
+        );
+        transaction.commit().await.unwrap();
+        let read = locks.try_read(&second, &key).await.unwrap();
+        second.commit().await.unwrap();
+        tokens.extend([lock.fencing_token(), read.fencing_token()]);
+    }
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+    // One prepared statement per form and connection, reused by every later attempt.
+    assert_eq!(prepared_lock_statements(&client).await, 1);
+    assert_eq!(prepared_lock_statements(&other).await, 1);
+
+    // The tokio-postgres transaction it wraps sends the statement unnamed: nothing new.
+    let mut plain = server.connect().await;
+    let transaction = plain.transaction().await.unwrap();
+    locks.try_acquire(&transaction, &key).await.unwrap();
     transaction.commit().await.unwrap();
-    let read = locks.try_read(&second, &key).await.unwrap();
-    assert!(read.fencing_token() > lock.fencing_token());
-    second.commit().await.unwrap();
+    assert_eq!(prepared_lock_statements(&plain).await, 0);
+    let transaction = client.transaction().await.unwrap();
+    locks.try_acquire(&*transaction, &key).await.unwrap();
+    transaction.commit().await.unwrap();
+    assert_eq!(prepared_lock_statements(&client).await, 1);
 }
 
 /// Whether a session of LockingKit's is queued for `key` exclusively: a waiting writer's intent.

@@ -56,8 +56,8 @@ pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{
-    PostgresBackend, PostgresOptions, PostgresTransactionLock, PostgresTransactionLocks,
-    PostgresTransactionOptions,
+    LockableTransaction, PostgresBackend, PostgresOptions, PostgresTransactionLock,
+    PostgresTransactionLocks, PostgresTransactionOptions,
 };
 pub use registry::{Locking, LockingConfig};
 pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};
@@ -69,8 +69,9 @@ pub use tokio_util::sync::CancellationToken;
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
 
-/// The guides' examples, compiled as doc tests with the features they need.
-#[cfg(all(doctest, feature = "postgres"))]
+/// The guides' examples, compiled as doc tests with the features they need (the PostgreSQL
+/// guide's include a deadpool-postgres transaction).
+#[cfg(all(doctest, feature = "deadpool"))]
 #[doc = include_str!("../../docs/postgres.md")]
 pub struct PostgresGuideDoctests;
 

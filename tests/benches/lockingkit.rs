@@ -132,43 +132,50 @@ fn transaction_locks(runtime: &tokio::runtime::Runtime, sizes: Sizes) -> Transac
 }
 
 fn print_transaction_locks(report: &TransactionBenchReport) {
-    let row = |name: &str, baseline: bench_postgres::Latency, ratio: f64, goal: bool| {
+    let row = |name: &str,
+               ours: bench_postgres::Latency,
+               baseline: bench_postgres::Latency,
+               ratio: f64,
+               goal: bool| {
         println!(
-            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
-            ms(report.lockingkit.median),
+            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<10} |",
+            ms(ours.median),
             ms(baseline.median),
             format!("ratio {ratio:.3}"),
-            if goal { pass(ratio <= 1.10) } else { "" }
+            if goal {
+                pass(ratio <= 1.10)
+            } else {
+                "diagnostic"
+            }
         );
     };
     row(
-        "11. PostgreSQL transaction try-lock vs raw xact, median",
-        report.raw_prepared,
-        report.ratio(),
+        "11. PostgreSQL transaction try-lock, unnamed vs raw",
+        report.lockingkit_unnamed,
+        report.raw_unnamed,
+        report.unnamed_ratio(),
         true,
     );
     row(
-        "   same vs raw prepared doing the same work (+ fencing)",
-        report.raw_prepared_fenced,
-        report.ratio_to_fenced(),
+        "11. same, deadpool (prepared) vs raw prepare_cached",
+        report.lockingkit_prepared,
+        report.raw_prepared,
+        report.prepared_ratio(),
+        true,
+    );
+    row(
+        "   unnamed vs its own statement sent by hand",
+        report.lockingkit_unnamed,
+        report.same_unnamed,
+        report.unnamed_library_ratio(),
         false,
     );
     row(
-        "   same vs its own statement sent by hand (unnamed)",
-        report.raw_unnamed_fenced,
-        report.ratio_to_same_statement(),
+        "   prepared vs its own statement prepared by hand",
+        report.lockingkit_prepared,
+        report.same_prepared,
+        report.prepared_library_ratio(),
         false,
-    );
-    println!(
-        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
-        "   raw unnamed xact try-lock vs raw prepared",
-        ms(report.raw_unnamed.median),
-        ms(report.raw_prepared.median),
-        format!(
-            "ratio {:.3}",
-            report.raw_unnamed.median.as_secs_f64() / report.raw_prepared.median.as_secs_f64()
-        ),
-        "diagnostic"
     );
 }
 
@@ -493,7 +500,7 @@ fn main() {
 \"throughput_lockingkit_pairs_per_s\":{:.0},\"throughput_raw_pairs_per_s\":{:.0},\"throughput_lockingkit_connections\":{},\"throughput_raw_connections\":{},\
 \"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1},\
 \"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3},\
-\"transaction_lockingkit_median_us\":{:.1},\"transaction_raw_median_us\":{:.1},\"transaction_ratio\":{:.3},\"transaction_fenced_ratio\":{:.3},\
+\"transaction_unnamed_median_us\":{:.1},\"transaction_raw_unnamed_median_us\":{:.1},\"transaction_unnamed_ratio\":{:.3},\"transaction_prepared_median_us\":{:.1},\"transaction_raw_prepared_median_us\":{:.1},\"transaction_prepared_ratio\":{:.3},\
 \"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
@@ -529,10 +536,12 @@ fn main() {
         layer_cost.locked_per_s,
         layer_cost.plain_per_s,
         layer_cost.ratio(),
-        transactions.lockingkit.median.as_secs_f64() * 1e6,
+        transactions.lockingkit_unnamed.median.as_secs_f64() * 1e6,
+        transactions.raw_unnamed.median.as_secs_f64() * 1e6,
+        transactions.unnamed_ratio(),
+        transactions.lockingkit_prepared.median.as_secs_f64() * 1e6,
         transactions.raw_prepared.median.as_secs_f64() * 1e6,
-        transactions.ratio(),
-        transactions.ratio_to_fenced(),
+        transactions.prepared_ratio(),
         ms(remote_polling.p50),
         ms(remote_polling.p99),
         ms(remote_hint.p50),

@@ -81,7 +81,8 @@ use tokio_postgres::types::ToSql;
 pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
 pub use schema::setup_sql;
 pub use transaction::{
-    PostgresTransactionLock, PostgresTransactionLocks, PostgresTransactionOptions,
+    LockableTransaction, PostgresTransactionLock, PostgresTransactionLocks,
+    PostgresTransactionOptions,
 };
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};

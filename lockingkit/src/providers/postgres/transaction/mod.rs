@@ -8,6 +8,7 @@
 //! token from the same sequence in the same round trip. PostgreSQL releases them at COMMIT or
 //! ROLLBACK, and there is no unlock: nothing of LockingKit's runs while they are held.
 
+mod lockable;
 mod options;
 mod statement;
 mod wait;
@@ -16,9 +17,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Transaction};
+use tokio_postgres::Client;
 
+pub use lockable::LockableTransaction;
 pub use options::PostgresTransactionOptions;
 
 use super::errors::{self, Stage};
@@ -33,13 +34,17 @@ use statement::Answer;
 /// ROLLBACK.
 ///
 /// Make one value at startup and share it (clones are cheap); each call takes the transaction
-/// to lock in. A [`deadpool_postgres::Transaction`] passes as it is, since it dereferences to
-/// tokio-postgres's:
+/// to lock in, any [`LockableTransaction`]: a tokio-postgres [`Transaction`], or with the
+/// `deadpool` feature a [`deadpool_postgres::Transaction`] as it is. Await the lock (and check
+/// it was taken) before sending the statements it guards: tokio-postgres pipelines statements
+/// sent concurrently on one connection, and one sent alongside the attempt would run whether
+/// or not the lock was granted.
 ///
 /// ```no_run
 /// use std::time::Duration;
 /// use lockingkit::PostgresTransactionLocks;
 ///
+/// # #[cfg(feature = "deadpool")]
 /// # async fn ship(pool: &deadpool_postgres::Pool, locks: &PostgresTransactionLocks)
 /// #     -> Result<(), Box<dyn std::error::Error>> {
 /// let mut client = pool.get().await?;
@@ -55,6 +60,17 @@ use statement::Answer;
 /// transaction.commit().await?; // the lock is released with the commit
 /// # Ok(()) }
 /// ```
+///
+/// # Prepared or unnamed
+/// On a tokio-postgres [`Transaction`] each attempt is one unnamed statement, which the server
+/// parses and plans every time and which leaves nothing on the server session. On a
+/// deadpool-postgres `Transaction` (the `deadpool` feature) the statement is prepared once per
+/// connection through the pool's statement cache, and each attempt only binds and executes it:
+/// cheaper for the server, but behind a transaction-mode pooler it needs one that carries
+/// prepared statements across server sessions (PgBouncer 1.21 or later with
+/// `max_prepared_statements` set); otherwise an attempt fails with
+/// [`ErrorKind::Misconfigured`] (SQLSTATE 26000). Pass `&*transaction`, the tokio-postgres
+/// transaction it wraps, to send unnamed statements from a deadpool-postgres transaction.
 ///
 /// # What these locks are
 /// - **Held until the transaction ends**, and only then: there is no unlock, no renewal and no
@@ -77,9 +93,9 @@ use statement::Answer;
 ///   before the try-lock: nothing is taken and the transaction stays usable.
 /// - **Reentrant within one transaction**, as PostgreSQL's locks are: a transaction that holds
 ///   a key is granted it again (with a new, larger token); it never excludes itself.
-/// - **Through PgBouncer in transaction mode**: each attempt is one unnamed statement, so no
-///   prepared statement is left on the server, inside your transaction, which the pooler keeps on one server
-///   session until it ends. (Statement mode allows no transactions at all.)
+/// - **Through PgBouncer in transaction mode**: the pooler keeps your transaction on one server
+///   session until it ends (for the prepared form, see above). Statement mode allows no
+///   transactions at all.
 ///
 /// # Waiting
 /// [`acquire`](Self::acquire) and [`read`](Self::read) never wait in one long statement, which
@@ -102,6 +118,7 @@ use statement::Answer;
 /// transaction), each with its cause.
 ///
 /// [`DistributedLock`]: crate::DistributedLock
+/// [`Transaction`]: tokio_postgres::Transaction
 /// [`deadpool_postgres::Transaction`]: https://docs.rs/deadpool-postgres/0.14/deadpool_postgres/struct.Transaction.html
 #[derive(Clone)]
 pub struct PostgresTransactionLocks {
@@ -211,7 +228,7 @@ impl PostgresTransactionLocks {
     /// [`ErrorKind::InvalidKey`] for an empty key or one over 512 characters.
     pub async fn try_acquire(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         key: &str,
     ) -> Result<PostgresTransactionLock, LockError> {
         self.try_in(transaction, key, Mode::Exclusive).await
@@ -221,7 +238,7 @@ impl PostgresTransactionLocks {
     /// let go (`Duration::MAX` waits as long as it takes; see *Waiting* above).
     pub async fn acquire(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         key: &str,
         timeout: Duration,
     ) -> Result<PostgresTransactionLock, LockError> {
@@ -234,7 +251,7 @@ impl PostgresTransactionLocks {
     /// the server, and holds this reader back too.
     pub async fn try_read(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         key: &str,
     ) -> Result<PostgresTransactionLock, LockError> {
         self.try_in(transaction, key, Mode::Shared).await
@@ -243,7 +260,7 @@ impl PostgresTransactionLocks {
     /// Takes `key` shared in `transaction`, waiting up to `timeout` for writers.
     pub async fn read(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         key: &str,
         timeout: Duration,
     ) -> Result<PostgresTransactionLock, LockError> {
@@ -267,7 +284,7 @@ impl PostgresTransactionLocks {
 
     async fn try_in(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         key: &str,
         mode: Mode,
     ) -> Result<PostgresTransactionLock, LockError> {
@@ -280,7 +297,7 @@ impl PostgresTransactionLocks {
 
     async fn wait_in(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         key: &str,
         mode: Mode,
         timeout: Duration,
@@ -298,7 +315,7 @@ impl PostgresTransactionLocks {
     /// One try-lock with its fencing token; `None` when busy.
     async fn attempt(
         &self,
-        transaction: &Transaction<'_>,
+        transaction: &impl LockableTransaction,
         advisory_key: i64,
         mode: Mode,
     ) -> Result<Option<PostgresTransactionLock>, LockError> {
@@ -308,10 +325,7 @@ impl PostgresTransactionLocks {
             Mode::Shared => &inner.lock_shared,
         };
         let timeout = inner.options.query_timeout;
-        // Unnamed and typed: one round trip, and no prepared statement left on a server
-        // session that a transaction-mode pooler may hand to someone else afterwards.
-        let params: [(&(dyn ToSql + Sync), Type); 1] = [(&advisory_key, Type::INT8)];
-        let statement = transaction.query_typed_one(sql, &params);
+        let statement = transaction.lock_row(sql, &advisory_key);
         let row = match within(timeout, statement).await {
             None => return Err(no_answer(timeout)),
             Some(Err(error)) => return Err(failure(error)),
@@ -366,6 +380,11 @@ fn failure(error: tokio_postgres::Error) -> LockError {
         Some("25006") => LockError::new(
             ErrorKind::Misconfigured,
             "the transaction is read-only (SQLSTATE 25006): a fencing token needs nextval; take the lock in a read-write transaction on the primary",
+        ),
+        // Only the prepared path (a deadpool-postgres transaction) names a statement.
+        Some("26000") => LockError::new(
+            ErrorKind::Misconfigured,
+            "the server session does not know the lock statement this connection prepared (SQLSTATE 26000): a pooler in transaction mode ran the transaction on another server session, and it does not carry prepared statements across them (PgBouncer before 1.21 or without max_prepared_statements); configure it to, or lock in the tokio-postgres transaction it wraps (&*transaction), whose statements are unnamed; roll the transaction back",
         ),
         _ => errors::query_error(error, Stage::Attempt).into_lock_error(),
     }

@@ -106,14 +106,20 @@ async fn ship(pool: &Pool, locks: &PostgresTransactionLocks, worker: &str) -> Re
     }
     tokio::time::sleep(Duration::from_millis(500)).await; // the shipping itself
     let fence = i64::try_from(lock.fencing_token())?;
-    // The token guards the row against writers holding older locks (in either API).
-    transaction
+    // The token guards the row against writers holding older locks (in either API): a row
+    // that already carries a newer token is left alone, and so is this whole transaction.
+    let updated = transaction
         .execute(
             "UPDATE lockingkit_example_orders SET shipped_by = $2, fence = $3 \
              WHERE id = $1 AND fence < $3",
             &[&ORDER, &worker, &fence],
         )
         .await?;
+    if updated != 1 {
+        println!("{worker}: order 42 carries a newer fencing token; rolling back");
+        transaction.rollback().await?;
+        return Ok(());
+    }
     transaction.commit().await?;
     println!("{worker}: shipped order 42 and committed, which released the lock");
     Ok(())

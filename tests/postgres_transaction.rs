@@ -692,3 +692,83 @@ async fn one_value_on_a_database_without_the_sequence_is_misconfigured_after_one
         error_lines(&server)
     );
 }
+
+/// A client whose connection runs through `proxy`.
+async fn connect_through(proxy: &FaultProxy) -> Client {
+    connect(&format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+        proxy.port()
+    ))
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_line_is_unavailable_and_a_wait_ends_soon_after_its_timeout() {
+    let server = server_with_sequence().await;
+    let locks = PostgresTransactionLocks::new(PostgresTransactionOptions {
+        query_timeout: Duration::from_secs(4),
+        ..PostgresTransactionOptions::default()
+    })
+    .unwrap();
+    let key = unique_prefix("tx/frozen");
+    let proxy = FaultProxy::to_port(server.port()).await;
+    let mut client = connect_through(&proxy).await;
+    let transaction = client.transaction().await.unwrap();
+    locks.try_acquire(&transaction, &key).await.unwrap();
+    proxy.set_fault(lockingkit_tests::proxy::Fault::Blackhole);
+
+    // A wait of 1 s gives its attempt the time left (and a small margin), not query_timeout.
+    let started = Instant::now();
+    let error = locks
+        .acquire(&transaction, &key, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert!(error.message().contains("roll it back"), "{error}");
+    assert!(
+        waited >= Duration::from_secs(1) && waited < Duration::from_millis(2500),
+        "the wait of 1 s took {waited:?}"
+    );
+    // A try has no timeout of its own: query_timeout bounds it.
+    let started = Instant::now();
+    let error = locks.try_read(&transaction, &key).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(4) && waited < Duration::from_secs(6),
+        "{waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_mid_statement_leaves_the_transaction_usable() {
+    let server = server_with_sequence().await;
+    let locks = locks();
+    let key = unique_prefix("tx/dropped");
+    let proxy = FaultProxy::to_port(server.port()).await;
+    let mut client = connect_through(&proxy).await;
+    let transaction = client.transaction().await.unwrap();
+
+    // The statement is on its way when the call is dropped: the proxy holds its answer back.
+    proxy.set_latency(Duration::from_millis(300));
+    let attempt = locks.acquire(&transaction, &key, Duration::from_secs(5));
+    let dropped = tokio::time::timeout(Duration::from_millis(100), attempt).await;
+    assert!(
+        dropped.is_err(),
+        "the attempt answered before it was dropped"
+    );
+    proxy.set_latency(Duration::ZERO);
+
+    // The dropped statement ran and took the key: the transaction holds it, and goes on.
+    let row = transaction.query_one("SELECT 1", &[]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert_eq!(server.lock_holders(&key).await.len(), 1);
+    let again = locks
+        .try_acquire(&transaction, &key)
+        .await
+        .expect("reentrant in the same transaction");
+    assert!(again.fencing_token() > 0);
+    transaction.commit().await.unwrap();
+    assert!(server.lock_holders(&key).await.is_empty());
+}

@@ -107,7 +107,9 @@ use statement::Answer;
 /// the server, so unlike a session writer it does not hold new readers back.
 ///
 /// # Failures
-/// Every statement is bounded by [`query_timeout`](PostgresTransactionOptions::query_timeout).
+/// Every statement is bounded by [`query_timeout`](PostgresTransactionOptions::query_timeout),
+/// and a wait's statements also by the time left until its deadline plus 250 ms: a server that
+/// stops answering ends a wait that soon after its timeout, with [`ErrorKind::Unavailable`].
 /// A failure other than busy, timeout or the isolation refusal leaves the transaction in a
 /// state only ending it settles: a statement the server failed has aborted it (as any failed
 /// statement does), and a statement that did not answer in time, or whose call was dropped,
@@ -290,7 +292,8 @@ impl PostgresTransactionLocks {
     ) -> Result<PostgresTransactionLock, LockError> {
         validate_key(key)?;
         let advisory_key = PostgresLockKeys::advisory_key(key);
-        self.attempt(transaction, advisory_key, mode)
+        let bound = self.inner.options.query_timeout;
+        self.attempt(transaction, advisory_key, mode, bound)
             .await?
             .ok_or_else(LockError::busy)
     }
@@ -306,25 +309,25 @@ impl PostgresTransactionLocks {
         let advisory_key = PostgresLockKeys::advisory_key(key);
         let options = &self.inner.options;
         let delays = Backoff::new(options.min_retry_delay, options.max_retry_delay);
-        wait::until_taken(timeout, delays, || {
-            self.attempt(transaction, advisory_key, mode)
+        wait::until_taken(timeout, options.query_timeout, delays, |bound| {
+            self.attempt(transaction, advisory_key, mode, bound)
         })
         .await
     }
 
-    /// One try-lock with its fencing token; `None` when busy.
+    /// One try-lock with its fencing token, unanswered after `timeout`; `None` when busy.
     async fn attempt(
         &self,
         transaction: &impl LockableTransaction,
         advisory_key: i64,
         mode: Mode,
+        timeout: Duration,
     ) -> Result<Option<PostgresTransactionLock>, LockError> {
         let inner = &*self.inner;
         let sql = match mode {
             Mode::Exclusive => &inner.lock,
             Mode::Shared => &inner.lock_shared,
         };
-        let timeout = inner.options.query_timeout;
         let statement = transaction.lock_row(sql, &advisory_key);
         let row = match within(timeout, statement).await {
             None => return Err(no_answer(timeout)),

@@ -216,8 +216,17 @@ async fn holder_of(server: &PostgresServer, key: &str) -> i32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused() {
     let server = PostgresServer::start_local().await;
-    let mut bouncer = PgBouncer::start(&server, PoolMode::Session).await;
-    let locks = lock_through(&bouncer);
+    // Three server processes at most: the lock's, the probe's, and one more.
+    let mut bouncer =
+        PgBouncer::start_with(&server, PoolMode::Session, "default_pool_size = 3\n").await;
+    // Checks a second apart: a check queued behind the pinned processes below has a second to
+    // be served once they are given back.
+    let check = Duration::from_secs(1);
+    let backend = PostgresBackend::new(bouncer.options(check)).expect("valid options");
+    let locks = DistributedLock::builder(backend)
+        .options(quick_polling())
+        .build()
+        .expect("valid lock options");
     let key = unique_prefix("pgbouncer/later");
     let held = locks
         .try_acquire(&key)
@@ -226,44 +235,36 @@ async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused()
     let holder = holder_of(&server, &key).await;
 
     // From now on the pooler lends the lock's server process to other clients between the
-    // session's statements. Another client keeps asking until it is lent that process, then
-    // stays in a transaction on it.
+    // session's statements. Other clients pin every other process in open transactions until
+    // one is lent the lock's (no more than three tries: the pool has three processes).
     bouncer.switch_to(PoolMode::Transaction).await;
-    let mut other = bouncer.connect().await;
-    let give_up = Instant::now() + Duration::from_secs(20);
-    let (lent, taken) = loop {
-        let transaction = other.transaction().await.unwrap();
-        let pid: i32 = transaction
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .unwrap()
-            .get(0);
-        if pid == holder {
-            // What makes it unsafe: the lock's session lock is granted to this client too.
-            let taken: bool = transaction
-                .query_one(
-                    "SELECT pg_try_advisory_lock($1)",
-                    &[&lockingkit::keys::PostgresLockKeys::advisory_key(&key)],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            break (transaction, taken);
-        }
-        transaction.commit().await.unwrap();
-        assert!(Instant::now() < give_up, "never lent the lock's process");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let mut pinned = Vec::new();
+    pin_until(&bouncer, holder, &mut pinned).await;
+    assert!(pinned.len() <= 3, "the pool grew past three: {}", pinned.len());
+    let lent = pinned.pop().expect("the client on the lock's process");
+    // What makes it unsafe: the lock's session lock is granted to this client too.
+    let taken: bool = lent
+        .query_one(
+            "SELECT pg_try_advisory_lock($1)",
+            &[&lockingkit::keys::PostgresLockKeys::advisory_key(&key)],
+        )
+        .await
+        .unwrap()
+        .get(0);
     assert!(taken, "the lent process grants the lock by re-entrancy");
+    // The other processes go back to the pool, for the session's next check to run on.
+    for client in &pinned {
+        client.batch_execute("COMMIT").await.unwrap();
+    }
 
-    // The session's next check runs on another process: the lock is lost, not silently held.
-    tokio::time::timeout(CHECK * 10, held.lost_token().cancelled())
+    // That check answers from another process: the lock is lost, not silently held.
+    tokio::time::timeout(check * 5, held.lost_token().cancelled())
         .await
         .expect("the holder sees loss within a few checks");
     assert_eq!(held.ensure_held().unwrap_err().kind(), ErrorKind::Lost);
     let other_key = unique_prefix("pgbouncer/after");
     assert_names_the_pooler_and_the_fix(&refusal(locks.try_acquire(&other_key).await));
-    lent.rollback().await.unwrap();
+    lent.batch_execute("ROLLBACK").await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

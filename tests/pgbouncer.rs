@@ -240,7 +240,11 @@ async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused()
     bouncer.switch_to(PoolMode::Transaction).await;
     let mut pinned = Vec::new();
     pin_until(&bouncer, holder, &mut pinned).await;
-    assert!(pinned.len() <= 3, "the pool grew past three: {}", pinned.len());
+    assert!(
+        pinned.len() <= 3,
+        "the pool grew past three: {}",
+        pinned.len()
+    );
     let lent = pinned.pop().expect("the client on the lock's process");
     // What makes it unsafe: the lock's session lock is granted to this client too.
     let taken: bool = lent

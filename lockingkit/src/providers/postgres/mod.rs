@@ -109,7 +109,7 @@ const UNLOCK_STRAY_SLOTS: &str =
      WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid() \
      AND classid = $1::oid AND NOT objid::bigint::int4 = ANY($2)";
 /// The session check; its answer also shows a session that a pooler moved (see `pooler`).
-const CHECK: &str = "SELECT pg_backend_pid()";
+const CHECK: &str = pooler::SERVER_PROCESS;
 
 /// The rows of `pg_locks` for a `bigint` advisory key `$1` this session holds, in `mode`.
 macro_rules! held_key_rows {

@@ -9,9 +9,11 @@
 //! closes the backend, while this process still believes it holds it.
 //!
 //! # How, and what it costs
-//! - **When a session opens**: the new session asks for its backend
-//!   (`SELECT pg_backend_pid()`). On a direct connection (or through a plain TCP proxy) that is
-//!   the process id in the cancel key the server sent at startup, read back without a round
+//! A backend is named by [`SERVER_PROCESS`]: `pg_backend_pid()` with
+//! `pg_postmaster_start_time()`, since a process id can come again after a restart of a server
+//! behind a pooler.
+//! - **When a session opens**: the new session asks for its backend. On a direct connection
+//!   (or through a plain TCP proxy) its pid is the process id in the cancel key the server sent at startup, read back without a round
 //!   trip (see [`cancel_key_pid`]); a pooler issues cancel keys of its own, since it must route
 //!   cancel requests itself. So a direct connection is verified by that one statement. Otherwise
 //!   (and when the session requires TLS, which hides the key from this check) the session asks
@@ -26,7 +28,7 @@
 //!   refused with `Misconfigured`. The probe cannot see the pooler when other clients'
 //!   transactions take and give back backends at that very moment in just the order that hides
 //!   it; the checks below cover that.
-//! - **In every check**: the session check is `SELECT pg_backend_pid()` instead of `SELECT 1`
+//! - **In every check**: the session check is [`SERVER_PROCESS`] instead of `SELECT 1`
 //!   (the same round trip), sent unnamed so that it answers on whichever backend runs it. An
 //!   answer from another backend than at open means the session
 //!   moved: it fails the check, which ends it (loss for every lock on it), and from then on the
@@ -36,7 +38,7 @@
 //!   for the next one, is visible only to the probe at open.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio_postgres::config::SslMode;
 use tokio_postgres::{Client, Config, Row};
@@ -46,8 +48,26 @@ use super::errors::{self, Stage};
 use super::session::within;
 use crate::backend::BackendError;
 
-/// Asks which server process answers.
-const BACKEND_PID: &str = "SELECT pg_backend_pid()";
+/// Asks which server process answers, and since when its server runs: a process id alone can
+/// come again after a restart of a server behind a pooler, the pair cannot.
+pub(super) const SERVER_PROCESS: &str = "SELECT pg_backend_pid(), pg_postmaster_start_time()";
+
+/// One server process (backend) of one server run, as [`SERVER_PROCESS`] answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ServerProcess {
+    pid: i32,
+    server_started: SystemTime,
+}
+
+impl ServerProcess {
+    /// The process a [`SERVER_PROCESS`] row names; `None` for any other row.
+    fn read(row: &Row) -> Option<ServerProcess> {
+        Some(ServerProcess {
+            pid: row.try_get(0).ok()?,
+            server_started: row.try_get(1).ok()?,
+        })
+    }
+}
 
 /// What a backend knows about a pooler in front of its server: set once a session was seen
 /// on two server processes, or the probe at open found one shared.
@@ -91,21 +111,23 @@ impl Pooling {
         config: &Config,
         tls: &MakeRustlsConnect,
         timeout: Duration,
-    ) -> Result<i32, BackendError> {
+    ) -> Result<ServerProcess, BackendError> {
         self.refuse_if_found()?;
-        let first = backend_pid(client, timeout).await?;
-        if cancel_key_pid(client, config).await == Some(first) {
+        let first = server_process(client, timeout).await?;
+        if cancel_key_pid(client, config).await == Some(first.pid) {
             // The server's own cancel key reached us: nothing in between issues keys of its
             // own, as a pooler must, so nothing can lend this backend to other clients.
             return Ok(first);
         }
         // The probe connects while the session asks again; it asks only after that answer.
-        let (second, probe) =
-            tokio::join!(backend_pid(client, timeout), connect(config, tls, timeout));
+        let (second, probe) = tokio::join!(
+            server_process(client, timeout),
+            connect(config, tls, timeout)
+        );
         let (second, probe) = (second?, probe?);
-        let other = backend_pid(&probe, timeout).await?;
+        let other = server_process(&probe, timeout).await?;
         drop(probe);
-        let last = backend_pid(client, timeout).await?;
+        let last = server_process(client, timeout).await?;
         if other == first || second != first || last != first {
             self.found.store(true, Ordering::Release);
             return Err(refused());
@@ -113,17 +135,17 @@ impl Pooling {
         Ok(first)
     }
 
-    /// Whether a check's answer `row` comes from `pid`, the session's server process at open.
-    /// Another process means a pooler moved the session: it is recorded, and every session of
-    /// the backend fails its next check.
-    pub(super) fn same_process(&self, pid: i32, row: &Row) -> bool {
-        let same = row
-            .try_get::<_, i32>(0)
-            .is_ok_and(|answered| answered == pid);
-        if !same {
+    /// Whether a check's answer `row` comes from `opened_on`, the session's server process at
+    /// open. Another process means a pooler moved the session: it is recorded, and every
+    /// session of the backend fails its next check.
+    pub(super) fn same_process(&self, opened_on: ServerProcess, row: &Row) -> bool {
+        let Some(answered) = ServerProcess::read(row) else {
+            return false;
+        };
+        if answered != opened_on {
             self.found.store(true, Ordering::Release);
         }
-        same && !self.found()
+        answered == opened_on && !self.found()
     }
 }
 
@@ -171,13 +193,13 @@ async fn cancel_key_pid(client: &Client, config: &Config) -> Option<i32> {
     (header == HEADER).then(|| i32::from_be_bytes([pid[0], pid[1], pid[2], pid[3]]))
 }
 
-/// The server process (`pg_backend_pid()`) that answers on `client`: one unnamed statement,
-/// which any pooler passes on.
-async fn backend_pid(client: &Client, timeout: Duration) -> Result<i32, BackendError> {
-    match within(timeout, client.query_typed_one(BACKEND_PID, &[])).await {
-        Some(Ok(row)) => row
-            .try_get::<_, i32>(0)
-            .map_err(|_| BackendError::permanent("unexpected answer to pg_backend_pid()")),
+/// The server process that answers on `client`: one unnamed statement, which any pooler
+/// passes on.
+async fn server_process(client: &Client, timeout: Duration) -> Result<ServerProcess, BackendError> {
+    match within(timeout, client.query_typed_one(SERVER_PROCESS, &[])).await {
+        Some(Ok(row)) => ServerProcess::read(&row).ok_or_else(|| {
+            BackendError::permanent("unexpected answer to the server process check")
+        }),
         Some(Err(error)) => Err(errors::query_error(error, Stage::Attempt)),
         None => Err(errors::timed_out(Stage::Attempt, timeout)),
     }

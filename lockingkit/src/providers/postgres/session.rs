@@ -35,7 +35,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
 use super::errors::{self, Stage};
-use super::pooler::Pooling;
+use super::pooler::{Pooling, ServerProcess};
 use crate::backend::BackendError;
 
 /// The statements of the lock protocol, prepared once per session on first use.
@@ -205,7 +205,7 @@ pub(super) struct Session {
     solo_taken: AtomicBool,
     driver: JoinHandle<()>,
     /// The server process the session was opened on, which every check's answer must name.
-    backend_pid: i32,
+    server_process: ServerProcess,
     pooling: Arc<Pooling>,
 }
 
@@ -253,8 +253,8 @@ impl Session {
             let _ = connection.await;
         });
         let verified = pooling.verify_new_session(&client, config, tls, timeout);
-        let backend_pid = match verified.await {
-            Ok(pid) => pid,
+        let server_process = match verified.await {
+            Ok(process) => process,
             Err(error) => {
                 driver.abort();
                 return Err(error);
@@ -272,7 +272,7 @@ impl Session {
             solo_timer: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
             solo_taken: AtomicBool::new(false),
             driver,
-            backend_pid,
+            server_process,
             pooling: pooling.clone(),
         })
     }
@@ -578,7 +578,7 @@ async fn run_check(
     // pooler that would fail a prepared statement there (see `pooler`).
     let checked = session.client.query_typed_one(super::CHECK, &[]);
     let alive = match session.bounded(timeout, checked).await {
-        Ok(Ok(row)) => session.pooling.same_process(session.backend_pid, &row),
+        Ok(Ok(row)) => session.pooling.same_process(session.server_process, &row),
         _ => false,
     };
     {

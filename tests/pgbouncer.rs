@@ -206,6 +206,35 @@ async fn verifying_a_session_opens_no_extra_connection_when_direct_and_one_throu
     assert_eq!(logins(&bouncer) - before, 2, "{}", bouncer.log());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_pool_without_a_spare_server_connection_fails_the_open_within_one_timeout() {
+    let server = PostgresServer::start_local().await;
+    // One server connection: the session takes it, and the check's second connection waits.
+    let bouncer =
+        PgBouncer::start_with(&server, PoolMode::Session, "default_pool_size = 1\n").await;
+    let timeout = Duration::from_secs(1);
+    let locks = lock_through_options(lockingkit::PostgresOptions {
+        query_timeout: timeout,
+        ..bouncer.options(CHECK)
+    });
+    let key = unique_prefix("pgbouncer/no-spare");
+    let started = Instant::now();
+    let error = refusal(locks.try_acquire(&key).await);
+    let took = started.elapsed();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert!(
+        error.message().contains("spare server connection"),
+        "{error}"
+    );
+    // Bounded by the check's one deadline (the connect itself is quick here).
+    assert!(
+        took >= timeout && took < timeout + Duration::from_millis(900),
+        "took {took:?}"
+    );
+    assert!(server.lock_holders(&key).await.is_empty());
+    assert_eq!(sessions(&locks), 0);
+}
+
 /// The server process (pid) whose session holds `key`.
 async fn holder_of(server: &PostgresServer, key: &str) -> i32 {
     let holders = server.lock_holders(key).await;

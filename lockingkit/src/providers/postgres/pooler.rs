@@ -1,6 +1,6 @@
 //! Session pooling, verified: a pooler in transaction or statement mode (PgBouncer with
-//! `pool_mode = transaction` or `statement`, and proxies like it) is refused before a session
-//! takes any lock, and a session found on another server process later ends.
+//! `pool_mode = transaction` or `statement`, and proxies like it) is refused before a session takes any lock, and a session found on
+//! another server process later ends.
 //!
 //! # Why it must be found
 //! A session advisory lock belongs to the server process (backend) that took it. Such a pooler
@@ -12,27 +12,29 @@
 //! A backend is named by [`SERVER_PROCESS`]: `pg_backend_pid()` with
 //! `pg_postmaster_start_time()`, since a process id can come again after a restart of a server
 //! behind a pooler.
-//! - **When a session opens**: the new session asks for its backend. On a direct connection
-//!   (or through a plain TCP proxy) its pid is the process id in the cancel key the server sent at startup, read back without a round
-//!   trip (see [`cancel_key_pid`]); a pooler issues cancel keys of its own, since it must route
-//!   cancel requests itself. So a direct connection is verified by that one statement. Otherwise
-//!   (and when the session requires TLS, which hides the key from this check) the session asks
-//!   again while a second connection with the same settings opens, the second connection asks
-//!   for its backend and closes, and the session asks a last time. Through session pooling the
-//!   session keeps its backend and the second connection gets another. A transaction- or
-//!   statement-mode pooler returns the session's backend to the pool as soon as each statement
-//!   ends. PgBouncer reuses the most recently released backend first (LIFO, its default), so
-//!   the second connection gets the session's backend; with `server_round_robin = 1` it takes
-//!   the least recently used one, so the session's second statement moves to another backend
-//!   if one is idle, and the second connection gets the session's if none is. Any of these is
-//!   refused with `Misconfigured`. The probe cannot see the pooler when other clients'
-//!   transactions take and give back backends at that very moment in just the order that hides
-//!   it; the checks below cover that.
-//! - **In every check**: the session check is [`SERVER_PROCESS`] instead of `SELECT 1`
-//!   (the same round trip), sent unnamed so that it answers on whichever backend runs it. An
-//!   answer from another backend than at open means the session
-//!   moved: it fails the check, which ends it (loss for every lock on it), and from then on the
-//!   backend refuses every attempt and every session fails its next check. A moved session is
+//! - **When a session opens**: the new session asks which process it is on. On a direct
+//!   connection (or through a plain TCP proxy) its pid is the one in the cancel key the server
+//!   sent at startup, read back without a round trip (see [`cancel_key_pid`]); a pooler issues
+//!   cancel keys of its own, since it must route cancel requests itself. So a direct connection
+//!   is verified by that one statement. Otherwise (and when the session requires TLS, which
+//!   hides the key from this check) the session asks again while a second connection with the
+//!   same settings opens, the second connection asks and closes, and the session asks a last
+//!   time. Through session pooling the session keeps its backend and the second connection
+//!   gets another (so the pooler needs a spare server connection for each session opening).
+//!   A transaction- or statement-mode pooler returns the session's backend to the pool as soon
+//!   as each statement ends. PgBouncer reuses the most recently released backend first (LIFO,
+//!   its default), so the second connection gets the session's backend; with
+//!   `server_round_robin = 1` it takes the least recently used one, so the session's second
+//!   statement moves to another backend if one is idle, and the second connection gets the
+//!   session's if none is. Any of these is refused with `Misconfigured`. All of it shares one
+//!   deadline, the session's `query_timeout`. The probe cannot see the pooler when other
+//!   clients' transactions take and give back backends at that very moment in just the order
+//!   that hides it; the checks below cover that.
+//! - **In every check**: the session check is [`SERVER_PROCESS`] instead of `SELECT 1` (the
+//!   same round trip), sent unnamed so that it answers on whichever backend runs it. An answer
+//!   from another process than at open means the session moved: it fails the check, which
+//!   ends it (loss for every lock on it), and from then on the backend refuses every attempt
+//!   and every session fails its next check. A moved session is
 //!   proof of such a pooler: a direct connection has one backend for life. A pooler that lets
 //!   other clients use the session's backend between its statements, yet always gives it back
 //!   for the next one, is visible only to the probe at open.
@@ -40,12 +42,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use tokio::time::Instant;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::{Client, Config, Row};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::errors::{self, Stage};
-use super::session::within;
 use crate::backend::BackendError;
 
 /// Asks which server process answers, and since when its server runs: a process id alone can
@@ -102,9 +104,9 @@ impl Pooling {
         self.found.load(Ordering::Acquire)
     }
 
-    /// Checks a new session (`client`) for a transaction- or statement-mode pooler, with a
-    /// second connection made from `config` (see the module doc). Every step is bounded by
-    /// `timeout`; the second connection is closed before this returns.
+    /// Checks a new session (`client`) for a transaction- or statement-mode pooler, with a second
+    /// connection made from `config` (see the module doc). The whole check, second connection
+    /// included, is bounded by `timeout`; the second connection is closed before this returns.
     pub(super) async fn verify_new_session(
         &self,
         client: &Client,
@@ -113,21 +115,32 @@ impl Pooling {
         timeout: Duration,
     ) -> Result<ServerProcess, BackendError> {
         self.refuse_if_found()?;
-        let first = server_process(client, timeout).await?;
-        if cancel_key_pid(client, config).await == Some(first.pid) {
+        let budget = Budget::new(timeout);
+        let first = server_process(client, budget).await?;
+        if cancel_key_pid(client, config, budget).await == Some(first.pid) {
             // The server's own cancel key reached us: nothing in between issues keys of its
             // own, as a pooler must, so nothing can lend this backend to other clients.
             return Ok(first);
         }
         // The probe connects while the session asks again; it asks only after that answer.
-        let (second, probe) = tokio::join!(
-            server_process(client, timeout),
-            connect(config, tls, timeout)
-        );
+        let (second, probe) =
+            tokio::join!(server_process(client, budget), connect(config, tls, budget));
         let (second, probe) = (second?, probe?);
-        let other = server_process(&probe, timeout).await?;
+        let other = match budget.within(ask(&probe)).await {
+            Some(answer) => answer?,
+            // Through session pooling, the second connection needs a server connection of
+            // its own, which a full pool makes it wait for.
+            None => {
+                return Err(BackendError::unreachable(format!(
+                    "the pooler check's second connection got no answer within {:?}: a pooler in \
+                 session mode needs a spare server connection for each lock session that \
+                 opens (PgBouncer: default_pool_size)",
+                    budget.timeout
+                )))
+            }
+        };
         drop(probe);
-        let last = server_process(client, timeout).await?;
+        let last = server_process(client, budget).await?;
         if other == first || second != first || last != first {
             self.found.store(true, Ordering::Release);
             return Err(refused());
@@ -149,20 +162,41 @@ impl Pooling {
     }
 }
 
+/// The one deadline of a session's verification, and the budget it came from (for messages).
+#[derive(Clone, Copy)]
+struct Budget {
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Budget {
+    fn new(timeout: Duration) -> Self {
+        Budget {
+            deadline: crate::clock::in_(timeout),
+            timeout,
+        }
+    }
+
+    /// `future`, or `None` once the deadline has passed.
+    async fn within<F: std::future::Future>(self, future: F) -> Option<F::Output> {
+        tokio::time::timeout_at(self.deadline, future).await.ok()
+    }
+}
+
 /// A second connection with the session's settings, its task driving it until it is dropped.
 async fn connect(
     config: &Config,
     tls: &MakeRustlsConnect,
-    timeout: Duration,
+    budget: Budget,
 ) -> Result<Client, BackendError> {
-    match within(timeout, config.connect(tls.clone())).await {
+    match budget.within(config.connect(tls.clone())).await {
         Some(Ok((client, connection))) => {
             // Dropping the task's handle does not stop it: it ends with the client.
             tokio::spawn(connection);
             Ok(client)
         }
         Some(Err(error)) => Err(errors::query_error(error, Stage::Connect)),
-        None => Err(errors::timed_out(Stage::Connect, timeout)),
+        None => Err(errors::timed_out(Stage::Connect, budget.timeout)),
     }
 }
 
@@ -170,8 +204,9 @@ async fn connect(
 /// pid on a direct connection (or through a plain TCP proxy), a key of the pooler's own
 /// through PgBouncer, which must route cancel requests itself. tokio-postgres keeps the key
 /// private, but writes it in a cancel request: one is written into memory and read back, never
-/// sent. `None` when the session requires TLS (the request would negotiate it first).
-async fn cancel_key_pid(client: &Client, config: &Config) -> Option<i32> {
+/// sent. `None` when the session requires TLS (the request would negotiate it first), or when
+/// the request is not what a cancel request looks like.
+async fn cancel_key_pid(client: &Client, config: &Config, budget: Budget) -> Option<i32> {
     use tokio::io::AsyncReadExt;
     // CancelRequest: length 16, the request code 80877102, the process id, the secret key.
     const HEADER: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
@@ -180,27 +215,37 @@ async fn cancel_key_pid(client: &Client, config: &Config) -> Option<i32> {
     }
     let (mut ours, theirs) = tokio::io::duplex(64);
     let token = client.cancel_token();
-    let mut request = [0u8; 16];
-    // Without TLS (which `NoTls` cannot do), the request is written as it is.
-    let (written, read) = tokio::join!(
-        token.cancel_query_raw(theirs, tokio_postgres::NoTls),
-        ours.read_exact(&mut request)
-    );
-    let (Ok(()), Ok(_)) = (written, read) else {
-        return None;
+    let read = async move {
+        let mut request = [0u8; 16];
+        let read = ours.read_exact(&mut request).await;
+        // Our end closes once the request is read: whatever the writer does next (wait for
+        // an answer, write more) ends there instead of waiting.
+        drop(ours);
+        read.ok().map(|_| request)
     };
+    // Without TLS (which `NoTls` cannot do), the request is written as it is.
+    let written = token.cancel_query_raw(theirs, tokio_postgres::NoTls);
+    let (_, request) = budget.within(async { tokio::join!(written, read) }).await?;
+    let request = request?;
     let (header, pid) = request.split_at(8);
     (header == HEADER).then(|| i32::from_be_bytes([pid[0], pid[1], pid[2], pid[3]]))
 }
 
 /// The server process that answers on `client`: one unnamed statement, which any pooler
 /// passes on.
-async fn server_process(client: &Client, timeout: Duration) -> Result<ServerProcess, BackendError> {
-    match within(timeout, client.query_typed_one(SERVER_PROCESS, &[])).await {
-        Some(Ok(row)) => ServerProcess::read(&row).ok_or_else(|| {
+async fn server_process(client: &Client, budget: Budget) -> Result<ServerProcess, BackendError> {
+    match budget.within(ask(client)).await {
+        Some(answer) => answer,
+        None => Err(errors::timed_out(Stage::Attempt, budget.timeout)),
+    }
+}
+
+/// [`SERVER_PROCESS`] on `client`, unbounded.
+async fn ask(client: &Client) -> Result<ServerProcess, BackendError> {
+    match client.query_typed_one(SERVER_PROCESS, &[]).await {
+        Ok(row) => ServerProcess::read(&row).ok_or_else(|| {
             BackendError::permanent("unexpected answer to the server process check")
         }),
-        Some(Err(error)) => Err(errors::query_error(error, Stage::Attempt)),
-        None => Err(errors::timed_out(Stage::Attempt, timeout)),
+        Err(error) => Err(errors::query_error(error, Stage::Attempt)),
     }
 }

@@ -244,6 +244,14 @@ async fn holder_of(server: &PostgresServer, key: &str) -> i32 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused() {
+    // The warning comes from the check, which runs on the runtime's worker threads: only a
+    // global subscriber sees it (nothing else in this test binary installs one).
+    let logged = lockingkit_tests::field_log::FieldLog::default();
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        let subscriber = tracing_subscriber::registry().with(logged.clone());
+        tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber");
+    }
     let server = PostgresServer::start_local().await;
     // Three server processes at most: the lock's, the probe's, and one more.
     let mut bouncer =
@@ -298,6 +306,18 @@ async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused()
     let other_key = unique_prefix("pgbouncer/after");
     assert_names_the_pooler_and_the_fix(&refusal(locks.try_acquire(&other_key).await));
     lent.batch_execute("ROLLBACK").await.unwrap();
+    // Said once, at the first check that saw it, naming the fix; the refusals say it again.
+    let logged = logged.text();
+    let warnings: Vec<&str> = logged
+        .lines()
+        .filter(|line| line.contains("so a pooler moved it"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{logged}");
+    assert!(
+        warnings[0].contains("pool_mode = session"),
+        "{}",
+        warnings[0]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,6 @@
-//! Session pooling, verified: a pooler in transaction or statement mode (PgBouncer with
-//! `pool_mode = transaction` or `statement`, and proxies like it) is refused before a session takes any lock, and a session found on
+//! Session pooling, verified: a pooler that shares server sessions between clients
+//! (transaction or statement pooling: PgBouncer's `pool_mode = transaction` or `statement`,
+//! and proxies like it) is refused before a session takes any lock, and a session found on
 //! another server process later ends.
 //!
 //! # Why it must be found
@@ -33,11 +34,14 @@
 //! - **In every check**: the session check is [`SERVER_PROCESS`] instead of `SELECT 1` (the
 //!   same round trip), sent unnamed so that it answers on whichever backend runs it. An answer
 //!   from another process than at open means the session moved: it fails the check, which
-//!   ends it (loss for every lock on it), and from then on the backend refuses every attempt
-//!   and every session fails its next check. A moved session is
+//!   ends it (loss for every lock on it), a warning is logged once, and from then on the
+//!   backend refuses every attempt and every session fails its next check. A moved session is
 //!   proof of such a pooler: a direct connection has one backend for life. A pooler that lets
 //!   other clients use the session's backend between its statements, yet always gives it back
 //!   for the next one, is visible only to the probe at open.
+//! - **Sticky**: once found, the pooler stays refused for the life of the backend (in practice,
+//!   the process): no later answer could prove it gone, and a pooler reconfigured to session
+//!   mode is one a restart picks up.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
@@ -72,27 +76,30 @@ impl ServerProcess {
 }
 
 /// What a backend knows about a pooler in front of its server: set once a session was seen
-/// on two server processes, or the probe at open found one shared.
+/// on two server processes, or the probe at open found one shared. It stays set for the
+/// backend's life: nothing a later session sees can prove the pooler gone.
 #[derive(Debug, Default)]
 pub(super) struct Pooling {
     found: AtomicBool,
 }
 
-/// The one error for a transaction- or statement-mode pooler, naming the fixes.
+/// The one error for a pooler that shares server sessions, naming the fixes.
 fn refused() -> BackendError {
     BackendError::misconfigured(
-        "PostgreSQL is reached through a pooler in transaction or statement mode (such as \
-         PgBouncer with pool_mode = transaction or statement): it hands the server session, and \
-         every session lock on it, to other clients between statements. Connect directly or \
-         use pool_mode = session, or take transaction-scoped locks inside your own \
-         transactions (PostgresTransactionLocks)",
+        "PostgreSQL is reached through a connection pooler that shares server sessions between \
+         clients (transaction or statement pooling: PgBouncer with pool_mode = transaction or \
+         statement, or a proxy like it): it hands the server session, and every session lock on \
+         it, to other clients between statements. Connect directly or through session pooling \
+         (PgBouncer: pool_mode = session), or take transaction-scoped locks inside your own \
+         transactions (PostgresTransactionLocks). This backend refuses every lock until the \
+         process restarts",
     )
 }
 
 impl Pooling {
     /// Refuses every attempt once a pooler has been found.
     pub(super) fn refuse_if_found(&self) -> Result<(), BackendError> {
-        if self.found.load(Ordering::Acquire) {
+        if self.found() {
             Err(refused())
         } else {
             Ok(())
@@ -104,7 +111,7 @@ impl Pooling {
         self.found.load(Ordering::Acquire)
     }
 
-    /// Checks a new session (`client`) for a transaction- or statement-mode pooler, with a second
+    /// Checks a new session (`client`) for a pooler that shares server sessions, with a second
     /// connection made from `config` (see the module doc). The whole check, second connection
     /// included, is bounded by `timeout`; the second connection is closed before this returns.
     pub(super) async fn verify_new_session(
@@ -149,14 +156,20 @@ impl Pooling {
     }
 
     /// Whether a check's answer `row` comes from `opened_on`, the session's server process at
-    /// open. Another process means a pooler moved the session: it is recorded, and every
-    /// session of the backend fails its next check.
+    /// open. Another process means a pooler moved the session: it is recorded (and logged
+    /// once), and every session of the backend fails its next check.
     pub(super) fn same_process(&self, opened_on: ServerProcess, row: &Row) -> bool {
         let Some(answered) = ServerProcess::read(row) else {
             return false;
         };
-        if answered != opened_on {
-            self.found.store(true, Ordering::Release);
+        if answered != opened_on && !self.found.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                target: "lockingkit",
+                "a PostgreSQL lock session's check was answered by another server process than \
+                 the one it opened on, so a pooler moved it: its locks are lost, every other \
+                 session fails its next check, and every attempt is refused: {}",
+                refused().message()
+            );
         }
         answered == opened_on && !self.found()
     }

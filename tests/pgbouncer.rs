@@ -207,6 +207,34 @@ async fn verifying_a_session_opens_no_extra_connection_when_direct_and_one_throu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_session_over_tls_is_verified_by_the_second_connection_and_accepted() {
+    let server = PostgresServer::start_local().await;
+    server.enable_tls().await;
+    // TLS hides the cancel key from the check, so the probe connection verifies the session.
+    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let locks = lock_through_options(lockingkit::PostgresOptions::new(format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=require",
+        proxy.port()
+    )));
+    let key = unique_prefix("pgbouncer/tls");
+    let held = locks.try_acquire(&key).await.expect("a direct TLS session");
+    let holder = holder_of(&server, &key).await;
+    let encrypted: bool = server
+        .connect()
+        .await
+        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = $1", &[&holder])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(encrypted, "the lock's session is not encrypted");
+    assert_eq!(proxy.connections_accepted(), 2, "the session and its probe");
+    held.release().await.unwrap();
+    let again = locks.try_acquire(&key).await.expect("the same session");
+    again.release().await.unwrap();
+    assert_eq!(proxy.connections_accepted(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_pool_without_a_spare_server_connection_fails_the_open_within_one_timeout() {
     let server = PostgresServer::start_local().await;
     // One server connection: the session takes it, and the check's second connection waits.

@@ -153,9 +153,28 @@ async fn session_pooling_is_accepted_and_its_locks_exclude_each_other() {
         second.try_acquire(&key).await.unwrap_err().kind(),
         ErrorKind::Busy
     );
-    // Checks keep passing: the session keeps its server process.
-    tokio::time::sleep(CHECK * 4).await;
-    held.ensure_held().expect("still held after several checks");
+    // Checks keep passing: the session keeps its server process. Three of them are seen to
+    // run on it, each a newer statement there, with the lock still held after each.
+    let holder = holder_of(&server, &key).await;
+    let admin = server.connect().await;
+    let mut seen = Vec::new();
+    let give_up = Instant::now() + CHECK * 20;
+    while seen.len() < 4 {
+        let row = admin
+            .query_one(
+                "SELECT query, state_change::text FROM pg_stat_activity WHERE pid = $1",
+                &[&holder],
+            )
+            .await
+            .unwrap();
+        let (query, at): (String, String) = (row.get(0), row.get(1));
+        if query.contains("pg_postmaster_start_time") && seen.last() != Some(&at) {
+            held.ensure_held().expect("still held after a check");
+            seen.push(at);
+        }
+        assert!(Instant::now() < give_up, "checks seen: {seen:?}");
+        tokio::time::sleep(CHECK / 10).await;
+    }
     let waiting = tokio::spawn({
         let (second, key) = (second.clone(), key.clone());
         async move { second.acquire(&key, Duration::from_secs(10)).await }

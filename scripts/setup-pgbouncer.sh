@@ -17,17 +17,16 @@ if ! found_binary; then
   fi
   export DEBIAN_FRONTEND=noninteractive
   # A package installed without a running init system must not try to start its service.
-  policy_added=no
+  # The policy is ours only if we wrote it, and it goes away however the install ends (a
+  # failed apt-get under `set -e` included): left behind, it would stop every later package's
+  # service from starting.
   if [ ! -e /usr/sbin/policy-rc.d ]; then
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
     chmod +x /usr/sbin/policy-rc.d
-    policy_added=yes
   fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends pgbouncer
-  if [ "$policy_added" = yes ]; then
-    rm -f /usr/sbin/policy-rc.d
-  fi
 fi
 
 # Whatever installed it, the packaged service stays off: the fixture starts its own.

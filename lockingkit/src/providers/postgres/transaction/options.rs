@@ -37,8 +37,9 @@ pub struct PostgresTransactionOptions {
     pub fencing_schema: String,
     /// The fencing-token sequence (default `fencing_tokens`).
     pub fencing_sequence: String,
-    /// The longest one lock statement may go unanswered (default 5 s). A statement that does
-    /// not answer in time ends the call with [`ErrorKind::Unavailable`](crate::ErrorKind).
+    /// The longest one lock statement may go unanswered (default 5 s); within a wait, also no
+    /// longer than the time left until its deadline plus 250 ms. A statement that does not
+    /// answer in time ends the call with [`ErrorKind::Unavailable`](crate::ErrorKind).
     #[serde(with = "crate::config::duration")]
     pub query_timeout: Duration,
     /// The first retry delay of a wait (before jitter; default 50 ms).

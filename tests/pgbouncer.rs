@@ -108,6 +108,26 @@ async fn statement_pooling_is_refused_before_any_lock_is_handed_out() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_startup_check_catches_transaction_pooling_and_passes_session_pooling() {
+    let server = PostgresServer::start_local().await;
+    let pooled = PgBouncer::start(&server, PoolMode::Transaction).await;
+    let error = lock_through(&pooled).verify().await.unwrap_err();
+    assert_names_the_pooler_and_the_fix(&error);
+
+    let session = PgBouncer::start(&server, PoolMode::Session).await;
+    let locks = lock_through(&session);
+    locks
+        .verify()
+        .await
+        .expect("session pooling passes the startup check");
+    assert_eq!(
+        sessions(&locks),
+        0,
+        "verify's session is its own, and closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_transaction_pooling_over_two_idle_backends_is_refused_too() {
     let server = PostgresServer::start_local().await;
     let bouncer =

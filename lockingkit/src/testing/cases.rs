@@ -7,7 +7,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    abandon_after_polls, quick_polling, unique_prefix, ContractBackend, HeldInterval, IntervalChecker,
+    abandon_after_polls, quick_polling, unique_prefix, ContractBackend, HeldInterval,
+    IntervalChecker,
 };
 use crate::{
     DistributedLock, DistributedSemaphore, ErrorKind, LockError, LockHandle, LockOptions,

@@ -88,8 +88,8 @@ async fn assert_refused_through(server: &PostgresServer, bouncer: &PgBouncer) {
         "a wait went on for {:?} behind the pooler",
         started.elapsed()
     );
-    let readers = locks.reader_writer().expect("readers");
-    assert_names_the_pooler_and_the_fix(&refusal(readers.try_read(&key).await));
+    let readers = locks.reader_writer(&key).expect("readers");
+    assert_names_the_pooler_and_the_fix(&refusal(readers.try_read().await));
     let slots = locks.semaphore(&key, 3).expect("a semaphore");
     assert_names_the_pooler_and_the_fix(&refusal(slots.try_acquire().await));
 

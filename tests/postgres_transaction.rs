@@ -287,9 +287,9 @@ async fn session_locks_and_transaction_locks_on_one_key_exclude_each_other() {
         session.try_acquire(&key).await.unwrap_err().kind(),
         ErrorKind::Busy
     );
-    let readers = session.reader_writer().unwrap();
+    let readers = session.reader_writer(&key).unwrap();
     assert_eq!(
-        readers.try_read(&key).await.unwrap_err().kind(),
+        readers.try_read().await.unwrap_err().kind(),
         ErrorKind::Busy
     );
     // A session waiter gets the key when the transaction commits.
@@ -306,16 +306,16 @@ async fn session_locks_and_transaction_locks_on_one_key_exclude_each_other() {
 async fn readers_share_a_key_with_every_reader_and_exclude_writers() {
     let server = PostgresServer::start().await;
     let session = session_locks(&server);
-    let readers = session.reader_writer().unwrap();
     let locks = locks();
     let key = unique_prefix("tx/readers");
+    let readers = session.reader_writer(&key).unwrap();
     let (mut a, mut b, mut c) = (
         server.connect().await,
         server.connect().await,
         server.connect().await,
     );
 
-    let session_reader = readers.try_read(&key).await.unwrap();
+    let session_reader = readers.try_read().await.unwrap();
     let (first, second) = (
         a.transaction().await.unwrap(),
         b.transaction().await.unwrap(),
@@ -329,7 +329,7 @@ async fn readers_share_a_key_with_every_reader_and_exclude_writers() {
         ErrorKind::Busy
     );
     assert_eq!(
-        readers.try_write(&key).await.unwrap_err().kind(),
+        readers.try_write().await.unwrap_err().kind(),
         ErrorKind::Busy
     );
 
@@ -347,7 +347,7 @@ async fn readers_share_a_key_with_every_reader_and_exclude_writers() {
         .unwrap();
     assert!(!written.is_shared());
     assert_eq!(
-        readers.try_read(&key).await.unwrap_err().kind(),
+        readers.try_read().await.unwrap_err().kind(),
         ErrorKind::Busy
     );
     writer.commit().await.unwrap();
@@ -580,14 +580,14 @@ async fn a_session_writer_waiting_for_the_key_holds_transaction_readers_back() {
     let locks = locks();
     let key = unique_prefix("tx/writer-intent");
     let reading = holder
-        .reader_writer()
+        .reader_writer(&key)
         .unwrap()
-        .try_read(&key)
+        .try_read()
         .await
         .unwrap();
     let waiting = tokio::spawn({
-        let (writer, key) = (writer.reader_writer().unwrap(), key.clone());
-        async move { writer.write(&key, Duration::from_secs(20)).await }
+        let writer = writer.reader_writer(&key).unwrap();
+        async move { writer.write(Duration::from_secs(20)).await }
     });
     let admin = server.connect().await;
     let give_up = Instant::now() + Duration::from_secs(10);

@@ -197,9 +197,12 @@ impl PostgresTransactionLocks {
     /// Validates `options`; fails with [`ErrorKind::Misconfigured`], listing every problem.
     /// Opens nothing: every call runs on the transaction it is given.
     pub fn new(options: PostgresTransactionOptions) -> Result<Self, LockError> {
-        let problems = options.problems("PostgresTransactionOptions");
+        let problems = options.problems();
         if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
+            return Err(crate::config::misconfigured_at(
+                "PostgresTransactionOptions",
+                problems,
+            ));
         }
         Ok(Self::build(options))
     }

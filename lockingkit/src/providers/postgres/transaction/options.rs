@@ -8,6 +8,7 @@ use super::super::options::{
     fencing_problems, PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE,
     DEFAULT_QUERY_TIMEOUT,
 };
+use crate::config::Problem;
 use crate::engine::LockOptions;
 
 /// Options of [`PostgresTransactionLocks`](super::PostgresTransactionLocks), bindable from a
@@ -28,7 +29,7 @@ use crate::engine::LockOptions;
 /// let options = PostgresTransactionOptions::from(&session);
 /// assert_eq!(options.fencing_schema, "locks");
 /// assert_eq!(options.fencing_sequence, "fencing_tokens");
-/// assert!(options.problems("Locking.Orders").is_empty());
+/// assert!(options.problems().is_empty());
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -77,12 +78,12 @@ impl From<&PostgresOptions> for PostgresTransactionOptions {
 }
 
 impl PostgresTransactionOptions {
-    /// Lists every problem with these options, prefixed with `section` (such as
-    /// `Locking.Orders`). An empty list means the options are valid.
-    pub fn problems(&self, section: &str) -> Vec<String> {
-        let mut problems = fencing_problems(section, &self.fencing_schema, &self.fencing_sequence);
+    /// Lists every problem with these options, each about one of their settings. An empty
+    /// list means the options are valid.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut problems = fencing_problems(&self.fencing_schema, &self.fencing_sequence);
         if self.query_timeout.is_zero() {
-            problems.push(format!("{section}.query_timeout must be greater than zero"));
+            problems.push(Problem::new("query_timeout", "must be greater than zero"));
         }
         // The retry delays follow the engine's rules for the same two settings.
         let waiting = LockOptions {
@@ -90,7 +91,7 @@ impl PostgresTransactionOptions {
             max_retry_delay: self.max_retry_delay,
             ..LockOptions::default()
         };
-        problems.extend(waiting.problems(section));
+        problems.extend(waiting.problems());
         problems
     }
 }
@@ -102,7 +103,7 @@ mod tests {
     #[test]
     fn the_defaults_are_valid_and_name_the_session_providers_sequence() {
         let options = PostgresTransactionOptions::default();
-        assert!(options.problems("Locking.Orders").is_empty());
+        assert!(options.problems().is_empty());
         let session = PostgresOptions::default();
         assert_eq!(options.fencing_schema, session.fencing_schema);
         assert_eq!(options.fencing_sequence, session.fencing_sequence);
@@ -117,16 +118,8 @@ mod tests {
             min_retry_delay: Duration::from_secs(2),
             max_retry_delay: Duration::from_secs(1),
         };
-        let problems = options.problems("Locking.Orders");
-        let fields: Vec<&str> = problems
-            .iter()
-            .map(|p| {
-                p.trim_start_matches("Locking.Orders.")
-                    .split(' ')
-                    .next()
-                    .unwrap_or("")
-            })
-            .collect();
+        let problems = options.problems();
+        let fields: Vec<&str> = problems.iter().map(Problem::setting).collect();
         assert_eq!(
             fields,
             [
@@ -141,7 +134,7 @@ mod tests {
             min_retry_delay: Duration::ZERO,
             ..PostgresTransactionOptions::default()
         };
-        assert_eq!(zero.problems("S").len(), 1);
+        assert_eq!(zero.problems().len(), 1);
     }
 
     #[test]

@@ -6,9 +6,11 @@ pub mod bench;
 pub mod bench_azure;
 pub mod bench_postgres;
 pub mod bench_sessions;
+pub mod bench_transaction;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.
 #[path = "../../lockingkit/tests/support/field_log.rs"]
 pub mod field_log;
 pub mod http;
+pub mod pgbouncer;
 pub mod postgres;
 pub mod proxy;

@@ -51,6 +51,8 @@ pub use handle::{LockHandle, LockView};
 pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
+#[cfg(feature = "etcd")]
+pub use providers::etcd::{EtcdBackend, EtcdOptions};
 pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresOptions};

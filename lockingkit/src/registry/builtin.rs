@@ -63,6 +63,10 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
         name: "azure_blob",
         build: azure_blob,
     },
+    BuiltIn {
+        name: "etcd",
+        build: etcd,
+    },
 ];
 
 /// Binds `T` from the section and runs its own checks on whatever bound, so one bad setting
@@ -116,7 +120,7 @@ fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderRes
 }
 
 /// The problem of a provider whose cargo feature is off.
-#[cfg(not(all(feature = "postgres", feature = "azure")))]
+#[cfg(not(all(feature = "postgres", feature = "azure", feature = "etcd")))]
 fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
     vec![Problem::sentence(
         format!("{}.provider", section.path()),
@@ -177,4 +181,23 @@ pub(super) fn open_azure(
         .and(host.azure_credential.cloned());
     crate::providers::azure::AzureBlobBackend::open(options, credential, path)
         .map_err(|problems| Problem::checked(path, problems))
+}
+
+#[cfg(not(feature = "etcd"))]
+fn etcd(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
+    Err(needs_feature(section, "etcd", "etcd"))
+}
+
+#[cfg(feature = "etcd")]
+fn etcd(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
+    use crate::providers::etcd::EtcdOptions;
+    let (options, problems) = bind_checked(section, EtcdOptions::problems);
+    let path = section.path().to_owned();
+    let backend = options.map(|options| {
+        // The constructor finds what the options cannot say alone (a TLS file it cannot read)
+        // and words it for a section it calls `EtcdOptions`.
+        crate::providers::etcd::EtcdBackend::new(options)
+            .map_err(|error| vec![Problem::from_constructor("EtcdOptions", &path, &error)])
+    });
+    finish(backend, setup, problems)
 }

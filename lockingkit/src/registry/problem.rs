@@ -89,7 +89,7 @@ impl Problem {
     /// The problem of a provider constructor's error, worded for a section the constructor
     /// names after its options type (such as `PostgresOptions`), moved to the section at
     /// `path` where the options came from.
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "etcd"))]
     pub(crate) fn from_constructor(own: &str, path: &str, error: &LockError) -> Self {
         let problem = Problem::from_error(own, error);
         Problem {

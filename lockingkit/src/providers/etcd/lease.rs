@@ -1,0 +1,240 @@
+//! One etcd lease per backend: every hold and queue place of the backend is a key attached to
+//! it, and the engine's renewals of those holds keep it alive.
+//!
+//! # Why one lease, not one per hold
+//! A lease per hold costs a grant before and a revoke after every hold: four round trips
+//! through Raft per acquire+release pair instead of two. One shared lease costs nothing per
+//! hold; its price is that a lease the server drops (expired while the process was paused,
+//! revoked by an operator) is loss for every hold on it at once, which is what the engine's
+//! `LeaseGone` means.
+//!
+//! # Coalesced keep-alives, and why they stay safe
+//! The engine renews each hold on its own schedule and declares loss at 90% of the TTL after
+//! the renewal was *sent*. A renewal that finds a keep-alive of this lease *sent* no more than
+//! [`COALESCE_FRACTION`] of the TTL before it (and answered) is answered by that keep-alive
+//! instead of sending another: the server's expiry is at least that send time plus the TTL,
+//! which is still later than the engine's deadline for the renewal (sent + 90% of the TTL)
+//! with half of the 10% margin left for clock-rate differences. So however many holds a
+//! backend has, it sends at most one keep-alive per twentieth of the TTL.
+//!
+//! Every attempt takes the lease through [`SharedLease::fresh`], which applies the same rule,
+//! so a new hold never lands on a lease that was about to expire.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::errors::{self, bounded};
+use crate::backend::BackendError;
+
+/// How recent a keep-alive must be to answer a renewal: a twentieth of the TTL.
+pub(super) const COALESCE_FRACTION: u32 = 20;
+
+/// The lease of one backend, granted on first use and again after the server dropped it.
+pub(super) struct SharedLease {
+    ttl: Duration,
+    timeout: Duration,
+    current: Mutex<Option<Arc<LeaseGeneration>>>,
+    /// One grant in flight at a time.
+    granting: tokio::sync::Mutex<()>,
+}
+
+/// One granted lease. Its keys live exactly as long as it does.
+pub(super) struct LeaseGeneration {
+    pub(super) id: i64,
+    /// Fires when the server said the lease is gone (expired or revoked).
+    gone: CancellationToken,
+    keep_alive: tokio::sync::Mutex<KeepAlive>,
+    /// Numbers the keys written under this lease, so each is unique.
+    entries: AtomicU64,
+    ttl: Duration,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct KeepAlive {
+    stream: Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    /// When the latest keep-alive (or the grant) that the server answered was sent.
+    last_sent_ok: Option<Instant>,
+}
+
+impl SharedLease {
+    pub(super) fn new(ttl: Duration, timeout: Duration) -> Self {
+        SharedLease {
+            ttl,
+            timeout,
+            current: Mutex::new(None),
+            granting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The id of the lease now, if one is granted and not known to be gone.
+    pub(super) fn current_id(&self) -> Option<i64> {
+        self.current().map(|generation| generation.id)
+    }
+
+    fn current(&self) -> Option<Arc<LeaseGeneration>> {
+        self.current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .filter(|generation| !generation.is_gone())
+    }
+
+    /// The lease, refreshed so that the server keeps it at least a TTL from about now (see
+    /// the module documentation); granted anew if there is none or the server dropped it.
+    pub(super) async fn fresh(&self, client: &Client) -> Result<Arc<LeaseGeneration>, BackendError> {
+        let asked = Instant::now();
+        if let Some(generation) = self.current() {
+            match generation.refresh(client, asked).await {
+                Ok(()) => return Ok(generation),
+                Err(error) if generation.is_gone() => {
+                    tracing::debug!(target: "lockingkit", %error, "etcd lease gone; granting a new one");
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        let _one_grant = self.granting.lock().await;
+        // Another caller may have granted while we queued.
+        if let Some(generation) = self.current() {
+            generation.refresh(client, asked).await?;
+            return Ok(generation);
+        }
+        let generation = Arc::new(self.grant(client).await?);
+        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(generation.clone());
+        Ok(generation)
+    }
+
+    async fn grant(&self, client: &Client) -> Result<LeaseGeneration, BackendError> {
+        let sent = Instant::now();
+        // The options allow whole seconds only, so this is exact.
+        let ttl = i64::try_from(self.ttl.as_secs()).unwrap_or(i64::MAX);
+        let mut leases = client.lease_client();
+        let granted = bounded("lease grant", self.timeout, leases.grant(ttl, None)).await?;
+        if granted.ttl() <= 0 {
+            return Err(BackendError::transient("etcd granted a lease without a TTL"));
+        }
+        Ok(LeaseGeneration {
+            id: granted.id(),
+            gone: CancellationToken::new(),
+            keep_alive: tokio::sync::Mutex::new(KeepAlive {
+                stream: None,
+                last_sent_ok: Some(sent),
+            }),
+            entries: AtomicU64::new(0),
+            ttl: self.ttl,
+            timeout: self.timeout,
+        })
+    }
+
+    /// Revokes the lease in the background, so the keys still on it go at once. For a backend
+    /// that is going away.
+    pub(super) fn revoke_in_background(&self, client: Option<Client>) {
+        let (Some(generation), Some(client), Ok(runtime)) = (
+            self.current(),
+            client,
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let timeout = self.timeout;
+        runtime.spawn(async move {
+            let mut leases = client.lease_client();
+            let _ = bounded("lease revoke", timeout, leases.revoke(generation.id)).await;
+        });
+    }
+}
+
+impl LeaseGeneration {
+    /// Whether the server said this lease is gone.
+    pub(super) fn is_gone(&self) -> bool {
+        self.gone.is_cancelled()
+    }
+
+    /// Fires when the server says this lease is gone.
+    pub(super) fn gone(&self) -> &CancellationToken {
+        &self.gone
+    }
+
+    /// Records that the server does not know this lease any more.
+    pub(super) fn mark_gone(&self) {
+        self.gone.cancel();
+    }
+
+    /// A name for a new key under this lease, unique across the cluster.
+    pub(super) fn next_entry_id(&self) -> String {
+        let n = self.entries.fetch_add(1, Ordering::Relaxed);
+        format!("{:016x}-{n:x}", self.id)
+    }
+
+    /// Makes sure a keep-alive of this lease was sent no earlier than a twentieth of the TTL
+    /// before `asked` and answered, sending one if needed. `LeaseGone` when the server says the
+    /// lease expired or was revoked.
+    pub(super) async fn refresh(&self, client: &Client, asked: Instant) -> Result<(), BackendError> {
+        if self.is_gone() {
+            return Err(BackendError::lease_gone("the etcd lease expired or was revoked"));
+        }
+        let window = self.ttl / COALESCE_FRACTION;
+        let mut keep_alive = self.keep_alive.lock().await;
+        let recent = keep_alive
+            .last_sent_ok
+            .is_some_and(|sent| asked.saturating_duration_since(sent) <= window);
+        if recent {
+            return Ok(());
+        }
+        let sent = Instant::now();
+        match tokio::time::timeout(self.timeout, self.send(client, &mut keep_alive)).await {
+            Ok(Ok(())) => {
+                keep_alive.last_sent_ok = Some(sent);
+                Ok(())
+            }
+            Ok(Err(error)) => {
+                keep_alive.stream = None;
+                Err(error)
+            }
+            Err(_) => {
+                // A late answer on this stream would be taken for the next request's.
+                keep_alive.stream = None;
+                Err(BackendError::unreachable(format!(
+                    "etcd did not answer the lease keep-alive within {:?}",
+                    self.timeout
+                )))
+            }
+        }
+    }
+
+    /// One keep-alive on the lease's stream, opening it if needed (opening sends the first).
+    async fn send(&self, client: &Client, keep_alive: &mut KeepAlive) -> Result<(), BackendError> {
+        let Some((keeper, stream)) = keep_alive.stream.as_mut() else {
+            let mut leases = client.lease_client();
+            return match leases.keep_alive(self.id).await {
+                Ok(opened) => {
+                    keep_alive.stream = Some(opened);
+                    Ok(())
+                }
+                Err(error) => Err(self.failed(error)),
+            };
+        };
+        keeper.keep_alive().await.map_err(|e| self.failed(e))?;
+        match stream.message().await {
+            Ok(Some(answer)) if answer.ttl() > 0 => Ok(()),
+            Ok(Some(_)) => {
+                self.mark_gone();
+                Err(BackendError::lease_gone("etcd says the lease expired or was revoked"))
+            }
+            Ok(None) => Err(BackendError::unreachable("the etcd keep-alive stream ended")),
+            Err(error) => Err(self.failed(error)),
+        }
+    }
+
+    fn failed(&self, error: etcd_client::Error) -> BackendError {
+        if errors::is_lease_not_found(&error) {
+            self.mark_gone();
+        }
+        errors::classify("lease keep-alive", error)
+    }
+}

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bench_azure;
 pub mod bench_postgres;
 pub mod bench_sessions;
+pub mod etcd;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.
 #[path = "../../lockingkit/tests/support/field_log.rs"]
 pub mod field_log;

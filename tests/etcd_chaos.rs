@@ -1,0 +1,1 @@
+//! Faults injected into real etcd clusters.

@@ -286,15 +286,29 @@ pub trait LockBackend: Send + Sync + 'static {
         std::future::pending()
     }
 
-    /// Optional, for [`LeaseTiming::ConnectionHeld`] backends: a future that resolves as soon
-    /// as the backend knows, without asking the server, that the lease is gone — typically
-    /// because the connection holding it closed (the server then frees the lock at once).
+    /// Optional: a future that resolves as soon as the backend knows, without asking the
+    /// server, that the lease is gone — because the connection holding it closed (the server
+    /// then frees the lock at once), or because a watch showed the holder's record deleted or
+    /// overwritten by someone else.
     ///
-    /// The engine races it against the wait for the next check, so loss is declared within
-    /// moments of the connection ending instead of up to one check interval later. The default
-    /// never resolves, leaving detection to the periodic checks.
+    /// The engine races it against the wait for the next renewal or check, so loss is declared
+    /// within moments instead of at the next renewal or check. For a
+    /// [`LeaseTiming::ConnectionHeld`] backend it is watched from shortly after the acquire;
+    /// for an [`LeaseTiming::Expiring`] one only if [`watches_leases`](Self::watches_leases)
+    /// says so (otherwise from the first renewal on). The default never resolves, leaving
+    /// detection to renewals and checks.
     fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {
         let _ = lease;
         std::future::pending()
+    }
+
+    /// Optional, for [`LeaseTiming::Expiring`] backends: whether
+    /// [`lease_ended`](Self::lease_ended) can resolve for their leases. When `true`, the
+    /// engine starts watching each hold shortly (about 10 ms) after the acquire rather than
+    /// at its first renewal, so a lease the backend sees taken away is loss at once. `false`
+    /// by default: a watch per hold costs a task, which a backend that cannot tell has no
+    /// use for.
+    fn watches_leases(&self) -> bool {
+        false
     }
 }

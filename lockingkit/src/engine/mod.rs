@@ -150,12 +150,20 @@ impl<B: LockBackend> Engine<B> {
     /// How long after the acquire was sent the lock's keeper task starts: when the first
     /// renewal is due for an expiring lease. A connection-held lock can end any time its
     /// connection does, and a backend may notice that without asking
-    /// (`LockBackend::lease_ended`), so its keeper starts almost at once — yet not at once:
+    /// (`LockBackend::lease_ended`; expiring backends that watch their leases say so with
+    /// `LockBackend::watches_leases`), so its keeper starts almost at once — yet not at once:
     /// a task per acquire costs cross-thread wake-ups that were a third of a PostgreSQL
     /// try_acquire+release pair, and most holds are shorter than this.
     fn keeper_starts_after(&self) -> Duration {
         match self.timing {
-            LeaseTiming::Expiring(lease) => self.options.renew_every.unwrap_or(lease / 3),
+            LeaseTiming::Expiring(lease) => {
+                let renewal = self.options.renew_every.unwrap_or(lease / 3);
+                if self.backend.watches_leases() {
+                    renewal.min(CONNECTION_WATCH_DELAY)
+                } else {
+                    renewal
+                }
+            }
             LeaseTiming::ConnectionHeld(interval) => interval.min(CONNECTION_WATCH_DELAY),
         }
     }

@@ -69,10 +69,14 @@ async fn renew_expiring<B: LockBackend>(held: &Hold<B>, lease: Duration, sent: I
         engine.options.min_retry_delay,
         engine.options.max_retry_delay,
     );
+    // A backend that watches its leases says at once when one is taken away.
+    let ended = engine.backend.lease_ended(&held.lease);
+    tokio::pin!(ended);
     loop {
         tokio::select! {
             biased;
             _ = held.lost_signal().cancelled() => return Exit::Stopped,
+            _ = &mut ended => return Exit::Lost(LossReason::LeaseGone),
             _ = sleep_until(deadline) => return Exit::Lost(LossReason::Deadline),
             _ = sleep_until(next) => {}
         }
@@ -80,6 +84,7 @@ async fn renew_expiring<B: LockBackend>(held: &Hold<B>, lease: Duration, sent: I
         let result = tokio::select! {
             biased;
             _ = held.lost_signal().cancelled() => return Exit::Stopped,
+            _ = &mut ended => return Exit::Lost(LossReason::LeaseGone),
             _ = sleep_until(deadline) => {
                 // The renewal in flight never answered: it failed, as a timed-out check does.
                 engine.telemetry.renewal(false);

@@ -36,6 +36,8 @@ pub(super) const COALESCE_FRACTION: u32 = 20;
 
 /// The lease of one backend, granted on first use and again after the server dropped it.
 pub(super) struct SharedLease {
+    /// Keep-alives sent so far, for tests of the coalescing.
+    sent: Arc<AtomicU64>,
     ttl: Duration,
     timeout: Duration,
     current: Mutex<Option<Arc<LeaseGeneration>>>,
@@ -51,6 +53,7 @@ pub(super) struct LeaseGeneration {
     keep_alive: tokio::sync::Mutex<KeepAlive>,
     /// Numbers the keys written under this lease, so each is unique.
     entries: AtomicU64,
+    sent: Arc<AtomicU64>,
     ttl: Duration,
     timeout: Duration,
 }
@@ -65,11 +68,17 @@ struct KeepAlive {
 impl SharedLease {
     pub(super) fn new(ttl: Duration, timeout: Duration) -> Self {
         SharedLease {
+            sent: Arc::new(AtomicU64::new(0)),
             ttl,
             timeout,
             current: Mutex::new(None),
             granting: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// How many keep-alives the backend has sent.
+    pub(super) fn keep_alives_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
     }
 
     /// The id of the lease now, if one is granted and not known to be gone.
@@ -126,6 +135,7 @@ impl SharedLease {
                 last_sent_ok: Some(sent),
             }),
             entries: AtomicU64::new(0),
+            sent: self.sent.clone(),
             ttl: self.ttl,
             timeout: self.timeout,
         })
@@ -187,6 +197,7 @@ impl LeaseGeneration {
             return Ok(());
         }
         let sent = Instant::now();
+        self.sent.fetch_add(1, Ordering::Relaxed);
         match tokio::time::timeout(self.timeout, self.send(client, &mut keep_alive)).await {
             Ok(Ok(())) => {
                 keep_alive.last_sent_ok = Some(sent);

@@ -159,6 +159,12 @@ impl EtcdBackend {
         self.inner.queue.watched_places()
     }
 
+    /// How many lease keep-alives the backend has sent: at most one per twentieth of the
+    /// lease TTL, however many holds it renews.
+    pub fn keep_alives_sent(&self) -> u64 {
+        self.inner.lease.keep_alives_sent()
+    }
+
     /// How many keys whose delete went unanswered are being retried in the background.
     pub fn pending_deletes(&self) -> usize {
         self.inner.strays.pending()
@@ -327,6 +333,11 @@ impl LockBackend for EtcdBackend {
 
     fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
         self.inner.hint(key)
+    }
+
+    /// A hold's key is watched: someone else deleting or overwriting it is loss at once.
+    fn watches_leases(&self) -> bool {
+        true
     }
 
     fn lease_ended(&self, lease: &EtcdLease) -> impl Future<Output = ()> + Send {

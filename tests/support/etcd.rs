@@ -2,8 +2,8 @@
 //! loopback ports, with data directories in a scratch directory, killed and removed on drop.
 //!
 //! `scripts/setup-etcd.sh` installs the binary (Debian's etcd-server, 3.4). Members die with
-//! the test process that started them (`PR_SET_PDEATHSIG`), so a test killed by a timeout
-//! leaves no server behind. Members can be killed, restarted on their ports with their data,
+//! the thread that started them (`PR_SET_PDEATHSIG`: a runtime worker of the test, which lives
+//! as long as the test), so a test killed by a timeout leaves no server behind. Members can be killed, restarted on their ports with their data,
 //! and paused (SIGSTOP).
 
 use std::fs;
@@ -50,13 +50,14 @@ impl EtcdCluster {
     pub async fn start(size: usize) -> EtcdCluster {
         let mut last = String::new();
         for _ in 0..5 {
-            match tokio::task::spawn_blocking(move || Self::launch(size)).await {
-                Ok(Ok(cluster)) => {
+            // Launched on this thread, not a blocking-pool one: the members' death signal is
+            // tied to the thread that spawned them, and idle pool threads exit after seconds.
+            match Self::launch(size) {
+                Ok(cluster) => {
                     cluster.until_ready().await;
                     return cluster;
                 }
-                Ok(Err(error)) => last = error.to_string(),
-                Err(join) => last = join.to_string(),
+                Err(error) => last = error.to_string(),
             }
         }
         panic!("cannot start an etcd cluster of {size}: {last}");

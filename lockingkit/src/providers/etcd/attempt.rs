@@ -117,7 +117,7 @@ impl Inner {
         let key = Directory::entry(within, &generation.next_entry_id());
         let put = TxnOp::put(key.clone(), Vec::new(), Some(PutOptions::new().with_lease(generation.id)));
         let txn = Txn::new().when([condition]).and_then([put]);
-        let Some(answer) = self.txn(client, "lock attempt", txn).await? else {
+        let Some(answer) = self.unless_unanswered(client, "lock attempt", txn, &key, generation).await? else {
             return Ok(Found::LeaseGone);
         };
         if !answer.succeeded() {
@@ -184,9 +184,12 @@ impl Inner {
         let directory = Directory::semaphore(&self.key_prefix, key);
         let end = range_end(&directory.all);
         // A full semaphore is answered by a read, writing nothing.
-        let mut kv = client.kv_client();
         let count = GetOptions::new().with_range(end.clone()).with_count_only();
-        let holders = bounded("semaphore count", self.timeout, kv.get(directory.all.clone(), Some(count))).await?;
+        let holders = bounded("semaphore count", self.timeout, || {
+            let (mut kv, key, count) = (client.kv_client(), directory.all.clone(), count.clone());
+            async move { kv.get(key, Some(count)).await }
+        })
+        .await?;
         if holders.count() >= i64::from(max_count) {
             return Ok(Found::Busy);
         }
@@ -200,7 +203,7 @@ impl Inner {
             TxnOp::put(slot.clone(), Vec::new(), Some(PutOptions::new().with_lease(generation.id))),
             TxnOp::get(directory.all.clone(), Some(oldest)),
         ]);
-        let Some(answer) = self.txn(client, "semaphore attempt", txn).await? else {
+        let Some(answer) = self.unless_unanswered(client, "semaphore attempt", txn, &slot, generation).await? else {
             return Ok(Found::LeaseGone);
         };
         let revision = answer.header().map_or(0, |h| h.revision());
@@ -222,16 +225,34 @@ impl Inner {
         what: &'static str,
         txn: Txn,
     ) -> Result<Option<TxnResponse>, BackendError> {
-        let mut kv = client.kv_client();
-        match tokio::time::timeout(self.timeout, kv.txn(txn)).await {
-            Ok(Ok(answer)) => Ok(Some(answer)),
-            Ok(Err(error)) if super::errors::is_lease_not_found(&error) => Ok(None),
-            Ok(Err(error)) => Err(super::errors::classify(what, error)),
-            Err(_) => Err(BackendError::unreachable(format!(
-                "etcd did not answer the {what} within {:?}",
-                self.timeout
-            ))),
+        let sent = bounded(what, self.timeout, || {
+            let (mut kv, txn) = (client.kv_client(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await;
+        match sent {
+            Ok(answer) => Ok(Some(answer)),
+            Err(error) if error.kind() == crate::backend::BackendErrorKind::LeaseGone => Ok(None),
+            Err(error) => Err(error),
         }
+    }
+
+    /// Sends a transaction that may create `key`. If it goes unanswered it may still have
+    /// created the key, which nobody would ever delete while the shared lease lives: the key
+    /// is left to the background deletes.
+    async fn unless_unanswered(
+        self: &Arc<Self>,
+        client: &Client,
+        what: &'static str,
+        txn: Txn,
+        key: &[u8],
+        generation: &Arc<LeaseGeneration>,
+    ) -> Result<Option<TxnResponse>, BackendError> {
+        let answer = self.txn(client, what, txn).await;
+        if answer.as_ref().is_err_and(|e| !e.reached()) {
+            self.strays.add(self, key.to_vec(), generation.clone());
+        }
+        answer
     }
 
     fn lease(self: &Arc<Self>, key: Vec<u8>, revision: i64, generation: Arc<LeaseGeneration>) -> EtcdLease {
@@ -255,8 +276,7 @@ impl Inner {
         }
         lease.unwatch(self);
         let client = self.client().await?;
-        let mut kv = client.kv_client();
-        match bounded("release", self.timeout, kv.delete(lease.key.clone(), None)).await {
+        match bounded("release", self.timeout, || delete(&client, &lease.key)).await {
             Ok(deleted) if deleted.deleted() > 0 => Ok(()),
             Ok(_) => Err(BackendError::lease_gone(
                 "the lock's etcd key was already gone (its lease expired, or another client deleted it)",
@@ -275,11 +295,19 @@ impl Inner {
         key: Vec<u8>,
         generation: &Arc<LeaseGeneration>,
     ) {
-        let mut kv = client.kv_client();
-        if bounded("delete", self.timeout, kv.delete(key.clone(), None)).await.is_err() {
+        if bounded("delete", self.timeout, || delete(client, &key)).await.is_err() {
             self.strays.add(self, key, generation.clone());
         }
     }
+}
+
+/// A delete of one key, as a request that can be sent again.
+fn delete(
+    client: &Client,
+    key: &[u8],
+) -> impl std::future::Future<Output = Result<etcd_client::DeleteResponse, etcd_client::Error>> {
+    let (mut kv, key) = (client.kv_client(), key.to_vec());
+    async move { kv.delete(key, None).await }
 }
 
 /// The `Get` answers of a transaction, in order.
@@ -332,10 +360,9 @@ async fn retry_strays(backend: Arc<Inner>) {
                 continue;
             }
             let deleted = match backend.client().await {
-                Ok(client) => {
-                    let mut kv = client.kv_client();
-                    bounded("delete", backend.timeout, kv.delete(key.clone(), None)).await.is_ok()
-                }
+                Ok(client) => bounded("delete", backend.timeout, || delete(&client, &key))
+                    .await
+                    .is_ok(),
                 Err(_) => false,
             };
             if !deleted {

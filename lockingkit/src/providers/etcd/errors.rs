@@ -14,18 +14,39 @@ const LEASE_NOT_FOUND: &str = "requested lease not found";
 
 /// Runs one request under the request timeout: a member that stopped answering (a paused
 /// process, a silent network) would otherwise hang the call for as long as the connection
-/// lives.
-pub(super) async fn bounded<T>(
+/// lives. A request that could not even be sent because its member's connection was refused
+/// (a member that is down: the client keeps it among the endpoints it balances over) is sent
+/// again at once, to whichever member the client picks next, within the same timeout.
+pub(super) async fn bounded<T, F: Future<Output = Result<T, Error>>>(
     what: &'static str,
     timeout: Duration,
-    request: impl Future<Output = Result<T, Error>>,
+    mut request: impl FnMut() -> F,
 ) -> Result<T, BackendError> {
-    match tokio::time::timeout(timeout, request).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(classify(what, error)),
-        Err(_) => Err(BackendError::unreachable(format!(
-            "etcd did not answer the {what} within {timeout:?}"
-        ))),
+    let deadline = crate::clock::in_(timeout);
+    loop {
+        match tokio::time::timeout_at(deadline, request()).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(error)) if never_sent(&error) && tokio::time::Instant::now() < deadline => {
+                tokio::task::yield_now().await;
+            }
+            Ok(Err(error)) => return Err(classify(what, error)),
+            Err(_) => {
+                return Err(BackendError::unreachable(format!(
+                    "etcd did not answer the {what} within {timeout:?}"
+                )))
+            }
+        }
+    }
+}
+
+/// Whether the request failed before it was sent: no connection to its member could be made.
+pub(super) fn never_sent(error: &Error) -> bool {
+    match error {
+        Error::GRpcStatus(status) => {
+            status.code() == Code::Unavailable && status.message().contains("connect error")
+        }
+        Error::TransportError(_) => true,
+        _ => false,
     }
 }
 

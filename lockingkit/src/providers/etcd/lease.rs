@@ -122,8 +122,11 @@ impl SharedLease {
         let sent = Instant::now();
         // The options allow whole seconds only, so this is exact.
         let ttl = i64::try_from(self.ttl.as_secs()).unwrap_or(i64::MAX);
-        let mut leases = client.lease_client();
-        let granted = bounded("lease grant", self.timeout, leases.grant(ttl, None)).await?;
+        let granted = bounded("lease grant", self.timeout, || {
+            let mut leases = client.lease_client();
+            async move { leases.grant(ttl, None).await }
+        })
+        .await?;
         if granted.ttl() <= 0 {
             return Err(BackendError::transient("etcd granted a lease without a TTL"));
         }
@@ -153,8 +156,12 @@ impl SharedLease {
         };
         let timeout = self.timeout;
         runtime.spawn(async move {
-            let mut leases = client.lease_client();
-            let _ = bounded("lease revoke", timeout, leases.revoke(generation.id)).await;
+            let id = generation.id;
+            let _ = bounded("lease revoke", timeout, || {
+                let mut leases = client.lease_client();
+                async move { leases.revoke(id).await }
+            })
+            .await;
         });
     }
 }

@@ -193,11 +193,9 @@ impl Inner {
         let connected = self
             .client
             .get_or_try_init(|| {
-                bounded(
-                    "connection",
-                    self.timeout,
-                    Client::connect(self.endpoints.clone(), Some(self.connect.clone())),
-                )
+                bounded("connection", self.timeout, || {
+                    Client::connect(self.endpoints.clone(), Some(self.connect.clone()))
+                })
             })
             .await;
         match connected {

@@ -220,18 +220,16 @@ impl Inner {
 
     /// The place's key, its create revision and its lease; `None` if it could not be written.
     async fn write_place(
-        &self,
+        self: &Arc<Self>,
         directory: &Directory,
     ) -> Option<(Vec<u8>, i64, Arc<LeaseGeneration>)> {
         let client = self.client().await.ok()?;
         let generation = self.lease.fresh(&client).await.ok()?;
         let entry = Directory::entry(&directory.writers, &generation.next_entry_id());
-        let mut kv = client.kv_client();
-        let put = kv.put(
-            entry.clone(),
-            Vec::new(),
-            Some(PutOptions::new().with_lease(generation.id)),
-        );
+        let put = || {
+            let (mut kv, entry, lease) = (client.kv_client(), entry.clone(), generation.id);
+            async move { kv.put(entry, Vec::new(), Some(PutOptions::new().with_lease(lease))).await }
+        };
         match bounded("queue place", self.timeout, put).await {
             Ok(answer) => {
                 let revision = answer.header().map(|h| h.revision())?;
@@ -240,6 +238,9 @@ impl Inner {
             Err(error) => {
                 if error.kind() == crate::backend::BackendErrorKind::LeaseGone {
                     generation.mark_gone();
+                } else if !error.reached() {
+                    // It may have been written all the same; nobody else would delete it.
+                    self.strays.add(self, entry, generation);
                 }
                 None
             }

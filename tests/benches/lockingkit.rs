@@ -11,7 +11,9 @@
 //!
 //! `cargo bench -p lockingkit-tests --bench lockingkit -- memory` runs only row 3 (in-memory
 //! pairs), and `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` only the row of
-//! the HTTP layer's own cost (in-memory lock, no servers to start).
+//! the HTTP layer's own cost (in-memory lock, no servers to start). `-- etcd` runs only the etcd
+//! rows (it starts its own one- and three-member clusters; `scripts/setup-etcd.sh`); the full
+//! run prints them after the table.
 
 use std::time::Duration;
 
@@ -20,7 +22,7 @@ use lockingkit_tests::azurite::Azurite;
 use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, PollingOnly};
 use lockingkit_tests::http::{in_memory_layer_cost, LayerCost};
 use lockingkit_tests::postgres::PostgresServer;
-use lockingkit_tests::{bench_azure, bench_postgres, bench_sessions};
+use lockingkit_tests::{bench_azure, bench_etcd, bench_postgres, bench_sessions};
 
 /// Sample counts: the real run, or a smoke test.
 #[derive(Clone, Copy)]
@@ -117,6 +119,29 @@ fn print_http_layer_cost(cost: &LayerCost) {
     );
 }
 
+/// The etcd rows, on clusters of their own (`scripts/setup-etcd.sh`).
+fn print_etcd(sizes: Sizes) {
+    let etcd_sizes = bench_etcd::EtcdSizes {
+        pairs: sizes.postgres_pairs / 5,
+        handoffs: sizes.remote_handoffs,
+        load: sizes.load_round,
+    };
+    let report = two_worker_runtime()
+        .block_on(async { tokio::spawn(bench_etcd::measure(etcd_sizes)).await })
+        .expect("the etcd rows");
+    println!("{}", report.render());
+    println!(
+        "{{\"etcd_pair_ms\":{:.3},\"etcd_raw_pair_ms\":{:.3},\"etcd_pair_ratio\":{:.3},\"etcd_handoff_p50_ms\":{:.3},\"etcd_pairs_per_s\":{:.0},\"etcd_raw_pairs_per_s\":{:.0},\"etcd_connections\":{}}}",
+        ms(report.pair),
+        ms(report.raw_pair),
+        report.pair_ratio(),
+        ms(report.handoff.p50),
+        report.kit_per_s,
+        report.raw_per_s,
+        report.connections
+    );
+}
+
 fn main() {
     let Some(mode) = BenchMode::from_args() else {
         return;
@@ -127,6 +152,10 @@ fn main() {
     if only.as_deref() == Some("memory") {
         let (pairs, raw) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
         println!("| 3. in-memory uncontended pairs, one thread | {pairs:.0}/s | raw {raw:.0}/s |");
+        return;
+    }
+    if only.as_deref() == Some("etcd") {
+        print_etcd(sizes);
         return;
     }
     if only.as_deref() == Some("http-memory") {
@@ -470,4 +499,5 @@ fn main() {
         ms(remote_hint.p99),
         sizes.remote_handoffs,
     );
+    print_etcd(sizes);
 }

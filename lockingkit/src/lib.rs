@@ -75,6 +75,10 @@ pub struct PostgresGuideDoctests;
 #[doc = include_str!("../../docs/azure.md")]
 pub struct AzureGuideDoctests;
 
+#[cfg(all(doctest, feature = "etcd"))]
+#[doc = include_str!("../../docs/etcd.md")]
+pub struct EtcdGuideDoctests;
+
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/telemetry.md")]
 pub struct TelemetryGuideDoctests;

@@ -36,7 +36,10 @@ fn backend(lock: &DistributedLock) -> &EtcdBackend {
 async fn eventually(what: &str, within: Duration, mut condition: impl AsyncFnMut() -> bool) {
     let give_up = Instant::now() + within;
     while !condition().await {
-        assert!(Instant::now() < give_up, "{what} did not happen within {within:?}");
+        assert!(
+            Instant::now() < give_up,
+            "{what} did not happen within {within:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -122,25 +125,39 @@ async fn ten_processes_get_the_key_in_arrival_order() {
                 .acquire(&key, Duration::from_secs(60))
                 .await
                 .expect("a queued waiter gets the key");
-            order.lock().unwrap_or_else(PoisonError::into_inner).push(arrival);
+            order
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(arrival);
             tokio::time::sleep(Duration::from_millis(20)).await;
             handle.release().await.expect("release");
         }));
         // The next process arrives only once this one stands in line.
-        eventually("the waiter's queue place", Duration::from_secs(10), async || {
-            backend(&process).queue_places() == 1
-        })
+        eventually(
+            "the waiter's queue place",
+            Duration::from_secs(10),
+            async || backend(&process).queue_places() == 1,
+        )
         .await;
     }
-    let directory = EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
-    assert_eq!(cluster.count(&directory).await, 11, "the holder and ten places");
+    let directory =
+        EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
+    assert_eq!(
+        cluster.count(&directory).await,
+        11,
+        "the holder and ten places"
+    );
     let released = Instant::now();
     held.release().await.expect("release");
     for waiter in waiters {
         waiter.await.expect("waiter");
     }
     let served = order.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    assert_eq!(served, (0..10).collect::<Vec<_>>(), "served out of arrival order");
+    assert_eq!(
+        served,
+        (0..10).collect::<Vec<_>>(),
+        "served out of arrival order"
+    );
     // Ten hand-offs woken by the watch, not by the one-second polling.
     assert!(
         released.elapsed() < Duration::from_secs(5),
@@ -157,7 +174,8 @@ async fn dropped_and_timed_out_waits_leave_no_queue_place_behind() {
     let cluster = EtcdCluster::single().await;
     let holder = process(&cluster);
     let key = unique_prefix("dropped-waits");
-    let directory = EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
+    let directory =
+        EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
     let held = holder.try_acquire(&key).await.expect("holder");
     let mut processes = Vec::new();
     let mut dropped = Vec::new();
@@ -187,9 +205,11 @@ async fn dropped_and_timed_out_waits_leave_no_queue_place_behind() {
     for task in dropped {
         task.await.expect("timed-out waiter");
     }
-    eventually("every queue place deleted", Duration::from_secs(5), async || {
-        cluster.count(&directory).await == 1
-    })
+    eventually(
+        "every queue place deleted",
+        Duration::from_secs(5),
+        async || cluster.count(&directory).await == 1,
+    )
     .await;
     for lock in &processes {
         assert_eq!(backend(lock).queue_places(), 0);
@@ -201,9 +221,11 @@ async fn dropped_and_timed_out_waits_leave_no_queue_place_behind() {
         let (next, key) = (next.clone(), key.clone());
         tokio::spawn(async move { next.acquire(&key, Duration::from_secs(30)).await })
     };
-    eventually("the newcomer's place", Duration::from_secs(10), async || {
-        backend(&next).queue_places() == 1
-    })
+    eventually(
+        "the newcomer's place",
+        Duration::from_secs(10),
+        async || backend(&next).queue_places() == 1,
+    )
     .await;
     held.release().await.expect("release");
     let handle = tokio::time::timeout(Duration::from_secs(2), waiting)
@@ -227,16 +249,28 @@ async fn plain_clients_see_the_holders_key_on_the_backends_lease() {
     let key = "orders/42~ключ";
     let held = locks.try_acquire(key).await.expect("lock");
     let directory = EtcdLockKeys::lock_directory("lockingkit/", key);
-    assert_eq!(directory, "lockingkit/lock/orders~2F42~7E~D0~BA~D0~BB~D1~8E~D1~87/");
+    assert_eq!(
+        directory,
+        "lockingkit/lock/orders~2F42~7E~D0~BA~D0~BB~D1~8E~D1~87/"
+    );
     let mut client = cluster.client().await;
     let found = client
-        .get(directory.clone(), Some(etcd_client::GetOptions::new().with_prefix()))
+        .get(
+            directory.clone(),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
         .await
         .expect("get");
     let [kv] = found.kvs() else {
-        panic!("expected exactly the holder's key, found {}", found.kvs().len());
+        panic!(
+            "expected exactly the holder's key, found {}",
+            found.kvs().len()
+        );
     };
-    assert!(kv.key_str().expect("utf-8").starts_with(&format!("{directory}w/")));
+    assert!(kv
+        .key_str()
+        .expect("utf-8")
+        .starts_with(&format!("{directory}w/")));
     assert_eq!(kv.create_revision() as u64, held.fencing_token());
     assert_eq!(Some(kv.lease()), backend(&locks).lease_id());
     held.release().await.expect("release");
@@ -252,22 +286,41 @@ async fn a_hundred_holds_share_one_lease_and_one_watch_stream() {
     let prefix = unique_prefix("shared-lease");
     let mut holds = Vec::new();
     for i in 0..100 {
-        holds.push(locks.try_acquire(&format!("{prefix}/{i}")).await.expect("lock"));
+        holds.push(
+            locks
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("lock"),
+        );
     }
     let lease = backend(&locks).lease_id().expect("a lease");
     let mut client = cluster.client().await;
     let alive = client
-        .lease_time_to_live(lease, Some(etcd_client::LeaseTimeToLiveOptions::new().with_keys()))
+        .lease_time_to_live(
+            lease,
+            Some(etcd_client::LeaseTimeToLiveOptions::new().with_keys()),
+        )
         .await
         .expect("lease info");
-    assert_eq!(alive.keys().len(), 100, "every hold is a key on the one lease");
+    assert_eq!(
+        alive.keys().len(),
+        100,
+        "every hold is a key on the one lease"
+    );
     let before = backend(&locks).keep_alives_sent();
     tokio::time::sleep(TTL * 2).await;
     // Six renewals per hold in two TTLs; at most one keep-alive per twentieth of the TTL.
     let sent = backend(&locks).keep_alives_sent() - before;
     assert!(sent <= 42, "{sent} keep-alives for 100 holds over two TTLs");
-    assert!(holds.iter().all(|h| h.is_held()), "renewals kept every hold");
-    assert_eq!(backend(&locks).watches(), 100, "one watch per hold on the one stream");
+    assert!(
+        holds.iter().all(|h| h.is_held()),
+        "renewals kept every hold"
+    );
+    assert_eq!(
+        backend(&locks).watches(),
+        100,
+        "one watch per hold on the one stream"
+    );
     assert_eq!(client.leases().await.expect("leases").leases().len(), 1);
     for hold in holds {
         hold.release().await.expect("release");

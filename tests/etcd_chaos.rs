@@ -38,7 +38,12 @@ async fn killing_the_leader_under_a_hundred_holds_loses_none() {
     let prefix = unique_prefix("leader-killed");
     let mut holds = Vec::new();
     for i in 0..100 {
-        holds.push(locks.try_acquire(&format!("{prefix}/{i}")).await.expect("lock"));
+        holds.push(
+            locks
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("lock"),
+        );
     }
     let leader = cluster.leader().await;
     cluster.kill(leader);
@@ -46,15 +51,27 @@ async fn killing_the_leader_under_a_hundred_holds_loses_none() {
     let renewals_before = backend(&locks).keep_alives_sent();
     // Two TTLs: every hold's deadline would have passed twice without renewals.
     while killed.elapsed() < ttl * 2 {
-        assert!(holds.iter().all(LockHandle::is_held), "a hold was lost after {:?}", killed.elapsed());
+        assert!(
+            holds.iter().all(LockHandle::is_held),
+            "a hold was lost after {:?}",
+            killed.elapsed()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(backend(&locks).keep_alives_sent() > renewals_before, "renewals resumed");
+    assert!(
+        backend(&locks).keep_alives_sent() > renewals_before,
+        "renewals resumed"
+    );
     let other = lock_on(cluster.options(ttl));
     for (i, hold) in holds.into_iter().enumerate() {
         let key = format!("{prefix}/{i}");
-        assert_eq!(other.try_acquire(&key).await.err().map(|e| e.kind()), Some(ErrorKind::Busy));
-        hold.release().await.expect("release after the leader change");
+        assert_eq!(
+            other.try_acquire(&key).await.err().map(|e| e.kind()),
+            Some(ErrorKind::Busy)
+        );
+        hold.release()
+            .await
+            .expect("release after the leader change");
     }
     cluster.restart(leader).await;
 }
@@ -78,7 +95,10 @@ async fn losing_quorum_loses_holders_at_their_deadline_and_grants_nothing() {
     while held.is_held() {
         let attempt = other.try_acquire(&key).await;
         assert!(attempt.is_err(), "the lock was granted without a quorum");
-        assert!(killed.elapsed() < ttl + Duration::from_secs(1), "the holder outlived its deadline");
+        assert!(
+            killed.elapsed() < ttl + Duration::from_secs(1),
+            "the holder outlived its deadline"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Lost at the deadline: 90% of the TTL after the last renewal sent, which was at most a
@@ -119,8 +139,15 @@ async fn restarting_the_whole_cluster_keeps_tokens_growing() {
     }
     cluster.until_serving().await;
     let locks = lock_on(cluster.options(ttl));
-    let held = locks.acquire(&key, Duration::from_secs(30)).await.expect("lock after the restart");
-    assert!(held.fencing_token() > before, "token {} after {before}", held.fencing_token());
+    let held = locks
+        .acquire(&key, Duration::from_secs(30))
+        .await
+        .expect("lock after the restart");
+    assert!(
+        held.fencing_token() > before,
+        "token {} after {before}",
+        held.fencing_token()
+    );
     held.release().await.expect("release");
 }
 
@@ -137,15 +164,22 @@ async fn a_holders_key_deleted_or_overwritten_by_another_client_is_loss_at_once(
         // Past the engine's start of the hold's watch (about 10 ms after the acquire).
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(held.is_held());
-        let directory = lockingkit::providers::etcd::EtcdLockKeys::lock_directory("lockingkit/", &key);
+        let directory =
+            lockingkit::providers::etcd::EtcdLockKeys::lock_directory("lockingkit/", &key);
         let found = client
-            .get(directory, Some(etcd_client::GetOptions::new().with_prefix()))
+            .get(
+                directory,
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
             .await
             .expect("get");
         let holder_key = found.kvs()[0].key().to_vec();
         let taken = Instant::now();
         if overwrite {
-            client.put(holder_key, "someone else", None).await.expect("put");
+            client
+                .put(holder_key, "someone else", None)
+                .await
+                .expect("put");
         } else {
             client.delete(holder_key, None).await.expect("delete");
         }
@@ -153,7 +187,10 @@ async fn a_holders_key_deleted_or_overwritten_by_another_client_is_loss_at_once(
             .await
             .expect("loss within a second, not at the renewal ten seconds on");
         assert!(taken.elapsed() < Duration::from_secs(1));
-        assert_eq!(held.ensure_held().err().map(|e| e.kind()), Some(ErrorKind::Lost));
+        assert_eq!(
+            held.ensure_held().err().map(|e| e.kind()),
+            Some(ErrorKind::Lost)
+        );
     }
 }
 
@@ -170,11 +207,23 @@ async fn a_killed_holder_process_frees_the_key_when_its_lease_expires() {
     let _ = child.wait();
     let killed = Instant::now();
     let other = lock_on(cluster.options(ttl));
-    assert_eq!(other.try_acquire(&key).await.err().map(|e| e.kind()), Some(ErrorKind::Busy));
-    let next = other.acquire(&key, ttl * 3).await.expect("free once the lease expired");
+    assert_eq!(
+        other.try_acquire(&key).await.err().map(|e| e.kind()),
+        Some(ErrorKind::Busy)
+    );
+    let next = other
+        .acquire(&key, ttl * 3)
+        .await
+        .expect("free once the lease expired");
     let freed = killed.elapsed();
-    assert!(freed <= ttl + Duration::from_secs(2), "freed after {freed:?}");
-    assert!(freed >= ttl / 2, "freed after only {freed:?}: before the lease could expire");
+    assert!(
+        freed <= ttl + Duration::from_secs(2),
+        "freed after {freed:?}"
+    );
+    assert!(
+        freed >= ttl / 2,
+        "freed after only {freed:?}: before the lease could expire"
+    );
     assert!(next.fencing_token() > token);
     next.release().await.expect("release");
 }
@@ -190,7 +239,10 @@ async fn a_holder_paused_past_its_lease_finds_the_lock_lost_when_it_wakes() {
     let token = expect_line(&mut lines, "HELD");
     kill(&child, libc::SIGSTOP);
     let other = lock_on(cluster.options(ttl));
-    let next = other.acquire(&key, ttl * 3).await.expect("free once the lease expired");
+    let next = other
+        .acquire(&key, ttl * 3)
+        .await
+        .expect("free once the lease expired");
     assert!(next.fencing_token() > token);
     kill(&child, libc::SIGCONT);
     expect_line(&mut lines, "LOST");
@@ -200,10 +252,24 @@ async fn a_holder_paused_past_its_lease_finds_the_lock_lost_when_it_wakes() {
 }
 
 /// Starts this binary again as a holder of `key`.
-fn spawn_holder(cluster: &EtcdCluster, key: &str, ttl: Duration) -> (Child, BufReader<ChildStdout>) {
+fn spawn_holder(
+    cluster: &EtcdCluster,
+    key: &str,
+    ttl: Duration,
+) -> (Child, BufReader<ChildStdout>) {
     let mut child = Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--exact", "holder_process", "--ignored", "--nocapture", "--test-threads", "1"])
-        .env(HOLDER_ENV, format!("{}|{key}|{}", cluster.endpoint(0), ttl.as_secs()))
+        .args([
+            "--exact",
+            "holder_process",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(
+            HOLDER_ENV,
+            format!("{}|{key}|{}", cluster.endpoint(0), ttl.as_secs()),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -217,7 +283,9 @@ fn expect_line(lines: &mut BufReader<ChildStdout>, word: &str) -> u64 {
     let mut line = String::new();
     loop {
         line.clear();
-        let read = lines.read_line(&mut line).expect("read the holder's output");
+        let read = lines
+            .read_line(&mut line)
+            .expect("read the holder's output");
         assert!(read > 0, "the holder process ended before saying {word}");
         // libtest writes `test holder_process ... ` before the test's own output.
         if let Some((_, rest)) = line.split_once(word) {

@@ -72,7 +72,8 @@ pub async fn measure(sizes: EtcdSizes) -> EtcdReport {
     let three = EtcdCluster::three().await;
     let holder = lock(&three);
     let waiter = lock(&three);
-    let handoff = cross_process_handoff(&holder, &waiter, "bench/etcd/handoff", sizes.handoffs).await;
+    let handoff =
+        cross_process_handoff(&holder, &waiter, "bench/etcd/handoff", sizes.handoffs).await;
     EtcdReport {
         pair,
         raw_pair,
@@ -88,9 +89,16 @@ async fn raw_pair(client: &Client, lease: i64, key: &str, n: u64) {
     let directory = EtcdLockKeys::lock_directory("raw/", key);
     let entry = format!("{directory}w/{lease:016x}-{n:x}");
     let empty = Compare::create_revision(directory.clone(), CompareOp::Equal, 0).with_prefix();
-    let put = TxnOp::put(entry.clone(), Vec::new(), Some(PutOptions::new().with_lease(lease)));
+    let put = TxnOp::put(
+        entry.clone(),
+        Vec::new(),
+        Some(PutOptions::new().with_lease(lease)),
+    );
     let mut kv = client.kv_client();
-    let answer = kv.txn(Txn::new().when([empty]).and_then([put])).await.expect("txn");
+    let answer = kv
+        .txn(Txn::new().when([empty]).and_then([put]))
+        .await
+        .expect("txn");
     assert!(answer.succeeded(), "a key of its own is free");
     let deleted = kv.delete(entry, None).await.expect("delete");
     assert_eq!(deleted.deleted(), 1);
@@ -100,7 +108,12 @@ async fn raw_pair(client: &Client, lease: i64, key: &str, n: u64) {
 async fn pairs(cluster: &EtcdCluster, pairs: usize) -> (Duration, Duration) {
     let locks = lock(cluster);
     let client = cluster.client().await;
-    let lease = client.lease_client().grant(30, None).await.expect("grant").id();
+    let lease = client
+        .lease_client()
+        .grant(30, None)
+        .await
+        .expect("grant")
+        .id();
     let (mut kit, mut raw) = (Vec::new(), Vec::new());
     let mut n = 0;
     for block in 0..pairs.div_ceil(10) {
@@ -136,7 +149,10 @@ async fn throughput(cluster: &EtcdCluster, length: Duration) -> (f64, f64, usize
         tasks.push(tokio::spawn(async move {
             let key = format!("bench/etcd/throughput/{task}");
             while Instant::now() < until {
-                let held = locks.try_acquire(&key).await.expect("a key of its own is free");
+                let held = locks
+                    .try_acquire(&key)
+                    .await
+                    .expect("a key of its own is free");
                 held.release().await.expect("release");
                 done.fetch_add(1, Ordering::Relaxed);
             }
@@ -149,7 +165,12 @@ async fn throughput(cluster: &EtcdCluster, length: Duration) -> (f64, f64, usize
     // Only LockingKit's backend is connected now: the fixture's clients are gone.
     let connections = connections_to(cluster);
     let client = cluster.client().await;
-    let lease = client.lease_client().grant(30, None).await.expect("grant").id();
+    let lease = client
+        .lease_client()
+        .grant(30, None)
+        .await
+        .expect("grant")
+        .id();
     let done = Arc::new(AtomicU64::new(0));
     let until = Instant::now() + length;
     let mut tasks = Vec::new();
@@ -168,7 +189,11 @@ async fn throughput(cluster: &EtcdCluster, length: Duration) -> (f64, f64, usize
     for task in tasks {
         task.await.expect("task");
     }
-    (kit, done.load(Ordering::Relaxed) as f64 / length.as_secs_f64(), connections)
+    (
+        kit,
+        done.load(Ordering::Relaxed) as f64 / length.as_secs_f64(),
+        connections,
+    )
 }
 
 /// Established TCP connections of this process to the cluster's client ports (sockets of

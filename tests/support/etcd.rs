@@ -66,10 +66,8 @@ impl EtcdCluster {
     fn launch(size: usize) -> io::Result<EtcdCluster> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let root = std::env::temp_dir().join(format!(
-            "lockingkit-etcd/c{}-{n}",
-            std::process::id()
-        ));
+        let root =
+            std::env::temp_dir().join(format!("lockingkit-etcd/c{}-{n}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         fs::create_dir_all(&root)?;
         let mut members = Vec::new();
@@ -115,9 +113,24 @@ impl EtcdCluster {
             .args(["--name", &member.name])
             .arg("--data-dir")
             .arg(member.data.join("data"))
-            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &initial, "--initial-cluster-token", &token])
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args([
+                "--initial-cluster",
+                &initial,
+                "--initial-cluster-token",
+                &token,
+            ])
             .args(["--initial-cluster-state", "new", "--logger", "zap"])
             .arg("--log-outputs")
             .arg(&log)
@@ -133,7 +146,10 @@ impl EtcdCluster {
             });
         }
         member.process = Some(command.spawn().map_err(|e| {
-            io::Error::new(e.kind(), format!("cannot run etcd ({e}); run scripts/setup-etcd.sh"))
+            io::Error::new(
+                e.kind(),
+                format!("cannot run etcd ({e}); run scripts/setup-etcd.sh"),
+            )
         })?);
         member.paused = false;
         Ok(())
@@ -155,7 +171,8 @@ impl EtcdCluster {
                     .await
                     {
                         let read = client.get("lockingkit-ready", None);
-                        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), read).await {
+                        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), read).await
+                        {
                             return;
                         }
                     }
@@ -163,7 +180,11 @@ impl EtcdCluster {
                 }
             })
             .await;
-            assert!(ready.is_ok(), "etcd member {index} never answered: {}", self.log(index));
+            assert!(
+                ready.is_ok(),
+                "etcd member {index} never answered: {}",
+                self.log(index)
+            );
         }
     }
 
@@ -188,14 +209,22 @@ impl EtcdCluster {
 
     /// A plain etcd client of every member, as any other program would open.
     pub async fn client(&self) -> Client {
-        Client::connect(self.endpoints(), None).await.expect("an etcd client")
+        Client::connect(self.endpoints(), None)
+            .await
+            .expect("an etcd client")
     }
 
     /// How many keys start with `prefix`.
     pub async fn count(&self, prefix: &str) -> i64 {
         let mut client = self.client().await;
-        let options = etcd_client::GetOptions::new().with_prefix().with_count_only();
-        client.get(prefix, Some(options)).await.expect("count").count()
+        let options = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        client
+            .get(prefix, Some(options))
+            .await
+            .expect("count")
+            .count()
     }
 
     /// The index of the member that leads now, asking the members that run.

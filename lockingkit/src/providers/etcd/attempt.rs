@@ -45,7 +45,8 @@ impl Inner {
                 LockMode::Exclusive => self.attempt_writer(&client, key, &generation).await?,
                 LockMode::Shared => self.attempt_reader(&client, key, &generation).await?,
                 LockMode::Semaphore { max_count } => {
-                    self.attempt_slot(&client, key, max_count, &generation).await?
+                    self.attempt_slot(&client, key, max_count, &generation)
+                        .await?
                 }
             };
             match found {
@@ -83,13 +84,16 @@ impl Inner {
             let turn = self.place_turn(client, &directory, &place).await;
             self.settle_place(key, turn.as_ref().ok());
             return Ok(match turn? {
-                Turn::Held => Found::Held(self.lease(place.key, place.revision, generation.clone())),
+                Turn::Held => {
+                    Found::Held(self.lease(place.key, place.revision, generation.clone()))
+                }
                 Turn::Waiting | Turn::PlaceGone => Found::Busy,
             });
         }
         let empty = Compare::create_revision(directory.all.clone(), CompareOp::Equal, 0)
             .with_range(range_end(&directory.all));
-        self.create_if(client, &directory.writers, empty, generation).await
+        self.create_if(client, &directory.writers, empty, generation)
+            .await
     }
 
     /// A reader: creates its key if no writer holds or waits.
@@ -102,7 +106,8 @@ impl Inner {
         let directory = Directory::lock(&self.key_prefix, key);
         let no_writer = Compare::create_revision(directory.writers.clone(), CompareOp::Equal, 0)
             .with_range(range_end(&directory.writers));
-        self.create_if(client, &directory.readers, no_writer, generation).await
+        self.create_if(client, &directory.readers, no_writer, generation)
+            .await
     }
 
     /// Creates a key under `within` on the lease if `condition` holds (a range compare of
@@ -115,9 +120,16 @@ impl Inner {
         generation: &Arc<LeaseGeneration>,
     ) -> Result<Found, BackendError> {
         let key = Directory::entry(within, &generation.next_entry_id());
-        let put = TxnOp::put(key.clone(), Vec::new(), Some(PutOptions::new().with_lease(generation.id)));
+        let put = TxnOp::put(
+            key.clone(),
+            Vec::new(),
+            Some(PutOptions::new().with_lease(generation.id)),
+        );
         let txn = Txn::new().when([condition]).and_then([put]);
-        let Some(answer) = self.unless_unanswered(client, "lock attempt", txn, &key, generation).await? else {
+        let Some(answer) = self
+            .unless_unanswered(client, "lock attempt", txn, &key, generation)
+            .await?
+        else {
             return Ok(Found::LeaseGone);
         };
         if !answer.succeeded() {
@@ -160,12 +172,16 @@ impl Inner {
         let gets = gets(&answer);
         let [Some(oldest), Some(readers), Some(own)] = [gets.first(), gets.get(1), gets.get(2)]
         else {
-            return Err(BackendError::permanent("unexpected answer to the queued lock attempt"));
+            return Err(BackendError::permanent(
+                "unexpected answer to the queued lock attempt",
+            ));
         };
         if own.is_empty() {
             return Ok(Turn::PlaceGone);
         }
-        let first = oldest.first().is_some_and(|k| k.key() == place.key.as_slice());
+        let first = oldest
+            .first()
+            .is_some_and(|k| k.key() == place.key.as_slice());
         Ok(if first && readers.is_empty() {
             Turn::Held
         } else {
@@ -200,10 +216,17 @@ impl Inner {
             .with_limit(i64::from(max_count))
             .with_keys_only();
         let txn = Txn::new().and_then([
-            TxnOp::put(slot.clone(), Vec::new(), Some(PutOptions::new().with_lease(generation.id))),
+            TxnOp::put(
+                slot.clone(),
+                Vec::new(),
+                Some(PutOptions::new().with_lease(generation.id)),
+            ),
             TxnOp::get(directory.all.clone(), Some(oldest)),
         ]);
-        let Some(answer) = self.unless_unanswered(client, "semaphore attempt", txn, &slot, generation).await? else {
+        let Some(answer) = self
+            .unless_unanswered(client, "semaphore attempt", txn, &slot, generation)
+            .await?
+        else {
             return Ok(Found::LeaseGone);
         };
         let revision = answer.header().map_or(0, |h| h.revision());
@@ -255,7 +278,12 @@ impl Inner {
         answer
     }
 
-    fn lease(self: &Arc<Self>, key: Vec<u8>, revision: i64, generation: Arc<LeaseGeneration>) -> EtcdLease {
+    fn lease(
+        self: &Arc<Self>,
+        key: Vec<u8>,
+        revision: i64,
+        generation: Arc<LeaseGeneration>,
+    ) -> EtcdLease {
         EtcdLease {
             key,
             revision,
@@ -295,7 +323,10 @@ impl Inner {
         key: Vec<u8>,
         generation: &Arc<LeaseGeneration>,
     ) {
-        if bounded("delete", self.timeout, || delete(client, &key)).await.is_err() {
+        if bounded("delete", self.timeout, || delete(client, &key))
+            .await
+            .is_err()
+        {
             self.strays.add(self, key, generation.clone());
         }
     }
@@ -346,14 +377,23 @@ impl Strays {
 
     /// Keys still waiting for a confirmed delete.
     pub(super) fn pending(&self) -> usize {
-        self.keys.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 }
 
 async fn retry_strays(backend: Arc<Inner>) {
     let mut delay = STRAY_RETRY_FIRST;
     loop {
-        let due: Vec<_> = std::mem::take(&mut *backend.strays.keys.lock().unwrap_or_else(PoisonError::into_inner));
+        let due: Vec<_> = std::mem::take(
+            &mut *backend
+                .strays
+                .keys
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         let mut left = Vec::new();
         for (key, generation) in due {
             if generation.is_gone() {
@@ -370,7 +410,11 @@ async fn retry_strays(backend: Arc<Inner>) {
             }
         }
         let done = {
-            let mut keys = backend.strays.keys.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut keys = backend
+                .strays
+                .keys
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             keys.extend(left);
             if keys.is_empty() {
                 backend.strays.retrying.store(false, Ordering::Release);

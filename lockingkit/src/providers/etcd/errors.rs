@@ -88,9 +88,7 @@ fn from_status(what: &'static str, status: &tonic::Status) -> BackendError {
             status.message()
         )),
         Code::InvalidArgument if status.message().contains("authentication failed") => {
-            BackendError::misconfigured(format!(
-                "etcd refused the credentials for the {what}"
-            ))
+            BackendError::misconfigured(format!("etcd refused the credentials for the {what}"))
         }
         Code::Unavailable
         | Code::DeadlineExceeded

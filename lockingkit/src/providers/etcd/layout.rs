@@ -141,19 +141,27 @@ mod tests {
 
     #[test]
     fn look_alike_keys_map_to_different_segments() {
-        let keys = ["a/b", "a~2Fb", "a%2Fb", "..", ".", "a.", "/a", "a/", "a//b", "ключ", "🔒", "A b"];
+        let keys = [
+            "a/b", "a~2Fb", "a%2Fb", "..", ".", "a.", "/a", "a/", "a//b", "ключ", "🔒", "A b",
+        ];
         let segments: std::collections::HashSet<String> =
             keys.iter().map(|k| EtcdLockKeys::segment(k)).collect();
         assert_eq!(segments.len(), keys.len());
         assert_eq!(EtcdLockKeys::segment("a/b"), "a~2Fb");
         assert_eq!(EtcdLockKeys::segment("a~2Fb"), "a~7E2Fb");
         assert_eq!(EtcdLockKeys::segment("ключ"), "~D0~BA~D0~BB~D1~8E~D1~87");
-        assert_eq!(EtcdLockKeys::segment("jobs/nightly-export"), "jobs~2Fnightly-export");
+        assert_eq!(
+            EtcdLockKeys::segment("jobs/nightly-export"),
+            "jobs~2Fnightly-export"
+        );
     }
 
     #[test]
     fn the_range_end_covers_exactly_the_prefix() {
-        assert_eq!(range_end(b"lockingkit/lock/a/"), b"lockingkit/lock/a0".to_vec());
+        assert_eq!(
+            range_end(b"lockingkit/lock/a/"),
+            b"lockingkit/lock/a0".to_vec()
+        );
         assert_eq!(range_end(&[b'a', 0xff]), b"b".to_vec());
         assert_eq!(range_end(&[0xff]), vec![0]);
     }

@@ -96,7 +96,10 @@ impl SharedLease {
 
     /// The lease, refreshed so that the server keeps it at least a TTL from about now (see
     /// the module documentation); granted anew if there is none or the server dropped it.
-    pub(super) async fn fresh(&self, client: &Client) -> Result<Arc<LeaseGeneration>, BackendError> {
+    pub(super) async fn fresh(
+        &self,
+        client: &Client,
+    ) -> Result<Arc<LeaseGeneration>, BackendError> {
         let asked = Instant::now();
         if let Some(generation) = self.current() {
             match generation.refresh(client, asked).await {
@@ -128,7 +131,9 @@ impl SharedLease {
         })
         .await?;
         if granted.ttl() <= 0 {
-            return Err(BackendError::transient("etcd granted a lease without a TTL"));
+            return Err(BackendError::transient(
+                "etcd granted a lease without a TTL",
+            ));
         }
         Ok(LeaseGeneration {
             id: granted.id(),
@@ -191,9 +196,15 @@ impl LeaseGeneration {
     /// Makes sure a keep-alive of this lease was sent no earlier than a twentieth of the TTL
     /// before `asked` and answered, sending one if needed. `LeaseGone` when the server says the
     /// lease expired or was revoked.
-    pub(super) async fn refresh(&self, client: &Client, asked: Instant) -> Result<(), BackendError> {
+    pub(super) async fn refresh(
+        &self,
+        client: &Client,
+        asked: Instant,
+    ) -> Result<(), BackendError> {
         if self.is_gone() {
-            return Err(BackendError::lease_gone("the etcd lease expired or was revoked"));
+            return Err(BackendError::lease_gone(
+                "the etcd lease expired or was revoked",
+            ));
         }
         let window = self.ttl / COALESCE_FRACTION;
         let mut keep_alive = self.keep_alive.lock().await;
@@ -242,9 +253,13 @@ impl LeaseGeneration {
             Ok(Some(answer)) if answer.ttl() > 0 => Ok(()),
             Ok(Some(_)) => {
                 self.mark_gone();
-                Err(BackendError::lease_gone("etcd says the lease expired or was revoked"))
+                Err(BackendError::lease_gone(
+                    "etcd says the lease expired or was revoked",
+                ))
             }
-            Ok(None) => Err(BackendError::unreachable("the etcd keep-alive stream ended")),
+            Ok(None) => Err(BackendError::unreachable(
+                "the etcd keep-alive stream ended",
+            )),
             Err(error) => Err(self.failed(error)),
         }
     }

@@ -184,7 +184,10 @@ impl Inner {
         if let Some(client) = self.client.get() {
             return Ok(client.clone());
         }
-        let quiet = *self.quiet_until.lock().unwrap_or_else(PoisonError::into_inner);
+        let quiet = *self
+            .quiet_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if quiet.is_some_and(|until| Instant::now() < until) {
             return Err(BackendError::unreachable(
                 "the last connection attempt to etcd failed moments ago",
@@ -202,14 +205,23 @@ impl Inner {
             Ok(client) => Ok(client.clone()),
             Err(error) => {
                 let until = crate::clock::in_(CONNECT_BACKOFF);
-                *self.quiet_until.lock().unwrap_or_else(PoisonError::into_inner) = Some(until);
+                *self
+                    .quiet_until
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = Some(until);
                 Err(error)
             }
         }
     }
 
     /// Watches `key` (exactly) for changes after `created`, ending `ended` on the first.
-    fn watch_hold(&self, client: &Client, key: &[u8], created: i64, ended: &CancellationToken) -> i64 {
+    fn watch_hold(
+        &self,
+        client: &Client,
+        key: &[u8],
+        created: i64,
+        ended: &CancellationToken,
+    ) -> i64 {
         self.watches.add(
             client,
             Interest {
@@ -249,7 +261,11 @@ fn tls_options(
             None
         }
     };
-    if let Some(ca) = options.tls_ca_file.as_deref().and_then(|p| read("tls_ca_file", p)) {
+    if let Some(ca) = options
+        .tls_ca_file
+        .as_deref()
+        .and_then(|p| read("tls_ca_file", p))
+    {
         tls = TlsOptions::new().ca_certificate(Certificate::from_pem(ca));
     }
     if let (Some(cert), Some(key)) = (&options.tls_cert_file, &options.tls_key_file) {
@@ -394,7 +410,12 @@ impl EtcdLease {
 
     /// Removes the hold's watch, if it has one.
     fn unwatch(&self, backend: &Inner) {
-        if let Some(id) = self.watch.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        if let Some(id) = self
+            .watch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
             backend.watches.remove(id);
         }
     }

@@ -116,9 +116,8 @@ impl EtcdOptions {
                 "{section}.tls_cert_file and tls_key_file go together (mutual TLS needs both)"
             ));
         }
-        let tls_set = self.tls_ca_file.is_some()
-            || self.tls_cert_file.is_some()
-            || self.tls_domain.is_some();
+        let tls_set =
+            self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_domain.is_some();
         if tls_set && !self.uses_tls() {
             problems.push(format!(
                 "{section}.tls_* settings need https:// endpoints (they are ignored over http)"

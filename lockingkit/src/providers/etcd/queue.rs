@@ -119,7 +119,10 @@ impl Inner {
     pub(super) fn hint(self: &Arc<Self>, key: &str) -> impl Future<Output = ()> + Send + 'static {
         let mut receiver = {
             let mut places = self.queue.places();
-            let id = self.queue.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let id = self
+                .queue
+                .next_id
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             places
                 .entry(key.to_owned())
                 .or_insert_with(|| PlaceState {
@@ -170,7 +173,8 @@ impl Inner {
         if let Some((entry, generation)) = orphan {
             // The wait ended while the place was being made.
             if let Ok(client) = self.client().await {
-                self.delete_or_keep_trying(&client, entry, &generation).await;
+                self.delete_or_keep_trying(&client, entry, &generation)
+                    .await;
             }
         }
     }
@@ -228,7 +232,10 @@ impl Inner {
         let entry = Directory::entry(&directory.writers, &generation.next_entry_id());
         let put = || {
             let (mut kv, entry, lease) = (client.kv_client(), entry.clone(), generation.id);
-            async move { kv.put(entry, Vec::new(), Some(PutOptions::new().with_lease(lease))).await }
+            async move {
+                kv.put(entry, Vec::new(), Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
         };
         match bounded("queue place", self.timeout, put).await {
             Ok(answer) => {
@@ -298,7 +305,8 @@ impl Inner {
         };
         self.watches.remove(place.watch);
         if let Ok(client) = self.client().await {
-            self.delete_or_keep_trying(&client, place.key, &place.generation).await;
+            self.delete_or_keep_trying(&client, place.key, &place.generation)
+                .await;
         }
     }
 }

@@ -131,7 +131,9 @@ impl Drop for WatchHub {
 impl HubState {
     fn interests(&self) -> MutexGuard<'_, Interests> {
         // Every critical section leaves the map consistent.
-        self.interests.lock().unwrap_or_else(PoisonError::into_inner)
+        self.interests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Wakes every waiter once: after the stream broke, they may have missed an event.
@@ -179,7 +181,9 @@ enum Served {
     /// Nobody is interested any more; the stream was closed.
     Idle,
     /// The stream failed; `delivered` if it had answered anything first.
-    Broke { delivered: bool },
+    Broke {
+        delivered: bool,
+    },
 }
 
 /// One stream's life: creates every interest's watch on it, delivers events, cancels watches
@@ -244,7 +248,11 @@ fn next_to_create(shared: &HubState) -> Option<(i64, (Vec<u8>, WatchOptions))> {
 /// Sends the creates and cancels the stream owes; false if the stream is gone.
 async fn sync_watches(shared: &HubState, stream: &mut WatchStream) -> bool {
     while let Some((id, (key, options))) = next_to_create(shared) {
-        if stream.watch(key, Some(options.with_watch_id(id))).await.is_err() {
+        if stream
+            .watch(key, Some(options.with_watch_id(id)))
+            .await
+            .is_err()
+        {
             return false;
         }
     }

@@ -207,7 +207,9 @@ async fn dropped_and_timed_out_waits_leave_no_queue_place_behind() {
     }
     eventually(
         "every queue place deleted",
-        Duration::from_secs(5),
+        // Well before the waiters' leases could expire (a TTL after their last attempt): the
+        // places are deleted, not left to expire.
+        TTL / 2,
         async || cluster.count(&directory).await == 1,
     )
     .await;

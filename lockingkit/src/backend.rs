@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::{ErrorKind, LockError};
+use crate::error::{ErrorKind, LockError, SharedSource};
 
 /// How a backend keeps a lease alive, which decides how the engine detects loss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,11 +88,13 @@ pub enum BackendErrorKind {
 
 /// A failure reported by a [`LockBackend`].
 ///
-/// The message must not contain the lock key or secrets.
+/// The message must not contain the lock key or secrets. Cloning is cheap: the cause is
+/// shared, so one failure can answer every caller that meets it.
+#[derive(Clone)]
 pub struct BackendError {
     kind: BackendErrorKind,
     message: String,
-    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    source: Option<SharedSource>,
 }
 
 impl BackendError {
@@ -135,7 +137,7 @@ impl BackendError {
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
-        self.source = Some(source.into());
+        self.source = Some(SharedSource::from(source.into()));
         self
     }
 
@@ -147,6 +149,13 @@ impl BackendError {
     /// The message.
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// The same failure told with another message (kind and cause unchanged).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn with_message(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
     }
 
     /// Whether the backend answered before failing.
@@ -172,7 +181,7 @@ impl BackendError {
         };
         let err = LockError::new(kind, self.message);
         match self.source {
-            Some(source) => err.with_source(source),
+            Some(source) => err.with_shared_source(source),
             None => err,
         }
     }
@@ -197,8 +206,8 @@ impl fmt::Display for BackendError {
 impl std::error::Error for BackendError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source
-            .as_ref()
-            .map(|s| s.as_ref() as &(dyn std::error::Error + 'static))
+            .as_deref()
+            .map(|s| s as &(dyn std::error::Error + 'static))
     }
 }
 
@@ -300,6 +309,26 @@ pub trait LockBackend: Send + Sync + 'static {
     fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {
         let _ = lease;
         std::future::pending()
+    }
+
+    /// Optional: checks over the network what building the backend could not — that the
+    /// server answers, accepts the credentials and has (or lets us create) what locks need —
+    /// so that a deployment that cannot lock fails at startup.
+    /// [`DistributedLock::verify`](crate::DistributedLock::verify) and
+    /// [`Locking::verify`](crate::Locking::verify) call it. It must take no lock, cost a few
+    /// round trips, and leave nothing open. Misconfiguration is
+    /// [`BackendErrorKind::Misconfigured`], a server that does not answer
+    /// [`BackendErrorKind::Transient`]. The default checks nothing.
+    fn verify(&self) -> impl Future<Output = Result<(), BackendError>> + Send {
+        std::future::ready(Ok(()))
+    }
+
+    /// Optional: closes what the backend keeps open (connections, background tasks).
+    /// [`DistributedLock::shutdown`](crate::DistributedLock::shutdown) calls it last, once
+    /// every lock of the engine is released. Locks taken on this backend afterwards may fail;
+    /// the engine refuses new ones first. The default does nothing.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
     }
 
     /// Optional, for [`LeaseTiming::Expiring`] backends: whether

@@ -203,8 +203,8 @@ async fn a_killed_holder_process_frees_the_key_when_its_lease_expires() {
     let key = unique_prefix("holder-killed");
     let (mut child, mut lines) = spawn_holder(&cluster, &key, ttl);
     let token = expect_line(&mut lines, "HELD");
-    kill(&child, libc::SIGKILL);
-    let _ = child.wait();
+    child.signal(libc::SIGKILL);
+    child.wait();
     let killed = Instant::now();
     let other = lock_on(cluster.options(ttl));
     assert_eq!(
@@ -237,18 +237,43 @@ async fn a_holder_paused_past_its_lease_finds_the_lock_lost_when_it_wakes() {
     let key = unique_prefix("holder-paused");
     let (mut child, mut lines) = spawn_holder(&cluster, &key, ttl);
     let token = expect_line(&mut lines, "HELD");
-    kill(&child, libc::SIGSTOP);
+    child.signal(libc::SIGSTOP);
     let other = lock_on(cluster.options(ttl));
     let next = other
         .acquire(&key, ttl * 3)
         .await
         .expect("free once the lease expired");
     assert!(next.fencing_token() > token);
-    kill(&child, libc::SIGCONT);
+    child.signal(libc::SIGCONT);
     expect_line(&mut lines, "LOST");
     assert!(next.is_held(), "the woken holder took nothing back");
     next.release().await.expect("release");
-    let _ = child.wait();
+    child.wait();
+}
+
+/// A holder process, killed when the test ends however it ends (a failed assertion included),
+/// so no child outlives its test.
+struct Holder(Child);
+
+impl Holder {
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe {
+            libc::kill(self.0.id() as i32, signal);
+        }
+    }
+
+    fn wait(&mut self) {
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Starts this binary again as a holder of `key`.
@@ -256,7 +281,7 @@ fn spawn_holder(
     cluster: &EtcdCluster,
     key: &str,
     ttl: Duration,
-) -> (Child, BufReader<ChildStdout>) {
+) -> (Holder, BufReader<ChildStdout>) {
     let mut child = Command::new(std::env::current_exe().expect("test binary"))
         .args([
             "--exact",
@@ -275,7 +300,7 @@ fn spawn_holder(
         .spawn()
         .expect("spawn the holder process");
     let stdout = child.stdout.take().expect("stdout");
-    (child, BufReader::new(stdout))
+    (Holder(child), BufReader::new(stdout))
 }
 
 /// Reads lines until one says `word`; returns the number after it.
@@ -294,13 +319,6 @@ fn expect_line(lines: &mut BufReader<ChildStdout>, word: &str) -> u64 {
     }
 }
 
-fn kill(child: &Child, signal: i32) {
-    // SAFETY: kill has no memory-safety preconditions.
-    unsafe {
-        libc::kill(child.id() as i32, signal);
-    }
-}
-
 /// The holder half of the process tests: does nothing unless started by one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run as a child process by the holder tests"]
@@ -315,7 +333,7 @@ async fn holder_process() {
     let ttl = Duration::from_secs(ttl.parse().expect("ttl"));
     let options = EtcdOptions {
         lease_ttl: ttl,
-        request_timeout: Duration::from_millis(500),
+        request_timeout: ttl / 3,
         ..EtcdOptions::new([endpoint])
     };
     let locks = lock_on(options);

@@ -338,3 +338,242 @@ async fn a_hundred_holds_share_one_lease_and_one_watch_stream() {
         hold.release().await.expect("release");
     }
 }
+
+/// Every "process" of the contract is an engine on a clone of one backend: the engines share
+/// the clients, the lease and the watch stream, and must still exclude each other exactly as
+/// separate processes do.
+struct ClonesContract {
+    cluster: EtcdCluster,
+    shared: EtcdBackend,
+}
+
+impl ContractBackend for ClonesContract {
+    async fn new_process(&self, options: LockOptions) -> DistributedLock {
+        DistributedLock::builder(self.shared.clone())
+            .options(options)
+            .build()
+            .expect("valid lock options")
+    }
+
+    fn lease_period(&self) -> Duration {
+        TTL
+    }
+}
+
+impl Drop for ClonesContract {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.cluster.assert_no_errors_logged();
+        }
+    }
+}
+
+mod clones_of_one_backend {
+    use super::*;
+
+    lockingkit::contract_tests!(async {
+        let cluster = EtcdCluster::single().await;
+        let shared = EtcdBackend::new(cluster.options(TTL)).expect("valid etcd options");
+        ClonesContract { cluster, shared }
+    });
+}
+
+/// A waiter of one engine stands in line; when the holder leaves, engines on other clones of
+/// the same backend try at once. The place is the waiter's alone: it gets the lock, the others
+/// are told busy, and there is never more than one holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_place_is_never_taken_by_another_engine_on_the_same_backend() {
+    let cluster = EtcdCluster::single().await;
+    let shared = EtcdBackend::new(cluster.options(TTL)).expect("options");
+    let engine = |backend: EtcdBackend| {
+        DistributedLock::builder(backend)
+            .options(quick_polling())
+            .build()
+            .expect("lock options")
+    };
+    let (waiter, b, c) = (
+        engine(shared.clone()),
+        engine(shared.clone()),
+        engine(shared.clone()),
+    );
+    let holder = process(&cluster);
+    for round in 0..5 {
+        let key = unique_prefix(&format!("clones-{round}"));
+        let held = holder.try_acquire(&key).await.expect("the holder");
+        let waiting = {
+            let (waiter, key) = (waiter.clone(), key.clone());
+            tokio::spawn(async move { waiter.acquire(&key, Duration::from_secs(20)).await })
+        };
+        eventually("the waiter's place", Duration::from_secs(10), async || {
+            shared.queue_places() == 1
+        })
+        .await;
+        held.release().await.expect("release");
+        let (from_b, from_c) = tokio::join!(b.try_acquire(&key), c.try_acquire(&key));
+        let won = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the waiter is next")
+            .expect("task")
+            .expect("the waiter's lock");
+        for other in [from_b, from_c] {
+            assert_eq!(
+                other.err().map(|e| e.kind()),
+                Some(ErrorKind::Busy),
+                "round {round}: another engine took the waiter's place"
+            );
+        }
+        assert!(won.is_held());
+        won.release().await.expect("release");
+    }
+}
+
+/// A reader that queued before a writer goes before it (the writer queued later, so it waits
+/// for the reader), and each is woken by the watch, not by its one-second polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_queued_before_a_writer_is_served_first_and_woken_by_the_watch() {
+    let cluster = EtcdCluster::single().await;
+    let slow = LockOptions {
+        min_retry_delay: Duration::from_millis(900),
+        max_retry_delay: Duration::from_secs(1),
+        ..LockOptions::default()
+    };
+    let holder = process(&cluster);
+    let readers = lock_on(cluster.options(TTL), slow.clone());
+    let writers = lock_on(cluster.options(TTL), slow);
+    for round in 0..3 {
+        let key = unique_prefix(&format!("reader-first-{round}"));
+        let held = holder.try_acquire(&key).await.expect("the first writer");
+        let reader = {
+            let (rw, key) = (readers.reader_writer().expect("rw"), key.clone());
+            tokio::spawn(async move { rw.read(&key, Duration::from_secs(20)).await })
+        };
+        eventually("the reader's place", Duration::from_secs(10), async || {
+            backend(&readers).queue_places() == 1
+        })
+        .await;
+        let writer = {
+            let (writers, key) = (writers.clone(), key.clone());
+            tokio::spawn(async move { writers.acquire(&key, Duration::from_secs(20)).await })
+        };
+        eventually("the writer's place", Duration::from_secs(10), async || {
+            backend(&writers).queue_places() == 1
+        })
+        .await;
+        let released = Instant::now();
+        held.release().await.expect("release");
+        let read = reader.await.expect("task").expect("the reader's lock");
+        let handed = released.elapsed();
+        assert!(
+            handed < Duration::from_millis(600),
+            "round {round}: the reader got in {handed:?} after the release, as if by polling"
+        );
+        assert!(
+            !writer.is_finished(),
+            "the later writer overtook the reader"
+        );
+        let released = Instant::now();
+        read.release().await.expect("release");
+        let written = writer.await.expect("task").expect("the writer's lock");
+        let handed = released.elapsed();
+        assert!(
+            handed < Duration::from_millis(600),
+            "round {round}: the writer got in {handed:?} after the reader left"
+        );
+        written.release().await.expect("release");
+    }
+}
+
+/// Readers that queue together behind a writer hold together once it leaves, and a writer
+/// that queued after them waits for all of them: neither side starves the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_queued_together_hold_together_before_a_later_writer() {
+    let cluster = EtcdCluster::single().await;
+    let holder = process(&cluster);
+    let key = unique_prefix("readers-together");
+    let held = holder.try_acquire(&key).await.expect("the first writer");
+    let mut readers = Vec::new();
+    for _ in 0..3 {
+        let lock = process(&cluster);
+        let rw = lock.reader_writer().expect("rw");
+        let key = key.clone();
+        readers.push(tokio::spawn(async move {
+            rw.read(&key, Duration::from_secs(20)).await
+        }));
+        eventually("the reader's place", Duration::from_secs(10), async || {
+            backend(&lock).queue_places() == 1
+        })
+        .await;
+    }
+    let later = process(&cluster);
+    let writer = {
+        let (later, key) = (later.clone(), key.clone());
+        tokio::spawn(async move { later.acquire(&key, Duration::from_secs(20)).await })
+    };
+    eventually("the writer's place", Duration::from_secs(10), async || {
+        backend(&later).queue_places() == 1
+    })
+    .await;
+    held.release().await.expect("release");
+    let mut reads = Vec::new();
+    for reader in readers {
+        reads.push(reader.await.expect("task").expect("a reader's lock"));
+    }
+    assert!(
+        reads.iter().all(|r| r.is_held()),
+        "the readers hold together"
+    );
+    assert!(
+        !writer.is_finished(),
+        "the writer waits for the readers ahead"
+    );
+    for read in reads {
+        read.release().await.expect("release");
+    }
+    let written = tokio::time::timeout(Duration::from_secs(5), writer)
+        .await
+        .expect("the writer goes once the readers left")
+        .expect("task")
+        .expect("the writer's lock");
+    written.release().await.expect("release");
+}
+
+/// A semaphore's waiters in other processes are not woken by the watch (the engine gives
+/// semaphore waiters no hint): a freed slot goes to the next process by polling, within its
+/// retry delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freed_semaphore_slot_reaches_another_process_by_polling() {
+    let cluster = EtcdCluster::single().await;
+    let polling = LockOptions {
+        min_retry_delay: Duration::from_millis(200),
+        max_retry_delay: Duration::from_millis(400),
+        ..LockOptions::default()
+    };
+    let name = unique_prefix("semaphore-poll");
+    let holders = process(&cluster);
+    let semaphore = holders.semaphore(&name, 2).expect("semaphore");
+    let first = semaphore.try_acquire().await.expect("slot 1");
+    let second = semaphore.try_acquire().await.expect("slot 2");
+    let other = lock_on(cluster.options(TTL), polling);
+    let waiting = {
+        let semaphore = other.semaphore(&name, 2).expect("semaphore");
+        tokio::spawn(async move { semaphore.acquire(Duration::from_secs(20)).await })
+    };
+    eventually(
+        "the other process's first attempt",
+        Duration::from_secs(5),
+        async || backend(&other).lease_id().is_some(),
+    )
+    .await;
+    assert!(!waiting.is_finished(), "the semaphore is full");
+    let freed = Instant::now();
+    let token = first.fencing_token();
+    first.release().await.expect("release");
+    let slot = waiting.await.expect("task").expect("the freed slot");
+    assert!(
+        freed.elapsed() < Duration::from_secs(2),
+        "polled within its retry delay"
+    );
+    assert!(slot.fencing_token() > token);
+    slot.release().await.expect("release");
+    second.release().await.expect("release");
+}

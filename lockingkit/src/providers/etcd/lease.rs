@@ -1,5 +1,6 @@
 //! One etcd lease per backend: every hold and queue place of the backend is a key attached to
-//! it, and the engine's renewals of those holds keep it alive.
+//! it. The engine's renewals of the holds keep it alive, and while the backend has queue
+//! places but no hold, a keeper of its own does (see [`Inner::keep_places_alive`]).
 //!
 //! # Why one lease, not one per hold
 //! A lease per hold costs a grant before and a revoke after every hold: four round trips
@@ -21,14 +22,16 @@
 //! so a new hold never lands on a lease that was about to expire.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
+use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::errors::{self, bounded};
+use super::errors::{self, Failure};
+use super::members::{Members, Resend};
+use super::Inner;
 use crate::backend::BackendError;
 
 /// How recent a keep-alive must be to answer a renewal: a twentieth of the TTL.
@@ -81,12 +84,8 @@ impl SharedLease {
         self.sent.load(Ordering::Relaxed)
     }
 
-    /// The id of the lease now, if one is granted and not known to be gone.
-    pub(super) fn current_id(&self) -> Option<i64> {
-        self.current().map(|generation| generation.id)
-    }
-
-    fn current(&self) -> Option<Arc<LeaseGeneration>> {
+    /// The lease now, if one is granted and not known to be gone.
+    pub(super) fn current(&self) -> Option<Arc<LeaseGeneration>> {
         self.current
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -98,11 +97,11 @@ impl SharedLease {
     /// the module documentation); granted anew if there is none or the server dropped it.
     pub(super) async fn fresh(
         &self,
-        client: &Client,
+        members: &Members,
     ) -> Result<Arc<LeaseGeneration>, BackendError> {
         let asked = Instant::now();
         if let Some(generation) = self.current() {
-            match generation.refresh(client, asked).await {
+            match generation.refresh(members, asked).await {
                 Ok(()) => return Ok(generation),
                 Err(error) if generation.is_gone() => {
                     tracing::debug!(target: "lockingkit", %error, "etcd lease gone; granting a new one");
@@ -110,29 +109,37 @@ impl SharedLease {
                 Err(error) => return Err(error),
             }
         }
-        let _one_grant = self.granting.lock().await;
+        let _one_grant = tokio::time::timeout(self.timeout, self.granting.lock())
+            .await
+            .map_err(|_| {
+                BackendError::unreachable(format!(
+                    "the etcd lease grant already in flight did not finish within {:?}",
+                    self.timeout
+                ))
+            })?;
         // Another caller may have granted while we queued.
         if let Some(generation) = self.current() {
-            generation.refresh(client, asked).await?;
+            generation.refresh(members, asked).await?;
             return Ok(generation);
         }
-        let generation = Arc::new(self.grant(client).await?);
+        let generation = Arc::new(self.grant(members).await?);
         *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(generation.clone());
         Ok(generation)
     }
 
-    async fn grant(&self, client: &Client) -> Result<LeaseGeneration, BackendError> {
+    async fn grant(&self, members: &Members) -> Result<LeaseGeneration, BackendError> {
         let sent = Instant::now();
         // The options allow whole seconds only, so this is exact.
         let ttl = i64::try_from(self.ttl.as_secs()).unwrap_or(i64::MAX);
-        let granted = bounded("lease grant", self.timeout, || {
-            let mut leases = client.lease_client();
-            async move { leases.grant(ttl, None).await }
-        })
-        .await?;
-        if granted.ttl() <= 0 {
-            return Err(BackendError::transient(
-                "etcd granted a lease without a TTL",
+        let granted = members
+            .call("lease grant", Resend::Idempotent, |client| {
+                let mut leases = client.lease_client();
+                async move { leases.grant(ttl, None).await }
+            })
+            .await?;
+        if granted.ttl() <= 0 || granted.id() <= 0 {
+            return Err(BackendError::permanent(
+                "etcd granted a lease without an id or a TTL",
             ));
         }
         Ok(LeaseGeneration {
@@ -147,27 +154,6 @@ impl SharedLease {
             ttl: self.ttl,
             timeout: self.timeout,
         })
-    }
-
-    /// Revokes the lease in the background, so the keys still on it go at once. For a backend
-    /// that is going away.
-    pub(super) fn revoke_in_background(&self, client: Option<Client>) {
-        let (Some(generation), Some(client), Ok(runtime)) = (
-            self.current(),
-            client,
-            tokio::runtime::Handle::try_current(),
-        ) else {
-            return;
-        };
-        let timeout = self.timeout;
-        runtime.spawn(async move {
-            let id = generation.id;
-            let _ = bounded("lease revoke", timeout, || {
-                let mut leases = client.lease_client();
-                async move { leases.revoke(id).await }
-            })
-            .await;
-        });
     }
 }
 
@@ -198,7 +184,7 @@ impl LeaseGeneration {
     /// lease expired or was revoked.
     pub(super) async fn refresh(
         &self,
-        client: &Client,
+        members: &Members,
         asked: Instant,
     ) -> Result<(), BackendError> {
         if self.is_gone() {
@@ -207,7 +193,15 @@ impl LeaseGeneration {
             ));
         }
         let window = self.ttl / COALESCE_FRACTION;
-        let mut keep_alive = self.keep_alive.lock().await;
+        // A keep-alive in flight is waited for, but no longer than a request may take.
+        let mut keep_alive = tokio::time::timeout(self.timeout, self.keep_alive.lock())
+            .await
+            .map_err(|_| {
+                BackendError::unreachable(format!(
+                    "the etcd keep-alive already in flight did not finish within {:?}",
+                    self.timeout
+                ))
+            })?;
         let recent = keep_alive
             .last_sent_ok
             .is_some_and(|sent| asked.saturating_duration_since(sent) <= window);
@@ -216,7 +210,7 @@ impl LeaseGeneration {
         }
         let sent = Instant::now();
         self.sent.fetch_add(1, Ordering::Relaxed);
-        match tokio::time::timeout(self.timeout, self.send(client, &mut keep_alive)).await {
+        match tokio::time::timeout(self.timeout, self.send(members, &mut keep_alive)).await {
             Ok(Ok(())) => {
                 keep_alive.last_sent_ok = Some(sent);
                 Ok(())
@@ -236,19 +230,33 @@ impl LeaseGeneration {
         }
     }
 
-    /// One keep-alive on the lease's stream, opening it if needed (opening sends the first).
-    async fn send(&self, client: &Client, keep_alive: &mut KeepAlive) -> Result<(), BackendError> {
+    /// One keep-alive on the lease's stream, opening it on a member if needed (opening sends
+    /// the first).
+    async fn send(
+        &self,
+        members: &Members,
+        keep_alive: &mut KeepAlive,
+    ) -> Result<(), BackendError> {
         let Some((keeper, stream)) = keep_alive.stream.as_mut() else {
-            let mut leases = client.lease_client();
+            let lent = members.lend().await?;
+            let mut leases = lent.client.lease_client();
             return match leases.keep_alive(self.id).await {
                 Ok(opened) => {
+                    lent.answered();
                     keep_alive.stream = Some(opened);
                     Ok(())
                 }
-                Err(error) => Err(self.failed(error)),
+                Err(error) => {
+                    let failure = self.failed(error);
+                    lent.failed(&failure);
+                    Err(failure.error)
+                }
             };
         };
-        keeper.keep_alive().await.map_err(|e| self.failed(e))?;
+        keeper
+            .keep_alive()
+            .await
+            .map_err(|e| self.failed(e).error)?;
         match stream.message().await {
             Ok(Some(answer)) if answer.ttl() > 0 => Ok(()),
             Ok(Some(_)) => {
@@ -260,14 +268,60 @@ impl LeaseGeneration {
             Ok(None) => Err(BackendError::unreachable(
                 "the etcd keep-alive stream ended",
             )),
-            Err(error) => Err(self.failed(error)),
+            Err(error) => Err(self.failed(error).error),
         }
     }
 
-    fn failed(&self, error: etcd_client::Error) -> BackendError {
+    fn failed(&self, error: etcd_client::Error) -> Failure {
         if errors::is_lease_not_found(&error) {
             self.mark_gone();
         }
         errors::classify("lease keep-alive", error)
+    }
+}
+
+impl Inner {
+    /// Keeps the lease alive while the backend has queue places, from a task of its own: a
+    /// place lives on the lease, and a waiter woken only by watches (or polling less often than
+    /// the TTL) would otherwise lose it. Holds need no help, the engine renews them; renewals
+    /// and this keeper coalesce (see the module documentation). One keeper per backend, which
+    /// ends when the last place goes.
+    pub(super) fn keep_places_alive(self: &Arc<Self>) {
+        if self
+            .place_keeper
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.place_keeper
+                .store(false, std::sync::atomic::Ordering::Release);
+            return;
+        };
+        runtime.spawn(keep_places_alive(Arc::downgrade(self), self.ttl / 3));
+    }
+}
+
+async fn keep_places_alive(backend: Weak<Inner>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(backend) = backend.upgrade() else {
+            return;
+        };
+        if backend.places() == 0 || backend.closed.is_cancelled() {
+            backend
+                .place_keeper
+                .store(false, std::sync::atomic::Ordering::Release);
+            // A place made since the check starts its own keeper.
+            if backend.places() > 0 && !backend.closed.is_cancelled() {
+                backend.keep_places_alive();
+            }
+            return;
+        }
+        if let Some(generation) = backend.lease.current() {
+            // A failure is retried at the next turn; the places' lease is the holds' too, and
+            // a lease the server dropped took the places with it.
+            let _ = generation.refresh(&backend.members, Instant::now()).await;
+        }
     }
 }

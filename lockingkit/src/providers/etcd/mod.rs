@@ -1,66 +1,71 @@
 //! The etcd provider: holds are keys attached to an etcd lease (`feature = "etcd"`).
 //!
 //! A lock of key `k` is a directory of keys (see [`EtcdLockKeys`]): every writer holding or
-//! queued for `k` has a key under `w/`, every reader holding it a key under `r/`, each attached
-//! to the backend's one etcd lease, which the engine's renewals keep alive. Who holds is decided
-//! by *create revisions*, the cluster-wide, durable, strictly increasing counter etcd stamps on
-//! every key it creates:
+//! queued for `k` has a key under `w/`, every reader holding or queued for it a key under `r/`,
+//! each attached to the backend's one etcd lease, which the engine's renewals keep alive. Who
+//! holds is decided by *create revisions*, the cluster-wide, durable, strictly increasing
+//! counter etcd stamps on every key it creates:
 //!
-//! - a **writer** (a plain lock) holds when its key is the oldest in the directory and no
-//!   reader holds;
-//! - a **reader** holds when no writer is older than it (so a queued writer holds new readers
-//!   back: writers are not starved);
+//! - a **writer** (a plain lock) holds when its key is the oldest in the directory;
+//! - a **reader** holds when no writer key is older than it (so a queued writer holds new
+//!   readers back, and a queued reader goes before the writers that queued after it: neither
+//!   side starves);
 //! - a **semaphore** of `N` admits the `N` oldest keys of its own directory.
 //!
 //! Locks are built from transactions — never the `Lock` RPC, which had a safety bug on 3.4
-//! (etcd #11456). The first attempt of a caller creates its key only if the directory is empty
-//! (for a reader: only if it has no writer), in one transaction; a busy answer writes nothing.
-//! A caller that goes on waiting gets a **queue place**: a writer key of its own whose create
-//! revision is its place in line, and the lock goes to the oldest place, whichever process it
-//! is in (first come, first served across processes, as in etcd's concurrency recipes). A
-//! waiter is woken by the backend's one watch stream the moment a key of its lock is deleted,
-//! and a place whose wait ends (timed out, dropped) is deleted.
+//! (etcd #11456). The first attempt of a caller creates its key only where it holds at once,
+//! in one transaction; a busy answer writes nothing. A caller that goes on waiting gets a
+//! **queue place**: a key of its own whose create revision is its place in line, so the lock
+//! goes to callers in the order they queued, whichever process they are in (first come, first
+//! served across processes, as in etcd's concurrency recipes). A waiter is woken by the
+//! backend's one watch stream the moment the key just ahead of its place is deleted, and a
+//! place whose wait ends (timed out, dropped) is deleted (see `line`).
 //!
-//! The **fencing token** is the create revision of the holder's key: a holder's key is the
-//! oldest of its directory, so every later holder's key was created later and has a greater
-//! revision. Revisions survive leader changes and restarts of the whole cluster.
+//! The **fencing token** is the create revision of the holder's key: a writer's key is the
+//! oldest of its directory when it holds, so every later holder's key was created later and
+//! has a greater revision. Revisions survive leader changes and restarts of the whole cluster.
+//!
+//! Each member of the cluster is reached through a client of its own, and a member that fails
+//! is left alone for a backoff while requests go to the others (see `members`).
 
 mod attempt;
 mod errors;
 mod layout;
 mod lease;
+mod line;
+mod members;
 mod options;
-mod queue;
+mod strays;
 mod watch;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use layout::EtcdLockKeys;
+pub use crate::keys::EtcdLockKeys;
 pub use options::{EtcdOptions, DEFAULT_KEY_PREFIX, MAX_LEASE_TTL, MIN_LEASE_TTL};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::error::LockError;
 use crate::MAX_SEMAPHORE_COUNT;
-use errors::bounded;
+use attempt::Found;
 use lease::{LeaseGeneration, SharedLease};
+use line::{Line, Side, WaitId};
+use members::{Members, Resend};
+use strays::{Stray, Strays};
 use watch::{Interest, Sink, WatchHub};
 
 /// The provider name in telemetry.
 pub(crate) const PROVIDER: &str = "etcd";
 
-/// After a failed connect, no new one starts for this long.
-const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
-
-/// The etcd backend: a client of the cluster, the backend's lease, its watch stream and the
-/// transactions of the lock protocol.
+/// The etcd backend: clients of the cluster's members, the backend's lease, its watch stream
+/// and the transactions of the lock protocol.
 ///
 /// ```no_run
 /// use lockingkit::{DistributedLock, EtcdBackend, EtcdOptions};
@@ -78,32 +83,41 @@ const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
 /// # Ok(()) }
 /// ```
 ///
-/// Clones share the client, the lease, the watch stream and the queue places.
-#[derive(Clone)]
+/// Clones share the clients, the lease, the watch stream and the background deletes. Each
+/// clone keeps the queue places of its own waiters: give every `DistributedLock` its own clone
+/// (as `builder` does by taking it), and one engine's callers never take another's place.
 pub struct EtcdBackend {
     inner: Arc<Inner>,
+    line: Arc<Line>,
 }
 
 /// What the clones of one [`EtcdBackend`] share.
 struct Inner {
     endpoints: Vec<String>,
-    connect: ConnectOptions,
-    client: tokio::sync::OnceCell<Client>,
-    /// No connect starts before this (set after one failed).
-    quiet_until: Mutex<Option<Instant>>,
+    members: Arc<Members>,
     key_prefix: String,
     ttl: Duration,
     timeout: Duration,
     lease: SharedLease,
     watches: WatchHub,
-    queue: queue::Queue,
-    strays: attempt::Strays,
+    strays: Strays,
+    /// The lines of the clones, for the keeper of their places' lease.
+    lines: Mutex<Vec<Weak<Line>>>,
+    /// Set while a task keeps the lease alive for queue places.
+    place_keeper: AtomicBool,
+    /// Holds (leases) alive now, in every clone.
+    holds: AtomicUsize,
+    /// Clones neither shut down nor dropped.
+    active_clones: AtomicUsize,
+    /// Cancelled once the last clone is shut down.
+    closed: CancellationToken,
 }
 
 impl EtcdBackend {
-    /// Validates `options` and prepares the client. Nothing is sent until the first attempt,
-    /// so a cluster that is down at startup is reported by the attempts, as
-    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable), not here.
+    /// Validates `options` and prepares a client per member. Nothing is sent until the first
+    /// attempt, so a cluster that is down at startup is
+    /// reported by the attempts, as [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable),
+    /// not here.
     ///
     /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured), listing every
     /// problem, when the options are invalid or a TLS file cannot be read.
@@ -115,48 +129,40 @@ impl EtcdBackend {
             return Err(LockError::misconfigured(problems));
         }
         let timeout = options.request_timeout;
-        let mut connect = ConnectOptions::new()
-            // A member cut off from the quorum fails requests and watches at once instead of
-            // serving stale reads or silently never reporting an event.
-            .with_require_leader(true)
-            .with_connect_timeout(timeout)
-            // HTTP/2 pings notice a member that stopped answering; etcd refuses pings more
-            // often than every 5 s.
-            .with_keep_alive(Duration::from_secs(10), timeout)
-            .with_tcp_keepalive(Duration::from_secs(30));
-        if let (Some(user), Some(password)) = (&options.user, &options.password) {
-            connect = connect.with_user(user.clone(), password.expose().to_owned());
-        }
-        if let Some(tls) = tls {
-            connect = connect.with_tls(tls);
-        }
-        Ok(EtcdBackend {
-            inner: Arc::new(Inner {
-                endpoints: options.endpoints.clone(),
-                connect,
-                client: tokio::sync::OnceCell::new(),
-                quiet_until: Mutex::new(None),
-                key_prefix: options.key_prefix.clone(),
-                ttl: options.lease_ttl,
-                timeout,
-                lease: SharedLease::new(options.lease_ttl, timeout),
-                watches: WatchHub::new(),
-                queue: queue::Queue::default(),
-                strays: attempt::Strays::default(),
-            }),
-        })
+        let members = Arc::new(Members::new(
+            &options.endpoints,
+            &connect_options(&options, tls),
+            timeout,
+        ));
+        let line = Arc::new(Line::default());
+        let inner = Arc::new(Inner {
+            endpoints: options.endpoints.clone(),
+            watches: WatchHub::new(members.clone()),
+            members,
+            key_prefix: options.key_prefix.clone(),
+            ttl: options.lease_ttl,
+            timeout,
+            lease: SharedLease::new(options.lease_ttl, timeout),
+            strays: Strays::default(),
+            lines: Mutex::new(vec![Arc::downgrade(&line)]),
+            place_keeper: AtomicBool::new(false),
+            holds: AtomicUsize::new(0),
+            active_clones: AtomicUsize::new(1),
+            closed: CancellationToken::new(),
+        });
+        Ok(EtcdBackend { inner, line })
     }
 
     /// The id of the backend's etcd lease now, if one is granted: every key this backend
     /// writes is attached to it (`etcdctl lease timetolive --keys`).
     pub fn lease_id(&self) -> Option<i64> {
-        self.inner.lease.current_id()
+        self.inner.lease.current().map(|generation| generation.id)
     }
 
-    /// How many of this process's waiters stand in line now, each with a queue place (a key
-    /// of its own in etcd).
+    /// How many waiters of this process (on every clone of the backend) stand in line now,
+    /// each with a queue place (a key of its own in etcd, made or being made).
     pub fn queue_places(&self) -> usize {
-        self.inner.queue.watched_places()
+        self.inner.places()
     }
 
     /// How many lease keep-alives the backend has sent: at most one per twentieth of the
@@ -165,83 +171,173 @@ impl EtcdBackend {
         self.inner.lease.keep_alives_sent()
     }
 
-    /// How many keys whose delete went unanswered are being retried in the background.
+    /// How many keys are waiting for a confirmed delete in the background (releases and
+    /// attempts that went unanswered, places whose wait ended while the cluster was out of
+    /// reach).
     pub fn pending_deletes(&self) -> usize {
         self.inner.strays.pending()
     }
 
-    /// How many watches the backend's one watch stream carries now (one per key waited for,
-    /// and one per hold renewed at least once).
+    /// How many watches the backend's one watch stream carries now (one per queue place with
+    /// a key ahead of it, and one per hold).
     pub fn watches(&self) -> usize {
         self.inner.watches.watched()
+    }
+
+    /// How many members the backend has a client for (each one HTTP/2 connection once used):
+    /// at most the number of endpoints.
+    pub fn member_clients(&self) -> usize {
+        self.inner.members.clients()
+    }
+
+    /// One attempt on `key` in `mode`, for the wait of the task that calls it.
+    fn attempt<'a>(
+        &'a self,
+        key: &'a str,
+        mode: LockMode,
+    ) -> impl Future<Output = Result<Option<Acquired<EtcdLease>>, BackendError>> + Send + 'a {
+        // Taken now, at the attempt's first poll, in the caller's task: an attempt whose caller
+        // goes away finishes in another one.
+        let wait = WaitId::current(key);
+        async move {
+            let inner = &self.inner;
+            // A lease the server dropped while nothing renewed it is found by the first write
+            // on it; the attempt then runs once more on a new lease.
+            for _ in 0..2 {
+                let generation = inner.lease.fresh(&inner.members).await?;
+                let found = match mode {
+                    LockMode::Exclusive => {
+                        inner
+                            .attempt_lock(&self.line, &wait, Side::Writer, &generation)
+                            .await?
+                    }
+                    LockMode::Shared => {
+                        inner
+                            .attempt_lock(&self.line, &wait, Side::Reader, &generation)
+                            .await?
+                    }
+                    LockMode::Semaphore { max_count } => {
+                        inner.attempt_slot(key, max_count, &generation).await?
+                    }
+                };
+                match found {
+                    Found::Held(lease) => return inner.acquired(lease).map(Some),
+                    Found::Busy => return Ok(None),
+                    Found::LeaseGone => generation.mark_gone(),
+                }
+            }
+            Err(BackendError::transient(
+                "etcd dropped the backend's lease twice in one attempt",
+            ))
+        }
+    }
+}
+
+impl Clone for EtcdBackend {
+    /// Another handle on the same clients, lease and watch stream, with a line of queue places
+    /// of its own (see [`EtcdBackend`]).
+    fn clone(&self) -> Self {
+        let line = Arc::new(Line::default());
+        {
+            let mut lines = self
+                .inner
+                .lines
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            lines.retain(|line| line.strong_count() > 0);
+            lines.push(Arc::downgrade(&line));
+        }
+        self.inner.active_clones.fetch_add(1, Ordering::AcqRel);
+        EtcdBackend {
+            inner: self.inner.clone(),
+            line,
+        }
+    }
+}
+
+impl Drop for EtcdBackend {
+    fn drop(&mut self) {
+        if !self.line.closed.swap(true, Ordering::AcqRel) {
+            self.inner.active_clones.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
 impl Inner {
-    /// The client, connected on first use: one connect in flight at a time, and none for a
-    /// while after one failed.
-    async fn client(&self) -> Result<Client, BackendError> {
-        if let Some(client) = self.client.get() {
-            return Ok(client.clone());
-        }
-        let quiet = *self
-            .quiet_until
+    /// Queue places standing in the lines of every clone.
+    fn places(&self) -> usize {
+        self.lines
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if quiet.is_some_and(|until| Instant::now() < until) {
-            return Err(BackendError::unreachable(
-                "the last connection attempt to etcd failed moments ago",
-            ));
-        }
-        let connected = self
-            .client
-            .get_or_try_init(|| {
-                bounded("connection", self.timeout, || {
-                    Client::connect(self.endpoints.clone(), Some(self.connect.clone()))
-                })
-            })
-            .await;
-        match connected {
-            Ok(client) => Ok(client.clone()),
-            Err(error) => {
-                let until = crate::clock::in_(CONNECT_BACKOFF);
-                *self
-                    .quiet_until
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = Some(until);
-                Err(error)
-            }
-        }
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|line| line.places())
+            .sum()
     }
 
-    /// Watches `key` (exactly) for changes after `created`, ending `ended` on the first.
-    fn watch_hold(
-        &self,
-        client: &Client,
-        key: &[u8],
-        created: i64,
-        ended: &CancellationToken,
-    ) -> i64 {
-        self.watches.add(
-            client,
-            Interest {
-                key: key.to_vec(),
-                range_end: Vec::new(),
-                from_revision: created.saturating_add(1),
-                sink: Sink::End {
-                    ended: ended.clone(),
-                    created,
-                },
-            },
-        )
+    /// A hold of `key` (created at `revision`) on `generation`.
+    fn lease(
+        self: &Arc<Self>,
+        key: Vec<u8>,
+        revision: i64,
+        generation: Arc<LeaseGeneration>,
+    ) -> EtcdLease {
+        self.holds.fetch_add(1, Ordering::AcqRel);
+        EtcdLease {
+            key,
+            revision,
+            generation,
+            ended: CancellationToken::new(),
+            watch: Mutex::new(None),
+            watching: AtomicBool::new(false),
+            release_started: AtomicBool::new(false),
+            settled: AtomicBool::new(false),
+            backend: Arc::downgrade(self),
+        }
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         // Every clone, lease and hint is gone: nothing of ours should outlive the backend.
-        self.lease.revoke_in_background(self.client.get().cloned());
+        let (Some(generation), Ok(runtime)) =
+            (self.lease.current(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let members = self.members.clone();
+        runtime.spawn(async move {
+            let id = generation.id;
+            let _ = members
+                .call("lease revoke", Resend::Idempotent, |client| {
+                    let mut leases = client.lease_client();
+                    async move { leases.revoke(id).await }
+                })
+                .await;
+        });
     }
+}
+
+/// How the clients connect: leader required, bounded connects, HTTP/2 pings, TLS when
+/// configured.
+fn connect_options(options: &EtcdOptions, tls: Option<TlsOptions>) -> ConnectOptions {
+    let timeout = options.request_timeout;
+    let mut connect = ConnectOptions::new()
+        // A member cut off from the quorum fails requests and watches at once instead of
+        // serving stale reads or silently never reporting an event.
+        .with_require_leader(true)
+        .with_connect_timeout(timeout)
+        // HTTP/2 pings notice a member that stopped answering; etcd refuses pings more
+        // often than every 5 s.
+        .with_keep_alive(Duration::from_secs(10), timeout)
+        .with_tcp_keepalive(Duration::from_secs(30));
+    if let (Some(user), Some(password)) = (&options.user, &options.password) {
+        connect = connect.with_user(user.clone(), password.expose().to_owned());
+    }
+    if let Some(tls) = tls {
+        connect = connect.with_tls(tls);
+    }
+    connect
 }
 
 /// The TLS settings for `https` endpoints, reading the files the options name.
@@ -301,7 +397,7 @@ impl LockBackend for EtcdBackend {
     }
 
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<EtcdLease>>, BackendError> {
-        self.inner.attempt(key, LockMode::Exclusive).await
+        self.attempt(key, LockMode::Exclusive).await
     }
 
     /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] holders.
@@ -317,28 +413,25 @@ impl LockBackend for EtcdBackend {
         key: &str,
         mode: LockMode,
     ) -> Result<Option<Acquired<EtcdLease>>, BackendError> {
-        if let LockMode::Semaphore { max_count } = mode {
-            if !(1..=MAX_SEMAPHORE_COUNT).contains(&max_count) {
-                return Err(BackendError::misconfigured(format!(
-                    "an etcd semaphore has 1 to {MAX_SEMAPHORE_COUNT} holders"
-                )));
-            }
+        if !self.supports(mode) {
+            return Err(BackendError::misconfigured(format!(
+                "an etcd semaphore has 1 to {MAX_SEMAPHORE_COUNT} holders"
+            )));
         }
-        self.inner.attempt(key, mode).await
+        self.attempt(key, mode).await
     }
 
     /// One keep-alive of the backend's lease vouches for every hold on it (see `lease`). A
     /// hold whose key someone else deleted or overwrote is gone, whatever the lease says.
     async fn renew(&self, lease: &EtcdLease) -> Result<(), BackendError> {
         let asked = Instant::now();
-        let client = self.inner.client().await?;
-        lease.watch_once(&self.inner, &client);
+        lease.watch_once(&self.inner);
         if lease.ended.is_cancelled() {
             return Err(BackendError::lease_gone(
                 "the lock's etcd key was deleted or overwritten by another client",
             ));
         }
-        lease.generation.refresh(&client, asked).await
+        lease.generation.refresh(&self.inner.members, asked).await
     }
 
     async fn release(&self, lease: &EtcdLease) -> Result<(), BackendError> {
@@ -346,7 +439,7 @@ impl LockBackend for EtcdBackend {
     }
 
     fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.hint(key)
+        self.inner.hint(&self.line, key)
     }
 
     /// A hold's key is watched: someone else deleting or overwriting it is loss at once.
@@ -355,9 +448,7 @@ impl LockBackend for EtcdBackend {
     }
 
     fn lease_ended(&self, lease: &EtcdLease) -> impl Future<Output = ()> + Send {
-        if let Some(client) = self.inner.client.get() {
-            lease.watch_once(&self.inner, client);
-        }
+        lease.watch_once(&self.inner);
         let ended = lease.ended.clone();
         let gone = lease.generation.gone().clone();
         async move {
@@ -371,7 +462,7 @@ impl LockBackend for EtcdBackend {
 
 /// A held key: a writer's, a reader's or a semaphore holder's, attached to the backend's lease.
 ///
-/// Dropping a lease that was not released deletes its key in the background.
+/// Dropping a lease whose key was not confirmed deleted deletes it in the background.
 pub struct EtcdLease {
     key: Vec<u8>,
     /// The key's create revision: the fencing token.
@@ -379,11 +470,14 @@ pub struct EtcdLease {
     generation: Arc<LeaseGeneration>,
     /// Fires when the watch sees the key deleted or overwritten by someone else.
     ended: CancellationToken,
-    /// The hold's watch, once it has one (from its first renewal on).
+    /// The hold's watch, once it has one.
     watch: Mutex<Option<i64>>,
     watching: AtomicBool,
-    released: AtomicBool,
-    backend: std::sync::Weak<Inner>,
+    release_started: AtomicBool,
+    /// The key's fate is settled: etcd answered its delete, or the delete was handed to the
+    /// background deletes.
+    settled: AtomicBool,
+    backend: Weak<Inner>,
 }
 
 impl EtcdLease {
@@ -400,11 +494,18 @@ impl EtcdLease {
 
     /// Registers the hold's watch, once: from the revision after the key's creation, so a
     /// change since then is reported even though the watch starts late.
-    fn watch_once(&self, backend: &Inner, client: &Client) {
+    fn watch_once(&self, backend: &Inner) {
         if self.watching.swap(true, Ordering::AcqRel) {
             return;
         }
-        let id = backend.watch_hold(client, &self.key, self.revision, &self.ended);
+        let id = backend.watches.add(Interest {
+            key: self.key.clone(),
+            from_revision: self.revision.saturating_add(1),
+            sink: Sink::End {
+                ended: self.ended.clone(),
+                created: self.revision,
+            },
+        });
         *self.watch.lock().unwrap_or_else(PoisonError::into_inner) = Some(id);
     }
 
@@ -417,6 +518,25 @@ impl EtcdLease {
             .take()
         {
             backend.watches.remove(id);
+        }
+    }
+
+    /// Whether a release was started before (and marks one started).
+    fn release_started(&self) -> bool {
+        self.release_started.swap(true, Ordering::AcqRel)
+    }
+
+    /// The key's delete is answered or in the background deletes' hands.
+    fn settle(&self) {
+        self.settled.store(true, Ordering::Release);
+    }
+
+    /// The key, to delete in the background.
+    fn stray(&self) -> Stray {
+        Stray {
+            key: self.key.clone(),
+            generation: self.generation.clone(),
+            created: Some(self.revision),
         }
     }
 }
@@ -436,11 +556,12 @@ impl Drop for EtcdLease {
         let Some(backend) = self.backend.upgrade() else {
             return;
         };
+        backend.holds.fetch_sub(1, Ordering::AcqRel);
         self.unwatch(&backend);
-        if !self.released.load(Ordering::Acquire) {
-            backend
-                .strays
-                .add(&backend, self.key.clone(), self.generation.clone());
+        // A release cut short (its caller gave up waiting) or never made: the key may still
+        // be there, and the shared lease would keep it.
+        if !self.settled.load(Ordering::Acquire) {
+            backend.delete_later(self.stray());
         }
     }
 }

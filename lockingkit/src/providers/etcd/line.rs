@@ -1,0 +1,655 @@
+//! Queue places: first come, first served across processes, for writers and readers alike.
+//!
+//! A caller that goes on waiting after a busy answer gets a *place*: a key of its own in the
+//! lock's directory (under `w/` for a writer, `r/` for a reader), whose create revision is its
+//! place in line, as in etcd's reader-writer recipe:
+//!
+//! - a **writer's** place holds once no older key of the directory is left (no holder, no
+//!   place ahead of it, reader or writer);
+//! - a **reader's** place holds once no older *writer* key is left: readers never wait for
+//!   readers, and a writer that queued before a reader goes first.
+//!
+//! Both stay true once true (newer keys only appear behind), so one read decides. A newcomer's
+//! first attempt creates its key only where it would hold at once (a writer in an empty
+//! directory, a reader where no writer is), so it never overtakes anyone in line, and a busy
+//! answer writes nothing. Neither side starves: every caller is served in the order its key was
+//! created, and readers in line together hold together.
+//!
+//! # Whose place is it
+//! A place belongs to one **wait**: one `acquire` of one caller, which the backend sees as its
+//! release hints (the engine makes one before each attempt of a waiter) and its attempts,
+//! made by the same task. So the places of a backend are kept per clone — each
+//! `DistributedLock` owns its clone, so another engine never sees them — and per key and
+//! task. An attempt claims its wait's place exclusively (no other attempt reads or takes it
+//! meanwhile) and only while the wait's hint lives; a `try_acquire`, which makes no hint, never
+//! takes a waiter's place. Should the engine ever make an exclusive attempt from another task
+//! than its hints', the key's one writer place on this clone is its front waiter's (the engine
+//! lets no other exclusive attempt through for a key it is waiting for), so that is claimed.
+//!
+//! # A place's life
+//! The place is made when the wait's hint is first polled after a busy answer (so an attempt
+//! that wins costs nothing): one transaction writes the key and reads the key just ahead of
+//! it, which the backend's one watch stream then watches. When that key is deleted the waiter
+//! is woken, and its next attempt reads whether its place holds now (or which key is ahead of it
+//! now). A place made first in line wakes its waiter at once. A wait that ends without its
+//! place becoming the hold (timed out, dropped) leaves no hint behind: [`GRACE`] later its place
+//! is deleted, which in turn wakes whoever is behind it. The backend keeps its lease alive
+//! while it has places (see `lease`).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use etcd_client::{GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
+use tokio::sync::watch;
+use tokio::task::Id as TaskId;
+use tokio::time::Instant;
+
+use super::attempt::{gets, send_txn};
+use super::layout::{entry, range_end, LockDirectory};
+use super::lease::LeaseGeneration;
+use super::members::Resend;
+use super::strays::Stray;
+use super::watch::{Interest, Sink};
+use super::Inner;
+
+/// How long a wait with no hint keeps its place: the engine drops a round's hint and makes the
+/// next one in the same step, so a wait between two rounds has none only for an instant; one
+/// that stays without a hint this long has ended.
+pub(super) const GRACE: Duration = Duration::from_millis(100);
+
+/// The side of a reader-writer lock a caller stands on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Side {
+    Writer,
+    Reader,
+}
+
+impl Side {
+    fn index(self) -> usize {
+        match self {
+            Side::Writer => 0,
+            Side::Reader => 1,
+        }
+    }
+
+    /// The keys a place of this side waits for: every older key of the lock for a writer,
+    /// every older writer for a reader.
+    pub(super) fn ahead_range(self, directory: &LockDirectory) -> &[u8] {
+        match self {
+            Side::Writer => &directory.all,
+            Side::Reader => &directory.writers,
+        }
+    }
+
+    /// Where this side's keys live.
+    pub(super) fn within(self, directory: &LockDirectory) -> &[u8] {
+        match self {
+            Side::Writer => &directory.writers,
+            Side::Reader => &directory.readers,
+        }
+    }
+}
+
+/// The queue places of one clone of the backend, by wait.
+#[derive(Default)]
+pub(super) struct Line {
+    waits: Mutex<HashMap<WaitId, Wait>>,
+    sweeping: AtomicBool,
+    next_serial: AtomicU64,
+    /// Set once this clone is shut down or dropped.
+    pub(super) closed: AtomicBool,
+}
+
+/// One wait: a key, and the task that waits for it (`None` outside any task, in `block_on`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) struct WaitId {
+    key: String,
+    task: Option<TaskId>,
+}
+
+impl WaitId {
+    /// The wait of the current task for `key`.
+    pub(super) fn current(key: &str) -> Self {
+        WaitId {
+            key: key.to_owned(),
+            task: tokio::task::try_id(),
+        }
+    }
+
+    /// The LockingKit key waited for.
+    pub(super) fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+struct Wait {
+    /// Tells this wait from a later one with the same id.
+    serial: u64,
+    /// Live release hints: one per attempt round (more only if one task waits for the key
+    /// twice at once).
+    hints: usize,
+    /// When the last hint went.
+    idle_since: Option<Instant>,
+    /// Wakes the wait's hint.
+    wake: Arc<watch::Sender<()>>,
+    /// Per side: an attempt of this wait answered busy, so it wants a place.
+    wants: [bool; 2],
+    slots: [Slot; 2],
+}
+
+enum Slot {
+    Absent,
+    Making,
+    Ready(Place),
+    /// An attempt has it.
+    Claimed,
+}
+
+/// A place in line: the waiter's key, its create revision, its lease.
+pub(super) struct Place {
+    pub(super) key: Vec<u8>,
+    pub(super) revision: i64,
+    pub(super) generation: Arc<LeaseGeneration>,
+    /// The watch of the key just ahead, if the place has one: its id and that key.
+    ahead: Option<(i64, Vec<u8>)>,
+}
+
+/// A place taken by one attempt, to be given back with [`Inner::settle`].
+pub(super) struct Claimed {
+    pub(super) place: Place,
+    side: Side,
+    wait: WaitId,
+    serial: u64,
+}
+
+impl Claimed {
+    /// The side the place stands on.
+    pub(super) fn side(&self) -> Side {
+        self.side
+    }
+}
+
+/// What a queued attempt read.
+pub(super) enum Turn {
+    /// Nothing is ahead any more: the place is the hold now.
+    Held,
+    /// `ahead` is the key just ahead; `after` the revision the read saw.
+    Waiting { ahead: Vec<u8>, after: i64 },
+    /// The place's key is gone (its lease expired): the wait makes a new one.
+    PlaceGone,
+}
+
+impl Line {
+    fn waits(&self) -> MutexGuard<'_, HashMap<WaitId, Wait>> {
+        // Every critical section leaves the map consistent.
+        self.waits.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Places standing in this clone's line (ready, being read, or being made).
+    pub(super) fn places(&self) -> usize {
+        self.waits()
+            .values()
+            .flat_map(|wait| &wait.slots)
+            .filter(|slot| !matches!(slot, Slot::Absent))
+            .count()
+    }
+
+    /// The wait `id` answered busy on `side`: it wants a place there.
+    pub(super) fn wants_place(&self, id: &WaitId, side: Side) {
+        if let Some(wait) = self.waits().get_mut(id).filter(|w| w.hints > 0) {
+            wait.wants[side.index()] = true;
+        }
+    }
+
+    /// Which wait an attempt on `side` for `id.key` is from: its own task's if that has a live
+    /// hint; for a writer, otherwise the key's one waiter with a writer place on this clone.
+    fn claimant(waits: &HashMap<WaitId, Wait>, id: &WaitId, side: Side) -> Option<WaitId> {
+        if waits.get(id).is_some_and(|w| w.hints > 0) {
+            return Some(id.clone());
+        }
+        if side != Side::Writer {
+            return None;
+        }
+        let mut writers = waits.iter().filter(|(other, wait)| {
+            other.key == id.key
+                && wait.hints > 0
+                && matches!(wait.slots[Side::Writer.index()], Slot::Ready(_))
+        });
+        match (writers.next(), writers.next()) {
+            (Some((only, _)), None) => Some(only.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl Inner {
+    /// The release hint of `key` for the wait of the current task (see the module docs).
+    pub(super) fn hint(
+        self: &Arc<Self>,
+        line: &Arc<Line>,
+        key: &str,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let id = WaitId::current(key);
+        let mut receiver = {
+            let mut waits = line.waits();
+            let wait = waits.entry(id.clone()).or_insert_with(|| Wait {
+                serial: line.next_serial.fetch_add(1, Ordering::Relaxed),
+                hints: 0,
+                idle_since: None,
+                wake: Arc::new(watch::channel(()).0),
+                wants: [false; 2],
+                slots: [Slot::Absent, Slot::Absent],
+            });
+            wait.hints = wait.hints.saturating_add(1);
+            wait.idle_since = None;
+            wait.wake.subscribe()
+        };
+        let guard = HintGuard {
+            backend: Arc::downgrade(self),
+            line: line.clone(),
+            id,
+        };
+        let backend = self.clone();
+        async move {
+            backend.make_wanted_places(&guard.line, &guard.id);
+            drop(backend);
+            if receiver.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            drop(guard);
+        }
+    }
+
+    /// Starts making the places the wait `id` wants and has not got.
+    fn make_wanted_places(self: &Arc<Self>, line: &Arc<Line>, id: &WaitId) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut waits = line.waits();
+        let Some(wait) = waits.get_mut(id) else {
+            return;
+        };
+        for side in [Side::Writer, Side::Reader] {
+            let slot = &mut wait.slots[side.index()];
+            if wait.wants[side.index()] && matches!(slot, Slot::Absent) {
+                *slot = Slot::Making;
+                let made = self
+                    .clone()
+                    .make_place(line.clone(), id.clone(), wait.serial, side);
+                runtime.spawn(made);
+            }
+        }
+    }
+
+    /// Writes a place and stands it in line, or deletes it if its wait ended meanwhile.
+    async fn make_place(self: Arc<Self>, line: Arc<Line>, id: WaitId, serial: u64, side: Side) {
+        let directory = LockDirectory::new(&self.key_prefix, &id.key);
+        let written = self.write_place(&directory, side).await;
+        let orphan = match written {
+            Some((place, ahead, after)) => {
+                self.stand_in_line(&line, &id, serial, side, place, ahead, after)
+            }
+            None => {
+                self.unmake(&line, &id, serial, side);
+                None
+            }
+        };
+        if let Some(place) = orphan {
+            self.delete_place(place).await;
+        }
+    }
+
+    /// The place's key, and the key just ahead of it with the revision it was read at; `None`
+    /// if it could not be written (left to the background deletes if it may have been).
+    async fn write_place(
+        self: &Arc<Self>,
+        directory: &LockDirectory,
+        side: Side,
+    ) -> Option<(Place, Option<Vec<u8>>, i64)> {
+        let generation = self.lease.fresh(&self.members).await.ok()?;
+        let key = entry(side.within(directory), &generation.next_entry_id());
+        let ahead = side.ahead_range(directory);
+        let newest = GetOptions::new()
+            .with_range(range_end(ahead))
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1)
+            .with_keys_only();
+        let txn = Txn::new().and_then([
+            TxnOp::get(ahead.to_vec(), Some(newest)),
+            TxnOp::put(
+                key.clone(),
+                Vec::new(),
+                Some(PutOptions::new().with_lease(generation.id)),
+            ),
+        ]);
+        // Not sent again after a lost answer: a second put would be read as a place of its own.
+        let answer = match send_txn(&self.members, "queue place", Resend::IfUnapplied, txn).await {
+            Ok(answer) => answer,
+            Err(failure) => {
+                if failure.error.kind() == crate::BackendErrorKind::LeaseGone {
+                    generation.mark_gone();
+                } else if !failure.had_no_effect() {
+                    self.delete_later(Stray {
+                        key,
+                        generation,
+                        created: None,
+                    });
+                }
+                return None;
+            }
+        };
+        // The put is the transaction's only write: the key's create revision is its revision.
+        let revision = answer.header().map_or(0, |h| h.revision());
+        let ahead = gets(&answer)
+            .first()
+            .and_then(|newest| newest.first())
+            .map(|kv| kv.key().to_vec());
+        let place = Place {
+            key,
+            revision,
+            generation,
+            ahead: None,
+        };
+        if revision <= 0 {
+            self.delete_later(place.into_stray());
+            return None;
+        }
+        Some((place, ahead, revision))
+    }
+
+    /// Records a written place if its wait goes on, watching the key ahead (or waking the
+    /// waiter if none is); returns it to be deleted if the wait ended meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    fn stand_in_line(
+        self: &Arc<Self>,
+        line: &Arc<Line>,
+        id: &WaitId,
+        serial: u64,
+        side: Side,
+        mut place: Place,
+        ahead: Option<Vec<u8>>,
+        after: i64,
+    ) -> Option<Place> {
+        let mut waits = line.waits();
+        let Some(wait) = waits
+            .get_mut(id)
+            .filter(|w| w.serial == serial && matches!(w.slots[side.index()], Slot::Making))
+        else {
+            return Some(place);
+        };
+        match ahead {
+            Some(ahead) => self.watch_ahead(&mut place, &wait.wake, ahead, after),
+            None => {
+                // First in line already: the next attempt holds.
+                wait.wake.send_replace(());
+            }
+        }
+        wait.slots[side.index()] = Slot::Ready(place);
+        drop(waits);
+        self.places_changed();
+        None
+    }
+
+    /// A place could not be made: the slot is free for the next round to try again, and the
+    /// waiter polls meanwhile.
+    fn unmake(&self, line: &Line, id: &WaitId, serial: u64, side: Side) {
+        if let Some(wait) = line.waits().get_mut(id).filter(|w| w.serial == serial) {
+            if matches!(wait.slots[side.index()], Slot::Making) {
+                wait.slots[side.index()] = Slot::Absent;
+            }
+        }
+    }
+
+    /// Watches `ahead` for its deletion after revision `after`, waking the wait with `wake`.
+    fn watch_ahead(
+        &self,
+        place: &mut Place,
+        wake: &Arc<watch::Sender<()>>,
+        ahead: Vec<u8>,
+        after: i64,
+    ) {
+        if place.ahead.as_ref().is_some_and(|(_, key)| *key == ahead) {
+            return;
+        }
+        if let Some((old, _)) = place.ahead.take() {
+            self.watches.remove(old);
+        }
+        let id = self.watches.add(Interest {
+            key: ahead.clone(),
+            from_revision: after.saturating_add(1),
+            sink: Sink::Wake(wake.clone()),
+        });
+        place.ahead = Some((id, ahead));
+    }
+
+    /// Takes the place of the current task's wait for `key` on `side`, exclusively, if it has
+    /// one on `generation` (see the module documentation).
+    pub(super) fn claim(
+        self: &Arc<Self>,
+        line: &Line,
+        id: &WaitId,
+        side: Side,
+        generation: &LeaseGeneration,
+    ) -> Option<Claimed> {
+        let mut waits = line.waits();
+        let claimant = Line::claimant(&waits, id, side)?;
+        let wait = waits.get_mut(&claimant)?;
+        let slot = &mut wait.slots[side.index()];
+        match std::mem::replace(slot, Slot::Claimed) {
+            Slot::Ready(place) if place.generation.id == generation.id => Some(Claimed {
+                place,
+                side,
+                wait: claimant,
+                serial: wait.serial,
+            }),
+            Slot::Ready(mut place) => {
+                // Its lease is gone, and the place with it.
+                *slot = Slot::Absent;
+                if let Some((watch, _)) = place.ahead.take() {
+                    self.watches.remove(watch);
+                }
+                drop(waits);
+                self.places_changed();
+                None
+            }
+            other => {
+                *slot = other;
+                None
+            }
+        }
+    }
+
+    /// Gives a claimed place back after its attempt read `turn` (`None`: the read failed).
+    /// Returns the place when it is the hold now; a place whose wait ended meanwhile is
+    /// returned to the caller to delete through `orphan`.
+    pub(super) fn settle(
+        self: &Arc<Self>,
+        line: &Line,
+        claimed: Claimed,
+        turn: Option<&Turn>,
+        orphan: &mut Option<Place>,
+    ) -> Option<Place> {
+        let Claimed {
+            mut place,
+            side,
+            wait,
+            serial,
+        } = claimed;
+        let mut waits = line.waits();
+        let current = waits.get_mut(&wait).filter(|w| w.serial == serial);
+        let held = matches!(turn, Some(Turn::Held));
+        let gone = matches!(turn, Some(Turn::PlaceGone));
+        if held || gone || current.is_none() {
+            if let Some(wait) = current {
+                wait.slots[side.index()] = Slot::Absent;
+                wait.wants[side.index()] &= gone;
+            }
+            drop(waits);
+            if let Some((watch, _)) = place.ahead.take() {
+                self.watches.remove(watch);
+            }
+            self.places_changed();
+            return match (held, gone) {
+                (true, _) => Some(place),
+                (false, true) => None,
+                (false, false) => {
+                    *orphan = Some(place);
+                    None
+                }
+            };
+        }
+        if let Some(wait) = current {
+            if let Some(Turn::Waiting { ahead, after }) = turn {
+                self.watch_ahead(&mut place, &wait.wake, ahead.clone(), *after);
+            }
+            wait.slots[side.index()] = Slot::Ready(place);
+        }
+        None
+    }
+
+    /// A newcomer attempt of the wait `id` won on `side`: a place it was making or had made is
+    /// not needed any more.
+    pub(super) fn won_without_place(
+        self: &Arc<Self>,
+        line: &Line,
+        id: &WaitId,
+        side: Side,
+    ) -> Option<Place> {
+        let mut waits = line.waits();
+        let wait = waits.get_mut(id)?;
+        wait.wants[side.index()] = false;
+        match std::mem::replace(&mut wait.slots[side.index()], Slot::Absent) {
+            Slot::Ready(mut place) => {
+                drop(waits);
+                if let Some((watch, _)) = place.ahead.take() {
+                    self.watches.remove(watch);
+                }
+                self.places_changed();
+                Some(place)
+            }
+            // Its maker finds the slot gone and deletes it.
+            Slot::Making | Slot::Absent => None,
+            Slot::Claimed => {
+                wait.slots[side.index()] = Slot::Claimed;
+                None
+            }
+        }
+    }
+
+    /// Deletes a place that is not needed any more (now, or in the background).
+    pub(super) async fn delete_place(self: &Arc<Self>, place: Place) {
+        self.delete_or_later(place.into_stray()).await;
+    }
+
+    /// The line's places changed: the lease keeper runs while there are any.
+    fn places_changed(self: &Arc<Self>) {
+        if self.places() > 0 {
+            self.keep_places_alive();
+        }
+    }
+
+    /// Removes, [`GRACE`] after their last hint went, the waits that made no new one, and
+    /// deletes their places. One sweeper per clone, while any wait is idle.
+    fn sweep_later(self: &Arc<Self>, line: &Arc<Line>) {
+        if line.sweeping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            line.sweeping.store(false, Ordering::Release);
+            return;
+        };
+        runtime.spawn(sweep(Arc::downgrade(self), line.clone()));
+    }
+}
+
+impl Place {
+    fn into_stray(self) -> Stray {
+        Stray {
+            key: self.key,
+            generation: self.generation,
+            created: Some(self.revision),
+        }
+    }
+}
+
+async fn sweep(backend: Weak<Inner>, line: Arc<Line>) {
+    loop {
+        tokio::time::sleep(GRACE).await;
+        let (ended, idle_left) = ended_waits(&line);
+        let Some(backend) = backend.upgrade() else {
+            line.sweeping.store(false, Ordering::Release);
+            return;
+        };
+        for mut place in ended {
+            if let Some((watch, _)) = place.ahead.take() {
+                backend.watches.remove(watch);
+            }
+            backend.delete_place(place).await;
+        }
+        backend.places_changed();
+        if !idle_left {
+            line.sweeping.store(false, Ordering::Release);
+            // A wait that went idle since the check starts a sweeper of its own.
+            if line.waits().values().any(|w| w.hints == 0) {
+                backend.sweep_later(&line);
+            }
+            return;
+        }
+    }
+}
+
+/// Removes the waits idle for [`GRACE`] or more; returns their ready places, and whether any
+/// idle wait is left for a later sweep. A place being made or read is left to its maker or
+/// reader, which find the wait gone.
+fn ended_waits(line: &Line) -> (Vec<Place>, bool) {
+    let now = Instant::now();
+    let mut waits = line.waits();
+    let ended: Vec<WaitId> = waits
+        .iter()
+        .filter(|(_, w)| w.hints == 0 && w.idle_since.is_some_and(|at| now - at >= GRACE))
+        .map(|(id, _)| id.clone())
+        .collect();
+    let mut places = Vec::new();
+    for id in ended {
+        if let Some(wait) = waits.remove(&id) {
+            for slot in wait.slots {
+                if let Slot::Ready(place) = slot {
+                    places.push(place);
+                }
+            }
+        }
+    }
+    let idle_left = waits.values().any(|w| w.hints == 0);
+    (places, idle_left)
+}
+
+/// Held by each hint: when the last one of a wait goes, the wait may have ended.
+struct HintGuard {
+    backend: Weak<Inner>,
+    line: Arc<Line>,
+    id: WaitId,
+}
+
+impl Drop for HintGuard {
+    fn drop(&mut self) {
+        let idle = {
+            let mut waits = self.line.waits();
+            match waits.get_mut(&self.id) {
+                Some(wait) => {
+                    wait.hints = wait.hints.saturating_sub(1);
+                    if wait.hints == 0 {
+                        wait.idle_since = Some(Instant::now());
+                    }
+                    wait.hints == 0
+                }
+                None => false,
+            }
+        };
+        if let (true, Some(backend)) = (idle, self.backend.upgrade()) {
+            backend.sweep_later(&self.line);
+        }
+    }
+}

@@ -10,7 +10,7 @@ use std::time::Duration;
 use lockingkit::providers::etcd::EtcdLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions, LockOptions};
-use lockingkit_tests::etcd::EtcdCluster;
+use lockingkit_tests::etcd::{Auth, EtcdCluster};
 use tokio::time::Instant;
 
 /// The lease of every case whose subject is not the lease itself: long enough that a loaded
@@ -576,4 +576,25 @@ async fn a_freed_semaphore_slot_reaches_another_process_by_polling() {
     assert!(slot.fencing_token() > token);
     slot.release().await.expect("release");
     second.release().await.expect("release");
+}
+
+/// On a cluster whose tokens expire after two seconds, locks keep working long after the first
+/// token expired: a request refused for its token is authenticated again and sent once more,
+/// and renewals of a hold go on through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_auth_tokens_are_renewed_without_failing_a_request() {
+    let cluster = EtcdCluster::start(1, Auth::Root { token_ttl_secs: 2 }).await;
+    let locks = process(&cluster);
+    locks.verify().await.expect("root may lock");
+    let key = unique_prefix("auth");
+    let first = locks.try_acquire(&key).await.expect("lock");
+    let token = first.fencing_token();
+    // Three tokens' lives; renewals every 2 s ride on tokens that expire under them.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert!(first.is_held(), "renewals failed on an expired token");
+    first.release().await.expect("release on a fresh token");
+    let again = locks.try_acquire(&key).await.expect("lock again");
+    assert!(again.fencing_token() > token);
+    again.release().await.expect("release");
+    cluster.assert_no_errors_logged();
 }

@@ -82,6 +82,11 @@ mod message {
     /// The member has no leader (sent because requests carry etcd's "require leader" flag):
     /// it refused the request without proposing it.
     pub(super) const NO_LEADER: &str = "no leader";
+    /// The request's token expired or is unknown to this member (tokens are per member and
+    /// expire after `--auth-token-ttl`): refused before anything applied.
+    pub(super) const INVALID_AUTH_TOKEN: &str = "invalid auth token";
+    /// The token predates a change of users or roles: refused before anything applied.
+    pub(super) const AUTH_OLD_REVISION: &str = "revision of auth store is old";
     /// Wrong user or password.
     pub(super) const AUTH_FAILED: &str = "authentication failed";
     /// Authentication is on and the request carried no user.
@@ -187,7 +192,12 @@ fn from_status(what: &'static str, status: &tonic::Status) -> Failure {
             member_failed: true,
         };
     }
-    let refused_before_applying = [message::TOO_MANY_REQUESTS, message::NO_SPACE];
+    let refused_before_applying = [
+        message::INVALID_AUTH_TOKEN,
+        message::AUTH_OLD_REVISION,
+        message::TOO_MANY_REQUESTS,
+        message::NO_SPACE,
+    ];
     if refused_before_applying.iter().any(|m| text.contains(m)) {
         return answered(
             BackendError::transient(format!("etcd failed the {what}: {text}")),
@@ -236,6 +246,20 @@ mod tests {
 
     fn kind(failure: &Failure) -> BackendErrorKind {
         failure.error.kind()
+    }
+
+    #[test]
+    fn an_expired_token_is_transient_and_did_nothing() {
+        let failure = classify(
+            "lock attempt",
+            status(Code::Unauthenticated, "etcdserver: invalid auth token"),
+        );
+        assert_eq!(
+            kind(&failure),
+            BackendErrorKind::Transient { reached: true }
+        );
+        assert_eq!(failure.effect, Effect::None);
+        assert_eq!(failure.next, Next::Answer);
     }
 
     #[test]

@@ -318,8 +318,8 @@ impl Drop for Inner {
     }
 }
 
-/// How the clients connect: leader required, bounded connects, HTTP/2 pings, TLS when
-/// configured.
+/// How the clients connect: leader required, bounded connects, HTTP/2 pings, tokens refreshed
+/// when they expire, TLS when configured.
 fn connect_options(options: &EtcdOptions, tls: Option<TlsOptions>) -> ConnectOptions {
     let timeout = options.request_timeout;
     let mut connect = ConnectOptions::new()
@@ -332,7 +332,12 @@ fn connect_options(options: &EtcdOptions, tls: Option<TlsOptions>) -> ConnectOpt
         .with_keep_alive(Duration::from_secs(10), timeout)
         .with_tcp_keepalive(Duration::from_secs(30));
     if let (Some(user), Some(password)) = (&options.user, &options.password) {
-        connect = connect.with_user(user.clone(), password.expose().to_owned());
+        // A member forgets its tokens when it restarts, and tokens expire
+        // (`--auth-token-ttl`, 5 minutes by default): a request refused for its token is
+        // authenticated again and sent once more.
+        connect = connect
+            .with_user(user.clone(), password.expose().to_owned())
+            .with_auto_token_refresh(true);
     }
     if let Some(tls) = tls {
         connect = connect.with_tls(tls);

@@ -598,3 +598,133 @@ async fn expired_auth_tokens_are_renewed_without_failing_a_request() {
     again.release().await.expect("release");
     cluster.assert_no_errors_logged();
 }
+
+/// Wrong credentials are misconfiguration, found by `verify` at startup and by attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_are_misconfigured() {
+    let cluster = EtcdCluster::start(
+        1,
+        Auth::Root {
+            token_ttl_secs: 300,
+        },
+    )
+    .await;
+    let options = EtcdOptions {
+        password: Some("not the password".into()),
+        ..cluster.options(TTL)
+    };
+    let locks = lock_on(options, quick_polling());
+    let verified = locks.verify().await;
+    assert_eq!(
+        verified.err().map(|e| e.kind()),
+        Some(ErrorKind::Misconfigured)
+    );
+    let attempt = locks.try_acquire(&unique_prefix("auth-wrong")).await;
+    assert_eq!(
+        attempt.err().map(|e| e.kind()),
+        Some(ErrorKind::Misconfigured)
+    );
+}
+
+/// A user whose role may not read under the provider's key prefix is refused by `verify`,
+/// before any lock is attempted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_refuses_a_user_without_permission_under_the_prefix() {
+    let cluster = EtcdCluster::start(
+        1,
+        Auth::Root {
+            token_ttl_secs: 300,
+        },
+    )
+    .await;
+    let mut admin = cluster.client().await;
+    admin.role_add("elsewhere").await.expect("role");
+    admin
+        .role_grant_permission(
+            "elsewhere",
+            etcd_client::Permission::read_write("other/").with_prefix(),
+        )
+        .await
+        .expect("grant");
+    admin
+        .user_add("locks", "locks-password", None)
+        .await
+        .expect("user");
+    admin
+        .user_grant_role("locks", "elsewhere")
+        .await
+        .expect("grant role");
+    let options = EtcdOptions {
+        user: Some("locks".into()),
+        password: Some("locks-password".into()),
+        ..cluster.options(TTL)
+    };
+    let locks = lock_on(options, quick_polling());
+    let verified = locks.verify().await;
+    assert_eq!(
+        verified.err().map(|e| e.kind()),
+        Some(ErrorKind::Misconfigured)
+    );
+}
+
+/// `verify` passes on a healthy cluster and reports a cluster that is down as `Unavailable`,
+/// sending nothing that takes a lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_checks_the_cluster_without_taking_a_lock() {
+    let mut cluster = EtcdCluster::single().await;
+    let locks = process(&cluster);
+    locks.verify().await.expect("a healthy cluster");
+    assert_eq!(backend(&locks).lease_id(), None, "verify granted a lease");
+    assert_eq!(cluster.count("lockingkit/").await, 0);
+    cluster.kill(0);
+    let down = process(&cluster).verify().await;
+    assert_eq!(down.err().map(|e| e.kind()), Some(ErrorKind::Unavailable));
+}
+
+/// Shutting down revokes the lease (every key of the backend goes at once), stops the watch
+/// stream and leaves no delete unconfirmed. A clone still holding keeps the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_revokes_the_lease_unless_another_clone_still_holds() {
+    let cluster = EtcdCluster::single().await;
+    let shared = EtcdBackend::new(cluster.options(TTL)).expect("options");
+    let engine = |backend: EtcdBackend| {
+        DistributedLock::builder(backend)
+            .options(quick_polling())
+            .build()
+            .expect("lock options")
+    };
+    let (first, second) = (engine(shared.clone()), engine(shared.clone()));
+    let key = unique_prefix("shutdown");
+    let kept = second
+        .try_acquire(&format!("{key}/kept"))
+        .await
+        .expect("lock");
+    let dropped = first
+        .try_acquire(&format!("{key}/first"))
+        .await
+        .expect("lock");
+    drop(dropped);
+    first
+        .shutdown(Duration::from_secs(10))
+        .await
+        .expect("shutdown");
+    assert!(kept.is_held(), "another clone's hold survived");
+    let mut client = cluster.client().await;
+    assert_eq!(client.leases().await.expect("leases").leases().len(), 1);
+    let lease = shared
+        .lease_id()
+        .expect("the lease the other clone holds on");
+    kept.release().await.expect("release");
+    second
+        .shutdown(Duration::from_secs(10))
+        .await
+        .expect("shutdown");
+    let leases = client.leases().await.expect("leases");
+    assert!(
+        leases.leases().iter().all(|l| l.id() != lease),
+        "the lease outlived the last clone's shutdown"
+    );
+    assert_eq!(shared.watches(), 0);
+    assert_eq!(shared.pending_deletes(), 0);
+    assert_eq!(cluster.count("lockingkit/").await, 0);
+}

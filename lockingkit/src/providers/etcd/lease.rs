@@ -155,6 +155,34 @@ impl SharedLease {
             timeout: self.timeout,
         })
     }
+
+    /// Revokes the lease now, so the keys still on it go at once: for a backend nobody uses
+    /// any more. The lease is forgotten first, so an attempt that starts meanwhile grants a
+    /// new one.
+    pub(super) async fn revoke(&self, members: &Members) -> Result<(), BackendError> {
+        let Some(generation) = self
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        else {
+            return Ok(());
+        };
+        generation.mark_gone();
+        let id = generation.id;
+        let revoked = members
+            .call("lease revoke", Resend::Idempotent, |client| {
+                let mut leases = client.lease_client();
+                async move { leases.revoke(id).await }
+            })
+            .await;
+        match revoked {
+            Ok(_) => Ok(()),
+            // Expired already: the same result.
+            Err(failure) if failure.error.kind() == crate::BackendErrorKind::LeaseGone => Ok(()),
+            Err(failure) => Err(failure.error),
+        }
+    }
 }
 
 impl LeaseGeneration {

@@ -197,6 +197,25 @@ impl Line {
             .count()
     }
 
+    /// Empties the line (its clone shuts down): the ready places, their watches removed, to be
+    /// deleted. Places being made or read are deleted by their makers and readers, which find
+    /// their waits gone.
+    pub(super) fn take_all(&self, backend: &Inner) -> Vec<Place> {
+        let waits = std::mem::take(&mut *self.waits());
+        let mut places = Vec::new();
+        for wait in waits.into_values() {
+            for slot in wait.slots {
+                if let Slot::Ready(mut place) = slot {
+                    if let Some((watch, _)) = place.ahead.take() {
+                        backend.watches.remove(watch);
+                    }
+                    places.push(place);
+                }
+            }
+        }
+        places
+    }
+
     /// The wait `id` answered busy on `side`: it wants a place there.
     pub(super) fn wants_place(&self, id: &WaitId, side: Side) {
         if let Some(wait) = self.waits().get_mut(id).filter(|w| w.hints > 0) {

@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
+use etcd_client::{Certificate, ConnectOptions, GetOptions, Identity, TlsOptions};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -77,6 +77,7 @@ pub(crate) const PROVIDER: &str = "etcd";
 ///     "http://10.0.0.3:2379",
 /// ]))?;
 /// let locks = DistributedLock::builder(backend).name("Jobs").build()?;
+/// locks.verify().await?; // the cluster answers and lets us read and write under the prefix
 /// let handle = locks.try_acquire("jobs/nightly-export").await?;
 /// // … work, sending handle.fencing_token() with every write …
 /// handle.release().await?;
@@ -115,7 +116,7 @@ struct Inner {
 
 impl EtcdBackend {
     /// Validates `options` and prepares a client per member. Nothing is sent until the first
-    /// attempt, so a cluster that is down at startup is
+    /// attempt (or [`verify`](LockBackend::verify)), so a cluster that is down at startup is
     /// reported by the attempts, as [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable),
     /// not here.
     ///
@@ -295,6 +296,62 @@ impl Inner {
             backend: Arc::downgrade(self),
         }
     }
+
+    /// The startup check: the cluster answers and has a leader, and the credentials may read
+    /// under the key prefix.
+    async fn verify(&self) -> Result<(), BackendError> {
+        let status = self
+            .members
+            .call("status check", Resend::Idempotent, |client| {
+                let mut maintenance = client.maintenance_client();
+                async move { maintenance.status().await }
+            })
+            .await?;
+        if status.leader() == 0 {
+            return Err(BackendError::transient(
+                "the etcd cluster answers but has no leader",
+            ));
+        }
+        let prefix = self.key_prefix.as_bytes().to_vec();
+        let range = GetOptions::new()
+            .with_range(layout::range_end(&prefix))
+            .with_count_only();
+        self.members
+            .call("read check", Resend::Idempotent, |client| {
+                let (mut kv, prefix, range) = (client.kv_client(), prefix.clone(), range.clone());
+                async move { kv.get(prefix, Some(range)).await }
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Ends what the clone `line` had, and, once nothing of the backend is left in use,
+    /// revokes the lease (its keys go at once) and stops the watch stream.
+    async fn shut_down(self: &Arc<Self>, line: &Line) {
+        if line.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let last = self.active_clones.fetch_sub(1, Ordering::AcqRel) == 1;
+        for place in line.take_all(self) {
+            self.delete_place(place).await;
+        }
+        let deadline = crate::clock::in_(self.timeout.saturating_mul(2));
+        // A lease nothing stands on any more goes with everything still on it, strays
+        // included; otherwise the strays are given a bounded while.
+        let unused = self.holds.load(Ordering::Acquire) == 0 && self.places() == 0;
+        if unused {
+            if let Err(error) = self.lease.revoke(&self.members).await {
+                tracing::debug!(target: "lockingkit", %error, "the etcd lease could not be revoked; its keys go when it expires");
+            }
+        }
+        if !self.strays.settled_by(deadline).await {
+            tracing::debug!(target: "lockingkit", pending = self.strays.pending(), "etcd deletes still unconfirmed at shutdown; their keys go when the lease expires");
+        }
+        if last {
+            self.closed.cancel();
+            self.watches.stop();
+        }
+    }
 }
 
 impl Drop for Inner {
@@ -462,6 +519,19 @@ impl LockBackend for EtcdBackend {
                 _ = gone.cancelled() => {}
             }
         }
+    }
+
+    /// A status request (the cluster answers and has a leader), then a count of the keys
+    /// under `key_prefix` (the credentials are accepted and may read there). Takes no lock.
+    async fn verify(&self) -> Result<(), BackendError> {
+        self.inner.verify().await
+    }
+
+    /// Deletes this clone's queue places and, once no clone holds or waits for anything,
+    /// revokes the lease and stops the watch stream; unconfirmed deletes get twice the request
+    /// timeout to finish.
+    async fn shutdown(&self) {
+        self.inner.shut_down(&self.line).await;
     }
 }
 

@@ -60,6 +60,19 @@ impl Strays {
         let state = self.state();
         state.queued.len() + state.in_flight
     }
+
+    /// Waits until no key is pending, or `deadline`; `false` at the deadline.
+    pub(super) async fn settled_by(&self, deadline: tokio::time::Instant) -> bool {
+        loop {
+            let settled = self.settled.notified();
+            if self.pending() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                return self.pending() == 0;
+            }
+        }
+    }
 }
 
 impl Inner {

@@ -136,6 +136,11 @@ impl WatchHub {
     pub(super) fn watched(&self) -> usize {
         self.shared.interests().by_id.len()
     }
+
+    /// Ends the stream's task for good: for a backend that shuts down.
+    pub(super) fn stop(&self) {
+        self.shared.stop.cancel();
+    }
 }
 
 impl Drop for WatchHub {

@@ -24,7 +24,7 @@ pub const DEFAULT_KEY_PREFIX: &str = "lockingkit/";
 /// let options = EtcdOptions {
 ///     user: Some("locks".into()),
 ///     password: Some("hunter2".into()),
-///     lease_ttl: Duration::from_secs(10),
+///     lease_ttl: Duration::from_secs(15),
 ///     ..EtcdOptions::new(["http://10.0.0.1:2379", "http://10.0.0.2:2379"])
 /// };
 /// assert!(options.problems("Locking.Default").is_empty());
@@ -36,8 +36,9 @@ pub const DEFAULT_KEY_PREFIX: &str = "lockingkit/";
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EtcdOptions {
-    /// The cluster's client URLs: `http://host:2379`, or `https://…` for TLS. Requests are
-    /// balanced over them, and a member that stops answering is skipped.
+    /// The cluster's client URLs: `http://host:2379`, or `https://…` for TLS. Each is a member
+    /// with a client of its own; requests go to the last one that answered, and a member that
+    /// fails is left alone for a backoff while the others serve.
     pub endpoints: Vec<String>,
     /// The etcd user, when the cluster has authentication enabled; needs `password`.
     pub user: Option<String>,
@@ -61,8 +62,9 @@ pub struct EtcdOptions {
     /// 2 s to 1 h. Default 30 s.
     #[serde(with = "crate::config::duration")]
     pub lease_ttl: Duration,
-    /// The longest any one request (or connection attempt) may take. Default 5 s; less than a
-    /// third of `lease_ttl`, so a failed renewal can be retried before the loss deadline.
+    /// The longest any one request (or connection attempt) may take, resends to other members
+    /// included. Default 5 s; at most a third of `lease_ttl`, so a failed renewal can be
+    /// retried before the loss deadline.
     #[serde(with = "crate::config::duration")]
     pub request_timeout: Duration,
 }

@@ -157,6 +157,20 @@ pub(super) struct Place {
     ahead: Option<(i64, Vec<u8>)>,
 }
 
+/// Which slot a place being made is for: its wait (and which one of that id), its side.
+struct Making {
+    id: WaitId,
+    serial: u64,
+    side: Side,
+}
+
+/// A place just written: the key just ahead of it, if any, read at revision `after`.
+struct Written {
+    place: Place,
+    ahead: Option<Vec<u8>>,
+    after: i64,
+}
+
 /// A place taken by one attempt, to be given back with [`Inner::settle`].
 pub(super) struct Claimed {
     pub(super) place: Place,
@@ -295,24 +309,23 @@ impl Inner {
             let slot = &mut wait.slots[side.index()];
             if wait.wants[side.index()] && matches!(slot, Slot::Absent) {
                 *slot = Slot::Making;
-                let made = self
-                    .clone()
-                    .make_place(line.clone(), id.clone(), wait.serial, side);
-                runtime.spawn(made);
+                let ticket = Making {
+                    id: id.clone(),
+                    serial: wait.serial,
+                    side,
+                };
+                runtime.spawn(self.clone().make_place(line.clone(), ticket));
             }
         }
     }
 
     /// Writes a place and stands it in line, or deletes it if its wait ended meanwhile.
-    async fn make_place(self: Arc<Self>, line: Arc<Line>, id: WaitId, serial: u64, side: Side) {
-        let directory = LockDirectory::new(&self.key_prefix, &id.key);
-        let written = self.write_place(&directory, side).await;
-        let orphan = match written {
-            Some((place, ahead, after)) => {
-                self.stand_in_line(&line, &id, serial, side, place, ahead, after)
-            }
+    async fn make_place(self: Arc<Self>, line: Arc<Line>, ticket: Making) {
+        let directory = LockDirectory::new(&self.key_prefix, &ticket.id.key);
+        let orphan = match self.write_place(&directory, ticket.side).await {
+            Some(written) => self.stand_in_line(&line, &ticket, written),
             None => {
-                self.unmake(&line, &id, serial, side);
+                self.unmake(&line, &ticket);
                 None
             }
         };
@@ -321,13 +334,13 @@ impl Inner {
         }
     }
 
-    /// The place's key, and the key just ahead of it with the revision it was read at; `None`
-    /// if it could not be written (left to the background deletes if it may have been).
+    /// The place, written; `None` if it could not be (left to the background deletes if it may
+    /// have been).
     async fn write_place(
         self: &Arc<Self>,
         directory: &LockDirectory,
         side: Side,
-    ) -> Option<(Place, Option<Vec<u8>>, i64)> {
+    ) -> Option<Written> {
         let generation = self.lease.fresh(&self.members).await.ok()?;
         let key = entry(side.within(directory), &generation.next_entry_id());
         let ahead = side.ahead_range(directory);
@@ -376,26 +389,31 @@ impl Inner {
             self.delete_later(place.into_stray());
             return None;
         }
-        Some((place, ahead, revision))
+        Some(Written {
+            place,
+            ahead,
+            after: revision,
+        })
     }
 
     /// Records a written place if its wait goes on, watching the key ahead (or waking the
     /// waiter if none is); returns it to be deleted if the wait ended meanwhile.
-    #[allow(clippy::too_many_arguments)]
     fn stand_in_line(
         self: &Arc<Self>,
         line: &Arc<Line>,
-        id: &WaitId,
-        serial: u64,
-        side: Side,
-        mut place: Place,
-        ahead: Option<Vec<u8>>,
-        after: i64,
+        ticket: &Making,
+        written: Written,
     ) -> Option<Place> {
+        let Written {
+            mut place,
+            ahead,
+            after,
+        } = written;
+        let side = ticket.side;
         let mut waits = line.waits();
         let Some(wait) = waits
-            .get_mut(id)
-            .filter(|w| w.serial == serial && matches!(w.slots[side.index()], Slot::Making))
+            .get_mut(&ticket.id)
+            .filter(|w| w.serial == ticket.serial && matches!(w.slots[side.index()], Slot::Making))
         else {
             return Some(place);
         };
@@ -414,8 +432,13 @@ impl Inner {
 
     /// A place could not be made: the slot is free for the next round to try again, and the
     /// waiter polls meanwhile.
-    fn unmake(&self, line: &Line, id: &WaitId, serial: u64, side: Side) {
-        if let Some(wait) = line.waits().get_mut(id).filter(|w| w.serial == serial) {
+    fn unmake(&self, line: &Line, ticket: &Making) {
+        let side = ticket.side;
+        let mut waits = line.waits();
+        if let Some(wait) = waits
+            .get_mut(&ticket.id)
+            .filter(|w| w.serial == ticket.serial)
+        {
             if matches!(wait.slots[side.index()], Slot::Making) {
                 wait.slots[side.index()] = Slot::Absent;
             }

@@ -20,18 +20,17 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
   export DEBIAN_FRONTEND=noninteractive
   # The fixture starts its own clusters; the package's service would only take port 2379.
+  # The policy is removed however the install ends (a failed download included), so no later
+  # package install on the machine finds its services refused to start.
+  # An operator's own policy is left alone.
   policy=/usr/sbin/policy-rc.d
-  created_policy=false
   if [ ! -e "$policy" ]; then
     printf '#!/bin/sh\nexit 101\n' >"$policy"
     chmod +x "$policy"
-    created_policy=true
+    trap 'rm -f "$policy"' EXIT
   fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  if [ "$created_policy" = true ]; then
-    rm -f "$policy"
-  fi
 fi
 
 command -v etcd >/dev/null

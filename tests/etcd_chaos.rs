@@ -124,7 +124,7 @@ async fn losing_quorum_loses_holders_at_their_deadline_and_grants_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarting_the_whole_cluster_keeps_tokens_growing() {
     let mut cluster = EtcdCluster::three().await;
-    let ttl = Duration::from_secs(3);
+    let ttl = Duration::from_secs(6);
     let key = unique_prefix("cluster-restarted");
     let before = {
         let locks = lock_on(cluster.options(ttl));

@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use lockingkit::providers::etcd::EtcdLockKeys;
+use lockingkit::keys::EtcdLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions, LockOptions};
 use lockingkit_tests::etcd::{Auth, EtcdCluster};

@@ -171,8 +171,7 @@ async fn a_holders_key_deleted_or_overwritten_by_another_client_is_loss_at_once(
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert!(held.is_held());
-        let directory =
-            lockingkit::providers::etcd::EtcdLockKeys::lock_directory("lockingkit/", &key);
+        let directory = lockingkit::keys::EtcdLockKeys::lock_directory("lockingkit/", &key);
         let found = client
             .get(
                 directory,
@@ -503,10 +502,8 @@ async fn a_release_cut_short_still_deletes_the_key() {
         .try_acquire(&format!("{key}/cut"))
         .await
         .expect("lock");
-    let directory = lockingkit::providers::etcd::EtcdLockKeys::lock_directory(
-        "lockingkit/",
-        &format!("{key}/cut"),
-    );
+    let directory =
+        lockingkit::keys::EtcdLockKeys::lock_directory("lockingkit/", &format!("{key}/cut"));
     line.set_fault(Fault::Blackhole);
     assert!(
         cut.release().await.is_err(),
@@ -561,7 +558,7 @@ async fn a_key_an_attempt_answered_request_timed_out_may_have_written_is_deleted
         .try_acquire(&format!("{key}/warm"))
         .await
         .expect("lock");
-    let directory = lockingkit::providers::etcd::EtcdLockKeys::lock_directory("lockingkit/", &key);
+    let directory = lockingkit::keys::EtcdLockKeys::lock_directory("lockingkit/", &key);
     let mut client = cluster.client().await;
     let before = client
         .get("x", None)

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
-use lockingkit::providers::etcd::EtcdLockKeys;
+use lockingkit::keys::EtcdLockKeys;
 use lockingkit::{DistributedLock, EtcdBackend};
 use tokio::time::Instant;
 

@@ -1,6 +1,6 @@
 //! The etcd provider: holds are keys attached to an etcd lease (`feature = "etcd"`).
 //!
-//! A lock of key `k` is a directory of keys (see [`EtcdLockKeys`]): every writer holding or
+//! A lock of key `k` is a directory of keys (see [`EtcdLockKeys`](crate::keys::EtcdLockKeys)): every writer holding or
 //! queued for `k` has a key under `w/`, every reader holding or queued for it a key under `r/`,
 //! each attached to the backend's one etcd lease, which the engine's renewals keep alive. Who
 //! holds is decided by *create revisions*, the cluster-wide, durable, strictly increasing
@@ -48,7 +48,6 @@ use etcd_client::{Certificate, ConnectOptions, GetOptions, Identity, TlsOptions}
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use crate::keys::EtcdLockKeys;
 pub use options::{EtcdOptions, DEFAULT_KEY_PREFIX, MAX_LEASE_TTL, MIN_LEASE_TTL};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
@@ -556,8 +555,9 @@ pub struct EtcdLease {
 }
 
 impl EtcdLease {
-    /// The etcd key of the hold (under [`EtcdLockKeys::lock_directory`] or
-    /// [`EtcdLockKeys::semaphore_directory`]).
+    /// The etcd key of the hold (under
+    /// [`EtcdLockKeys::lock_directory`](crate::keys::EtcdLockKeys::lock_directory) or
+    /// [`EtcdLockKeys::semaphore_directory`](crate::keys::EtcdLockKeys::semaphore_directory)).
     pub fn etcd_key(&self) -> &[u8] {
         &self.key
     }

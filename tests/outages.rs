@@ -327,3 +327,133 @@ async fn a_refused_password_is_500_to_every_request_at_a_handful_of_logins() {
     assert!(logins <= 10, "{logins} failed logins in 5 s");
     assert!(warnings <= 2, "{warnings} warnings");
 }
+
+/// An Azure provider whose requests go through `proxy` to Azurite, with `key` as its account
+/// key (`None`: the right one).
+fn azure_through(
+    proxy: &FaultProxy,
+    azurite: &lockingkit_tests::azurite::Azurite,
+    key: Option<&str>,
+) -> DistributedLock {
+    let right = azurite.connection_string();
+    let connection = right.replace(
+        &format!("127.0.0.1:{}", azurite.port()),
+        &format!("127.0.0.1:{}", proxy.port()),
+    );
+    let connection = match key {
+        Some(key) => connection.replace(
+            connection
+                .split(';')
+                .find_map(|part| part.strip_prefix("AccountKey="))
+                .unwrap_or_default(),
+            key,
+        ),
+        None => connection,
+    };
+    let backend = lockingkit::AzureBlobBackend::new(
+        lockingkit::AzureBlobOptions::from_connection_string(connection)
+            .lease_duration(Duration::from_secs(15))
+            .request_timeout(Duration::from_secs(2)),
+    )
+    .expect("options");
+    DistributedLock::builder(backend)
+        .build()
+        .expect("lock options")
+}
+
+/// Sixty-four callers of `try_acquire` on eight keys for `length`; the kinds of every answer.
+async fn callers_for(locks: &DistributedLock, length: Duration) -> BTreeMap<String, usize> {
+    let until = Instant::now() + length;
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let locks = locks.clone();
+            tokio::spawn(async move {
+                let key = format!("accounts/{}", client % ACCOUNTS);
+                let mut kinds = Vec::new();
+                while Instant::now() < until {
+                    match locks.try_acquire(&key).await {
+                        Ok(handle) => {
+                            let _ = handle.release().await;
+                            kinds.push("acquired".to_owned());
+                        }
+                        Err(error) => kinds.push(error.code().to_owned()),
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                kinds
+            })
+        })
+        .collect();
+    let mut counts = BTreeMap::new();
+    for task in tasks {
+        for kind in task.await.expect("a caller panicked") {
+            *counts.entry(kind).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_azure_credential_costs_the_service_a_handful_of_requests() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    lines();
+    let azurite = lockingkit_tests::azurite::Azurite::start_local(
+        lockingkit_tests::azurite::Persistence::InMemory,
+    )
+    .await;
+    let proxy = FaultProxy::to_port(azurite.port()).await;
+    let locks = azure_through(
+        &proxy,
+        &azurite,
+        Some("d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXk="),
+    );
+    let warnings = lines().warnings.load(Ordering::SeqCst);
+    let kinds = callers_for(&locks, Duration::from_secs(5)).await;
+    let requests = proxy.exchanges().len();
+    let warnings = lines().warnings.load(Ordering::SeqCst) - warnings;
+    eprintln!("azure, wrong key 5 s: {kinds:?}; {requests} requests reached the service; {warnings} warning lines");
+    assert!(
+        kinds.keys().all(|kind| kind == "locking.misconfigured"),
+        "{kinds:?}"
+    );
+    assert!(kinds.values().sum::<usize>() > 1000, "{kinds:?}");
+    // The eight keys' first attempts, then one probe at a time (a request each; retries are
+    // for transient failures only).
+    assert!(requests <= 8 + 8, "{requests} requests in 5 s");
+    assert!(warnings <= 2, "{warnings} warnings");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_azure_service_is_unavailable_and_not_hammered() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    lines();
+    let azurite = lockingkit_tests::azurite::Azurite::start_local(
+        lockingkit_tests::azurite::Persistence::InMemory,
+    )
+    .await;
+    let proxy = FaultProxy::to_port(azurite.port()).await;
+    let locks = azure_through(&proxy, &azurite, None);
+    locks
+        .try_acquire("warm-up")
+        .await
+        .expect("Azurite answers")
+        .release()
+        .await
+        .expect("release");
+    proxy.set_fault(Fault::Reset);
+    let connections = proxy.connections_accepted();
+    let kinds = callers_for(&locks, Duration::from_secs(5)).await;
+    let connections = proxy.connections_accepted() - connections;
+    eprintln!("azure, unreachable 5 s: {kinds:?}; {connections} connections reached the proxy");
+    assert!(
+        kinds.keys().all(|kind| kind == "locking.unavailable"),
+        "{kinds:?}"
+    );
+    // At most fifteen attempts in 5 s (the eight keys' first ones, then one probe at a time),
+    // each sent up to three times by the provider's own retry policy (max_retries 2), and a
+    // connection reset before the request is written may be retried once by the HTTP client.
+    assert!(
+        connections <= 15 * 3 * 2,
+        "{connections} connections in 5 s"
+    );
+}

@@ -26,8 +26,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use lockingkit::config::Problem;
 use lockingkit::registry::ProviderSection;
-use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError};
+use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError, LockMode};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -53,14 +54,14 @@ fn default_lease() -> Duration {
 }
 
 impl FileLockOptions {
-    /// Lists every problem with these options, prefixed with `section`.
-    pub fn problems(&self, section: &str) -> Vec<String> {
+    /// Lists every problem with these options, each about one of their settings.
+    pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.directory.as_os_str().is_empty() {
-            problems.push(format!("{section}.directory must not be empty"));
+            problems.push(Problem::new("directory", "must not be empty"));
         }
         if self.lease_duration < Duration::from_millis(100) {
-            problems.push(format!("{section}.lease_duration must be at least 100ms"));
+            problems.push(Problem::new("lease_duration", "must be at least 100ms"));
         }
         problems
     }
@@ -149,11 +150,8 @@ impl FileLockBackend {
     /// The factory to register under [`PROVIDER`]: binds [`FileLockOptions`] from the
     /// section, checks them and opens the directory.
     pub fn from_section(section: &ProviderSection) -> Result<Self, LockError> {
-        let options: FileLockOptions = section.bind()?;
-        let problems = options.problems(section.path());
-        if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
-        }
+        // Binding and the options' own checks report together, placed in the section.
+        let options: FileLockOptions = section.bind_checked(FileLockOptions::problems)?;
         Self::open(&options)
     }
 
@@ -276,7 +274,12 @@ impl LockBackend for FileLockBackend {
         LeaseTiming::Expiring(self.lease)
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<FileLease>>, BackendError> {
+    // Exclusive locks only: the default `supports` keeps the engine from asking for others.
+    async fn try_acquire(
+        &self,
+        key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<FileLease>>, BackendError> {
         let path: Arc<Path> = Self::lock_file_in(&self.directory, key).into();
         let id = self.new_lease_id();
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);

@@ -28,7 +28,7 @@ use std::time::Duration;
 use lockingkit::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
 use lockingkit::providers::azure::azure_storage_blob::models::BlobClientBreakLeaseOptions;
 use lockingkit::providers::azure::AzureBlobLease;
-use lockingkit::testing::{quick_polling, unique_prefix, Hold, IntervalChecker};
+use lockingkit::testing::{quick_polling, unique_prefix, HeldInterval, IntervalChecker};
 use lockingkit::{
     AzureBlobBackend, AzureBlobOptions, BackendErrorKind, DistributedLock, ErrorKind, LockBackend,
     LockError, LockHandle, LockMode, LossReason, PostgresBackend, PostgresOptions,
@@ -321,12 +321,12 @@ impl Watched {
     }
 
     /// Waits for the loss, failing the case if none comes within `within`.
-    async fn lost_within(self, within: Duration) -> (Loss, Hold) {
+    async fn lost_within(self, within: Duration) -> (Loss, HeldInterval) {
         let loss = tokio::time::timeout(within, self.loss)
             .await
             .unwrap_or_else(|_| panic!("no loss declared within {within:?}"))
             .expect("the watching task");
-        let hold = Hold {
+        let hold = HeldInterval {
             key: loss.handle.key().to_owned(),
             process: self.process,
             fencing_token: self.token,
@@ -377,7 +377,7 @@ fn assert_near(what: &str, at: Instant, expected: Instant, early: Duration, late
 
 /// Records one hold.
 fn record(checker: &IntervalChecker, key: &str, process: usize, token: u64, start: Instant) {
-    checker.record(Hold {
+    checker.record(HeldInterval {
         key: key.to_owned(),
         process,
         fencing_token: token,
@@ -975,7 +975,7 @@ async fn vanishing_holder_process() {
         writeln!(out, "HELD {}", handle.fencing_token()).expect("report the lock");
         out.flush().expect("flush");
     }
-    // Hold (and renew) until killed.
+    // HeldInterval (and renew) until killed.
     tokio::time::sleep(Duration::from_secs(600)).await;
     drop(handle);
 }
@@ -1062,7 +1062,7 @@ fn slot_backend(port: u16) -> AzureBlobBackend {
 /// One attempt at a free slot of `key`.
 async fn try_slot(backend: &AzureBlobBackend, key: &str) -> Option<AzureBlobLease> {
     backend
-        .try_acquire_in(key, THREE_SLOTS)
+        .try_acquire(key, THREE_SLOTS)
         .await
         .unwrap_or_else(|e| panic!("a semaphore attempt failed: {e}"))
         .map(|acquired| acquired.lease)

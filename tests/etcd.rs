@@ -444,8 +444,8 @@ async fn a_reader_queued_before_a_writer_is_served_first_and_woken_by_the_watch(
         let key = unique_prefix(&format!("reader-first-{round}"));
         let held = holder.try_acquire(&key).await.expect("the first writer");
         let reader = {
-            let (rw, key) = (readers.reader_writer().expect("rw"), key.clone());
-            tokio::spawn(async move { rw.read(&key, Duration::from_secs(20)).await })
+            let rw = readers.reader_writer(&key).expect("rw");
+            tokio::spawn(async move { rw.read(Duration::from_secs(20)).await })
         };
         eventually("the reader's place", Duration::from_secs(10), async || {
             backend(&readers).queue_places() == 1
@@ -494,10 +494,9 @@ async fn readers_queued_together_hold_together_before_a_later_writer() {
     let mut readers = Vec::new();
     for _ in 0..3 {
         let lock = process(&cluster);
-        let rw = lock.reader_writer().expect("rw");
-        let key = key.clone();
+        let rw = lock.reader_writer(&key).expect("rw");
         readers.push(tokio::spawn(async move {
-            rw.read(&key, Duration::from_secs(20)).await
+            rw.read(Duration::from_secs(20)).await
         }));
         eventually("the reader's place", Duration::from_secs(10), async || {
             backend(&lock).queue_places() == 1

@@ -11,7 +11,7 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use lockingkit::testing::{quick_polling, unique_prefix};
-use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions, LockHandle};
+use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions};
 use lockingkit_tests::etcd::EtcdCluster;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use tokio::time::Instant;
@@ -53,7 +53,7 @@ async fn killing_the_leader_under_a_hundred_holds_loses_none() {
     // Two TTLs: every hold's deadline would have passed twice without renewals.
     while killed.elapsed() < ttl * 2 {
         assert!(
-            holds.iter().all(LockHandle::is_held),
+            holds.iter().all(|hold| hold.is_held()),
             "a hold was lost after {:?}",
             killed.elapsed()
         );

@@ -40,8 +40,9 @@ mod health;
 pub mod keys;
 mod lock;
 pub mod providers;
+mod reader_writer;
 pub mod registry;
-mod shared;
+mod semaphore;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -55,11 +56,12 @@ pub use lock::{DistributedLock, DistributedLockBuilder};
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 #[cfg(feature = "etcd")]
 pub use providers::etcd::{EtcdBackend, EtcdOptions};
-pub use providers::memory::{MemoryBackend, MemoryStore};
+pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresOptions};
+pub use reader_writer::ReaderWriterLock;
 pub use registry::{Locking, LockingConfig};
-pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};
+pub use semaphore::{DistributedSemaphore, MAX_SEMAPHORE_COUNT};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
 

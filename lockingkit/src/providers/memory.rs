@@ -13,7 +13,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use serde::{Deserialize, Serialize};
+
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
 
 /// The default in-memory lease, as for Azure.
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -216,6 +219,38 @@ impl std::fmt::Debug for MemoryStore {
     }
 }
 
+/// Options of the in-memory provider (`provider = "in_memory"` in a configuration section).
+///
+/// Each in-memory provider built from configuration has its own store, so it only excludes
+/// callers in this process: use it for tests and local development, not to coordinate
+/// several instances of a service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryOptions {
+    /// How long a lease lasts unless renewed (30 s by default, as for Azure).
+    #[serde(with = "crate::config::duration")]
+    pub lease_duration: Duration,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        MemoryOptions {
+            lease_duration: DEFAULT_LEASE,
+        }
+    }
+}
+
+impl MemoryOptions {
+    /// Lists every problem with these options, each about one of their settings.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        if self.lease_duration < Duration::from_millis(1) {
+            problems.push(Problem::new("lease_duration", "must be at least 1ms"));
+        }
+        problems
+    }
+}
+
 /// The in-memory [`LockBackend`].
 #[derive(Clone, Debug)]
 pub struct MemoryBackend {
@@ -298,6 +333,47 @@ impl MemoryBackend {
         }
         entry.writer_waits_until = Some(crate::clock::after(now, WRITER_INTENT));
         true
+    }
+
+    /// One attempt at the plain (exclusive) lock of `key`.
+    fn try_lock(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        let store = &self.store;
+        store.inner.attempts.fetch_add(1, Ordering::Relaxed);
+        if store.is_unavailable() {
+            return Err(Self::unreachable());
+        }
+        let now = Instant::now();
+        let mut leases = store.leases();
+        let lease_id = store.inner.next_lease.fetch_add(1, Ordering::Relaxed);
+        let entry = StoredLease {
+            lease_id,
+            expires_at: crate::clock::after(now, self.lease),
+        };
+        let key = match leases.get_key_value(key) {
+            Some((_, current)) if current.live(now) => return Ok(None),
+            _ if self.read_by_others(key, now) => return Ok(None),
+            Some((existing, _expired)) => {
+                let existing = existing.clone();
+                leases.insert(existing.clone(), entry);
+                existing
+            }
+            None => {
+                let key: Arc<str> = Arc::from(key);
+                leases.insert(key.clone(), entry);
+                key
+            }
+        };
+        // Taken under the map lock, so tokens are handed out in acquisition order.
+        let fencing_token = store.inner.next_token.fetch_add(1, Ordering::Relaxed) + 1;
+        drop(leases);
+        Ok(Some(Acquired {
+            lease: MemoryLease {
+                key,
+                id: lease_id,
+                held: Held::Exclusive,
+            },
+            fencing_token,
+        }))
     }
 
     fn try_read(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
@@ -479,44 +555,16 @@ impl LockBackend for MemoryBackend {
         LeaseTiming::Expiring(self.lease)
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
-        let store = &self.store;
-        store.inner.attempts.fetch_add(1, Ordering::Relaxed);
-        if store.is_unavailable() {
-            return Err(Self::unreachable());
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        match mode {
+            LockMode::Shared => self.try_read(key),
+            LockMode::Semaphore { max_count } => self.try_take_slot(key, max_count),
+            _ => self.try_lock(key),
         }
-        let now = Instant::now();
-        let mut leases = store.leases();
-        let lease_id = store.inner.next_lease.fetch_add(1, Ordering::Relaxed);
-        let entry = StoredLease {
-            lease_id,
-            expires_at: crate::clock::after(now, self.lease),
-        };
-        let key = match leases.get_key_value(key) {
-            Some((_, current)) if current.live(now) => return Ok(None),
-            _ if self.read_by_others(key, now) => return Ok(None),
-            Some((existing, _expired)) => {
-                let existing = existing.clone();
-                leases.insert(existing.clone(), entry);
-                existing
-            }
-            None => {
-                let key: Arc<str> = Arc::from(key);
-                leases.insert(key.clone(), entry);
-                key
-            }
-        };
-        // Taken under the map lock, so tokens are handed out in acquisition order.
-        let fencing_token = store.inner.next_token.fetch_add(1, Ordering::Relaxed) + 1;
-        drop(leases);
-        Ok(Some(Acquired {
-            lease: MemoryLease {
-                key,
-                id: lease_id,
-                held: Held::Exclusive,
-            },
-            fencing_token,
-        }))
     }
 
     fn supports(&self, mode: LockMode) -> bool {
@@ -524,18 +572,6 @@ impl LockBackend for MemoryBackend {
             mode,
             LockMode::Exclusive | LockMode::Shared | LockMode::Semaphore { .. }
         )
-    }
-
-    async fn try_acquire_in(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
-        match mode {
-            LockMode::Exclusive => self.try_acquire(key).await,
-            LockMode::Shared => self.try_read(key),
-            LockMode::Semaphore { max_count } => self.try_take_slot(key, max_count),
-        }
     }
 
     async fn renew(&self, lease: &MemoryLease) -> Result<(), BackendError> {

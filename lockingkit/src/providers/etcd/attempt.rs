@@ -51,24 +51,24 @@ pub(super) fn gets(answer: &TxnResponse) -> Vec<Vec<KeyValue>> {
 }
 
 impl Inner {
-    /// One attempt on the lock of `key`, as a writer or a reader, for the wait `id`: through
-    /// the wait's queue place if it has one, else as a newcomer.
+    /// One attempt on the lock of `id.key()`, on the side `id` names: through the wait's
+    /// queue place if it has one, else as a newcomer.
     pub(super) async fn attempt_lock(
         self: &Arc<Self>,
         line: &Line,
         id: &WaitId,
-        side: Side,
         generation: &Arc<LeaseGeneration>,
     ) -> Result<Found, BackendError> {
         let directory = LockDirectory::new(&self.key_prefix, id.key());
-        if let Some(claimed) = self.claim(line, id, side, generation) {
+        if let Some(claimed) = self.claim(line, id, generation) {
             return self.attempt_in_line(line, &directory, claimed).await;
         }
+        let side = id.side();
         let found = self.create_if_free(&directory, side, generation).await?;
         match &found {
-            Found::Busy => line.wants_place(id, side),
+            Found::Busy => line.wants_place(id),
             Found::Held(_) => {
-                if let Some(place) = self.won_without_place(line, id, side) {
+                if let Some(place) = self.won_without_place(line, id) {
                     self.delete_place(place).await;
                 }
             }

@@ -16,15 +16,21 @@
 //! created, and readers in line together hold together.
 //!
 //! # Whose place is it
-//! A place belongs to one **wait**: one `acquire` of one caller, which the backend sees as its
-//! release hints (the engine makes one before each attempt of a waiter) and its attempts,
-//! made by the same task. So the places of a backend are kept per clone — each
-//! `DistributedLock` owns its clone, so another engine never sees them — and per key and
-//! task. An attempt claims its wait's place exclusively (no other attempt reads or takes it
-//! meanwhile) and only while the wait's hint lives; a `try_acquire`, which makes no hint, never
-//! takes a waiter's place. Should the engine ever make an exclusive attempt from another task
-//! than its hints', the key's one writer place on this clone is its front waiter's (the engine
-//! lets no other exclusive attempt through for a key it is waiting for), so that is claimed.
+//! A place belongs to the **wait** of one engine for one key on one side: the engine's waiting
+//! room lets one front waiter per key and lane talk to the backend, and it makes a release
+//! hint in that lane's mode before each of its attempts (`release_hint(key, mode)`, then
+//! `try_acquire(key, mode)`). So the places of a backend are kept per clone — each
+//! `DistributedLock` owns its clone, so another engine never sees them — and per key and side,
+//! and a wait lives while a hint of its key and side does. An attempt claims the place
+//! exclusively (no other attempt reads or takes it meanwhile) and only while a hint lives; a
+//! `try_acquire`, which makes no hint, never takes a waiter's place (and for a writer the
+//! engine makes none while it waits for the key). Readers attempting side by side while their
+//! front waiter stands in line may take its place in turn: whichever holds through it, the
+//! others go on in line.
+//!
+//! Nothing tells the backend that a wait ended: a wait whose hints are all gone for [`GRACE`]
+//! has. The local waiter that takes the turn from one that gave up within that instant takes
+//! its place in line too, which is where this process stood when it queued.
 //!
 //! # A place's life
 //! The place is made when the wait's hint is first polled after a busy answer (so an attempt
@@ -44,7 +50,6 @@ use std::time::Duration;
 
 use etcd_client::{GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
 use tokio::sync::watch;
-use tokio::task::Id as TaskId;
 use tokio::time::Instant;
 
 use super::attempt::{gets, send_txn};
@@ -54,6 +59,7 @@ use super::members::Resend;
 use super::strays::Stray;
 use super::watch::{Interest, Sink};
 use super::Inner;
+use crate::backend::LockMode;
 
 /// How long a wait with no hint keeps its place: the engine drops a round's hint and makes the
 /// next one in the same step, so a wait between two rounds has none only for an instant; one
@@ -61,17 +67,19 @@ use super::Inner;
 pub(super) const GRACE: Duration = Duration::from_millis(100);
 
 /// The side of a reader-writer lock a caller stands on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(super) enum Side {
     Writer,
     Reader,
 }
 
 impl Side {
-    fn index(self) -> usize {
-        match self {
-            Side::Writer => 0,
-            Side::Reader => 1,
+    /// The side of a lock in `mode`; `None` for a semaphore, which has no queue places.
+    pub(super) fn of(mode: LockMode) -> Option<Side> {
+        match mode {
+            LockMode::Exclusive => Some(Side::Writer),
+            LockMode::Shared => Some(Side::Reader),
+            LockMode::Semaphore { .. } => None,
         }
     }
 
@@ -103,19 +111,19 @@ pub(super) struct Line {
     pub(super) closed: AtomicBool,
 }
 
-/// One wait: a key, and the task that waits for it (`None` outside any task, in `block_on`).
+/// One wait of this clone's engine: a key, and the side it waits on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) struct WaitId {
     key: String,
-    task: Option<TaskId>,
+    side: Side,
 }
 
 impl WaitId {
-    /// The wait of the current task for `key`.
-    pub(super) fn current(key: &str) -> Self {
+    /// The wait for `key` on `side`.
+    pub(super) fn new(key: &str, side: Side) -> Self {
         WaitId {
             key: key.to_owned(),
-            task: tokio::task::try_id(),
+            side,
         }
     }
 
@@ -123,21 +131,26 @@ impl WaitId {
     pub(super) fn key(&self) -> &str {
         &self.key
     }
+
+    /// The side waited on.
+    pub(super) fn side(&self) -> Side {
+        self.side
+    }
 }
 
 struct Wait {
     /// Tells this wait from a later one with the same id.
     serial: u64,
-    /// Live release hints: one per attempt round (more only if one task waits for the key
-    /// twice at once).
+    /// Live release hints: one per attempt round of the front waiter (more while readers
+    /// attempt side by side).
     hints: usize,
     /// When the last hint went.
     idle_since: Option<Instant>,
     /// Wakes the wait's hint.
     wake: Arc<watch::Sender<()>>,
-    /// Per side: an attempt of this wait answered busy, so it wants a place.
-    wants: [bool; 2],
-    slots: [Slot; 2],
+    /// An attempt of this wait answered busy, so it wants a place.
+    wants: bool,
+    slot: Slot,
 }
 
 enum Slot {
@@ -157,11 +170,10 @@ pub(super) struct Place {
     ahead: Option<(i64, Vec<u8>)>,
 }
 
-/// Which slot a place being made is for: its wait (and which one of that id), its side.
+/// Which slot a place being made is for: its wait (and which one of that id).
 struct Making {
     id: WaitId,
     serial: u64,
-    side: Side,
 }
 
 /// A place just written: the key just ahead of it, if any, read at revision `after`.
@@ -174,7 +186,6 @@ struct Written {
 /// A place taken by one attempt, to be given back with [`Inner::settle`].
 pub(super) struct Claimed {
     pub(super) place: Place,
-    side: Side,
     wait: WaitId,
     serial: u64,
 }
@@ -182,7 +193,7 @@ pub(super) struct Claimed {
 impl Claimed {
     /// The side the place stands on.
     pub(super) fn side(&self) -> Side {
-        self.side
+        self.wait.side
     }
 }
 
@@ -206,8 +217,7 @@ impl Line {
     pub(super) fn places(&self) -> usize {
         self.waits()
             .values()
-            .flat_map(|wait| &wait.slots)
-            .filter(|slot| !matches!(slot, Slot::Absent))
+            .filter(|wait| !matches!(wait.slot, Slot::Absent))
             .count()
     }
 
@@ -218,54 +228,49 @@ impl Line {
         let waits = std::mem::take(&mut *self.waits());
         let mut places = Vec::new();
         for wait in waits.into_values() {
-            for slot in wait.slots {
-                if let Slot::Ready(mut place) = slot {
-                    if let Some((watch, _)) = place.ahead.take() {
-                        backend.watches.remove(watch);
-                    }
-                    places.push(place);
+            if let Slot::Ready(mut place) = wait.slot {
+                if let Some((watch, _)) = place.ahead.take() {
+                    backend.watches.remove(watch);
                 }
+                places.push(place);
             }
         }
         places
     }
 
-    /// The wait `id` answered busy on `side`: it wants a place there.
-    pub(super) fn wants_place(&self, id: &WaitId, side: Side) {
+    /// The wait `id` answered busy: it wants a place.
+    pub(super) fn wants_place(&self, id: &WaitId) {
         if let Some(wait) = self.waits().get_mut(id).filter(|w| w.hints > 0) {
-            wait.wants[side.index()] = true;
-        }
-    }
-
-    /// Which wait an attempt on `side` for `id.key` is from: its own task's if that has a live
-    /// hint; for a writer, otherwise the key's one waiter with a writer place on this clone.
-    fn claimant(waits: &HashMap<WaitId, Wait>, id: &WaitId, side: Side) -> Option<WaitId> {
-        if waits.get(id).is_some_and(|w| w.hints > 0) {
-            return Some(id.clone());
-        }
-        if side != Side::Writer {
-            return None;
-        }
-        let mut writers = waits.iter().filter(|(other, wait)| {
-            other.key == id.key
-                && wait.hints > 0
-                && matches!(wait.slots[Side::Writer.index()], Slot::Ready(_))
-        });
-        match (writers.next(), writers.next()) {
-            (Some((only, _)), None) => Some(only.clone()),
-            _ => None,
+            wait.wants = true;
         }
     }
 }
 
 impl Inner {
-    /// The release hint of `key` for the wait of the current task (see the module docs).
+    /// The release hint of `key` in `mode` for this clone's wait (see the module docs). A
+    /// semaphore's never resolves: its waiters poll.
     pub(super) fn hint(
         self: &Arc<Self>,
         line: &Arc<Line>,
         key: &str,
+        mode: LockMode,
     ) -> impl Future<Output = ()> + Send + 'static {
-        let id = WaitId::current(key);
+        let hint = Side::of(mode).map(|side| self.wait_hint(line, WaitId::new(key, side)));
+        async move {
+            match hint {
+                Some(hint) => hint.await,
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    /// The hint of the wait `id`: counts as one live hint of the wait until dropped, makes the
+    /// places the wait wants when first polled, and resolves when its place is woken.
+    fn wait_hint(
+        self: &Arc<Self>,
+        line: &Arc<Line>,
+        id: WaitId,
+    ) -> impl Future<Output = ()> + Send + 'static {
         let mut receiver = {
             let mut waits = line.waits();
             let wait = waits.entry(id.clone()).or_insert_with(|| Wait {
@@ -273,8 +278,8 @@ impl Inner {
                 hints: 0,
                 idle_since: None,
                 wake: Arc::new(watch::channel(()).0),
-                wants: [false; 2],
-                slots: [Slot::Absent, Slot::Absent],
+                wants: false,
+                slot: Slot::Absent,
             });
             wait.hints = wait.hints.saturating_add(1);
             wait.idle_since = None;
@@ -296,7 +301,7 @@ impl Inner {
         }
     }
 
-    /// Starts making the places the wait `id` wants and has not got.
+    /// Starts making the place the wait `id` wants, if it has none.
     fn make_wanted_places(self: &Arc<Self>, line: &Arc<Line>, id: &WaitId) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -305,24 +310,20 @@ impl Inner {
         let Some(wait) = waits.get_mut(id) else {
             return;
         };
-        for side in [Side::Writer, Side::Reader] {
-            let slot = &mut wait.slots[side.index()];
-            if wait.wants[side.index()] && matches!(slot, Slot::Absent) {
-                *slot = Slot::Making;
-                let ticket = Making {
-                    id: id.clone(),
-                    serial: wait.serial,
-                    side,
-                };
-                runtime.spawn(self.clone().make_place(line.clone(), ticket));
-            }
+        if wait.wants && matches!(wait.slot, Slot::Absent) {
+            wait.slot = Slot::Making;
+            let ticket = Making {
+                id: id.clone(),
+                serial: wait.serial,
+            };
+            runtime.spawn(self.clone().make_place(line.clone(), ticket));
         }
     }
 
     /// Writes a place and stands it in line, or deletes it if its wait ended meanwhile.
     async fn make_place(self: Arc<Self>, line: Arc<Line>, ticket: Making) {
         let directory = LockDirectory::new(&self.key_prefix, &ticket.id.key);
-        let orphan = match self.write_place(&directory, ticket.side).await {
+        let orphan = match self.write_place(&directory, ticket.id.side).await {
             Some(written) => self.stand_in_line(&line, &ticket, written),
             None => {
                 self.unmake(&line, &ticket);
@@ -409,11 +410,10 @@ impl Inner {
             ahead,
             after,
         } = written;
-        let side = ticket.side;
         let mut waits = line.waits();
         let Some(wait) = waits
             .get_mut(&ticket.id)
-            .filter(|w| w.serial == ticket.serial && matches!(w.slots[side.index()], Slot::Making))
+            .filter(|w| w.serial == ticket.serial && matches!(w.slot, Slot::Making))
         else {
             return Some(place);
         };
@@ -424,7 +424,7 @@ impl Inner {
                 wait.wake.send_replace(());
             }
         }
-        wait.slots[side.index()] = Slot::Ready(place);
+        wait.slot = Slot::Ready(place);
         drop(waits);
         self.places_changed();
         None
@@ -433,14 +433,13 @@ impl Inner {
     /// A place could not be made: the slot is free for the next round to try again, and the
     /// waiter polls meanwhile.
     fn unmake(&self, line: &Line, ticket: &Making) {
-        let side = ticket.side;
         let mut waits = line.waits();
         if let Some(wait) = waits
             .get_mut(&ticket.id)
             .filter(|w| w.serial == ticket.serial)
         {
-            if matches!(wait.slots[side.index()], Slot::Making) {
-                wait.slots[side.index()] = Slot::Absent;
+            if matches!(wait.slot, Slot::Making) {
+                wait.slot = Slot::Absent;
             }
         }
     }
@@ -467,24 +466,21 @@ impl Inner {
         place.ahead = Some((id, ahead));
     }
 
-    /// Takes the place of the current task's wait for `key` on `side`, exclusively, if it has
-    /// one on `generation` (see the module documentation).
+    /// Takes the place of the wait `id`, exclusively, if the wait goes on (a hint of it
+    /// lives) and has a place on `generation` (see the module documentation).
     pub(super) fn claim(
         self: &Arc<Self>,
         line: &Line,
         id: &WaitId,
-        side: Side,
         generation: &LeaseGeneration,
     ) -> Option<Claimed> {
         let mut waits = line.waits();
-        let claimant = Line::claimant(&waits, id, side)?;
-        let wait = waits.get_mut(&claimant)?;
-        let slot = &mut wait.slots[side.index()];
+        let wait = waits.get_mut(id).filter(|wait| wait.hints > 0)?;
+        let slot = &mut wait.slot;
         match std::mem::replace(slot, Slot::Claimed) {
             Slot::Ready(place) if place.generation.id == generation.id => Some(Claimed {
                 place,
-                side,
-                wait: claimant,
+                wait: id.clone(),
                 serial: wait.serial,
             }),
             Slot::Ready(mut place) => {
@@ -516,7 +512,6 @@ impl Inner {
     ) -> Option<Place> {
         let Claimed {
             mut place,
-            side,
             wait,
             serial,
         } = claimed;
@@ -526,8 +521,8 @@ impl Inner {
         let gone = matches!(turn, Some(Turn::PlaceGone));
         if held || gone || current.is_none() {
             if let Some(wait) = current {
-                wait.slots[side.index()] = Slot::Absent;
-                wait.wants[side.index()] &= gone;
+                wait.slot = Slot::Absent;
+                wait.wants &= gone;
             }
             drop(waits);
             if let Some((watch, _)) = place.ahead.take() {
@@ -547,23 +542,18 @@ impl Inner {
             if let Some(Turn::Waiting { ahead, after }) = turn {
                 self.watch_ahead(&mut place, &wait.wake, ahead.clone(), *after);
             }
-            wait.slots[side.index()] = Slot::Ready(place);
+            wait.slot = Slot::Ready(place);
         }
         None
     }
 
-    /// A newcomer attempt of the wait `id` won on `side`: a place it was making or had made is
-    /// not needed any more.
-    pub(super) fn won_without_place(
-        self: &Arc<Self>,
-        line: &Line,
-        id: &WaitId,
-        side: Side,
-    ) -> Option<Place> {
+    /// A newcomer attempt of the wait `id` won: a place it was making or had made is not
+    /// needed any more.
+    pub(super) fn won_without_place(self: &Arc<Self>, line: &Line, id: &WaitId) -> Option<Place> {
         let mut waits = line.waits();
         let wait = waits.get_mut(id)?;
-        wait.wants[side.index()] = false;
-        match std::mem::replace(&mut wait.slots[side.index()], Slot::Absent) {
+        wait.wants = false;
+        match std::mem::replace(&mut wait.slot, Slot::Absent) {
             Slot::Ready(mut place) => {
                 drop(waits);
                 if let Some((watch, _)) = place.ahead.take() {
@@ -575,7 +565,7 @@ impl Inner {
             // Its maker finds the slot gone and deletes it.
             Slot::Making | Slot::Absent => None,
             Slot::Claimed => {
-                wait.slots[side.index()] = Slot::Claimed;
+                wait.slot = Slot::Claimed;
                 None
             }
         }
@@ -656,12 +646,8 @@ fn ended_waits(line: &Line) -> (Vec<Place>, bool) {
         .collect();
     let mut places = Vec::new();
     for id in ended {
-        if let Some(wait) = waits.remove(&id) {
-            for slot in wait.slots {
-                if let Slot::Ready(place) = slot {
-                    places.push(place);
-                }
-            }
+        if let Some(Slot::Ready(place)) = waits.remove(&id).map(|wait| wait.slot) {
+            places.push(place);
         }
     }
     let idle_left = waits.values().any(|w| w.hints == 0);

@@ -51,6 +51,7 @@ use tokio_util::sync::CancellationToken;
 pub use options::{EtcdOptions, DEFAULT_KEY_PREFIX, MAX_LEASE_TTL, MIN_LEASE_TTL};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
 use crate::error::LockError;
 use crate::MAX_SEMAPHORE_COUNT;
 use attempt::Found;
@@ -122,11 +123,18 @@ impl EtcdBackend {
     /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured), listing every
     /// problem, when the options are invalid or a TLS file cannot be read.
     pub fn new(options: EtcdOptions) -> Result<Self, LockError> {
-        let section = "EtcdOptions";
-        let mut problems = options.problems(section);
-        let tls = tls_options(&options, section, &mut problems);
+        Self::open(options)
+            .map_err(|problems| crate::config::misconfigured_at("EtcdOptions", problems))
+    }
+
+    /// [`new`](Self::new), with the problems as data, for the registry to place in the
+    /// section the options came from.
+    pub(crate) fn open(options: EtcdOptions) -> Result<Self, Vec<Problem>> {
+        let mut problems = options.problems();
+        // What the options cannot say alone: TLS files this machine cannot read.
+        let tls = tls_options(&options, &mut problems);
         if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
+            return Err(problems);
         }
         let timeout = options.request_timeout;
         let members = Arc::new(Members::new(
@@ -190,46 +198,40 @@ impl EtcdBackend {
         self.inner.members.clients()
     }
 
-    /// One attempt on `key` in `mode`, for the wait of the task that calls it.
-    fn attempt<'a>(
-        &'a self,
-        key: &'a str,
+    /// One attempt on `key` in `mode`: through the queue place of this clone's wait for `key`
+    /// on that side, if it has one (see `line`), else as a newcomer.
+    async fn attempt(
+        &self,
+        key: &str,
         mode: LockMode,
-    ) -> impl Future<Output = Result<Option<Acquired<EtcdLease>>, BackendError>> + Send + 'a {
-        // Taken now, at the attempt's first poll, in the caller's task: an attempt whose caller
-        // goes away finishes in another one.
-        let wait = WaitId::current(key);
-        async move {
-            let inner = &self.inner;
-            // A lease the server dropped while nothing renewed it is found by the first write
-            // on it; the attempt then runs once more on a new lease.
-            for _ in 0..2 {
-                let generation = inner.lease.fresh(&inner.members).await?;
-                let found = match mode {
-                    LockMode::Exclusive => {
-                        inner
-                            .attempt_lock(&self.line, &wait, Side::Writer, &generation)
-                            .await?
-                    }
-                    LockMode::Shared => {
-                        inner
-                            .attempt_lock(&self.line, &wait, Side::Reader, &generation)
-                            .await?
-                    }
-                    LockMode::Semaphore { max_count } => {
-                        inner.attempt_slot(key, max_count, &generation).await?
-                    }
-                };
-                match found {
-                    Found::Held(lease) => return inner.acquired(lease).map(Some),
-                    Found::Busy => return Ok(None),
-                    Found::LeaseGone => generation.mark_gone(),
+    ) -> Result<Option<Acquired<EtcdLease>>, BackendError> {
+        let inner = &self.inner;
+        // A lease the server dropped while nothing renewed it is found by the first write on
+        // it; the attempt then runs once more on a new lease.
+        for _ in 0..2 {
+            let generation = inner.lease.fresh(&inner.members).await?;
+            let found = match mode {
+                LockMode::Exclusive => {
+                    let wait = WaitId::new(key, Side::Writer);
+                    inner.attempt_lock(&self.line, &wait, &generation).await?
                 }
+                LockMode::Shared => {
+                    let wait = WaitId::new(key, Side::Reader);
+                    inner.attempt_lock(&self.line, &wait, &generation).await?
+                }
+                LockMode::Semaphore { max_count } => {
+                    inner.attempt_slot(key, max_count, &generation).await?
+                }
+            };
+            match found {
+                Found::Held(lease) => return inner.acquired(lease).map(Some),
+                Found::Busy => return Ok(None),
+                Found::LeaseGone => generation.mark_gone(),
             }
-            Err(BackendError::transient(
-                "etcd dropped the backend's lease twice in one attempt",
-            ))
         }
+        Err(BackendError::transient(
+            "etcd dropped the backend's lease twice in one attempt",
+        ))
     }
 }
 
@@ -402,11 +404,7 @@ fn connect_options(options: &EtcdOptions, tls: Option<TlsOptions>) -> ConnectOpt
 }
 
 /// The TLS settings for `https` endpoints, reading the files the options name.
-fn tls_options(
-    options: &EtcdOptions,
-    section: &str,
-    problems: &mut Vec<String>,
-) -> Option<TlsOptions> {
+fn tls_options(options: &EtcdOptions, problems: &mut Vec<Problem>) -> Option<TlsOptions> {
     if !options.uses_tls() {
         return None;
     }
@@ -414,7 +412,10 @@ fn tls_options(
     let mut read = |field: &str, path: &std::path::Path| match std::fs::read(path) {
         Ok(bytes) => Some(bytes),
         Err(error) => {
-            problems.push(format!("{section}.{field}: cannot read the file ({error})"));
+            problems.push(Problem::detail(
+                field,
+                format!("cannot read the file ({error})"),
+            ));
             None
         }
     };
@@ -457,10 +458,6 @@ impl LockBackend for EtcdBackend {
         LeaseTiming::Expiring(self.inner.ttl)
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<EtcdLease>>, BackendError> {
-        self.attempt(key, LockMode::Exclusive).await
-    }
-
     /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] holders.
     fn supports(&self, mode: LockMode) -> bool {
         match mode {
@@ -469,7 +466,7 @@ impl LockBackend for EtcdBackend {
         }
     }
 
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
@@ -499,8 +496,8 @@ impl LockBackend for EtcdBackend {
         self.inner.release(lease).await
     }
 
-    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.hint(&self.line, key)
+    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        self.inner.hint(&self.line, key, mode)
     }
 
     /// A hold's key is watched: someone else deleting or overwriting it is loss at once.

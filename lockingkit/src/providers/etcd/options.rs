@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::SecretString;
+use crate::config::{Problem, SecretString};
 
 /// The shortest lease accepted. etcd itself raises a shorter TTL to one and a half election
 /// timeouts (1.5 s with the default election timeout), and the engine renews every third.
@@ -27,7 +27,7 @@ pub const DEFAULT_KEY_PREFIX: &str = "lockingkit/";
 ///     lease_ttl: Duration::from_secs(15),
 ///     ..EtcdOptions::new(["http://10.0.0.1:2379", "http://10.0.0.2:2379"])
 /// };
-/// assert!(options.problems("Locking.Default").is_empty());
+/// assert!(options.problems().is_empty());
 /// assert!(!format!("{options:?}").contains("hunter2"));
 /// ```
 ///
@@ -100,59 +100,77 @@ impl EtcdOptions {
         self.endpoints.iter().any(|e| e.starts_with("https://"))
     }
 
-    /// Lists every problem with these options, prefixed with `section` (such as
-    /// `Locking.Default`). An empty list means the options are valid. No message quotes the
-    /// password.
-    pub fn problems(&self, section: &str) -> Vec<String> {
-        let mut problems = self.endpoint_problems(section);
+    /// Lists every problem with these options, each about one of their settings. An empty
+    /// list means the options are valid. No message quotes the password.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut problems = self.endpoint_problems();
         match (&self.user, &self.password) {
             (Some(user), Some(_)) if user.trim().is_empty() => {
-                problems.push(format!("{section}.user must not be empty"));
+                problems.push(Problem::new("user", "must not be empty"));
             }
-            (Some(_), None) => problems.push(format!("{section}.user needs a password")),
-            (None, Some(_)) => problems.push(format!("{section}.password needs a user")),
+            (Some(_), None) => {
+                problems.push(Problem::new("user", "needs a password").involving("password"))
+            }
+            (None, Some(_)) => {
+                problems.push(Problem::new("password", "needs a user").involving("user"))
+            }
             _ => {}
         }
         if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            problems.push(format!(
-                "{section}.tls_cert_file and tls_key_file go together (mutual TLS needs both)"
-            ));
+            problems.push(
+                Problem::new(
+                    "tls_cert_file",
+                    "and tls_key_file go together (mutual TLS needs both)",
+                )
+                .involving("tls_key_file"),
+            );
         }
         let tls_set =
             self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_domain.is_some();
         if tls_set && !self.uses_tls() {
-            problems.push(format!(
-                "{section}.tls_* settings need https:// endpoints (they are ignored over http)"
-            ));
+            problems.push(
+                Problem::new(
+                    "endpoints",
+                    "must be https:// URLs for the tls_* settings to apply (they are ignored over http)",
+                )
+                .involving("tls_ca_file")
+                .involving("tls_cert_file")
+                .involving("tls_domain"),
+            );
         }
         if self.key_prefix.is_empty() {
-            problems.push(format!(
-                "{section}.key_prefix must not be empty (the provider's keys would mix with every other key in the cluster)"
+            problems.push(Problem::new(
+                "key_prefix",
+                "must not be empty (the provider's keys would mix with every other key in the cluster)",
             ));
         }
         if !(MIN_LEASE_TTL..=MAX_LEASE_TTL).contains(&self.lease_ttl)
             || self.lease_ttl.subsec_nanos() != 0
         {
-            problems.push(format!(
-                "{section}.lease_ttl must be whole seconds from {}s to {}s",
-                MIN_LEASE_TTL.as_secs(),
-                MAX_LEASE_TTL.as_secs()
+            problems.push(Problem::new(
+                "lease_ttl",
+                format!(
+                    "must be whole seconds from {}s to {}s",
+                    MIN_LEASE_TTL.as_secs(),
+                    MAX_LEASE_TTL.as_secs()
+                ),
             ));
         }
         if self.request_timeout < Duration::from_millis(1) {
-            problems.push(format!("{section}.request_timeout must be at least 1ms"));
+            problems.push(Problem::new("request_timeout", "must be at least 1ms"));
         } else if self.request_timeout > self.lease_ttl / 3 {
-            problems.push(format!(
-                "{section}.request_timeout must be at most a third of lease_ttl"
-            ));
+            problems.push(
+                Problem::new("request_timeout", "must be at most a third of lease_ttl")
+                    .involving("lease_ttl"),
+            );
         }
         problems
     }
 
-    fn endpoint_problems(&self, section: &str) -> Vec<String> {
+    fn endpoint_problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.endpoints.is_empty() {
-            problems.push(format!("{section}.endpoints needs at least one URL"));
+            problems.push(Problem::new("endpoints", "needs at least one URL"));
         }
         let schemes: Vec<bool> = self
             .endpoints
@@ -170,14 +188,17 @@ impl EtcdOptions {
                     })
             });
             if !valid {
-                problems.push(format!(
-                    "{section}.endpoints[{index}] must be a URL such as http://127.0.0.1:2379 (scheme http or https, host and port, no path)"
-                ));
+                // About `endpoints`, so that it is left out when the list did not parse.
+                problems.push(Problem::new(
+                    format!("endpoints[{index}]"),
+                    "must be a URL such as http://127.0.0.1:2379 (scheme http or https, host and port, no path)",
+                ).involving("endpoints"));
             }
         }
         if schemes.iter().any(|s| *s) && !schemes.iter().all(|s| *s) {
-            problems.push(format!(
-                "{section}.endpoints mixes http and https: use one scheme for the whole cluster"
+            problems.push(Problem::new(
+                "endpoints",
+                "mixes http and https: use one scheme for the whole cluster",
             ));
         }
         problems

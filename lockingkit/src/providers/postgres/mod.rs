@@ -75,6 +75,7 @@ pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUE
 pub use schema::setup_sql;
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use crate::MAX_SEMAPHORE_COUNT;
@@ -187,23 +188,22 @@ impl PostgresBackend {
     /// problem, when the options are invalid or the TLS settings cannot be honoured (an
     /// unreadable `sslrootcert`, no trust store for `verify-full`).
     pub fn new(options: PostgresOptions) -> Result<Self, LockError> {
-        let section = "PostgresOptions";
-        let mut problems = options.problems(section);
+        Self::open(options)
+            .map_err(|problems| crate::config::misconfigured_at("PostgresOptions", problems))
+    }
+
+    /// [`new`](Self::new), with the problems as data, for the registry to place in the
+    /// section the options came from.
+    pub(crate) fn open(options: PostgresOptions) -> Result<Self, Vec<Problem>> {
+        let problems = options.problems();
         if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
+            return Err(problems);
         }
         let mut settings = connection::parse(options.connection_string.expose())
-            .map_err(|p| LockError::misconfigured([format!("{section}.connection_string: {p}")]))?;
-        let tls = match tls::connector(&settings) {
-            Ok(tls) => Some(tls),
-            Err(problem) => {
-                problems.push(format!("{section}.connection_string: {problem}"));
-                None
-            }
-        };
-        let (Some(tls), true) = (tls, problems.is_empty()) else {
-            return Err(LockError::misconfigured(problems));
-        };
+            .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
+        // What the options cannot say alone: TLS settings this machine cannot honour.
+        let tls = tls::connector(&settings)
+            .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
         tune_connection(&mut settings.config, options.query_timeout);
         // Lock sessions and watchers back off together when the server refuses connections.
         let reconnect = Arc::new(reconnect::Reconnect::new());
@@ -216,7 +216,7 @@ impl PostgresBackend {
             schema.clone(),
         );
         let timeout = options.query_timeout;
-        let max_sessions = options.session_budget();
+        let max_sessions = options.max_sessions;
         let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout, reconnect);
         let sequence = schema.sequence.clone();
         Ok(PostgresBackend {
@@ -467,15 +467,6 @@ impl LockBackend for PostgresBackend {
         LeaseTiming::ConnectionHeld(self.inner.check_interval)
     }
 
-    async fn try_acquire(
-        &self,
-        key: &str,
-    ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
-        let advisory_key = PostgresLockKeys::advisory_key(key);
-        self.attempt(Attempt::Exclusive(advisory_key), advisory_key)
-            .await
-    }
-
     /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] slots: a busy
     /// semaphore attempt tries every slot in its one statement (a few microseconds each in the
     /// server's lock table), and slot numbers stay far below the fencing setup lock's, which
@@ -487,7 +478,7 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
@@ -596,10 +587,23 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        self.inner
-            .releases
-            .subscribe(PostgresLockKeys::advisory_key(key))
+    /// Plain locks and readers: the watcher of the key (see `watch`). A semaphore's key names
+    /// no lock the server could wake anyone for: none.
+    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        let hint = match mode {
+            LockMode::Semaphore { .. } => None,
+            _ => Some(
+                self.inner
+                    .releases
+                    .subscribe(PostgresLockKeys::advisory_key(key)),
+            ),
+        };
+        async move {
+            match hint {
+                Some(hint) => hint.await,
+                None => std::future::pending().await,
+            }
+        }
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and

@@ -483,6 +483,74 @@ async fn a_reader_queued_before_a_writer_is_served_first_and_woken_by_the_watch(
     }
 }
 
+/// A wait is the engine's, not the task's that happens to poll it: a reader's `acquire`
+/// future moved to another task mid-wait keeps its place in line, and still goes before a
+/// writer that queued after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_moved_to_another_task_keeps_its_place() {
+    let slow = LockOptions {
+        min_retry_delay: Duration::from_millis(900),
+        max_retry_delay: Duration::from_secs(1),
+        ..LockOptions::default()
+    };
+    let cluster = EtcdCluster::single().await;
+    let holder = process(&cluster);
+    let readers = lock_on(cluster.options(TTL), slow.clone());
+    let writers = lock_on(cluster.options(TTL), slow);
+    let key = unique_prefix("moved-wait");
+    let held = holder.try_acquire(&key).await.expect("the first writer");
+    let rw = readers.reader_writer(&key).expect("rw");
+    let mut read = Box::pin(async move { rw.read(Duration::from_secs(20)).await });
+    // The wait starts in one task, which hands the unfinished future back once it has a place.
+    let first_task = {
+        let readers = readers.clone();
+        tokio::spawn(async move {
+            let placed = async {
+                while backend(&readers).queue_places() != 1 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            tokio::select! {
+                outcome = &mut read => panic!("the read ended while the key was held: {outcome:?}"),
+                _ = tokio::time::timeout(Duration::from_secs(10), placed) => {}
+            }
+            read
+        })
+    };
+    let read = first_task.await.expect("task");
+    assert_eq!(backend(&readers).queue_places(), 1, "the reader's place");
+    let reader = tokio::spawn(read);
+    let writer = {
+        let (writers, key) = (writers.clone(), key.clone());
+        tokio::spawn(async move { writers.acquire(&key, Duration::from_secs(20)).await })
+    };
+    eventually("the writer's place", Duration::from_secs(10), async || {
+        backend(&writers).queue_places() == 1
+    })
+    .await;
+    // Longer than a wait without hints keeps its place: a place tied to the first task would
+    // be gone by now, and the reader would queue again behind the writer.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    held.release().await.expect("release");
+    let read = tokio::time::timeout(Duration::from_secs(5), reader)
+        .await
+        .expect("the reader is next")
+        .expect("task")
+        .expect("the reader's lock");
+    assert!(
+        !writer.is_finished(),
+        "the later writer overtook the reader whose wait moved"
+    );
+    read.release().await.expect("release");
+    writer
+        .await
+        .expect("task")
+        .expect("the writer's lock")
+        .release()
+        .await
+        .expect("release");
+}
+
 /// Readers that queue together behind a writer hold together once it leaves, and a writer
 /// that queued after them waits for all of them: neither side starves the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,8 @@ pub use handle::{LockHandle, LockView};
 pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
+#[cfg(feature = "etcd")]
+pub use providers::etcd::{EtcdBackend, EtcdOptions};
 pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{
@@ -80,6 +82,10 @@ pub struct PostgresGuideDoctests;
 #[cfg(all(doctest, feature = "azure"))]
 #[doc = include_str!("../../docs/azure.md")]
 pub struct AzureGuideDoctests;
+
+#[cfg(all(doctest, feature = "etcd"))]
+#[doc = include_str!("../../docs/etcd.md")]
+pub struct EtcdGuideDoctests;
 
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/telemetry.md")]

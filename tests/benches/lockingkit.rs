@@ -11,8 +11,10 @@
 //!
 //! `cargo bench -p lockingkit-tests --bench lockingkit -- memory` runs only row 3 (in-memory
 //! pairs), `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` only the row of
-//! the HTTP layer's own cost (in-memory lock, no servers to start), and `… -- transaction` only
-//! row 11 (transaction-scoped try-lock, on a PostgreSQL server of its own).
+//! the HTTP layer's own cost (in-memory lock, no servers to start), `… -- transaction` only
+//! row 11 (transaction-scoped try-lock, on a PostgreSQL server of its own), and `-- etcd` only
+//! the etcd rows (it starts its own one- and three-member clusters; `scripts/setup-etcd.sh`);
+//! the full run prints them after the table.
 
 use std::time::Duration;
 
@@ -22,7 +24,7 @@ use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, 
 use lockingkit_tests::bench_transaction::{self, TransactionBenchReport};
 use lockingkit_tests::http::{in_memory_layer_cost, LayerCost};
 use lockingkit_tests::postgres::PostgresServer;
-use lockingkit_tests::{bench_azure, bench_postgres, bench_sessions};
+use lockingkit_tests::{bench_azure, bench_etcd, bench_postgres, bench_sessions};
 
 /// Sample counts: the real run, or a smoke test.
 #[derive(Clone, Copy)]
@@ -179,6 +181,29 @@ fn print_transaction_locks(report: &TransactionBenchReport) {
     );
 }
 
+/// The etcd rows, on clusters of their own (`scripts/setup-etcd.sh`).
+fn print_etcd(sizes: Sizes) {
+    let etcd_sizes = bench_etcd::EtcdSizes {
+        pairs: sizes.postgres_pairs / 5,
+        handoffs: sizes.remote_handoffs,
+        load: sizes.load_round,
+    };
+    let report = two_worker_runtime()
+        .block_on(async { tokio::spawn(bench_etcd::measure(etcd_sizes)).await })
+        .expect("the etcd rows");
+    println!("{}", report.render());
+    println!(
+        "{{\"etcd_pair_ms\":{:.3},\"etcd_raw_pair_ms\":{:.3},\"etcd_pair_ratio\":{:.3},\"etcd_handoff_p50_ms\":{:.3},\"etcd_pairs_per_s\":{:.0},\"etcd_raw_pairs_per_s\":{:.0},\"etcd_connections\":{}}}",
+        ms(report.pair),
+        ms(report.raw_pair),
+        report.pair_ratio(),
+        ms(report.handoff.p50),
+        report.kit_per_s,
+        report.raw_per_s,
+        report.connections
+    );
+}
+
 fn main() {
     let Some(mode) = BenchMode::from_args() else {
         return;
@@ -195,6 +220,10 @@ fn main() {
         let report = transaction_locks(&two_worker_runtime(), sizes);
         println!("{}\n", report.render());
         print_transaction_locks(&report);
+        return;
+    }
+    if only.as_deref() == Some("etcd") {
+        print_etcd(sizes);
         return;
     }
     if only.as_deref() == Some("http-memory") {
@@ -548,4 +577,5 @@ fn main() {
         ms(remote_hint.p99),
         sizes.remote_handoffs,
     );
+    print_etcd(sizes);
 }

@@ -4,9 +4,11 @@
 pub mod azurite;
 pub mod bench;
 pub mod bench_azure;
+pub mod bench_etcd;
 pub mod bench_postgres;
 pub mod bench_sessions;
 pub mod bench_transaction;
+pub mod etcd;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.
 #[path = "../../lockingkit/tests/support/field_log.rs"]
 pub mod field_log;

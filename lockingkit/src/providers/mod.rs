@@ -4,5 +4,7 @@ pub mod memory;
 
 #[cfg(feature = "azure")]
 pub mod azure;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "postgres")]
 pub mod postgres;

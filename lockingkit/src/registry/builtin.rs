@@ -27,6 +27,10 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
         name: "azure_blob",
         build: azure_blob,
     },
+    BuiltIn {
+        name: "etcd",
+        build: etcd,
+    },
 ];
 
 /// Binds `T` from the section and runs its own checks on whatever bound, so one bad setting
@@ -79,7 +83,7 @@ fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderRes
 }
 
 /// The problem of a provider whose cargo feature is off.
-#[cfg(not(all(feature = "postgres", feature = "azure")))]
+#[cfg(not(all(feature = "postgres", feature = "azure", feature = "etcd")))]
 fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
     vec![Problem::new(
         format!("{}.provider", section.path()),
@@ -154,4 +158,22 @@ pub(super) fn open_azure(
         .and(host.azure_credential.cloned());
     crate::providers::azure::AzureBlobBackend::open(options, credential)
         .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
+}
+
+#[cfg(not(feature = "etcd"))]
+fn etcd(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
+    Err(needs_feature(section, "etcd", "etcd"))
+}
+
+#[cfg(feature = "etcd")]
+fn etcd(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
+    use crate::providers::etcd::EtcdOptions;
+    let (options, problems) = bind_checked(section, EtcdOptions::problems, &[]);
+    let path = section.path();
+    let backend = options.map(|options| {
+        // The constructor finds what the options cannot say alone (a TLS file it cannot read).
+        crate::providers::etcd::EtcdBackend::open(options)
+            .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
+    });
+    finish(backend, setup, problems)
 }

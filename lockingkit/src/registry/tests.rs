@@ -176,7 +176,7 @@ fn every_problem_of_every_section_is_listed_in_one_error() {
     for expected in [
         "Locking.Jobs.min_retry_delay (5s) must not exceed max_retry_delay (1s)",
         "Locking.Jobs.lease_duration must be at least 1ms",
-        "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, azure_blob)",
+        "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, azure_blob, etcd)",
         "Locking.Exports.provider is missing",
         "Locking.Audit.release_timeout:",
         "Locking.Audit.colour is not a setting of the in_memory provider",
@@ -527,6 +527,72 @@ mod azure {
         );
         assert!(!shown.contains(ACCOUNT_KEY), "{shown}");
         assert!(!shown.contains("c2VjcmV0"), "{shown}");
+    }
+}
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+
+    #[tokio::test]
+    async fn etcd_sections_bind_build_and_report_under_their_own_name() {
+        let locking = Locking::from_config(config(json!({
+            "Default": {
+                "Provider": "etcd",
+                "Endpoints": ["http://127.0.0.1:2379", "http://127.0.0.1:22379"],
+                "User": "locks",
+                "Password": "hunter2",
+                "LeaseTtl": "15s",
+                "RequestTimeout": "2s",
+            },
+        })))
+        .unwrap();
+        assert_eq!(locking.default_lock().provider(), "etcd");
+        assert!(!format!("{locking:?}").contains("hunter2"));
+
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {
+                "provider": "etcd",
+                "endpoints": ["http://127.0.0.1:2379", "127.0.0.1:2380"],
+                "password": "hunter2",
+                "lease_ttl": "6s",
+                "request_timeout": "3s",
+            },
+            "Jobs": {
+                "provider": "etcd",
+                "endpoints": ["https://10.0.0.1:2379"],
+                "tls_ca_file": "/nonexistent/etcd-ca.pem",
+            },
+        }))));
+        assert!(
+            shown.contains("Locking.Default.endpoints[1] must be a URL such as"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("Locking.Default.password needs a user"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("Locking.Default.request_timeout must be at most a third of lease_ttl"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("Locking.Jobs.tls_ca_file: cannot read the file"),
+            "the constructor's problem is placed in its section: {shown}"
+        );
+        assert!(!shown.contains("hunter2"), "{shown}");
+
+        // A check that compares two settings is left out when one of them did not parse.
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {
+                "provider": "etcd",
+                "endpoints": ["http://127.0.0.1:2379"],
+                "lease_ttl": "soon",
+                "request_timeout": "20s",
+            },
+        }))));
+        assert!(shown.contains("Locking.Default.lease_ttl:"), "{shown}");
+        assert!(!shown.contains("a third of lease_ttl"), "{shown}");
     }
 }
 

@@ -1,0 +1,319 @@
+//! The cluster's members, each reached through a client of its own, and how a request finds
+//! one that answers without hammering those that do not.
+//!
+//! etcd-client balances one channel over every endpoint, and tonic reconnects a channel's
+//! endpoint the moment a request is routed to it: with a member down, every request routed
+//! there costs a connect attempt, and a caller that resends at once turns that into a storm.
+//! So each member has a client (one HTTP/2 connection once used) and a [`Health`] gate of its
+//! own, and a request goes to the **preferred** member — the last one that answered — first:
+//!
+//! - a member that failed (refused or dropped the connection, did not answer within the
+//!   request timeout, or answered that it has no leader) is not asked again until its backoff
+//!   has passed, [`FIRST_DELAY`] doubling to [`MOST_DELAY`] with equal jitter, and then by one
+//!   request at a time (its probe): **one connect in flight per member**, never a reconnect per
+//!   request;
+//! - a request that a member could not serve *and that did nothing* (never sent, or refused
+//!   for want of a leader) is sent to the next member, after a pause that grows from
+//!   [`FIRST_RESEND_PAUSE`]: at most one try per member, within the one request timeout. A
+//!   request that may safely apply twice ([`Resend::Idempotent`]) is also sent on when the
+//!   connection failed under it;
+//! - while every member is failing and none is due, a request is not sent at all: the caller
+//!   is told the latest cause at once, which costs the cluster nothing.
+//!
+//! Streams (keep-alive, watch) are opened on the member [`Members::lend`] picks, and report how
+//! it went the same way.
+
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+use tokio::time::Instant;
+
+use super::errors::{classify, Effect, Failure, Next};
+use crate::backend::BackendError;
+use crate::health::{Admission, Health, Probe};
+
+/// How long after a member failed it may be asked again (its first probe).
+pub(super) const FIRST_DELAY: Duration = Duration::from_millis(100);
+/// The longest a failing member goes unasked.
+pub(super) const MOST_DELAY: Duration = Duration::from_secs(5);
+/// The pause before a request is sent to the next member; it doubles with each member tried.
+const FIRST_RESEND_PAUSE: Duration = Duration::from_millis(5);
+
+/// Whether a failed request is sent to the next member (each member is tried at most once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Resend {
+    /// Never: one member only, for work that has retries of its own (background deletes).
+    Never,
+    /// When the request certainly did nothing (never sent, refused for want of a leader):
+    /// for writes whose second application would differ from the first.
+    IfUnapplied,
+    /// Also when the connection failed under the request: for requests that may apply twice
+    /// with the same result (reads, compare-and-delete, lease grants and revokes, and the
+    /// attempts, which find their own key if their first send applied).
+    Idempotent,
+}
+
+/// Every member of the cluster, and which one requests go to first.
+pub(super) struct Members {
+    members: Vec<Member>,
+    /// The index of the member asked first: the last one that answered.
+    preferred: AtomicUsize,
+    timeout: Duration,
+}
+
+struct Member {
+    endpoint: String,
+    connect: ConnectOptions,
+    /// Made on first use (authenticating, when the options name a user), one at a time.
+    client: tokio::sync::Mutex<Option<Client>>,
+    health: Arc<Health>,
+}
+
+/// A member's client, lent for one request or one stream. Report how it went with
+/// [`answered`](Self::answered) or [`failed`](Self::failed); dropped unreported (the caller
+/// went away), it reports nothing.
+pub(super) struct Lent<'a> {
+    members: &'a Members,
+    index: usize,
+    pub(super) client: Client,
+    probe: Option<Probe>,
+}
+
+impl Members {
+    /// The members at `endpoints`; nothing is sent until the first request.
+    pub(super) fn new(endpoints: &[String], connect: &ConnectOptions, timeout: Duration) -> Self {
+        let members: Vec<Member> = endpoints
+            .iter()
+            .map(|endpoint| Member {
+                endpoint: endpoint.clone(),
+                connect: connect.clone(),
+                client: tokio::sync::Mutex::new(None),
+                health: Arc::new(Health::new(FIRST_DELAY, MOST_DELAY)),
+            })
+            .collect();
+        // Processes start on different members, so a fleet spreads over the cluster.
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_usize(members.len());
+        let first = usize::try_from(hasher.finish() % members.len().max(1) as u64).unwrap_or(0);
+        Members {
+            members,
+            preferred: AtomicUsize::new(first),
+            timeout,
+        }
+    }
+
+    /// The longest one request may take.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// How many members have a client now (each is one connection once used).
+    pub(super) fn clients(&self) -> usize {
+        self.members
+            .iter()
+            .filter(|m| m.client.try_lock().is_ok_and(|c| c.is_some()))
+            .count()
+    }
+
+    /// Sends `request` under the request timeout (see the module documentation for which
+    /// members it tries). `what` names the request in errors.
+    pub(super) async fn call<T, F, Fut>(
+        &self,
+        what: &'static str,
+        resend: Resend,
+        mut request: F,
+    ) -> Result<T, Failure>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let deadline = crate::clock::in_(self.timeout);
+        let tries = match resend {
+            Resend::Never => 1,
+            Resend::IfUnapplied | Resend::Idempotent => self.members.len(),
+        };
+        let mut tried = Vec::with_capacity(tries);
+        let mut pause = FIRST_RESEND_PAUSE;
+        // The latest failure, marked as of unknown effect if any try's effect was unknown:
+        // the request as a whole may have applied.
+        let mut last: Option<Failure> = None;
+        while tried.len() < tries {
+            if !tried.is_empty() {
+                tokio::time::sleep_until(crate::clock::in_(pause).min(deadline)).await;
+                pause = pause.saturating_mul(2);
+            }
+            let lent = match self.lend_excluding(&tried, deadline).await {
+                Ok(lent) => lent,
+                Err(refused) => return Err(last.unwrap_or(refused)),
+            };
+            tried.push(lent.index);
+            let failure =
+                match tokio::time::timeout_at(deadline, request(lent.client.clone())).await {
+                    Ok(Ok(value)) => {
+                        lent.answered();
+                        return Ok(value);
+                    }
+                    Ok(Err(error)) => classify(what, error),
+                    Err(_) => Failure::timed_out(what, self.timeout),
+                };
+            lent.failed(&failure);
+            let elsewhere = match resend {
+                Resend::Never => false,
+                Resend::IfUnapplied => failure.next == Next::OtherMember,
+                Resend::Idempotent => failure.next == Next::OtherMember || failure.member_failed,
+            };
+            let failure = match &last {
+                Some(earlier) if earlier.effect == Effect::Unknown => Failure {
+                    effect: Effect::Unknown,
+                    ..failure
+                },
+                _ => failure,
+            };
+            if !elsewhere || Instant::now() >= deadline {
+                return Err(failure);
+            }
+            last = Some(failure);
+        }
+        Err(last.unwrap_or_else(|| Failure::refused(BackendError::unreachable("no etcd member"))))
+    }
+
+    /// The client of the member to use now, for a stream: the preferred one unless it is
+    /// failing. `Err` without a request when every member is failing and none is due.
+    pub(super) async fn lend(&self) -> Result<Lent<'_>, Failure> {
+        self.lend_excluding(&[], crate::clock::in_(self.timeout))
+            .await
+    }
+
+    /// The first member from the preferred one on, not in `tried`, that its gate lets through,
+    /// with its client (connected now if it has none).
+    async fn lend_excluding(
+        &self,
+        tried: &[usize],
+        deadline: Instant,
+    ) -> Result<Lent<'_>, Failure> {
+        let count = self.members.len();
+        let start = self.preferred.load(Ordering::Relaxed);
+        let mut refusal = None;
+        for offset in 0..count {
+            let index = (start + offset) % count;
+            if tried.contains(&index) {
+                continue;
+            }
+            let member = &self.members[index];
+            let probe = match member.health.admit() {
+                Admission::Go => None,
+                Admission::Probe(probe) => Some(probe),
+                Admission::Refused(refused) => {
+                    refusal.get_or_insert(refused);
+                    continue;
+                }
+            };
+            match member.client(deadline, self.timeout).await {
+                Ok(client) => {
+                    return Ok(Lent {
+                        members: self,
+                        index,
+                        client,
+                        probe,
+                    })
+                }
+                Err(failure) => {
+                    report(&member.health, probe, &failure);
+                    if failure.next != Next::OtherMember {
+                        return Err(failure);
+                    }
+                }
+            }
+        }
+        let now = Instant::now();
+        let message = match refusal {
+            Some(refused) => format!(
+                "{} (no request sent: the etcd members have failed for {:?}; the next is asked in {:?})",
+                refused.cause.message(),
+                now.saturating_duration_since(refused.since),
+                refused.retry_at.saturating_duration_since(now),
+            ),
+            None => "no etcd member could be reached".to_owned(),
+        };
+        Err(Failure::refused(BackendError::unreachable(message)))
+    }
+
+    fn prefer(&self, index: usize) {
+        self.preferred.store(index, Ordering::Relaxed);
+    }
+
+    /// Moves requests off `index` if it is the preferred member.
+    fn avoid(&self, index: usize) {
+        let next = (index + 1) % self.members.len().max(1);
+        let _ = self
+            .preferred
+            .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+impl Member {
+    /// The member's client, made now if it has none (by one caller at a time, within
+    /// `deadline`; `timeout` is the request timeout, for the message).
+    async fn client(&self, deadline: Instant, timeout: Duration) -> Result<Client, Failure> {
+        let timeout = || Failure::timed_out("connection", timeout);
+        let mut slot = tokio::time::timeout_at(deadline, self.client.lock())
+            .await
+            .map_err(|_| timeout())?;
+        if let Some(client) = slot.as_ref() {
+            return Ok(client.clone());
+        }
+        let connect = Client::connect([self.endpoint.as_str()], Some(self.connect.clone()));
+        let client = match tokio::time::timeout_at(deadline, connect).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(error)) => return Err(classify("connection", error)),
+            Err(_) => return Err(timeout()),
+        };
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+}
+
+impl Lent<'_> {
+    /// The member answered (whatever it said): it works.
+    pub(super) fn answered(self) {
+        match self.probe {
+            Some(probe) => {
+                probe.answered();
+            }
+            None => {
+                self.members.members[self.index].health.answered();
+            }
+        }
+        self.members.prefer(self.index);
+    }
+
+    /// The request or stream failed with `failure`.
+    pub(super) fn failed(self, failure: &Failure) {
+        let member = &self.members.members[self.index];
+        if failure.member_failed {
+            self.members.avoid(self.index);
+        }
+        report(&member.health, self.probe, failure);
+    }
+}
+
+/// Tells a member's gate how its request went: a failure of the member (not an answer of its)
+/// starts or extends its backoff.
+fn report(health: &Health, probe: Option<Probe>, failure: &Failure) {
+    match (failure.member_failed, probe) {
+        (true, Some(probe)) => probe.failed(&failure.error),
+        (true, None) => {
+            health.failed(&failure.error, false);
+        }
+        (false, Some(probe)) => {
+            probe.answered();
+        }
+        (false, None) => {
+            health.answered();
+        }
+    }
+}

@@ -54,6 +54,8 @@ pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresOptions};
+#[cfg(feature = "redis")]
+pub use providers::redis::{RedisBackend, RedisOptions};
 pub use registry::{Locking, LockingConfig};
 pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};
 pub use telemetry::LossReason;

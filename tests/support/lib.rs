@@ -12,3 +12,4 @@ pub mod field_log;
 pub mod http;
 pub mod postgres;
 pub mod proxy;
+pub mod redis;

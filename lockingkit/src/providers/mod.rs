@@ -6,3 +6,5 @@ pub mod memory;
 pub mod azure;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;

@@ -73,6 +73,19 @@ impl LockingBuilder {
         })
     }
 
+    /// Adds a Redis provider; its options are checked when the registry is built.
+    #[cfg(feature = "redis")]
+    pub fn redis(
+        self,
+        name: impl Into<String>,
+        redis: crate::providers::redis::RedisOptions,
+        options: LockOptions,
+    ) -> Self {
+        self.deferred(name, options, move |path, _| {
+            super::builtin::open_redis(redis, path)
+        })
+    }
+
     /// The Microsoft Entra identity (for example a managed identity from `azure_identity`) of
     /// every Azure Blob provider whose options name a `service_url` instead of a connection
     /// string, whether added in code or from configuration.

@@ -63,6 +63,10 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
         name: "azure_blob",
         build: azure_blob,
     },
+    BuiltIn {
+        name: "redis",
+        build: redis,
+    },
 ];
 
 /// Binds `T` from the section and runs its own checks on whatever bound, so one bad setting
@@ -116,7 +120,7 @@ fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderRes
 }
 
 /// The problem of a provider whose cargo feature is off.
-#[cfg(not(all(feature = "postgres", feature = "azure")))]
+#[cfg(not(all(feature = "postgres", feature = "azure", feature = "redis")))]
 fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
     vec![Problem::sentence(
         format!("{}.provider", section.path()),
@@ -176,5 +180,28 @@ pub(super) fn open_azure(
         .as_ref()
         .and(host.azure_credential.cloned());
     crate::providers::azure::AzureBlobBackend::open(options, credential, path)
+        .map_err(|problems| Problem::checked(path, problems))
+}
+
+#[cfg(not(feature = "redis"))]
+fn redis(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
+    Err(needs_feature(section, "redis", "redis"))
+}
+
+#[cfg(feature = "redis")]
+fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
+    use crate::providers::redis::RedisOptions;
+    let (options, problems) = bind_checked(section, RedisOptions::problems);
+    let backend = options.map(|options| open_redis(options, section.path()));
+    finish(backend, setup, problems)
+}
+
+/// The Redis backend for the section at `path`, listing every problem with `options`.
+#[cfg(feature = "redis")]
+pub(super) fn open_redis(
+    options: crate::providers::redis::RedisOptions,
+    path: &str,
+) -> Result<crate::providers::redis::RedisBackend, Vec<Problem>> {
+    crate::providers::redis::RedisBackend::open(options, path)
         .map_err(|problems| Problem::checked(path, problems))
 }

@@ -1,0 +1,123 @@
+//! What Redis failures mean for a lock.
+//!
+//! Messages name the stage and the failure's kind or server error code, never the server's
+//! own text (a script error may quote arguments) and never a key or the URL.
+
+use std::time::Duration;
+
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+use crate::backend::BackendError;
+
+/// What the backend was doing when a request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stage {
+    Connect,
+    Attempt,
+    Renew,
+    Release,
+}
+
+impl Stage {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Stage::Connect => "connecting to Redis",
+            Stage::Attempt => "the lock attempt",
+            Stage::Renew => "the lease renewal",
+            Stage::Release => "the release",
+        }
+    }
+}
+
+/// The request got no answer within the timeout: the server may be frozen or unreachable.
+pub(super) fn timed_out(stage: Stage, timeout: Duration) -> BackendError {
+    BackendError::unreachable(format!(
+        "{}: Redis did not answer within {timeout:?}",
+        stage.as_str()
+    ))
+}
+
+/// The library's own text for errors it raises itself (bad configuration, parse failures),
+/// which are fixed strings; for anything the server said, only its category.
+pub(super) fn library_text(error: &RedisError) -> String {
+    match error.kind() {
+        ErrorKind::InvalidClientConfig | ErrorKind::Client => error.to_string(),
+        _ => error.category().to_owned(),
+    }
+}
+
+/// Classifies a failed request.
+///
+/// - No answer (refused, reset, dropped, timed out): transient, unreached.
+/// - The server is busy, loading, failing over, read-only, out of memory or short of
+///   replicas: transient, reached (a waiter retries; a renewal retries until its deadline).
+/// - Authentication or permissions refused, a misconfigured server: misconfigured.
+/// - Anything else (a script error, an answer of the wrong type): permanent.
+pub(super) fn request_error(error: &RedisError, stage: Stage) -> BackendError {
+    let what = stage.as_str();
+    if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() {
+        return BackendError::unreachable(format!(
+            "{what}: Redis could not be reached ({})",
+            io_kind(error)
+        ));
+    }
+    let code = error.code().unwrap_or("");
+    match error.kind() {
+        ErrorKind::AuthenticationFailed => {
+            BackendError::misconfigured(format!("{what}: Redis refused the credentials in the URL"))
+        }
+        ErrorKind::Server(ServerErrorKind::NoPerm) => BackendError::misconfigured(format!(
+            "{what}: the Redis user may not run the lock's commands (NOPERM); it needs EVALSHA, \
+             SCRIPT LOAD, WAIT, SUBSCRIBE and access to the prefix's keys and channels"
+        )),
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::ReadOnly
+            | ServerErrorKind::Moved
+            | ServerErrorKind::Ask,
+        ) => BackendError::transient(format!("{what}: Redis answered {code}; retrying")),
+        ErrorKind::ClusterConnectionNotFound => BackendError::unreachable(format!(
+            "{what}: no Redis Cluster node serving the key could be reached"
+        )),
+        ErrorKind::Extension => match code {
+            "BUSY" | "OOM" | "NOREPLICAS" | "MISCONF" | "LOADING" => {
+                BackendError::transient(format!("{what}: Redis answered {code}; retrying"))
+            }
+            "NOAUTH" | "WRONGPASS" => BackendError::misconfigured(format!(
+                "{what}: Redis refused the credentials in the URL ({code})"
+            )),
+            "WRONGTYPE" => BackendError::permanent(format!(
+                "{what}: a key the lock uses holds a value of another type, written by someone \
+                 else under the lock's prefix"
+            )),
+            _ => BackendError::permanent(format!("{what}: Redis answered {code}")),
+        },
+        _ => BackendError::permanent(format!("{what}: {}", error.category())),
+    }
+}
+
+fn io_kind(error: &RedisError) -> String {
+    if error.is_connection_refusal() {
+        "connection refused".to_owned()
+    } else if error.is_timeout() {
+        "timed out".to_owned()
+    } else if error.is_connection_dropped() {
+        "connection closed".to_owned()
+    } else {
+        error.category().to_owned()
+    }
+}
+
+/// Whether `error` says the server lacks a script we sent by SHA (after a restart, a failover,
+/// `SCRIPT FLUSH`), so it must be loaded and sent again.
+pub(super) fn is_missing_script(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+}
+
+/// Whether `error` says a key holds a value of another type: someone else wrote there.
+pub(super) fn is_wrong_type(error: &RedisError) -> bool {
+    error.code() == Some("WRONGTYPE")
+}

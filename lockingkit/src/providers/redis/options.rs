@@ -1,0 +1,264 @@
+//! Options of the Redis provider, bound from configuration and checked at startup.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::connection::Target;
+use crate::config::SecretString;
+use crate::keys::RedisLockKeys;
+
+/// The shortest lease: a renewal every third of it must still fit a round trip.
+pub const MIN_LEASE_DURATION: Duration = Duration::from_millis(300);
+/// The longest lease: a crashed holder keeps a key for up to this long, so an hour is plenty.
+pub const MAX_LEASE_DURATION: Duration = Duration::from_secs(3600);
+/// The longest prefix, in bytes: it is repeated in every key name.
+pub const MAX_KEY_PREFIX_LEN: usize = 128;
+
+/// Options of [`RedisBackend`](super::RedisBackend), bindable from a `Locking.{name}`
+/// configuration section (`provider = "redis"`).
+///
+/// Every field has a default except `url`. The defaults bound every call: a request that gets
+/// no answer in `request_timeout` (2 s) fails, so a frozen server costs a waiter seconds, and
+/// a lease of 30 s is renewed every 10 s (the engine's
+/// [`renew_every`](crate::LockOptions::renew_every)) with two more tries before its loss
+/// deadline at 27 s.
+///
+/// ```
+/// use std::time::Duration;
+/// use lockingkit::RedisOptions;
+///
+/// let options = RedisOptions {
+///     lease_duration: Duration::from_secs(15),
+///     ..RedisOptions::new("redis://app:secret@cache.internal:6379/0")
+/// };
+/// assert!(options.problems("Locking.Default").is_empty());
+/// assert!(!format!("{options:?}").contains("secret"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisOptions {
+    /// The server: `redis://[user[:password]@]host[:port][/db]`, or `unix:///path?db=0&pass=…`.
+    /// With `cluster`, one or more nodes of the cluster separated by commas (the others are
+    /// discovered). Secret: it may carry the password.
+    pub url: SecretString,
+    /// Whether `url` names nodes of a Redis Cluster (database 0 only).
+    pub cluster: bool,
+    /// The start of every key name (see [`RedisLockKeys`]); default `lockingkit`. Processes
+    /// that share locks must share the prefix.
+    pub key_prefix: String,
+    /// How long a lease lasts unless renewed: 300 ms to 1 h, whole milliseconds. Default 30 s.
+    #[serde(with = "crate::config::duration")]
+    pub lease_duration: Duration,
+    /// The longest one request (or connection attempt) may take. Default 2 s; at most a third
+    /// of the lease, so a failed renewal can be retried before the loss deadline.
+    #[serde(with = "crate::config::duration")]
+    pub request_timeout: Duration,
+    /// How many replicas must acknowledge an acquire or a renewal (`WAIT`) before it counts;
+    /// default 0 (no waiting). An acquire that fewer replicas acknowledge within
+    /// `replica_timeout` is given back and reported unavailable. This narrows, but does not
+    /// close, the window in which a failover loses a lock: see the Redis guide.
+    pub replicas: u32,
+    /// How long an acquire or renewal waits for `replicas` acknowledgements. Default 500 ms;
+    /// shorter than `request_timeout`.
+    #[serde(with = "crate::config::duration")]
+    pub replica_timeout: Duration,
+    /// How long a writer that found the key read holds new readers back after each of its
+    /// attempts (its *intent*). Default 2 s; keep it above the engine's `max_retry_delay`
+    /// (1 s by default), so the intent stands for as long as the writer waits.
+    #[serde(with = "crate::config::duration")]
+    pub writer_intent: Duration,
+}
+
+/// The default lease.
+pub(super) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The default per-request timeout.
+pub(super) const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            url: SecretString::default(),
+            cluster: false,
+            key_prefix: RedisLockKeys::DEFAULT_PREFIX.to_owned(),
+            lease_duration: DEFAULT_LEASE,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            replicas: 0,
+            replica_timeout: Duration::from_millis(500),
+            writer_intent: Duration::from_secs(2),
+        }
+    }
+}
+
+impl RedisOptions {
+    /// Default options for the server at `url`.
+    pub fn new(url: impl Into<SecretString>) -> Self {
+        RedisOptions {
+            url: url.into(),
+            ..RedisOptions::default()
+        }
+    }
+
+    /// Default options for the Redis Cluster reached through `nodes` (one is enough).
+    pub fn cluster<I, S>(nodes: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let nodes: Vec<String> = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        RedisOptions {
+            url: nodes.join(",").into(),
+            cluster: true,
+            ..RedisOptions::default()
+        }
+    }
+
+    /// Lists every problem with these options, each prefixed with `section` (such as
+    /// `Locking.Default`). An empty list means the options are valid. No message quotes the
+    /// URL.
+    pub fn problems(&self, section: &str) -> Vec<String> {
+        let mut problems = match Target::parse(self) {
+            Ok(_) => Vec::new(),
+            Err(found) => found
+                .into_iter()
+                .map(|problem| format!("{section}.url {problem}"))
+                .collect(),
+        };
+        if self.key_prefix.is_empty() || self.key_prefix.len() > MAX_KEY_PREFIX_LEN {
+            problems.push(format!(
+                "{section}.key_prefix must be 1 to {MAX_KEY_PREFIX_LEN} bytes"
+            ));
+        }
+        let lease = self.lease_duration;
+        if !(MIN_LEASE_DURATION..=MAX_LEASE_DURATION).contains(&lease) {
+            problems.push(format!(
+                "{section}.lease_duration must be between 300ms and 1h (was {lease:?})"
+            ));
+        } else if !lease.subsec_nanos().is_multiple_of(1_000_000) {
+            problems.push(format!(
+                "{section}.lease_duration must be whole milliseconds (was {lease:?})"
+            ));
+        }
+        let timeout = self.request_timeout;
+        if timeout.is_zero() {
+            problems.push(format!(
+                "{section}.request_timeout must be greater than zero"
+            ));
+        } else if timeout > lease / 3 {
+            problems.push(format!(
+                "{section}.request_timeout ({timeout:?}) must be at most a third of \
+                 lease_duration ({lease:?}), so a failed renewal can be retried before the lease \
+                 runs out"
+            ));
+        }
+        if self.replicas > 0
+            && (self.replica_timeout < Duration::from_millis(1) || self.replica_timeout >= timeout)
+        {
+            problems.push(format!(
+                "{section}.replica_timeout ({:?}) must be at least 1ms and shorter than \
+                 request_timeout ({timeout:?})",
+                self.replica_timeout
+            ));
+        }
+        if self.writer_intent < Duration::from_millis(1) || self.writer_intent > lease {
+            problems.push(format!(
+                "{section}.writer_intent ({:?}) must be at least 1ms and at most lease_duration",
+                self.writer_intent
+            ));
+        }
+        problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_need_only_a_url() {
+        assert_eq!(
+            RedisOptions::default().problems("Locking.Default"),
+            vec!["Locking.Default.url is required".to_owned()]
+        );
+        let options = RedisOptions::new("redis://127.0.0.1:6379");
+        assert!(options.problems("S").is_empty());
+        assert_eq!(options.lease_duration, Duration::from_secs(30));
+        assert_eq!(options.key_prefix, "lockingkit");
+        assert!(RedisOptions::cluster(["redis://a:7000", "redis://b:7001"])
+            .problems("S")
+            .is_empty());
+        assert!(RedisOptions::new("unix:///run/redis.sock?db=2")
+            .problems("S")
+            .is_empty());
+    }
+
+    #[test]
+    fn every_problem_is_listed_without_the_secret() {
+        let options = RedisOptions {
+            url: "http://app:hunter2@cache/0".into(),
+            cluster: false,
+            key_prefix: String::new(),
+            lease_duration: Duration::from_millis(100),
+            request_timeout: Duration::ZERO,
+            replicas: 1,
+            replica_timeout: Duration::ZERO,
+            writer_intent: Duration::ZERO,
+        };
+        let problems = options.problems("Locking.Jobs");
+        assert_eq!(problems.len(), 6, "{problems:#?}");
+        assert!(problems.iter().all(|p| p.starts_with("Locking.Jobs.")));
+        assert!(
+            problems.iter().all(|p| !p.contains("hunter2")),
+            "{problems:#?}"
+        );
+        assert!(!format!("{options:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn urls_that_cannot_lock_are_refused() {
+        for (url, cluster, expected) in [
+            ("cache.internal:6379", false, "redis://"),
+            ("redis://a:1,redis://b:2", false, "one server"),
+            ("rediss://cache:6380", false, "TLS"),
+            ("redis://cache/1", true, "other than 0"),
+            ("redis://:hunter2@", false, "redis://"),
+        ] {
+            let options = RedisOptions {
+                cluster,
+                ..RedisOptions::new(url)
+            };
+            let problems = options.problems("S").join("\n");
+            assert!(problems.contains(expected), "{url}: {problems}");
+            assert!(!problems.contains("hunter2"), "{problems}");
+        }
+    }
+
+    #[test]
+    fn a_request_timeout_longer_than_a_third_of_the_lease_is_refused() {
+        let options = RedisOptions {
+            lease_duration: Duration::from_secs(3),
+            request_timeout: Duration::from_millis(1001),
+            ..RedisOptions::new("redis://127.0.0.1")
+        };
+        assert!(options.problems("S")[0].starts_with("S.request_timeout"));
+        let fractional = RedisOptions {
+            lease_duration: Duration::from_micros(30_000_500),
+            ..RedisOptions::new("redis://127.0.0.1")
+        };
+        assert!(fractional.problems("S")[0].contains("whole milliseconds"));
+    }
+
+    #[test]
+    fn options_bind_from_configuration_and_refuse_unknown_fields() {
+        let options: RedisOptions = serde_json::from_str(
+            r#"{"url":"redis://127.0.0.1:6379","lease_duration":"20s","request_timeout":"1s",
+                "replicas":1,"replica_timeout":"250ms","key_prefix":"jobs"}"#,
+        )
+        .unwrap();
+        assert_eq!(options.lease_duration, Duration::from_secs(20));
+        assert_eq!(options.replica_timeout, Duration::from_millis(250));
+        assert_eq!(options.key_prefix, "jobs");
+        assert!(options.problems("S").is_empty());
+        assert!(serde_json::from_str::<RedisOptions>(r#"{"lease":"20s"}"#).is_err());
+    }
+}

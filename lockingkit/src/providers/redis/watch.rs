@@ -1,0 +1,383 @@
+//! Waking this process's waiters the moment another process releases their key.
+//!
+//! Every release script publishes on the key's channel (`…:released`, see
+//! [`RedisLockKeys`](crate::keys::RedisLockKeys)). For the keys this process waits for, the
+//! backend keeps **one** pub/sub connection, subscribed to their channels, and a message wakes
+//! every waiter of that key in this process, which then attempts at once (see
+//! [`LockBackend::release_hint`](crate::LockBackend::release_hint)). A lock that *expires*
+//! publishes nothing: waiters still learn of it by polling, which stays the fallback.
+//!
+//! - **Subscribing costs a round trip, so only waits that met a busy key pay it.** A hint
+//!   registers its interest at once (a release published on a channel already subscribed is
+//!   never missed), but asks for a subscription only when first polled, which the engine does
+//!   after a busy answer; when the server confirms a new subscription, the channel's waiters
+//!   are woken once, so a release that landed between the busy answer and the subscription
+//!   costs one attempt, not a backoff.
+//! - **Channels linger**: the engine asks for a new hint before each attempt, so a channel
+//!   nobody waits on stays subscribed for [`LINGER`] before it is unsubscribed.
+//! - **One connection in all**, opened on the first subscription and closed after [`IDLE`]
+//!   with no channel subscribed. A lost connection is opened again with backoff (one attempt
+//!   at a time); once it is back, every waiter is woken once, as a release may have been
+//!   missed meanwhile. A connection that stops answering pings is treated as lost.
+//! - On Redis Cluster, a `PUBLISH` reaches every node, so one connection to any node hears the
+//!   releases of every slot.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::{PubSubSink, PubSubStream};
+use redis::ConnectionInfo;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::connection::Target;
+
+/// A channel nobody waits on stays subscribed this long, for the next round of the same wait.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// The connection closes after this long without a subscribed channel.
+const IDLE: Duration = Duration::from_secs(10);
+
+/// How often an otherwise quiet connection is pinged, so a frozen server or a silent network is
+/// noticed.
+const PING_EVERY: Duration = Duration::from_secs(5);
+
+/// The first delay before connecting again after a failure; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The release watch of one backend: the channels its waiters wait on, and the one task that
+/// keeps the pub/sub connection.
+pub(super) struct ReleaseWatch {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    target: Target,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct State {
+    channels: HashMap<String, Channel>,
+    /// The subscriber task, while one runs.
+    task: Option<mpsc::UnboundedSender<String>>,
+    /// Whether the task has an open connection now.
+    connected: bool,
+}
+
+struct Channel {
+    /// Bumped whenever the channel's waiters should retry.
+    woken: watch::Sender<u64>,
+    /// Hints alive for this channel.
+    interest: usize,
+    /// Whether the task was asked to subscribe (and has, unless the connection is down).
+    requested: bool,
+    /// When the last hint went away, while none is alive.
+    unused_since: Option<Instant>,
+}
+
+impl Channel {
+    fn new() -> Self {
+        Channel {
+            woken: watch::Sender::new(0),
+            interest: 0,
+            requested: false,
+            unused_since: None,
+        }
+    }
+
+    fn wake(&self) {
+        self.woken
+            .send_modify(|generation| *generation = generation.wrapping_add(1));
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // Every update leaves the state consistent, so a poisoned lock is still usable.
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl ReleaseWatch {
+    pub(super) fn new(target: Target, timeout: Duration) -> Self {
+        ReleaseWatch {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                target,
+                timeout,
+            }),
+        }
+    }
+
+    /// Whether the pub/sub connection is open now (0 or 1).
+    pub(super) fn connections(&self) -> usize {
+        usize::from(lock(&self.shared.state).connected)
+    }
+
+    /// A future that resolves when `channel` may have seen a release: interest is registered
+    /// now; the subscription is asked for on first poll.
+    pub(super) fn hint(&self, channel: String) -> impl Future<Output = ()> + Send + 'static {
+        let mut receiver = {
+            let mut state = lock(&self.shared.state);
+            let entry = state
+                .channels
+                .entry(channel.clone())
+                .or_insert_with(Channel::new);
+            entry.interest += 1;
+            entry.unused_since = None;
+            entry.woken.subscribe()
+        };
+        let interest = Interest {
+            shared: self.shared.clone(),
+            channel,
+        };
+        async move {
+            interest.subscribe();
+            // A closed sender means the channel was dropped from the map: wake, harmlessly.
+            let _ = receiver.changed().await;
+            drop(interest);
+        }
+    }
+}
+
+/// One hint's interest in a channel; dropping it lets the channel linger and then go.
+struct Interest {
+    shared: Arc<Shared>,
+    channel: String,
+}
+
+impl Interest {
+    /// Asks the task to subscribe to the channel unless it was asked already, starting the task
+    /// if none runs.
+    fn subscribe(&self) {
+        let mut state = lock(&self.shared.state);
+        let requested = match state.channels.get_mut(&self.channel) {
+            Some(entry) => std::mem::replace(&mut entry.requested, true),
+            None => return,
+        };
+        if requested {
+            return;
+        }
+        let sent = state
+            .task
+            .as_ref()
+            .is_some_and(|task| task.send(self.channel.clone()).is_ok());
+        if !sent {
+            let (commands, receiver) = mpsc::unbounded_channel();
+            let _ = commands.send(self.channel.clone());
+            state.task = Some(commands);
+            drop(state);
+            tokio::spawn(subscriber(Arc::downgrade(&self.shared), receiver));
+        }
+    }
+}
+
+impl Drop for Interest {
+    fn drop(&mut self) {
+        let mut state = lock(&self.shared.state);
+        if let Some(entry) = state.channels.get_mut(&self.channel) {
+            entry.interest = entry.interest.saturating_sub(1);
+            if entry.interest == 0 {
+                entry.unused_since = Some(Instant::now());
+                if !entry.requested {
+                    // Never subscribed: nothing to linger for.
+                    state.channels.remove(&self.channel);
+                }
+            }
+        }
+    }
+}
+
+/// Why the subscriber stopped using its connection.
+enum Ended {
+    /// The backend is gone, or nothing was subscribed for [`IDLE`]: the task ends.
+    Done,
+    /// The connection failed: open another.
+    Lost,
+}
+
+/// The subscriber task: keeps one pub/sub connection subscribed to every requested channel.
+async fn subscriber(shared: Weak<Shared>, mut commands: mpsc::UnboundedReceiver<String>) {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let Some(strong) = shared.upgrade() else {
+            return;
+        };
+        let (target, timeout) = (strong.target.clone(), strong.timeout);
+        drop(strong);
+        match connect(&target, timeout).await {
+            Some((sink, stream)) => {
+                backoff = FIRST_BACKOFF;
+                let ended = serve(&shared, &mut commands, sink, stream, timeout).await;
+                if let Some(strong) = shared.upgrade() {
+                    lock(&strong.state).connected = false;
+                }
+                if let Ended::Done = ended {
+                    return;
+                }
+            }
+            None => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+        if stop_if_unwanted(&shared) {
+            return;
+        }
+    }
+}
+
+/// Opens a pub/sub connection to the server, or to the first cluster node that answers.
+async fn connect(target: &Target, timeout: Duration) -> Option<(PubSubSink, PubSubStream)> {
+    let nodes: Vec<&ConnectionInfo> = match target {
+        Target::Server(info) => vec![info],
+        Target::Cluster(nodes) => nodes.iter().collect(),
+    };
+    for node in nodes {
+        let Ok(client) = redis::Client::open(node.clone()) else {
+            continue;
+        };
+        if let Ok(Ok(pubsub)) = tokio::time::timeout(timeout, client.get_async_pubsub()).await {
+            return Some(pubsub.split());
+        }
+    }
+    None
+}
+
+/// Ends the task if no channel is wanted any more (under the state lock, so a hint that comes
+/// later starts a new task). Returns whether it did.
+fn stop_if_unwanted(shared: &Weak<Shared>) -> bool {
+    let Some(shared) = shared.upgrade() else {
+        return true;
+    };
+    let mut state = lock(&shared.state);
+    if state.channels.values().any(|c| c.interest > 0) {
+        return false;
+    }
+    state.channels.clear();
+    state.task = None;
+    true
+}
+
+/// Serves one connection until it fails, the backend goes, or it idles out.
+async fn serve(
+    shared: &Weak<Shared>,
+    commands: &mut mpsc::UnboundedReceiver<String>,
+    mut sink: PubSubSink,
+    mut stream: PubSubStream,
+    timeout: Duration,
+) -> Ended {
+    // Every channel wanted now, subscribed in one command; their waiters retry once, as a
+    // release may have gone unheard while the connection was down.
+    let wanted = match requested_channels(shared, true) {
+        Some(wanted) => wanted,
+        None => return Ended::Done,
+    };
+    if !wanted.is_empty() && !bounded(timeout, sink.subscribe(&wanted)).await {
+        return Ended::Lost;
+    }
+    wake(shared, &wanted);
+    let mut quiet_since = Instant::now();
+    let mut idle_since = Instant::now();
+    loop {
+        tokio::select! {
+            command = commands.recv() => {
+                let Some(channel) = command else {
+                    return Ended::Done;
+                };
+                if !bounded(timeout, sink.subscribe(&channel)).await {
+                    return Ended::Lost;
+                }
+                wake(shared, std::slice::from_ref(&channel));
+            }
+            message = stream.next() => {
+                let Some(message) = message else {
+                    return Ended::Lost;
+                };
+                quiet_since = Instant::now();
+                wake(shared, &[message.get_channel_name().to_owned()]);
+            }
+            _ = tokio::time::sleep(LINGER) => {
+                let Some(gone) = sweep(shared) else {
+                    return Ended::Done;
+                };
+                if !gone.is_empty() && !bounded(timeout, sink.unsubscribe(&gone)).await {
+                    return Ended::Lost;
+                }
+                if quiet_since.elapsed() >= PING_EVERY {
+                    if !bounded(timeout, sink.ping::<redis::Value>()).await {
+                        return Ended::Lost;
+                    }
+                    quiet_since = Instant::now();
+                }
+                match requested_channels(shared, false) {
+                    None => return Ended::Done,
+                    Some(subscribed) if subscribed.is_empty() => {
+                        if idle_since.elapsed() >= IDLE && stop_if_unwanted(shared) {
+                            return Ended::Done;
+                        }
+                    }
+                    Some(_) => idle_since = Instant::now(),
+                }
+            }
+        }
+    }
+}
+
+/// Whether `request` succeeded within `timeout`.
+async fn bounded<T>(
+    timeout: Duration,
+    request: impl Future<Output = redis::RedisResult<T>>,
+) -> bool {
+    matches!(tokio::time::timeout(timeout, request).await, Ok(Ok(_)))
+}
+
+/// The channels a subscription was asked for; with `connected`, also marks the connection
+/// open. `None` once the backend is gone.
+fn requested_channels(shared: &Weak<Shared>, connected: bool) -> Option<Vec<String>> {
+    let shared = shared.upgrade()?;
+    let mut state = lock(&shared.state);
+    if connected {
+        state.connected = true;
+    }
+    Some(
+        state
+            .channels
+            .iter()
+            .filter(|(_, c)| c.requested)
+            .map(|(name, _)| name.clone())
+            .collect(),
+    )
+}
+
+fn wake(shared: &Weak<Shared>, channels: &[String]) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let state = lock(&shared.state);
+    for channel in channels {
+        if let Some(entry) = state.channels.get(channel) {
+            entry.wake();
+        }
+    }
+}
+
+/// Drops the channels nobody has waited on for [`LINGER`] and returns them, to unsubscribe.
+fn sweep(shared: &Weak<Shared>) -> Option<Vec<String>> {
+    let shared = shared.upgrade()?;
+    let mut state = lock(&shared.state);
+    let gone: Vec<String> = state
+        .channels
+        .iter()
+        .filter(|(_, c)| c.interest == 0 && c.unused_since.is_some_and(|at| at.elapsed() >= LINGER))
+        .map(|(name, _)| name.clone())
+        .collect();
+    for name in &gone {
+        state.channels.remove(name);
+    }
+    Some(gone)
+}

@@ -1,0 +1,512 @@
+//! The Redis provider against real servers: the contract suite on one server and on a
+//! three-primary Redis Cluster, interop with plain Redis commands through the documented key
+//! mapping, the mapping against the server's own slot rule, fencing across a restart,
+//! connection hygiene and error classification.
+//!
+//! Each test starts its own throwaway servers (see `lockingkit_tests::redis`).
+
+use std::time::Duration;
+
+use lockingkit::keys::RedisLockKeys;
+use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
+use lockingkit::{
+    DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockOptions, RedisBackend,
+    RedisOptions,
+};
+use lockingkit_tests::redis::{RedisCluster, RedisServer};
+use redis::AsyncCommands;
+use tokio::time::Instant;
+
+/// The lease of the contract runs: short, so the renewal case (over three leases) stays quick.
+const LEASE: Duration = Duration::from_secs(3);
+/// At most a third of the lease.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+
+fn options(url: String, cluster: bool) -> RedisOptions {
+    RedisOptions {
+        cluster,
+        lease_duration: LEASE,
+        request_timeout: REQUEST_TIMEOUT,
+        ..RedisOptions::new(url)
+    }
+}
+
+fn backend(server: &RedisServer) -> RedisBackend {
+    RedisBackend::new(options(server.url(), false)).expect("valid Redis options")
+}
+
+fn process(server: &RedisServer) -> DistributedLock {
+    DistributedLock::builder(backend(server))
+        .options(quick_polling())
+        .build()
+        .expect("valid lock options")
+}
+
+#[track_caller]
+fn kind_of(result: Result<LockHandle, LockError>) -> ErrorKind {
+    match result {
+        Ok(handle) => panic!("expected an error, got a lock on {}", handle.key()),
+        Err(error) => error.kind(),
+    }
+}
+
+mod contract {
+    use super::*;
+
+    /// Each "process" is a `DistributedLock` with its own backend (its own connections) on
+    /// one server.
+    pub(super) struct ServerContract {
+        pub(super) server: RedisServer,
+    }
+
+    impl ContractBackend for ServerContract {
+        async fn new_process(&self, options: LockOptions) -> DistributedLock {
+            DistributedLock::builder(backend(&self.server))
+                .options(options)
+                .build()
+                .expect("lock options")
+        }
+
+        fn lease_period(&self) -> Duration {
+            LEASE
+        }
+    }
+
+    lockingkit::contract_tests!(async {
+        ServerContract {
+            server: RedisServer::start().await,
+        }
+    });
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_lease_is_released_exactly_once() {
+        let server = RedisServer::start().await;
+        lockingkit::testing::each_lease_is_released_exactly_once(|| backend(&server), LEASE).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_repeated_or_late_release_never_frees_the_next_holder() {
+        let server = RedisServer::start().await;
+        lockingkit::testing::a_repeated_or_late_release_never_frees_the_next_holder(|| {
+            backend(&server)
+        })
+        .await;
+    }
+}
+
+mod cluster_contract {
+    use super::*;
+
+    /// Each "process" has its own cluster client on one three-primary cluster.
+    pub(super) struct ClusterContract {
+        cluster: RedisCluster,
+    }
+
+    impl ClusterContract {
+        fn backend(&self) -> RedisBackend {
+            RedisBackend::new(options(self.cluster.urls().join(","), true))
+                .expect("valid Redis Cluster options")
+        }
+    }
+
+    impl ContractBackend for ClusterContract {
+        async fn new_process(&self, options: LockOptions) -> DistributedLock {
+            DistributedLock::builder(self.backend())
+                .options(options)
+                .build()
+                .expect("lock options")
+        }
+
+        fn lease_period(&self) -> Duration {
+            LEASE
+        }
+    }
+
+    lockingkit::contract_tests!(async {
+        ClusterContract {
+            cluster: RedisCluster::start().await,
+        }
+    });
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_lease_is_released_exactly_once() {
+        let contract = ClusterContract {
+            cluster: RedisCluster::start().await,
+        };
+        lockingkit::testing::each_lease_is_released_exactly_once(|| contract.backend(), LEASE)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_repeated_or_late_release_never_frees_the_next_holder() {
+        let contract = ClusterContract {
+            cluster: RedisCluster::start().await,
+        };
+        lockingkit::testing::a_repeated_or_late_release_never_frees_the_next_holder(|| {
+            contract.backend()
+        })
+        .await;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Interop: plain Redis commands and the documented key mapping
+// ----------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cli_sees_the_holder_and_its_expiry_under_the_documented_name() {
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("interop/inspect");
+    let names = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let held = locks.try_acquire(&key).await.expect("a lock");
+
+    let holder = server.cli(&["GET", &names.lock]);
+    let lease = locks
+        .backend::<RedisBackend>()
+        .expect("a Redis lock")
+        .lease_duration();
+    assert_eq!(holder.len(), 32, "a 128-bit holder id in hex: {holder:?}");
+    let ttl: u64 = server.cli(&["PTTL", &names.lock]).parse().expect("a TTL");
+    assert!(ttl > 0 && ttl <= lease.as_millis() as u64, "PTTL {ttl}");
+    let fence: u64 = server.cli(&["GET", &names.fence]).parse().expect("a token");
+    assert_eq!(
+        fence,
+        held.fencing_token(),
+        "the counter holds the holder's token"
+    );
+
+    held.release().await.expect("release");
+    assert_eq!(server.cli(&["EXISTS", &names.lock]), "0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_set_nx_and_the_library_exclude_each_other() {
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let mut plain = server.client().await;
+    let key = unique_prefix("interop/set-nx");
+    let name = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).lock;
+
+    // The library first: another program's SET NX on the documented name fails.
+    let held = locks.try_acquire(&key).await.expect("library lock");
+    let taken: bool = redis::cmd("SET")
+        .arg(&name)
+        .arg("other-program")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async::<Option<String>>(&mut plain)
+        .await
+        .expect("SET NX")
+        .is_some();
+    assert!(!taken, "a plain SET NX took a key the library holds");
+    held.release().await.expect("release");
+
+    // The other program first: the library is told busy, and a wait times out (the server
+    // answered busy throughout: contention, not an outage).
+    let taken: Option<String> = redis::cmd("SET")
+        .arg(&name)
+        .arg("other-program")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut plain)
+        .await
+        .expect("SET NX");
+    assert!(taken.is_some());
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        kind_of(locks.acquire(&key, Duration::from_millis(300)).await),
+        ErrorKind::Timeout
+    );
+    let _: () = plain.del(&name).await.expect("DEL");
+    let held = locks
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("free once the other program deleted its key");
+    held.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_name_of_a_key_is_in_the_slot_the_cluster_computes() {
+    let cluster = RedisCluster::start().await;
+    let keys = [
+        "orders/42".to_owned(),
+        "a{b}c".to_owned(),
+        "a~7Bb}c".to_owned(),
+        "{}".to_owned(),
+        "}".to_owned(),
+        "{".to_owned(),
+        "ключ".to_owned(),
+        "🔒".repeat(512),
+        "x".repeat(512),
+    ];
+    for key in keys {
+        let lock = RedisLockKeys::lock("lockingkit", &key);
+        let semaphore = RedisLockKeys::semaphore("lockingkit", &key);
+        let slot = cluster.keyslot(&lock.lock);
+        for name in [
+            &lock.lock,
+            &lock.readers,
+            &lock.intent,
+            &lock.fence,
+            &semaphore.holders,
+            &semaphore.fence,
+        ] {
+            assert_eq!(cluster.keyslot(name), slot, "CLUSTER KEYSLOT of a name");
+            assert_eq!(RedisLockKeys::hash_slot(name), slot, "our slot rule");
+        }
+    }
+}
+
+/// Fencing tokens keep growing when the server restarts without persistence: the counter is
+/// gone, and the floor from the server's clock takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_keep_growing_across_a_restart_without_persistence() {
+    let mut server = RedisServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("fencing/restart");
+    let fence = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).fence;
+    let mut last = 0;
+    for _ in 0..3 {
+        let held = locks.try_acquire(&key).await.expect("a lock");
+        assert!(held.fencing_token() > last);
+        last = held.fencing_token();
+        held.release().await.expect("release");
+    }
+    server.restart().await;
+    assert_eq!(
+        server.cli(&["EXISTS", &fence]),
+        "0",
+        "the counter died with the server"
+    );
+    let held = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("a lock after the restart");
+    assert!(
+        held.fencing_token() > last,
+        "token {} after {last}: a restart handed out an old token",
+        held.fencing_token()
+    );
+    held.release().await.expect("release");
+}
+
+/// A counter that another program set far ahead of the clock keeps counting from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counter_ahead_of_the_clock_keeps_counting_up() {
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("fencing/ahead");
+    let fence = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).fence;
+    // Far ahead of the clock in microseconds (year 2255 is about 9.0e15), but exact in a double.
+    let ahead: u64 = 9_000_000_000_000_000;
+    assert_eq!(server.cli(&["SET", &fence, &ahead.to_string()]), "OK");
+    let held = locks.try_acquire(&key).await.expect("a lock");
+    assert_eq!(held.fencing_token(), ahead + 1);
+    held.release().await.expect("release");
+    let held = locks.try_acquire(&key).await.expect("a lock");
+    assert_eq!(held.fencing_token(), ahead + 2);
+    held.release().await.expect("release");
+    assert_eq!(server.cli(&["GET", &fence]), (ahead + 2).to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_ends() {
+    let server = RedisServer::start().await;
+    let holder = process(&server);
+    // Retries a whole 5 s apart: only the published release can wake it in time.
+    let patient = DistributedLock::builder(backend(&server))
+        .options(LockOptions {
+            min_retry_delay: Duration::from_secs(5),
+            max_retry_delay: Duration::from_secs(5),
+            ..LockOptions::default()
+        })
+        .build()
+        .expect("options");
+    let key = unique_prefix("wake/release");
+    for round in 0..3 {
+        let held = holder.try_acquire(&key).await.expect("a lock");
+        let waiter = {
+            let patient = patient.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                let handle = patient.acquire(&key, Duration::from_secs(30)).await;
+                (Instant::now(), handle)
+            })
+        };
+        // Subscribed once the waiter met the busy key (its subscription wakes it once more).
+        let watching = patient.backend::<RedisBackend>().expect("Redis");
+        let started = Instant::now();
+        while watching.wait_connections() == 0 || patient.waiting(&key) == 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "never subscribed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let released = Instant::now();
+        held.release().await.expect("release");
+        let (got_at, handle) = waiter.await.expect("the waiter task");
+        let handle = handle.expect("the waiter's lock");
+        let took = got_at - released;
+        assert!(
+            took < Duration::from_secs(1),
+            "round {round}: the waiter got the lock {took:?} after the release"
+        );
+        handle.release().await.expect("release");
+    }
+    assert_eq!(
+        patient
+            .backend::<RedisBackend>()
+            .map(RedisBackend::wait_connections),
+        Some(1)
+    );
+}
+
+// ----------------------------------------------------------------------------------------------
+// Errors, options and connections
+// ----------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_is_down_is_unavailable_not_busy_or_timed_out() {
+    let mut server = RedisServer::start().await;
+    let locks = process(&server);
+    server.kill();
+    let key = unique_prefix("down");
+    assert_eq!(
+        kind_of(locks.try_acquire(&key).await),
+        ErrorKind::Unavailable
+    );
+    assert_eq!(
+        kind_of(locks.acquire(&key, Duration::from_millis(500)).await),
+        ErrorKind::Unavailable
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_is_misconfigured_and_never_repeated() {
+    let server = RedisServer::start_with(vec!["--requirepass".into(), "right-one".into()]).await;
+    let url = format!("redis://:hunter2@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::new(options(url, false)).expect("options");
+    let error = backend.verify().await.expect_err("a wrong password");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(!format!("{error} {error:?}").contains("hunter2"));
+    let locks = DistributedLock::builder(backend).build().expect("lock");
+    let error = locks.try_acquire("k").await.expect_err("a wrong password");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+
+    let right = format!("redis://:right-one@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::new(options(right, false)).expect("options");
+    backend.verify().await.expect("the right password");
+    assert!(!format!("{backend:?}").contains("right-one"));
+}
+
+#[test]
+fn invalid_options_are_refused_at_construction_with_every_problem() {
+    let error = RedisBackend::new(RedisOptions {
+        lease_duration: Duration::from_millis(10),
+        key_prefix: String::new(),
+        ..RedisOptions::new("http://:hunter2@127.0.0.1")
+    })
+    .expect_err("invalid options");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    let text = error.to_string();
+    for field in ["url", "key_prefix", "lease_duration"] {
+        assert!(text.contains(field), "{field} missing from: {text}");
+    }
+    assert!(!text.contains("hunter2"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_held_locks_share_one_connection_and_leave_nothing_behind() {
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let prefix = unique_prefix("many");
+    let mut held = Vec::new();
+    for i in 0..1000 {
+        held.push(
+            locks
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("a lock"),
+        );
+    }
+    // Clients other than redis-cli itself: the one multiplexed connection.
+    let clients = server.cli(&["CLIENT", "LIST"]);
+    let ours = clients
+        .lines()
+        .filter(|l| !l.contains("cmd=client"))
+        .count();
+    assert_eq!(ours, 1, "{clients}");
+    for handle in held {
+        handle.release().await.expect("release");
+    }
+    assert_eq!(
+        server.cli(&["DBSIZE"]),
+        "1000",
+        "only the fencing counters remain"
+    );
+    let keys = server.cli(&["KEYS", "*"]);
+    assert!(keys.lines().all(|k| k.ends_with(":fence")), "{keys}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_log_shows_no_errors_after_a_busy_run() {
+    let server = RedisServer::start().await;
+    let (a, b) = (process(&server), process(&server));
+    let key = unique_prefix("log");
+    for _ in 0..20 {
+        let held = a.try_acquire(&key).await.expect("lock");
+        assert_eq!(kind_of(b.try_acquire(&key).await), ErrorKind::Busy);
+        held.release().await.expect("release");
+        let read = b
+            .reader_writer()
+            .expect("rw")
+            .try_read(&key)
+            .await
+            .expect("read");
+        read.release().await.expect("release");
+    }
+    assert_eq!(server.warnings_since_ready(), Vec::<String>::new());
+    // The only error reply a client may get in normal operation: a script the server had not
+    // cached yet (sent by SHA first), at most once per script and concurrent attempt.
+    for (code, count) in server.error_replies() {
+        assert_eq!(
+            code,
+            "NOSCRIPT",
+            "error replies: {:?}",
+            server.error_replies()
+        );
+        assert!(count <= 7, "{count} NOSCRIPT replies");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_answers_through_the_trait_without_the_engine() {
+    let server = RedisServer::start().await;
+    let bare = backend(&server);
+    let key = unique_prefix("bare");
+    let first = bare
+        .try_acquire(&key)
+        .await
+        .expect("attempt")
+        .expect("free");
+    assert!(
+        bare.try_acquire(&key).await.expect("attempt").is_none(),
+        "busy"
+    );
+    assert_eq!(
+        server.cli(&["GET", first.lease.redis_key()]),
+        first.lease.holder_id()
+    );
+    bare.renew(&first.lease).await.expect("renew");
+    bare.release(&first.lease).await.expect("release");
+    let gone = bare
+        .renew(&first.lease)
+        .await
+        .expect_err("renew after release");
+    assert_eq!(gone.kind(), lockingkit::BackendErrorKind::LeaseGone);
+}

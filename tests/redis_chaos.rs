@@ -1,0 +1,1 @@
+//! Chaos cases for the Redis provider (filled in below).

@@ -59,7 +59,8 @@ struct Settings {
 }
 
 struct Shared {
-    backend: SocketAddr,
+    /// Where new connections go; see [`FaultProxy::set_backend`].
+    backend: Mutex<SocketAddr>,
     settings: watch::Sender<Settings>,
     accepted: AtomicUsize,
     open: AtomicUsize,
@@ -89,7 +90,7 @@ impl FaultProxy {
             closed: false,
         });
         let shared = Arc::new(Shared {
-            backend,
+            backend: Mutex::new(backend),
             settings,
             accepted: AtomicUsize::new(0),
             open: AtomicUsize::new(0),
@@ -123,6 +124,12 @@ impl FaultProxy {
     /// Switches the fault; open connections follow at once.
     pub fn set_fault(&self, fault: Fault) {
         self.shared.settings.send_modify(|s| s.fault = fault);
+    }
+
+    /// Sends new connections to `backend` from now on, as a service address does after a
+    /// failover; open connections stay where they are (reset them with [`Fault::Reset`]).
+    pub fn set_backend(&self, backend: SocketAddr) {
+        *lock(&self.shared.backend) = backend;
     }
 
     /// The current fault.
@@ -227,7 +234,8 @@ async fn serve(id: usize, mut client: TcpStream, shared: &Shared) {
         reset(client);
         return;
     }
-    let Ok(mut server) = TcpStream::connect(shared.backend).await else {
+    let backend = *lock(&shared.backend);
+    let Ok(mut server) = TcpStream::connect(backend).await else {
         // The backend refuses: pass that on as closely as TCP allows.
         reset(client);
         return;

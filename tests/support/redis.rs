@@ -79,6 +79,8 @@ impl RedisServer {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            // A replica syncs at once, not after the default 5 s wait for more replicas.
+            .args(["--repl-diskless-sync-delay", "0"])
             .arg("--dir")
             .arg(&self.dir)
             .arg("--logfile")

@@ -123,8 +123,8 @@ pub(super) struct Connection {
     gate: Mutex<Gate>,
 }
 
-/// After a failure that says the connection is unusable (nothing answered, or the credentials
-/// were refused), requests fail at once with that failure for a backoff that doubles from
+/// After a failure that says the connection is unusable (refused, closed, or the credentials
+/// were refused; not a timeout, after which the connection stays), requests fail at once with that failure for a backoff that doubles from
 /// [`FIRST_BACKOFF`] to [`MAX_BACKOFF`], instead of each starting a connection attempt: a
 /// thousand renewals of a server that is down make a few connection attempts a second, not a
 /// thousand.
@@ -183,6 +183,10 @@ impl Connection {
         let answered = answered.map_err(|_| errors::timed_out(stage, self.timeout))?;
         match &answered {
             Ok(_) => locked(&self.gate).closed_until = None,
+            // A frozen or slow server: the connection stays, nothing reconnects, and what was
+            // sent still runs once it answers — including a release, which must not be held
+            // back behind renewals that timed out.
+            Err(error) if error.is_timeout() => {}
             Err(error) => {
                 let failure = errors::request_error(error, stage);
                 match failure.kind() {

@@ -510,3 +510,208 @@ async fn the_backend_answers_through_the_trait_without_the_engine() {
         .expect_err("renew after release");
     assert_eq!(gone.kind(), lockingkit::BackendErrorKind::LeaseGone);
 }
+
+// ----------------------------------------------------------------------------------------------
+// Readers, writers and semaphores on Redis
+// ----------------------------------------------------------------------------------------------
+
+/// The Redis rule: an exclusive attempt that finds live readers sets the key's intent for
+/// `writer_intent` (2 s), and every process's readers are refused while it stands; the readers
+/// holding then finish, their releases publish, and the writer gets in within about one read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_writer_holds_new_readers_back_in_every_process_and_gets_in_after_one_read() {
+    const READ: Duration = Duration::from_millis(200);
+    let server = RedisServer::start().await;
+    let (writer, first, second) = (process(&server), process(&server), process(&server));
+    let key = unique_prefix("rw/intent");
+    let intent = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).intent;
+    let reader = first
+        .reader_writer()
+        .expect("readers")
+        .try_read(&key)
+        .await
+        .expect("read");
+    let read_until = Instant::now() + READ;
+    let asked = Instant::now();
+    let waiting = {
+        let writer = writer.clone();
+        let key = key.clone();
+        tokio::spawn(async move { writer.acquire(&key, Duration::from_secs(30)).await })
+    };
+    // The writer's first attempt found the reader: the intent stands, for every process.
+    let started = Instant::now();
+    while server.cli(&["EXISTS", &intent]) != "1" {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no intent was set"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for readers in [&first, &second] {
+        let error = readers
+            .reader_writer()
+            .expect("readers")
+            .try_read(&key)
+            .await
+            .expect_err("a new reader while a writer waits");
+        assert_eq!(error.kind(), ErrorKind::Busy, "{error}");
+    }
+    tokio::time::sleep_until(read_until).await;
+    reader.release().await.expect("release the reader");
+    let released = Instant::now();
+    let held = waiting.await.expect("the writer task").expect("the writer");
+    let waited = asked.elapsed();
+    // Woken by the reader's release, not by its backoff (quick polling retries within 100 ms;
+    // the bound leaves room for a loaded machine).
+    assert!(
+        released.elapsed() < Duration::from_millis(300),
+        "the writer got in {:?} after the last reader left",
+        released.elapsed()
+    );
+    assert!(
+        waited < READ + Duration::from_millis(500),
+        "waited {waited:?}"
+    );
+    assert_eq!(
+        server.cli(&["EXISTS", &intent]),
+        "0",
+        "the intent ends with the write"
+    );
+    held.release().await.expect("release");
+    // Once the writer is gone, readers get in at once.
+    let again = second
+        .reader_writer()
+        .expect("readers")
+        .try_read(&key)
+        .await
+        .expect("read");
+    again.release().await.expect("release");
+}
+
+/// A semaphore holder that stops renewing (its process crashed) keeps its slot until its lease
+/// runs out, and not longer; each holder has its own expiry and fencing token in the sorted set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_semaphore_holder_frees_its_slot_when_its_lease_runs_out() {
+    let server = RedisServer::start().await;
+    let key = unique_prefix("semaphore/crash");
+    let holders = RedisLockKeys::semaphore(RedisLockKeys::DEFAULT_PREFIX, &key).holders;
+    // The crashed holder: a slot taken through the backend alone, never renewed or released.
+    let crashed = backend(&server);
+    let abandoned = crashed
+        .try_acquire_in(&key, lockingkit::LockMode::Semaphore { max_count: 2 })
+        .await
+        .expect("attempt")
+        .expect("a free slot");
+    let taken_at = Instant::now();
+    let locks = process(&server);
+    let semaphore = locks.semaphore(&key, 2).expect("a semaphore");
+    let live = semaphore.try_acquire().await.expect("the second slot");
+    assert!(
+        live.fencing_token() > abandoned.fencing_token,
+        "tokens grow per holder"
+    );
+    assert_eq!(
+        kind_of(semaphore.try_acquire().await),
+        ErrorKind::Busy,
+        "both slots taken"
+    );
+    // redis-cli shows both holders with their expiries (Unix ms).
+    let listed = server.cli(&["ZRANGE", &holders, "0", "-1", "WITHSCORES"]);
+    assert!(listed.contains(abandoned.lease.holder_id()), "{listed}");
+    assert_eq!(listed.lines().count(), 4, "{listed}");
+    let freed = semaphore
+        .acquire(Duration::from_secs(30))
+        .await
+        .expect("the crashed holder's slot, once its lease ran out");
+    let after = taken_at.elapsed();
+    assert!(
+        after >= LEASE - Duration::from_millis(50),
+        "freed after {after:?}"
+    );
+    assert!(
+        after <= LEASE + Duration::from_millis(500),
+        "freed after {after:?}"
+    );
+    // The live holder was renewed meanwhile and still holds.
+    assert!(live.is_held());
+    freed.release().await.expect("release");
+    live.release().await.expect("release");
+    assert_eq!(
+        server.cli(&["EXISTS", &holders]),
+        "0",
+        "the set goes with its last holder"
+    );
+}
+
+/// Every attempt is one round trip, busy or not, in every mode (once the server has the
+/// scripts), counted by a proxy in front of the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_attempt_is_one_round_trip_in_every_mode() {
+    let server = RedisServer::start().await;
+    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let counted = DistributedLock::builder(
+        RedisBackend::new(options(
+            format!("redis://127.0.0.1:{}", proxy.port()),
+            false,
+        ))
+        .expect("options"),
+    )
+    .options(quick_polling())
+    .build()
+    .expect("lock");
+    let other = process(&server);
+    let key = unique_prefix("round-trips");
+    let rw = counted.reader_writer().expect("readers");
+    let semaphore = counted.semaphore(&key, 1).expect("semaphore");
+    let exchanges = || proxy.exchanges().len();
+    // Warm: every script cached on the server.
+    for _ in 0..2 {
+        counted
+            .try_acquire(&key)
+            .await
+            .expect("lock")
+            .release()
+            .await
+            .expect("release");
+        rw.try_read(&key)
+            .await
+            .expect("read")
+            .release()
+            .await
+            .expect("release");
+        semaphore
+            .try_acquire()
+            .await
+            .expect("slot")
+            .release()
+            .await
+            .expect("release");
+    }
+    let before = exchanges();
+    let held = counted.try_acquire(&key).await.expect("lock");
+    assert_eq!(exchanges() - before, 1, "exclusive attempt");
+    let before = exchanges();
+    held.release().await.expect("release");
+    assert_eq!(exchanges() - before, 1, "release");
+    let before = exchanges();
+    let read = rw.try_read(&key).await.expect("read");
+    assert_eq!(exchanges() - before, 1, "shared attempt");
+    let before = exchanges();
+    let slot = semaphore.try_acquire().await.expect("slot");
+    assert_eq!(exchanges() - before, 1, "semaphore attempt");
+    let other_slot = other.semaphore(&key, 1).expect("semaphore");
+    assert_eq!(kind_of(other_slot.try_acquire().await), ErrorKind::Busy);
+    let blocker = other
+        .try_acquire(&format!("{key}/busy"))
+        .await
+        .expect("lock");
+    let before = exchanges();
+    assert_eq!(
+        kind_of(counted.try_acquire(&format!("{key}/busy")).await),
+        ErrorKind::Busy
+    );
+    assert_eq!(exchanges() - before, 1, "a busy attempt");
+    for handle in [read, slot, blocker] {
+        handle.release().await.expect("release");
+    }
+}

@@ -33,6 +33,7 @@
 
 mod connection;
 mod errors;
+pub mod lua;
 mod options;
 mod scripts;
 mod watch;

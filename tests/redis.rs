@@ -715,3 +715,209 @@ async fn every_attempt_is_one_round_trip_in_every_mode() {
         handle.release().await.expect("release");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_section_binds_from_configuration_and_lists_every_problem_without_the_password() {
+    use lockingkit::registry::{Locking, LockingConfig};
+    let server = RedisServer::start().await;
+    let config = LockingConfig::new().with_section(
+        "Default",
+        serde_json::json!({
+            "provider": "redis",
+            "url": server.url(),
+            "lease_duration": "3s",
+            "request_timeout": "500ms",
+            "max_retry_delay": "200ms",
+        }),
+    );
+    let locking = Locking::from_config(config).expect("a valid Redis section");
+    let locks = locking.default_lock();
+    assert_eq!(locks.provider(), "redis");
+    let held = locks
+        .try_acquire(&unique_prefix("config"))
+        .await
+        .expect("a lock");
+    held.release().await.expect("release");
+
+    let bad = LockingConfig::new().with_section(
+        "Default",
+        serde_json::json!({
+            "provider": "redis",
+            "url": "redis://:hunter2@127.0.0.1:1,redis://other:2",
+            "lease_duration": "2s",
+            "request_timeout": "1s",
+            "key_prefix": "",
+        }),
+    );
+    let error = Locking::from_config(bad).expect_err("invalid options");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    let text = error.to_string();
+    for expected in [
+        "Locking.Default.url names several nodes",
+        "Locking.Default.key_prefix",
+        "Locking.Default.request_timeout",
+    ] {
+        assert!(text.contains(expected), "{expected} missing from: {text}");
+    }
+    assert!(!text.contains("hunter2"), "{text}");
+}
+
+/// The clients of `node` that are neither replication links nor `redis-cli` asking, and how many
+/// of them are subscribed (flag `P`).
+fn lock_clients(node: &RedisServer) -> (usize, usize) {
+    let list = node.cli(&["CLIENT", "LIST"]);
+    let ours: Vec<&str> = list
+        .lines()
+        .filter(|line| !line.contains("cmd=client"))
+        .filter(|line| {
+            let flags = line
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("flags="))
+                .unwrap_or("");
+            !flags.contains('S') && !flags.contains('M')
+        })
+        .collect();
+    let subscribed = ours.iter().filter(|line| line.contains("flags=P")).count();
+    (ours.len(), subscribed)
+}
+
+/// At most one connection per node per backend (the cluster client keeps one to every node of
+/// its slot map, replicas included), however many locks are held, plus one pub/sub connection
+/// for a process that waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_backend_uses_one_connection_per_node_and_one_to_wait() {
+    let cluster = RedisCluster::start_with_replicas(1).await;
+    let url = cluster.urls().join(",");
+    let process = || {
+        DistributedLock::builder(RedisBackend::new(options(url.clone(), true)).expect("options"))
+            .options(quick_polling())
+            .build()
+            .expect("lock")
+    };
+    let holder = process();
+    let prefix = unique_prefix("cluster-budget");
+    let mut held = Vec::new();
+    for i in 0..200 {
+        held.push(
+            holder
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("a lock"),
+        );
+    }
+    let counts: Vec<(usize, usize)> = cluster.nodes().iter().map(lock_clients).collect();
+    assert!(counts.iter().all(|&(all, _)| all <= 1), "{counts:?}");
+    assert!(
+        counts[..3].iter().all(|&(all, _)| all == 1),
+        "each primary: {counts:?}"
+    );
+
+    // A waiter in another process adds its own connections and one subscribed connection.
+    let waiter = process();
+    let key = format!("{prefix}/0");
+    let waiting = {
+        let waiter = waiter.clone();
+        let key = key.clone();
+        tokio::spawn(async move { waiter.acquire(&key, Duration::from_secs(30)).await })
+    };
+    let started = Instant::now();
+    while waiter
+        .backend::<RedisBackend>()
+        .map(RedisBackend::wait_connections)
+        != Some(1)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let counts: Vec<(usize, usize)> = cluster.nodes().iter().map(lock_clients).collect();
+    let subscribed: usize = counts.iter().map(|c| c.1).sum();
+    assert_eq!(subscribed, 1, "{counts:?}");
+    assert!(
+        counts
+            .iter()
+            .all(|&(all, subscribed)| all - subscribed <= 2),
+        "two backends, at most one connection each per node: {counts:?}"
+    );
+    for handle in held {
+        handle.release().await.expect("release");
+    }
+    let got = waiting
+        .await
+        .expect("the waiter task")
+        .expect("the waiter's lock");
+    got.release().await.expect("release");
+}
+
+/// A wait that ends leaves no subscription behind, even while releases of other keys keep the
+/// pub/sub connection busy, and the connection closes once nothing is waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_waits_leave_no_subscription_and_the_wait_connection_closes_when_idle() {
+    let server = RedisServer::start().await;
+    let (holder, waiter) = (process(&server), process(&server));
+    let prefix = unique_prefix("subscriptions");
+    let (quiet, busy) = (format!("{prefix}/quiet"), format!("{prefix}/busy"));
+    let channel = |key: &str| RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, key).released;
+    let quiet_held = holder.try_acquire(&quiet).await.expect("lock");
+    // The busy key is taken and released every 100 ms, while a waiter of the other process
+    // keeps waiting for it: its channel hears a release ten times a second.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = {
+        let (holder, waiter, busy, stop) =
+            (holder.clone(), waiter.clone(), busy.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let held = holder
+                    .acquire(&busy, Duration::from_secs(5))
+                    .await
+                    .expect("lock");
+                let wait = {
+                    let (waiter, busy) = (waiter.clone(), busy.clone());
+                    tokio::spawn(async move {
+                        waiter
+                            .acquire(&busy, Duration::from_secs(5))
+                            .await
+                            .map(drop)
+                    })
+                };
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                held.release().await.expect("release");
+                wait.await.expect("the wait").expect("the waiter got it");
+            }
+        })
+    };
+    let error = waiter
+        .acquire(&quiet, Duration::from_millis(300))
+        .await
+        .expect_err("held");
+    assert_eq!(error.kind(), ErrorKind::Timeout);
+    let channels = || server.cli(&["PUBSUB", "CHANNELS", &format!("{prefix}*")]);
+    let all = || server.cli(&["PUBSUB", "CHANNELS", "*"]);
+    let started = Instant::now();
+    while all().contains(&channel(&quiet)) || !all().contains(&channel(&busy)) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the ended wait is still subscribed: {}",
+            channels()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    churn.await.expect("the churn task");
+    quiet_held.release().await.expect("release");
+    let watch = waiter.backend::<RedisBackend>().expect("Redis");
+    let started = Instant::now();
+    while watch.wait_connections() != 0
+        || server
+            .cli(&["PUBSUB", "NUMSUB", &channel(&busy)])
+            .ends_with('1')
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the pub/sub connection stayed open with nothing waited for"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,7 +1,7 @@
 //! Distributed locks for async Rust.
 //!
 //! One lock type, [`DistributedLock`], runs unchanged on Azure Blob leases, PostgreSQL advisory
-//! locks and an in-memory provider. One engine does the hard parts for every backend: waiting
+//! locks, Redis and an in-memory provider. One engine does the hard parts for every backend: waiting
 //! with capped, jittered backoff behind a local first-come-first-served queue; renewal in the
 //! background; loss detection with a deadline timer that a hung renewal cannot postpone;
 //! release on drop; and telemetry.
@@ -74,6 +74,10 @@ pub struct PostgresGuideDoctests;
 #[cfg(all(doctest, feature = "azure"))]
 #[doc = include_str!("../../docs/azure.md")]
 pub struct AzureGuideDoctests;
+
+#[cfg(all(doctest, feature = "redis"))]
+#[doc = include_str!("../../docs/redis.md")]
+pub struct RedisGuideDoctests;
 
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/telemetry.md")]

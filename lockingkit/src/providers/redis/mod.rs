@@ -20,8 +20,8 @@
 //!   so they keep growing across a restart without persistence and a failover, as long as the
 //!   server's clock did not go back (see the guide).
 //! - **One connection for every lock** of a backend (to a server; on a cluster, one to each
-//!   primary), multiplexed, reconnected with backoff; plus one pub/sub connection while
-//!   this process waits for keys held elsewhere. Every request has its own timeout
+//!   node the cluster client knows), multiplexed, reconnected with backoff; plus one pub/sub
+//!   connection while this process waits for keys held elsewhere. Every request has its own timeout
 //!   ([`request_timeout`](RedisOptions::request_timeout)).
 //! - **Replication is asynchronous**: a failover can promote a replica that had not received a
 //!   lock, and the holder learns of it only at its next renewal, while another process may

@@ -21,8 +21,8 @@ pub const MAX_KEY_PREFIX_LEN: usize = 128;
 /// Every field has a default except `url`. The defaults bound every call: a request that gets
 /// no answer in `request_timeout` (2 s) fails, so a frozen server costs a waiter seconds, and
 /// a lease of 30 s is renewed every 10 s (the engine's
-/// [`renew_every`](crate::LockOptions::renew_every)) with two more tries before its loss
-/// deadline at 27 s.
+/// [`renew_every`](crate::LockOptions::renew_every)), a failed renewal being retried until the
+/// loss deadline at 27 s.
 ///
 /// ```
 /// use std::time::Duration;

@@ -283,6 +283,10 @@ async fn serve(
     wake(shared, &wanted);
     let mut quiet_since = Instant::now();
     let mut idle_since = Instant::now();
+    // One tick a second whatever else arrives: a sleep made anew each turn of the loop would
+    // never end while messages keep coming, and nothing would ever be unsubscribed.
+    let mut tick = tokio::time::interval(LINGER);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             command = commands.recv() => {
@@ -301,7 +305,7 @@ async fn serve(
                 quiet_since = Instant::now();
                 wake(shared, &[message.get_channel_name().to_owned()]);
             }
-            _ = tokio::time::sleep(LINGER) => {
+            _ = tick.tick() => {
                 let Some(gone) = sweep(shared) else {
                     return Ended::Done;
                 };

@@ -4,7 +4,7 @@
 //! | fault | expected |
 //! |---|---|
 //! | server killed and restarted without persistence | every holder lost at its next renewal (`LeaseGone`), tokens still grow |
-//! | server frozen (SIGSTOP) past the deadline | loss at the deadline; the key free only once its lease ran out |
+//! | server frozen (SIGSTOP) past the deadline | loss at the deadline; the key free after the loss, at the latest one lease after the server woke |
 //! | holder's connection reset | transient: reconnected, no loss, the lock stays held |
 //! | holder's line blackholed for less than the deadline | transient: no loss, renewals resume |
 //! | holder's line blackholed past the deadline | loss at the deadline; the key free only once its lease ran out |
@@ -321,7 +321,7 @@ async fn a_server_restarted_without_persistence_loses_every_holder_at_its_next_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_server_is_loss_at_the_deadline_and_frees_the_key_only_after_the_lease() {
+async fn a_frozen_server_is_loss_at_the_deadline_and_frees_the_key_after_the_loss() {
     let mut server = RedisServer::start().await;
     let checker = IntervalChecker::new();
     let key = unique_prefix("chaos/sigstop");
@@ -338,9 +338,12 @@ async fn a_frozen_server_is_loss_at_the_deadline_and_frees_the_key_only_after_th
     assert_near("loss", loss.at, last + LEASE * 9 / 10, SEND_SKEW, LATE);
     checker.record(hold);
     // Thawed before the lease ran out. The holder's engine gave the lock up after declaring
-    // loss, and the server runs that release once it wakes, so the key is free at once (after
-    // the loss: the checker below sees no overlap), and at the latest when the lease runs out.
+    // loss, and the server runs that release once it wakes, so the key is usually free at once
+    // (after the loss: the checker below sees no overlap). At the latest it is free one lease
+    // after the server woke: renewals that timed out while it slept still run when it wakes,
+    // and one of them may extend the lease if the release did not reach it.
     server.resume();
+    let resumed = Instant::now();
     let contender = other.wait_for(&key);
     let (handle, start) = contender_lock(contender).await;
     assert!(
@@ -348,9 +351,9 @@ async fn a_frozen_server_is_loss_at_the_deadline_and_frees_the_key_only_after_th
         "the key was taken before the holder knew it lost it"
     );
     assert!(
-        start <= last + LEASE + Duration::from_secs(1),
-        "the key stayed taken {:?} after its lease",
-        start - (last + LEASE)
+        start <= resumed + LEASE + Duration::from_secs(1),
+        "the key stayed taken {:?} after the server woke",
+        start - resumed
     );
     assert!(handle.fencing_token() > token);
     record(&checker, &key, other.id, handle.fencing_token(), start);

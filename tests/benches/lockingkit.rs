@@ -1,8 +1,9 @@
 //! LockingKit's performance goals, each measured next to its baseline in one run: starts a
-//! throwaway PostgreSQL server and Azurite itself and prints a table, then one JSON line.
+//! throwaway PostgreSQL server, Azurite and Redis servers itself and prints a table, then one
+//! JSON line.
 //!
 //! ```text
-//! scripts/setup-postgres.sh && scripts/setup-azurite.sh
+//! scripts/setup-postgres.sh && scripts/setup-azurite.sh && scripts/setup-redis.sh
 //! cargo bench -p lockingkit-tests --bench lockingkit
 //! ```
 //!

@@ -517,7 +517,7 @@ impl Failover {
         let primary = RedisServer::start().await;
         let replication = FaultProxy::to_port(primary.port()).await;
         let replica = RedisServer::replica_of(replication.port()).await;
-        replica.wait_until_replicating();
+        replica.wait_until_replicating().await;
         let service = Process::through(FaultProxy::to_port(primary.port()).await, 0, |o| {
             RedisOptions {
                 replicas,
@@ -544,7 +544,7 @@ impl Failover {
         self.service.proxy.set_fault(Fault::Pass);
         if standby {
             let replica = RedisServer::replica_of(self.replica.port()).await;
-            replica.wait_until_replicating();
+            replica.wait_until_replicating().await;
             self.standby = Some(replica);
         }
     }
@@ -602,7 +602,7 @@ async fn with_wait_for_one_replica_a_lock_is_refused_until_replicated_and_surviv
         "the refused lock was given back"
     );
     failover.replication.set_fault(Fault::Pass);
-    failover.replica.wait_until_replicating();
+    failover.replica.wait_until_replicating().await;
     let mut watched = failover.service.hold_watched(&key).await;
     failover.service.settle(&watched).await;
     let failed_over = Instant::now();

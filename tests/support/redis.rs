@@ -246,7 +246,7 @@ impl RedisServer {
     }
 
     /// Waits until this replica has caught up with its primary's replication stream.
-    pub fn wait_until_replicating(&self) {
+    pub async fn wait_until_replicating(&self) {
         let started = Instant::now();
         while !self
             .cli(&["INFO", "replication"])
@@ -256,7 +256,7 @@ impl RedisServer {
                 started.elapsed() < STARTUP_TIMEOUT,
                 "the replica never connected to its primary"
             );
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 

@@ -2,11 +2,12 @@
 # Mutation testing of the engine and the key mapping against the fast suites (unit, engine,
 # in-memory contract, property tests). Not part of CI: it rebuilds once per mutant.
 #
-#   bash scripts/mutants.sh                 # engine/ and keys.rs
+#   bash scripts/mutants.sh                 # engine/, health.rs, backoff.rs and keys.rs
 #   bash scripts/mutants.sh --file 'lockingkit/src/keys.rs'   # narrower
 #   bash scripts/mutants.sh --iterate       # only what the last run did not catch, and new code
 #
-# Arguments go to cargo-mutants; without a --file the engine and keys.rs are mutated.
+# Arguments go to cargo-mutants; without a --file the engine (with the outage gate and the
+# backoff it uses) and keys.rs are mutated.
 #
 # Installs cargo-mutants from crates.io if it is missing. Results land in mutants.out/
 # (caught, missed, unviable, timeout); a missed mutant is a change no test noticed.
@@ -20,7 +21,8 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
 fi
 
-files=(--file 'lockingkit/src/engine/**/*.rs' --file 'lockingkit/src/keys.rs')
+files=(--file 'lockingkit/src/engine/**/*.rs' --file 'lockingkit/src/health.rs'
+  --file 'lockingkit/src/backoff.rs' --file 'lockingkit/src/keys.rs')
 for arg in "$@"; do
   case "$arg" in
     --file | --file=*) files=() ;;

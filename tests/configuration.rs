@@ -390,7 +390,7 @@ renew_every = "40s"
 
 #[test]
 fn a_duration_that_does_not_parse_says_what_to_write_instead() {
-    for bad in ["-5", "1.5", r#""5 fortnights""#, "[30]"] {
+    for bad in ["-5", "1.5", "5000", r#""5""#, r#""5 fortnights""#, "[30]"] {
         let file = TomlFile::new(
             "durations",
             &format!("[Locking.Default]\nprovider = \"in_memory\"\nlease_duration = {bad}\n"),
@@ -398,7 +398,7 @@ fn a_duration_that_does_not_parse_says_what_to_write_instead() {
         let shown = misconfigured(Locking::from_config(file.locking()));
         assert!(
             shown.contains(
-                r#"Locking.Default.lease_duration: expected a duration such as "30s" or "250ms""#
+                r#"Locking.Default.lease_duration: expected a duration with its unit, such as "30s" or "250ms""#
             ),
             "{bad}: {shown}"
         );

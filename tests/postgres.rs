@@ -386,6 +386,38 @@ async fn a_waiter_is_woken_at_once_by_a_plain_sql_unlock_and_by_the_holders_sess
     }
 }
 
+/// The lines a server logged at `ERROR` or `WARNING` (and the statements it quoted for them).
+fn errors_and_warnings(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|line| line.contains("ERROR:") || line.contains("WARNING:"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_writes_nothing_into_the_servers_log() {
+    // A watcher waits in half-second slices; a slice that ended in a `lock_timeout` error would
+    // log an ERROR and its statement twice a second per waiting process.
+    let server = PostgresServer::start_local().await;
+    let holder = process(&server);
+    let waiter = process(&server);
+    let writer_key = unique_prefix("log/writer");
+    let reader_key = unique_prefix("log/reader");
+    let held = holder.try_acquire(&writer_key).await.expect("lock");
+    let readers = waiter.reader_writer().expect("readers");
+    let writers = holder.reader_writer().expect("writers");
+    let written = writers.try_write(&reader_key).await.expect("write lock");
+    let waited = tokio::join!(
+        waiter.acquire(&writer_key, Duration::from_secs(3)),
+        readers.read(&reader_key, Duration::from_secs(3)),
+    );
+    assert_eq!(kind_of(waited.0), ErrorKind::Timeout);
+    assert_eq!(kind_of(waited.1), ErrorKind::Timeout);
+    held.release().await.expect("release");
+    written.release().await.expect("release");
+    let log = server.server_log();
+    assert_eq!(errors_and_warnings(&log), Vec::<&str>::new(), "{log}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_ends() {
     let server = PostgresServer::start().await;
@@ -564,7 +596,7 @@ async fn advisory_locks(admin: &tokio_postgres::Client) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unconfirmed_unlock_keeps_the_sessions_other_locks_and_never_lets_the_key_be_retaken() {
-    let server = PostgresServer::start().await;
+    let server = PostgresServer::start_local().await;
     let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
     let locks = lock_on(PostgresOptions {
         connection_string: format!(
@@ -621,6 +653,63 @@ async fn an_unconfirmed_unlock_keeps_the_sessions_other_locks_and_never_lets_the
     again.release().await.expect("release");
     kept.release().await.expect("release");
     assert!(server.lock_holders(&neighbour).await.is_empty());
+    // Settling the unlock unlocked only what the session held: an unlock of a lock it no
+    // longer held would have logged "you don't own a lock".
+    let log = server.server_log();
+    assert_eq!(errors_and_warnings(&log), Vec::<&str>::new(), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_an_unanswered_attempt_that_took_nothing_logs_nothing() {
+    // An attempt that goes unanswered (a frozen or slow server) may have taken its key, so the
+    // session unlocks it before taking anything else; if the server had answered it busy, a
+    // plain unlock would log "WARNING: you don't own a lock".
+    let server = PostgresServer::start_local().await;
+    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let locks = lock_on(PostgresOptions {
+        connection_string: format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+            proxy.port()
+        )
+        .into(),
+        max_sessions: 1,
+        query_timeout: Duration::from_millis(300),
+        check_interval: Duration::from_secs(30),
+        ..PostgresOptions::default()
+    });
+    let key = unique_prefix("log/unanswered");
+    // A lock of our own keeps the session open while the attempt is settled.
+    let kept = locks
+        .try_acquire(&unique_prefix("log/kept"))
+        .await
+        .expect("lock");
+    let plain = server.connect().await;
+    let advisory_key = PostgresLockKeys::advisory_key(&key);
+    plain
+        .execute("SELECT pg_advisory_lock($1)", &[&advisory_key])
+        .await
+        .expect("plain lock");
+    proxy.set_latency(Duration::from_millis(700));
+    assert_eq!(
+        kind_of(locks.try_acquire(&key).await),
+        ErrorKind::Unavailable
+    );
+    proxy.set_latency(Duration::ZERO);
+    // Once the attempt is settled the session takes new locks again.
+    eventually(
+        "the session settling the unanswered attempt",
+        Duration::from_secs(10),
+        async || match locks.try_acquire(&unique_prefix("log/after")).await {
+            Ok(handle) => handle.release().await.is_ok(),
+            Err(_) => false,
+        },
+    )
+    .await;
+    assert_eq!(backend(&locks).open_sessions(), 1, "the same session");
+    assert!(kept.is_held());
+    kept.release().await.expect("release");
+    let log = server.server_log();
+    assert_eq!(errors_and_warnings(&log), Vec::<&str>::new(), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -684,6 +773,63 @@ async fn a_wrong_password_or_a_missing_database_is_misconfigured() {
     ));
     let error = missing.try_acquire(&key).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_checks_the_server_the_credentials_and_the_fencing_objects_at_startup() {
+    let mut server = PostgresServer::start_local().await;
+    let admin = server.connect().await;
+    let objects = async |admin: &tokio_postgres::Client| -> (bool, bool) {
+        let row = admin
+            .query_one(
+                "SELECT to_regclass('lockingkit.fencing_tokens') IS NOT NULL, \
+                 to_regprocedure('lockingkit.watch_advisory_lock(bigint, boolean, integer)') IS NOT NULL",
+                &[],
+            )
+            .await
+            .expect("catalog");
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(objects(&admin).await, (false, false));
+    let locks = process(&server);
+    locks.verify().await.expect("a working server verifies");
+    assert_eq!(objects(&admin).await, (true, true), "created at the check");
+    assert_eq!(
+        backend(&locks).open_sessions(),
+        0,
+        "the check's session is its own, and closed"
+    );
+
+    let wrong = server.create_password_role("right-horse", "hunter2").await;
+    let error = lock_on(PostgresOptions::new(wrong))
+        .verify()
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(error.to_string().contains("credentials"), "{error}");
+    assert!(!format!("{error} {error:?}").contains("hunter2"));
+    let missing = lock_on(PostgresOptions::new(
+        server.connection_string_for_database("no_such_database"),
+    ));
+    let error = missing.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(error.to_string().contains("database"), "{error}");
+
+    // Through the registry, each problem is prefixed with its section.
+    let locking = lockingkit::Locking::from_config(lockingkit::LockingConfig::new().with_section(
+        "Default",
+        serde_json::json!({
+            "provider": "postgres",
+            "connection_string": server.connection_string_for_database("no_such_database"),
+        }),
+    ))
+    .expect("valid configuration");
+    let error = locking.verify().await.unwrap_err();
+    assert!(error.to_string().contains("Locking.Default:"), "{error}");
+
+    server.kill();
+    let error = locks.verify().await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -927,10 +1073,19 @@ async fn a_full_lock_table_is_a_clear_error_and_the_session_stays_healthy() {
         async || advisory_locks(&admin).await == 0,
     )
     .await;
-    let next = locks
-        .try_acquire(&format!("{prefix}/two"))
-        .await
-        .expect("the same session takes locks again");
+    // The failure may have been the connect's (a new server process needs lock-table entries
+    // too): until the backoff after it passes, callers are told it again without a request.
+    let give_up = Instant::now() + Duration::from_secs(2);
+    let next = loop {
+        match locks.try_acquire(&format!("{prefix}/two")).await {
+            Ok(next) => break next,
+            Err(error) if Instant::now() < give_up => {
+                assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => panic!("the backend takes locks again: {error}"),
+        }
+    };
     assert_eq!(backend(&locks).open_sessions(), 1);
     next.release().await.expect("release");
 }

@@ -4,9 +4,11 @@
 //!   parameters (`"orders/{id}"`), for `Router::route_layer` (or `Router::layer`: a request
 //!   that matches no route passes through unlocked, so `404` stays `404`). Each request takes
 //!   the lock before the handler runs; a busy lock is `409 Conflict` as an RFC 9457 problem
-//!   document with code `locking.busy`; if the lock is lost while the handler runs, the
-//!   handler's future is dropped and the client gets `503`. [`lock_route_waiting`] waits for
-//!   the lock instead.
+//!   document with code `locking.busy`; an outage is `503` (`locking.unavailable`), never
+//!   `409`; if the lock is lost while the handler runs, the handler's future is dropped and
+//!   the client gets `500` with code `locking.lost`, saying the outcome is unknown (or, with
+//!   [`on_loss(OnLoss::Signal)`](LockLayer::on_loss), the handler runs on and is told).
+//!   [`lock_route_waiting`] waits for the lock instead.
 //! - `lock_route(…).shared()?` lets reading routes hold the key together while writing routes
 //!   (the default, exclusive) hold it alone, and `lock_route(…).semaphore(n)?` caps the
 //!   requests per key across the fleet (a full limit is `429` with code `locking.busy`). Both
@@ -16,6 +18,8 @@
 //! - [`lock_route_from_state`] takes the `DistributedLock` from the application state through
 //!   [`FromRef`](axum::extract::FromRef); handlers that lock other keys themselves can extract
 //!   `State<DistributedLock>` the same way.
+//! - [`Readiness`] is a readiness endpoint for the lock providers, to mount with
+//!   `Router::route_service("/ready", Readiness::new(&locking))`.
 //!
 //! ```
 //! use axum::{extract::Path, routing::post, Router};
@@ -112,7 +116,7 @@ mod template;
 
 pub use extract::rejection::MissingLock;
 pub use extract::HeldLock;
-pub use lockingkit_tower::{LockLayer, LockRejection, RequestLock};
+pub use lockingkit_tower::{LockLayer, LockRejection, OnLoss, Readiness, RequestLock};
 pub use route::{lock_route, lock_route_from_state, lock_route_waiting, ProvidesLocks};
 pub use template::PathTemplate;
 

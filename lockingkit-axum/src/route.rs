@@ -47,15 +47,18 @@ use crate::PathTemplate;
 ///
 /// `Router::route_layer` wraps every route added *before* it, so routes that need different
 /// locks (or one lock in different modes) each take theirs on the method router:
-/// `post(ship).route_layer(lock_route(…))`. Two layers locking the same key on one request
-/// refuse it, because locks are not reentrant; the layer logs a warning when that happens.
+/// `post(ship).route_layer(lock_route(…))`. Two layers of one provider locking the same key on
+/// one request are a wiring mistake (locks are not reentrant): such requests are answered
+/// `500` (`locking.misconfigured`) before any lock is taken, and the mistake is logged once.
 ///
 /// `Router::layer` also wraps the router's fallback, on merged and nested routers too. A
 /// request that matched no route passes through such a layer unlocked, so the fallback's
-/// answer stands (`404` stays `404`). A request whose route matched but lacks a parameter the
-/// template names is refused with `400` (`locking.invalid_key`) and a logged warning, rather
-/// than served unlocked: with `Router::layer`, every route of the router needs the template's
-/// parameters, so routes of other shapes belong outside it or behind their own `route_layer`.
+/// answer stands (`404` stays `404`). A route that does not capture a parameter the template
+/// names (a typo such as `{Id}` for `{id}`) is refused with `500` (`locking.misconfigured`)
+/// and one logged error naming the template, the route and the parameter, rather than served
+/// unlocked or blamed on the client: with `Router::layer`, every route of the router needs the
+/// template's parameters, so routes of other shapes belong outside it or behind their own
+/// `route_layer`.
 ///
 /// ```
 /// use std::time::Duration;

@@ -17,10 +17,11 @@ use lockingkit_tower::LockKey;
 /// `Router::layer` or a method router's own `route_layer`.
 ///
 /// A request that matched no route is not the template's business: it passes through unlocked,
-/// so the router's fallback answers it (`404` stays `404`). A request whose route matched but
-/// lacks a parameter the template names yields no key: the layer answers `400` (or passes it
-/// through if built with `pass_through_without_key`), and a warning naming the missing
-/// parameter is logged. A layer outside the router sees no route at all and answers the same.
+/// so the router's fallback answers it (`404` stays `404`). A route that does not capture a
+/// parameter the template names (`{Id}` on a route with `{id}`), and a layer outside the router
+/// (it sees no route at all), are wiring mistakes in the server, not in the request: the layer
+/// answers `500` with code `locking.misconfigured` and logs the mistake once, naming the
+/// template, the route and the parameter.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PathTemplate {
     source: Box<str>,
@@ -132,35 +133,35 @@ impl LockKey for PathTemplate {
             )
     }
 
-    async fn lock_key(&self, request: &mut Parts) -> Option<String> {
-        let params = match raw_path_params(request).await {
-            Ok(params) => params,
-            Err(rejection) => {
-                tracing::warn!(
-                    template = %self.source,
-                    error = %rejection.body_text(),
-                    "no path parameters for a lock route; the lock layer must be added inside \
-                     the router (Router::route_layer or Router::layer)"
-                );
-                return None;
-            }
+    async fn miswired(&self, request: &mut Parts) -> Option<String> {
+        let Some(route) = request.extensions.get::<MatchedPath>() else {
+            // `applies_to` let through only requests that were never routed.
+            return Some(format!(
+                "the lock key template `{}` sees no route: add its layer inside the router \
+                 (Router::route_layer, Router::layer or a method router's route_layer)",
+                self.source
+            ));
         };
-        let rendered = self.render(|name| {
+        let route_template = PathTemplate::new(route.as_str());
+        let captured: Vec<&str> = route_template.params().collect();
+        let missing = self.params().find(|name| !captured.contains(name))?;
+        Some(format!(
+            "the lock key template `{}` names the path parameter `{missing}`, which the route \
+             `{}` does not capture",
+            self.source,
+            route.as_str()
+        ))
+    }
+
+    async fn lock_key(&self, request: &mut Parts) -> Option<String> {
+        // `miswired` has made sure the route captures every parameter the template names.
+        let params = raw_path_params(request).await.ok()?;
+        self.render(|name| {
             params
                 .iter()
                 .find_map(|(param, value)| (param == name).then_some(value))
-        });
-        match rendered {
-            Ok(key) => Some(key),
-            Err(missing) => {
-                tracing::warn!(
-                    template = %self.source,
-                    param = missing,
-                    "the lock route template names a path parameter the route does not have"
-                );
-                None
-            }
-        }
+        })
+        .ok()
     }
 }
 

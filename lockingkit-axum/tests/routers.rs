@@ -133,7 +133,8 @@ async fn a_layered_router_nested_as_a_service_keeps_404_for_unknown_paths() {
 #[tokio::test]
 async fn router_layer_still_refuses_a_matched_route_that_lacks_a_template_parameter() {
     // Serving such a route unlocked would turn a typo in a template into a silent loss of
-    // mutual exclusion; the layer refuses it and logs the missing parameter instead.
+    // mutual exclusion; the layer refuses it as the server bug it is and logs the missing
+    // parameter instead.
     let locks = DistributedLock::in_memory();
     let app = Router::new()
         .route("/orders/{id}/ship", post(show_lock))
@@ -142,7 +143,7 @@ async fn router_layer_still_refuses_a_matched_route_that_lacks_a_template_parame
     let addr = serve(app).await;
 
     let reply = guarded(http_post(addr, "/orders/3/pay")).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
-    assert_eq!(reply.code(), "locking.invalid_key");
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
+    assert_eq!(reply.code(), "locking.misconfigured");
     assert_not_found(&guarded(http_post(addr, "/orders/3/refund")).await);
 }

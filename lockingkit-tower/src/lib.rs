@@ -16,8 +16,8 @@
 //! | every slot of a semaphore layer taken (or for the whole wait) | 429 + `Retry-After` | `locking.busy` (`locking.timeout`) |
 //! | lock backend down | 503 + `Retry-After` | `locking.unavailable` |
 //! | no key / invalid key | 400 | `locking.invalid_key` |
-//! | lock lost while handling | 503 | `locking.lost` |
-//! | misconfigured or failing backend | 500 | `locking.misconfigured`, `locking.backend` |
+//! | lock lost while handling: the outcome is unknown | 500 | `locking.lost` |
+//! | misconfigured or failing backend, or the layer wired wrong | 500 | `locking.misconfigured`, `locking.backend` |
 //!
 //! A custom mapper ([`LockLayer::map_rejection`]) can replace these responses. The layer works
 //! with `tower::ServiceBuilder`, axum's `Router::route_layer` and `Router::layer`, and any
@@ -32,12 +32,15 @@
 #![warn(unreachable_pub)]
 
 mod lock;
+mod readiness;
 
 pub use lock::{
-    LockBody, LockKey, LockLayer, LockRejection, LockService, ProblemDetails, ProblemDocument,
-    RejectionResponse, RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
+    LockBody, LockKey, LockLayer, LockRejection, LockService, OnLoss, ProblemDetails,
+    ProblemDocument, RejectionResponse, RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
     DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
+
+pub use readiness::Readiness;
 
 /// The error type of a [`LockBody`]: the inner body's error, or a [`lockingkit::LockError`]
 /// when the lock is lost while the body streams.

@@ -231,7 +231,7 @@ async fn a_semaphore_layer_of_two_admits_two_and_answers_the_third_429() {
 }
 
 #[tokio::test]
-async fn losing_a_semaphore_slot_mid_request_drops_the_handler_and_answers_503() {
+async fn losing_a_semaphore_slot_mid_request_drops_the_handler_and_answers_outcome_unknown() {
     let store = MemoryStore::new();
     // A short lease makes renewals notice the broken slot quickly.
     let locks = DistributedLock::builder(MemoryBackend::with_lease(
@@ -262,8 +262,10 @@ async fn losing_a_semaphore_slot_mid_request_drops_the_handler_and_answers_503()
     assert!(store.break_semaphore_slot("exports/acme", 0));
 
     let reply = guarded(request).await.expect("reply");
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    // The outcome is unknown, and nothing invites a blind retry.
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
     assert_eq!(reply.code(), "locking.lost");
+    assert!(reply.retry_after.is_none());
     guarded(dropped.recv())
         .await
         .expect("the handler was dropped");

@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::{ErrorKind, LockError};
+use crate::error::{ErrorKind, LockError, SharedSource};
 
 /// How a backend keeps a lease alive, which decides how the engine detects loss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,11 +88,13 @@ pub enum BackendErrorKind {
 
 /// A failure reported by a [`LockBackend`].
 ///
-/// The message must not contain the lock key or secrets.
+/// The message must not contain the lock key or secrets. Cloning is cheap: the cause is
+/// shared, so one failure can answer every caller that meets it.
+#[derive(Clone)]
 pub struct BackendError {
     kind: BackendErrorKind,
     message: String,
-    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    source: Option<SharedSource>,
 }
 
 impl BackendError {
@@ -135,7 +137,7 @@ impl BackendError {
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
-        self.source = Some(source.into());
+        self.source = Some(SharedSource::from(source.into()));
         self
     }
 
@@ -147,6 +149,13 @@ impl BackendError {
     /// The message.
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// The same failure told with another message (kind and cause unchanged).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn with_message(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
     }
 
     /// Whether the backend answered before failing.
@@ -172,7 +181,7 @@ impl BackendError {
         };
         let err = LockError::new(kind, self.message);
         match self.source {
-            Some(source) => err.with_source(source),
+            Some(source) => err.with_shared_source(source),
             None => err,
         }
     }
@@ -197,8 +206,8 @@ impl fmt::Display for BackendError {
 impl std::error::Error for BackendError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source
-            .as_ref()
-            .map(|s| s.as_ref() as &(dyn std::error::Error + 'static))
+            .as_deref()
+            .map(|s| s as &(dyn std::error::Error + 'static))
     }
 }
 
@@ -286,15 +295,49 @@ pub trait LockBackend: Send + Sync + 'static {
         std::future::pending()
     }
 
-    /// Optional, for [`LeaseTiming::ConnectionHeld`] backends: a future that resolves as soon
-    /// as the backend knows, without asking the server, that the lease is gone — typically
-    /// because the connection holding it closed (the server then frees the lock at once).
+    /// Optional: a future that resolves as soon as the backend knows, without asking the
+    /// server, that the lease is gone — because the connection holding it closed (the server
+    /// then frees the lock at once), or because a watch showed the holder's record deleted or
+    /// overwritten by someone else.
     ///
-    /// The engine races it against the wait for the next check, so loss is declared within
-    /// moments of the connection ending instead of up to one check interval later. The default
-    /// never resolves, leaving detection to the periodic checks.
+    /// The engine races it against the wait for the next renewal or check, so loss is declared
+    /// within moments instead of at the next renewal or check. For a
+    /// [`LeaseTiming::ConnectionHeld`] backend it is watched from shortly after the acquire;
+    /// for an [`LeaseTiming::Expiring`] one only if [`watches_leases`](Self::watches_leases)
+    /// says so (otherwise from the first renewal on). The default never resolves, leaving
+    /// detection to renewals and checks.
     fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {
         let _ = lease;
         std::future::pending()
+    }
+
+    /// Optional: checks over the network what building the backend could not — that the
+    /// server answers, accepts the credentials and has (or lets us create) what locks need —
+    /// so that a deployment that cannot lock fails at startup.
+    /// [`DistributedLock::verify`](crate::DistributedLock::verify) and
+    /// [`Locking::verify`](crate::Locking::verify) call it. It must take no lock, cost a few
+    /// round trips, and leave nothing open. Misconfiguration is
+    /// [`BackendErrorKind::Misconfigured`], a server that does not answer
+    /// [`BackendErrorKind::Transient`]. The default checks nothing.
+    fn verify(&self) -> impl Future<Output = Result<(), BackendError>> + Send {
+        std::future::ready(Ok(()))
+    }
+
+    /// Optional: closes what the backend keeps open (connections, background tasks).
+    /// [`DistributedLock::shutdown`](crate::DistributedLock::shutdown) calls it last, once
+    /// every lock of the engine is released. Locks taken on this backend afterwards may fail;
+    /// the engine refuses new ones first. The default does nothing.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+
+    /// Optional, for [`LeaseTiming::Expiring`] backends: whether
+    /// [`lease_ended`](Self::lease_ended) can resolve for their leases. When `true`, the
+    /// engine starts watching each hold shortly (about 10 ms) after the acquire rather than
+    /// at its first renewal, so a lease the backend sees taken away is loss at once. `false`
+    /// by default: a watch per hold costs a task, which a backend that cannot tell has no
+    /// use for.
+    fn watches_leases(&self) -> bool {
+        false
     }
 }

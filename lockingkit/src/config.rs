@@ -4,7 +4,7 @@ use std::time::Duration;
 
 /// What a duration setting expects, for messages about one that did not parse.
 pub(crate) const EXPECTED_DURATION: &str =
-    "expected a duration such as \"30s\" or \"250ms\" (units ms, s, m, h; a bare whole number is milliseconds)";
+    "expected a duration with its unit, such as \"30s\" or \"250ms\" (units ms, s, m, h)";
 
 /// The newtype name [`duration`] deserializes through, so the configuration binder can tell a
 /// duration field from any other without reading error text.
@@ -14,7 +14,9 @@ pub(crate) const DURATION_NEWTYPE: &str = "lockingkit::config::Duration";
 /// to keep out of messages.
 pub(crate) const SECRET_NEWTYPE: &str = "lockingkit::config::SecretString";
 
-/// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"` or `"1h"`; a bare number is milliseconds.
+/// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"` or `"1h"`. A number without a unit is refused:
+/// `QUERY_TIMEOUT=5` meant as seconds and read as milliseconds would fail every lock request
+/// without a word.
 ///
 /// Errors never repeat the text: a secret pasted into a duration setting must not reach a log.
 pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -25,13 +27,41 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let (number, unit) = text.split_at(split);
     let value: f64 = number.parse().map_err(|_| EXPECTED_DURATION.to_owned())?;
     let seconds = match unit.trim() {
-        "" | "ms" => value / 1000.0,
+        "" => return Err(format!("has no unit: {EXPECTED_DURATION}")),
+        "ms" => value / 1000.0,
         "s" => value,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
         _ => return Err(format!("unknown duration unit: {EXPECTED_DURATION}")),
     };
     Duration::try_from_secs_f64(seconds).map_err(|_| "the duration is out of range".to_owned())
+}
+
+/// The whole numbers a setting takes, stated once: its option struct checks values against it,
+/// and the configuration binder says the same when a value is no number at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WholeNumbers {
+    pub(crate) setting: &'static str,
+    pub(crate) min: u64,
+    pub(crate) max: u64,
+}
+
+impl WholeNumbers {
+    /// `a whole number from {min} to {max}`.
+    pub(crate) fn describe(&self) -> String {
+        format!("a whole number from {} to {}", self.min, self.max)
+    }
+
+    /// The problem with `value` of this setting in `section`, if it is out of range.
+    pub(crate) fn check(&self, section: &str, value: u64) -> Option<String> {
+        (!(self.min..=self.max).contains(&value))
+            .then(|| format!("{section}.{} must be {}", self.setting, self.describe()))
+    }
+
+    /// The range stated for `setting` among `ranges`, if any.
+    pub(crate) fn of<'a>(ranges: &'a [WholeNumbers], setting: &str) -> Option<&'a WholeNumbers> {
+        ranges.iter().find(|range| range.setting == setting)
+    }
 }
 
 /// Writes a duration in the form configuration sections read (`"30s"`, `"250ms"`).
@@ -55,15 +85,20 @@ pub mod duration {
         serializer.serialize_str(&super::format_duration(*value))
     }
 
-    /// Accepts `"30s"`-style strings and whole numbers (milliseconds).
+    /// Accepts `"30s"`-style strings.
     ///
-    /// Anything else (a negative or fractional number, a list) fails with a message that says
-    /// what is expected and does not repeat the value.
+    /// Anything else (a number without a unit, a list) fails with a message that says what is
+    /// expected and does not repeat the value.
     pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
         deserializer.deserialize_newtype_struct(super::DURATION_NEWTYPE, DurationVisitor)
     }
 
     struct DurationVisitor;
+
+    /// A number is refused whatever it is: which unit it meant is anyone's guess.
+    fn no_unit<E: de::Error>() -> E {
+        E::custom(format!("has no unit: {}", super::EXPECTED_DURATION))
+    }
 
     impl<'de> de::Visitor<'de> for DurationVisitor {
         type Value = Duration;
@@ -79,24 +114,16 @@ pub mod duration {
             deserializer.deserialize_any(self)
         }
 
-        fn visit_u64<E: de::Error>(self, ms: u64) -> Result<Duration, E> {
-            Ok(Duration::from_millis(ms))
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Duration, E> {
+            Err(no_unit())
         }
 
-        fn visit_i64<E: de::Error>(self, ms: i64) -> Result<Duration, E> {
-            u64::try_from(ms).map(Duration::from_millis).map_err(|_| {
-                E::custom(format!(
-                    "must not be negative: {}",
-                    super::EXPECTED_DURATION
-                ))
-            })
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Duration, E> {
+            Err(no_unit())
         }
 
-        fn visit_f64<E: de::Error>(self, _ms: f64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "a bare number is whole milliseconds: {}",
-                super::EXPECTED_DURATION
-            )))
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Duration, E> {
+            Err(no_unit())
         }
 
         fn visit_str<E: de::Error>(self, text: &str) -> Result<Duration, E> {
@@ -143,7 +170,6 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
-        assert_eq!(parse_duration("75"), Ok(Duration::from_millis(75)));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("5 fortnights").is_err());
     }
@@ -161,16 +187,35 @@ mod tests {
     }
 
     #[test]
+    fn a_number_without_a_unit_is_refused_whether_written_as_text_or_a_number() {
+        // `QUERY_TIMEOUT=5` meant 5 s; read as 5 ms it would fail every lock request.
+        for bare in ["5", "250", "1.5", "0"] {
+            let error = parse_duration(bare).unwrap_err();
+            assert!(error.contains("no unit"), "{bare}: {error}");
+        }
+        for number in ["5", "250", "1.5", "-5"] {
+            let error = lease(&format!(r#"{{"lease": {number}}}"#)).unwrap_err();
+            assert!(error.contains("no unit"), "{number}: {error}");
+        }
+    }
+
+    #[test]
     fn a_duration_that_does_not_parse_says_what_is_expected_without_the_value() {
-        assert_eq!(lease(r#"{"lease": 250}"#), Ok(Duration::from_millis(250)));
         assert_eq!(
             lease(r#"{"lease": "1.5s"}"#),
             Ok(Duration::from_millis(1500))
         );
-        for bad in ["-5", "1.5", r#""soon-hunter2""#, "[1]", r#""5 fortnights""#] {
+        for bad in [
+            "-5",
+            "1.5",
+            r#""soon-hunter2""#,
+            "[1]",
+            r#""5 fortnights""#,
+            r#""5""#,
+        ] {
             let error = lease(&format!(r#"{{"lease": {bad}}}"#)).unwrap_err();
             assert!(
-                error.contains(r#"a duration such as "30s" or "250ms""#),
+                error.contains(r#"a duration with its unit, such as "30s" or "250ms""#),
                 "{bad}: {error}"
             );
             assert!(!error.contains("untagged"), "{bad}: {error}");

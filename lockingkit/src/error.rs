@@ -62,17 +62,21 @@ impl fmt::Display for ErrorKind {
     }
 }
 
-type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
+/// A cause, shared: errors are cloned where one failure answers several callers (a backend
+/// that is failing refuses every caller with the same cause).
+pub(crate) type SharedSource = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The error of every fallible LockingKit operation.
 ///
 /// A `LockError` carries an [`ErrorKind`], a human-readable message and, where one exists, the
 /// backend error that caused it. Messages never contain the lock key or any secret: keys
-/// routinely carry customer ids, and connection strings carry passwords.
+/// routinely carry customer ids, and connection strings carry passwords. Cloning is cheap: the
+/// cause is shared.
+#[derive(Clone)]
 pub struct LockError {
     kind: ErrorKind,
     message: String,
-    source: Option<Source>,
+    source: Option<SharedSource>,
 }
 
 impl LockError {
@@ -88,8 +92,22 @@ impl LockError {
     }
 
     /// Attaches the underlying cause, reachable through [`std::error::Error::source`].
-    pub fn with_source(mut self, source: impl Into<Source>) -> Self {
-        self.source = Some(source.into());
+    pub fn with_source(
+        self,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        self.with_shared_source(SharedSource::from(source.into()))
+    }
+
+    /// The same error with another message (the kind and cause stay).
+    pub(crate) fn with_message(mut self, message: impl Into<String>) -> Self {
+        self.message = message.into();
+        self
+    }
+
+    /// Attaches a cause that other errors share.
+    pub(crate) fn with_shared_source(mut self, source: SharedSource) -> Self {
+        self.source = Some(source);
         self
     }
 
@@ -167,8 +185,8 @@ impl fmt::Display for LockError {
 impl std::error::Error for LockError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source
-            .as_ref()
-            .map(|s| s.as_ref() as &(dyn std::error::Error + 'static))
+            .as_deref()
+            .map(|s| s as &(dyn std::error::Error + 'static))
     }
 }
 

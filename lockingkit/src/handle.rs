@@ -24,6 +24,9 @@ pub(crate) trait AnyHold: Send + Sync {
     fn release(self: Arc<Self>) -> Orphanable<Result<(), LockError>>;
     fn release_in_background(self: Arc<Self>);
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync);
+    /// The address of the engine that holds the lock, which identifies its provider.
+    fn engine_address(&self) -> usize;
+    fn key_digest(&self) -> Option<&str>;
 }
 
 /// A held distributed lock.
@@ -107,6 +110,12 @@ impl LockHandle {
     /// Why the lock was lost, once it has been.
     pub fn loss_reason(&self) -> Option<LossReason> {
         self.view.loss_reason()
+    }
+
+    /// The keyed digest of the key, if the provider records digests (see
+    /// [`LockView::key_digest`]).
+    pub fn key_digest(&self) -> Option<&str> {
+        self.view.key_digest()
     }
 
     /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
@@ -222,6 +231,20 @@ impl LockView {
         } else {
             Err(LockError::lost(self.held.loss_reason()))
         }
+    }
+
+    /// The keyed digest of the key (`lockingkit.key.digest`), if the provider was built with
+    /// [`key_digests`](crate::DistributedLockBuilder::key_digests): for log lines about the
+    /// lock that must not carry its key.
+    pub fn key_digest(&self) -> Option<&str> {
+        self.held.key_digest()
+    }
+
+    /// Whether this lock was taken through `locks` (or a clone of it): the same provider, whose
+    /// keys are the same locks. Two layers of one request can tell with it that they would lock
+    /// the same key twice.
+    pub fn is_from(&self, locks: &crate::DistributedLock) -> bool {
+        self.held.engine_address() == locks.engine_address()
     }
 
     /// Runs `work` while the lock is held, dropping it the moment the lock is lost or released.

@@ -30,11 +30,13 @@
 
 mod backend;
 mod background;
+mod backoff;
 mod clock;
 pub mod config;
 mod engine;
 mod error;
 mod handle;
+mod health;
 pub mod keys;
 mod lock;
 pub mod providers;

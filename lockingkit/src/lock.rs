@@ -11,6 +11,7 @@ use crate::engine::{AnyEngine, Engine, LockOptions};
 use crate::error::LockError;
 use crate::handle::LockHandle;
 use crate::providers::memory::{MemoryBackend, MemoryStore};
+use crate::telemetry::KeyDigest;
 
 /// The name of the provider a plain `DistributedLock` stands for.
 pub(crate) const DEFAULT_NAME: &str = "Default";
@@ -68,6 +69,7 @@ impl DistributedLock {
             name: DEFAULT_NAME.to_owned(),
             options: LockOptions::default(),
             meter: None,
+            key_digest: None,
         }
     }
 
@@ -137,6 +139,57 @@ impl DistributedLock {
         self.engine.supports(mode)
     }
 
+    /// The failure this provider's callers are refused with right now, if its backend is
+    /// failing: from the first attempt that fails (the backend could not be reached, refused
+    /// our credentials, answered with a failure of its own) until one is answered again.
+    /// Meanwhile callers are refused at once with this error and one attempt at a time is
+    /// sent, ever less often (see [`LockOptions::max_outage_retry_delay`]).
+    ///
+    /// It costs nothing: no request is made. A readiness check can report it.
+    ///
+    /// [`LockOptions::max_outage_retry_delay`]: crate::LockOptions::max_outage_retry_delay
+    pub fn current_failure(&self) -> Option<LockError> {
+        self.engine.current_failure()
+    }
+
+    /// Checks over the network, once at startup, what building could not: that the backend
+    /// answers, accepts the credentials and has what locks need (see each provider's guide for
+    /// what its check sends and costs). Takes no lock and leaves nothing open.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) naming what is
+    /// wrong, or [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when the backend does
+    /// not answer. [`Locking::verify`](crate::Locking::verify) checks every provider of a
+    /// registry.
+    pub async fn verify(&self) -> Result<(), LockError> {
+        self.engine.verify().await
+    }
+
+    /// Shuts the provider down within `timeout`: refuses new acquires (callers get
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)), ends waits, gives up every
+    /// lock still held (their lost tokens fire first, so work tied to them stops), waits for
+    /// those releases and for attempts whose callers went away, then closes what the backend
+    /// keeps open (PostgreSQL's sessions). Call it as the process stops, after your server has
+    /// drained its requests, so that no lease outlives the process and no session lingers.
+    ///
+    /// Every clone of this `DistributedLock` is shut down with it; a PostgreSQL backend shared
+    /// by several providers (clones of one `PostgresBackend`) closes its sessions for all of
+    /// them. `Err` of kind `Unavailable` if something was still outstanding at the timeout:
+    /// the backend then frees it when the lease expires or the connection closes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lockingkit::LockError> {
+    /// let locks = lockingkit::DistributedLock::in_memory();
+    /// let job = locks.try_acquire("jobs/nightly").await?;
+    /// locks.shutdown(Duration::from_secs(5)).await?;
+    /// assert!(!job.is_held(), "given up at shutdown");
+    /// # Ok(()) }
+    /// ```
+    pub async fn shutdown(&self, timeout: Duration) -> Result<(), LockError> {
+        self.engine.clone().shutdown(timeout).await
+    }
+
     /// How many keys this provider is currently holding, attempting or queueing for.
     pub fn active_keys(&self) -> usize {
         self.engine.busy_keys()
@@ -146,6 +199,11 @@ impl DistributedLock {
     /// holder). Meant for diagnostics and tests.
     pub fn waiting(&self, key: &str) -> usize {
         self.engine.waiting(key)
+    }
+
+    /// The address of the engine, which identifies this provider (see `LockView::is_from`).
+    pub(crate) fn engine_address(&self) -> usize {
+        Arc::as_ptr(&self.engine).cast::<()>() as usize
     }
 
     /// The backend, if it is of type `B` (for provider-specific controls).
@@ -176,6 +234,7 @@ pub struct DistributedLockBuilder<B> {
     name: String,
     options: LockOptions,
     meter: Option<Meter>,
+    key_digest: Option<KeyDigest>,
 }
 
 impl<B: LockBackend> DistributedLockBuilder<B> {
@@ -209,10 +268,34 @@ impl<B: LockBackend> DistributedLockBuilder<B> {
         self
     }
 
+    /// Records a keyed digest of each lock's key as `lockingkit.key.digest` on the acquire and
+    /// release spans and on the loss log line, so that what happened to one key can be found
+    /// across spans, logs and instances without recording the key (keys routinely carry
+    /// customer ids). The digest is the first 8 bytes of HMAC-SHA256 of the key under
+    /// `secret`, as 16 hex digits: give every instance the same secret to correlate across
+    /// them, and keep it as secret as the keys, since with it a guessed key can be checked.
+    /// Off unless set.
+    pub fn key_digests(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.key_digest = Some(KeyDigest::new(secret.as_ref()));
+        self
+    }
+
+    /// The digests a registry's host asked for (see [`key_digests`](Self::key_digests)).
+    pub(crate) fn with_key_digest(mut self, key_digest: Option<KeyDigest>) -> Self {
+        self.key_digest = key_digest;
+        self
+    }
+
     /// Validates the options and builds the provider.
     pub fn build(self) -> Result<DistributedLock, LockError> {
         let meter = self.meter.unwrap_or_else(crate::telemetry::global_meter);
-        let engine = Engine::new(&self.name, self.backend, self.options, &meter)?;
+        let engine = Engine::new(
+            &self.name,
+            self.backend,
+            self.options,
+            &meter,
+            self.key_digest,
+        )?;
         Ok(DistributedLock {
             engine: Arc::new(engine),
         })
@@ -224,7 +307,7 @@ impl DistributedLockBuilder<MemoryBackend> {
     /// infallible without a panic path.
     fn build_infallible_default(self) -> DistributedLock {
         let meter = crate::telemetry::global_meter();
-        let engine = Engine::new_unchecked(&self.name, self.backend, self.options, &meter);
+        let engine = Engine::new_unchecked(&self.name, self.backend, self.options, &meter, None);
         DistributedLock {
             engine: Arc::new(engine),
         }

@@ -203,10 +203,54 @@ impl AttributeSets {
     }
 }
 
+/// A keyed digest of lock keys, so that spans and log lines about one key can be correlated
+/// without recording the key: the first 8 bytes of HMAC-SHA256 of the key under a secret of
+/// the host's, as 16 hex digits, recorded as `lockingkit.key.digest`. Without the secret a
+/// digest cannot be matched to a guessed key; with it, whoever holds the secret can.
+#[derive(Clone)]
+pub(crate) struct KeyDigest(hmac::Hmac<sha2::Sha256>);
+
+impl KeyDigest {
+    pub(crate) fn new(secret: &[u8]) -> Self {
+        use hmac::Mac;
+        // HMAC takes a key of any length, so this cannot fail; the fallback only keeps library
+        // code free of panics.
+        let mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap_or_else(|_| {
+            <hmac::Hmac<sha2::Sha256> as hmac::digest::KeyInit>::new(&Default::default())
+        });
+        KeyDigest(mac)
+    }
+
+    /// The digest of `key`.
+    pub(crate) fn of(&self, key: &str) -> Box<str> {
+        use hmac::Mac;
+        use std::fmt::Write as _;
+        let mut mac = self.0.clone();
+        mac.update(key.as_bytes());
+        let bytes = mac.finalize().into_bytes();
+        let mut hex = String::with_capacity(16);
+        for byte in bytes.iter().take(8) {
+            let _ = write!(hex, "{byte:02x}");
+        }
+        hex.into()
+    }
+}
+
+/// What a loss is logged with, of the hold that ended.
+#[derive(Clone, Copy)]
+pub(crate) struct HoldLabels<'a> {
+    pub(crate) fencing_token: u64,
+    pub(crate) key_digest: Option<&'a str>,
+    /// The caller's span when the lock was taken.
+    pub(crate) parent: &'a Span,
+}
+
 /// The instruments and span names of one `DistributedLock`.
 pub(crate) struct Telemetry {
     lock: Arc<str>,
     provider: Arc<str>,
+    /// Off unless the host gave a secret (see [`KeyDigest`]).
+    key_digest: Option<KeyDigest>,
     try_acquire_name: Box<str>,
     acquire_name: Box<str>,
     release_name: Box<str>,
@@ -250,10 +294,16 @@ pub fn meter<P: MeterProvider + ?Sized>(provider: &P) -> Meter {
 }
 
 impl Telemetry {
-    pub(crate) fn new(lock: &str, provider: &str, meter: &Meter) -> Self {
+    pub(crate) fn new(
+        lock: &str,
+        provider: &str,
+        meter: &Meter,
+        key_digest: Option<KeyDigest>,
+    ) -> Self {
         let lock: Arc<str> = Arc::from(lock);
         let provider: Arc<str> = Arc::from(provider);
         Telemetry {
+            key_digest,
             try_acquire_name: format!("try_acquire {lock}").into(),
             acquire_name: format!("acquire {lock}").into(),
             release_name: format!("release {lock}").into(),
@@ -299,6 +349,16 @@ impl Telemetry {
         }
     }
 
+    /// The provider name, shared with whoever reports on this provider besides telemetry.
+    pub(crate) fn provider_shared(&self) -> Arc<str> {
+        self.provider.clone()
+    }
+
+    /// The lock's registration name, shared likewise.
+    pub(crate) fn lock_name_shared(&self) -> Arc<str> {
+        self.lock.clone()
+    }
+
     pub(crate) fn provider(&self) -> &str {
         &self.provider
     }
@@ -307,12 +367,19 @@ impl Telemetry {
         &self.lock
     }
 
-    pub(crate) fn acquire_span(&self, operation: Operation, mode: LockMode) -> Span {
+    /// The digest of `key`, if the host asked for digests.
+    pub(crate) fn key_digest(&self, key: &str) -> Option<Box<str>> {
+        self.key_digest.as_ref().map(|digest| digest.of(key))
+    }
+
+    /// The span of one acquire call for `key` (recorded as its digest only, and only if the
+    /// host asked for digests).
+    pub(crate) fn acquire_span(&self, operation: Operation, mode: LockMode, key: &str) -> Span {
         let name: &str = match operation {
             Operation::TryAcquire => &self.try_acquire_name,
             Operation::Acquire => &self.acquire_name,
         };
-        tracing::info_span!(
+        let span = tracing::info_span!(
             target: "lockingkit",
             "lockingkit.acquire",
             "otel.name" = name,
@@ -325,12 +392,19 @@ impl Telemetry {
             "lockingkit.outcome" = Empty,
             "lockingkit.acquire.attempts" = Empty,
             "lockingkit.fencing_token" = Empty,
+            "lockingkit.key.digest" = Empty,
             "error.type" = Empty,
             "lockingkit.error.kind" = Empty,
-        )
+        );
+        if !span.is_disabled() {
+            if let Some(digest) = self.key_digest(key) {
+                span.record("lockingkit.key.digest", &*digest);
+            }
+        }
+        span
     }
 
-    pub(crate) fn release_span(&self, fencing_token: u64) -> Span {
+    pub(crate) fn release_span(&self, fencing_token: u64, key_digest: Option<&str>) -> Span {
         let span = tracing::info_span!(
             target: "lockingkit",
             "lockingkit.release",
@@ -342,6 +416,7 @@ impl Telemetry {
             "lockingkit.operation" = "release",
             "lockingkit.outcome" = Empty,
             "lockingkit.fencing_token" = Empty,
+            "lockingkit.key.digest" = key_digest,
             "error.type" = Empty,
             "lockingkit.error.kind" = Empty,
         );
@@ -401,7 +476,15 @@ impl Telemetry {
         self.locks_held.add(1, &self.attributes.base);
     }
 
-    pub(crate) fn lock_ended(&self, held_for: Duration, lost: Option<LossReason>) {
+    /// A hold ended after `held_for`, lost for `lost` or released. A loss is logged under
+    /// `parent` (the caller's span when the lock was taken, such as its request's), with the
+    /// fencing token and the key's digest, so the line can be tied to the work it stopped.
+    pub(crate) fn lock_ended(
+        &self,
+        held_for: Duration,
+        lost: Option<LossReason>,
+        hold: HoldLabels<'_>,
+    ) {
         self.locks_held.add(-1, &self.attributes.base);
         let end = match lost {
             Some(_) => &self.attributes.hold_lost,
@@ -412,9 +495,12 @@ impl Telemetry {
             self.lost.add(1, &self.attributes.lost[reason as usize]);
             tracing::warn!(
                 target: "lockingkit",
+                parent: hold.parent,
                 lock = &*self.lock,
                 provider = &*self.provider,
                 reason = reason.as_str(),
+                fencing_token = hold.fencing_token,
+                key_digest = hold.key_digest,
                 "lock lost while held"
             );
         }

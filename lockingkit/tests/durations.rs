@@ -118,6 +118,7 @@ proptest! {
         max in duration(),
         every in proptest::option::of(duration()),
         release in duration(),
+        outage in duration(),
     ) {
         on_paused_time(async {
             let store = MemoryStore::new();
@@ -127,6 +128,7 @@ proptest! {
                     max_retry_delay: max,
                     renew_every: every,
                     release_timeout: release,
+                    max_outage_retry_delay: outage,
                 })
                 .build();
             let locks = match built {
@@ -136,8 +138,20 @@ proptest! {
                     return Ok(());
                 }
             };
+            // An outage, then a probe after the outage backoff, whatever its length.
+            store.set_unavailable(true);
+            for _ in 0..3 {
+                let refused = locks.try_acquire("k").await;
+                prop_assert_eq!(refused.err().map(|e| e.kind()), Some(ErrorKind::Unavailable));
+            }
+            store.set_unavailable(false);
+            // The first probe is due at most `min` after the failure.
+            let probe_due = min <= Duration::from_secs(3600);
+            tokio::time::sleep(min.min(Duration::from_secs(3600))).await;
             let handle = locks.try_acquire("k").await;
-            prop_assert!(handle.is_ok(), "{:?}", handle.err());
+            if probe_due {
+                prop_assert!(handle.is_ok(), "{:?}", handle.as_ref().err());
+            }
             let Ok(handle) = handle else { return Ok(()) };
             // Long enough for renewals and deadlines of short leases to come due.
             tokio::time::sleep(Duration::from_secs(20)).await;

@@ -1115,6 +1115,70 @@ async fn a_connection_the_backend_sees_close_is_lost_at_once_not_at_the_next_che
     assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
 }
 
+/// An in-memory backend that, like a backend watching its holders' records, can see a lease
+/// taken away without renewing it (`LockBackend::lease_ended`), if it says it watches.
+struct Watching {
+    inner: MemoryBackend,
+    watches: bool,
+    taken_away: tokio::sync::watch::Sender<bool>,
+}
+
+impl LockBackend for Watching {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        "watching"
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.release(lease).await
+    }
+    fn lease_ended(&self, _lease: &Self::Lease) -> impl std::future::Future<Output = ()> + Send {
+        let mut taken_away = self.taken_away.subscribe();
+        async move {
+            let _ = taken_away.wait_for(|gone| *gone).await;
+        }
+    }
+    fn watches_leases(&self) -> bool {
+        self.watches
+    }
+}
+
+/// When a 30 s lease is taken away 1.5 s after the acquire, and when the holder learns of it.
+async fn expiring_lease_taken_away_at_1500ms(watches: bool) -> (Duration, Option<LossReason>) {
+    let backend = Watching {
+        inner: MemoryBackend::new(MemoryStore::new()),
+        watches,
+        taken_away: tokio::sync::watch::channel(false).0,
+    };
+    let taken_away = backend.taken_away.clone();
+    let locks = DistributedLock::builder(backend).build().unwrap();
+    let start = Instant::now();
+    let handle = locks.try_acquire("k").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    taken_away.send_replace(true);
+    fired(&handle.lost_token()).await;
+    (start.elapsed(), handle.loss_reason())
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_expiring_lease_the_backend_sees_taken_away_is_lost_at_once() {
+    let (lost_after, reason) = expiring_lease_taken_away_at_1500ms(true).await;
+    assert_eq!(lost_after, Duration::from_millis(1500));
+    assert_eq!(reason, Some(LossReason::LeaseGone));
+    // A backend that does not say it watches is watched from its first renewal (10 s) on,
+    // which spares a keeper task per short hold.
+    let (lost_after, _) = expiring_lease_taken_away_at_1500ms(false).await;
+    assert_eq!(lost_after, Duration::from_secs(10));
+}
+
 #[tokio::test(start_paused = true)]
 async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs() {
     let store = MemoryStore::new();

@@ -1192,3 +1192,124 @@ async fn the_key_appears_in_no_span_event_or_metric() {
         "part of the key was recorded"
     );
 }
+
+/// The digest of `key` under `secret` as the docs define it: the first 8 bytes of
+/// HMAC-SHA256, as 16 lowercase hex digits.
+fn reference_digest(secret: &[u8], key: &str) -> String {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).expect("any key length");
+    mac.update(key.as_bytes());
+    mac.finalize().into_bytes()[..8]
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn key_digests_correlate_spans_and_loss_lines_without_recording_the_key() {
+    let rec = Recording::start();
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_secs(3),
+    ))
+    .name("Jobs")
+    .meter(lockingkit::telemetry::meter(&rec.meter_provider))
+    .key_digests("correlation-secret")
+    .build()
+    .expect("valid options");
+    let digest = reference_digest(b"correlation-secret", KEY);
+    assert_eq!(digest.len(), 16);
+
+    let handle = locks.try_acquire(KEY).await.expect("free");
+    assert_eq!(handle.key_digest(), Some(digest.as_str()));
+    assert!(store.break_lease(KEY));
+    loss_recorded(&locks, &handle).await;
+    let spans = rec.finished_spans();
+    let acquire = spans
+        .iter()
+        .find(|span| span.name == "try_acquire Jobs")
+        .expect("the acquire span");
+    assert_eq!(
+        str_attr(acquire, "lockingkit.key.digest").as_deref(),
+        Some(digest.as_str())
+    );
+    let log = rec.log.text();
+    let loss = log
+        .lines()
+        .find(|line| line.contains("lock lost while held"))
+        .expect("the loss line");
+    assert!(loss.contains(&format!("key_digest=\"{digest}\"")), "{loss}");
+    assert!(
+        loss.contains(&format!("fencing_token={}", handle.fencing_token())),
+        "{loss}"
+    );
+    let recorded = format!("{spans:#?}{log}");
+    assert!(!recorded.contains(KEY) && !recorded.contains(KEY_FRAGMENT));
+
+    // Without a secret nothing is recorded: the digest is opt-in.
+    let plain = rec.lock(&store);
+    let handle = plain.try_acquire("other").await.expect("free");
+    assert_eq!(handle.key_digest(), None);
+}
+
+/// The level of each event and the name of the span it was logged in, for tests of where a
+/// line belongs.
+#[derive(Clone, Default)]
+struct EventSpans(Arc<std::sync::Mutex<Vec<EventSpan>>>);
+
+/// An event's level and the name of its span.
+type EventSpan = (tracing::Level, Option<String>);
+
+impl<S> tracing_subscriber::Layer<S> for EventSpans
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_event(&self, event: &tracing::Event<'_>, ctx: tracing_subscriber::layer::Context<'_, S>) {
+        let span = ctx.event_span(event).map(|span| span.name().to_owned());
+        self.0
+            .lock()
+            .expect("event log")
+            .push((*event.metadata().level(), span));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_loss_is_logged_in_the_span_the_lock_was_taken_in() {
+    use tracing::Instrument;
+
+    let events = EventSpans::default();
+    let _subscriber = tracing::subscriber::set_default(
+        tracing_subscriber::registry()
+            .with(events.clone())
+            .with(tracing_subscriber::filter::LevelFilter::INFO),
+    );
+    let store = MemoryStore::new();
+    let locks = DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_secs(3),
+    ))
+    .build()
+    .expect("valid options");
+    let request = tracing::info_span!("request");
+    let handle = locks
+        .try_acquire("k")
+        .instrument(request.clone())
+        .await
+        .expect("free");
+    drop(request);
+    assert!(store.break_lease("k"));
+    loss_recorded(&locks, &handle).await;
+    // The keeper that declares the loss runs in a task of its own, outside any span: the line
+    // is tied to the request through the span the lock was taken in.
+    let events = events.0.lock().expect("event log").clone();
+    let warnings: Vec<_> = events
+        .iter()
+        .filter(|(level, _)| *level == tracing::Level::WARN)
+        .collect();
+    assert_eq!(
+        warnings,
+        [&(tracing::Level::WARN, Some("request".to_owned()))],
+        "{events:?}"
+    );
+}

@@ -22,7 +22,10 @@ use super::rejection::MissingLock;
 /// watched for loss exactly like an exclusive lock.
 ///
 /// If the lock is lost while the handler runs, the layer drops the handler's future and the
-/// client gets `503`; the handler does not need to watch for loss itself. Send
+/// client gets `500` with code `locking.lost`, saying the outcome is unknown; the handler does
+/// not need to watch for loss itself (with
+/// [`on_loss(OnLoss::Signal)`](lockingkit_tower::LockLayer::on_loss) it runs on instead, and
+/// this extractor tells it of the loss). Send
 /// [`fencing_token`](RequestLock::fencing_token) with every write to a resource that can
 /// reject stale tokens, and tie spawned work to [`lost_token`](RequestLock::lost_token) or
 /// [`run`](RequestLock::run).

@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::key::{Acquisition, Derived};
-use super::layer::LockConfig;
+use super::layer::{LockConfig, OnLoss};
 use super::rejection::RejectionResponse;
 use super::until_lost::UntilLost;
 use super::{LockBody, LockRejection, RequestLock};
@@ -166,7 +166,10 @@ where
     Poll::Ready(match derived {
         Derived::Acquired { handle } => {
             let view = RequestLock::new(&handle, config.hold.mode());
-            let lost = view.loss_signal();
+            let lost = match config.on_loss {
+                OnLoss::Cancel => Some(view.loss_signal()),
+                OnLoss::Signal => None,
+            };
             request.extensions_mut().insert(view);
             Step::Next(State::Calling {
                 response: UntilLost::new(lost, service.call(request)),
@@ -179,23 +182,40 @@ where
         Derived::NotApplicable | Derived::NoKey => Step::Next(State::Unlocked {
             response: service.call(request),
         }),
-        Derived::Refused { error, nested } => {
-            if nested && error.is_contention() {
-                tracing::warn!(
-                    lock = config.locks.name(),
-                    "a lock layer found its key already held by an outer lock layer on the same \
-                     request; locks are not reentrant, so the request is refused (with axum, \
-                     each Router::route_layer wraps every route added before it)"
-                );
-            }
-            Step::Finish(Outcome::Rejected(LockRejection::acquire(
+        Derived::Miswired { explanation } => {
+            report_miswiring(config, &explanation);
+            let error = LockError::new(
+                ErrorKind::Misconfigured,
+                format!("the lock layer is wired wrong: {explanation}"),
+            );
+            Step::Finish(Outcome::Rejected(LockRejection::miswired(
                 error,
                 config.hold.mode(),
-                config.busy_retry_after,
-                config.unavailable_retry_after,
             )))
         }
+        Derived::Refused { error } => Step::Finish(Outcome::Rejected(LockRejection::acquire(
+            error,
+            config.hold.mode(),
+            config.busy_retry_after,
+            config.unavailable_retry_after,
+        ))),
     })
+}
+
+/// Logs a wiring mistake the first time this layer meets it: it is a bug in the server that
+/// every request on the route meets, and one line names it.
+fn report_miswiring(config: &LockConfig, explanation: &str) {
+    let mut seen = config
+        .miswirings
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Bounded, should a custom `LockKey` word its explanations per request.
+    if seen.len() < 64 && seen.insert(explanation.to_owned()) {
+        tracing::error!(
+            lock = config.locks.name(),
+            "requests are refused with 500: the lock layer is wired wrong: {explanation}"
+        );
+    }
 }
 
 /// Races the inner service against loss (loss first); on success, releases or hands the lock
@@ -215,6 +235,14 @@ where
             .as_ref()
             .and_then(|handle| handle.ensure_held().err())
             .unwrap_or_else(|| LockError::lost(None));
+        tracing::warn!(
+            lock = config.locks.name(),
+            fencing_token = handle.as_ref().map(LockHandle::fencing_token),
+            key_digest = handle.as_ref().and_then(LockHandle::key_digest),
+            reason = error.message(),
+            "the lock was lost while the request was being handled; the handler was stopped and \
+             the client is told the outcome is unknown"
+        );
         let rejection = LockRejection::lost(error, config.hold.mode());
         return Poll::Ready(Step::Finish(Outcome::Rejected(rejection)));
     };
@@ -279,6 +307,9 @@ where
     }
 }
 
+/// Refusals are logged at debug level: contention is routine, an outage is logged once by the
+/// provider when it starts and once when it ends (not per request, which would flood the log
+/// exactly when it matters), and a loss and a wiring mistake are logged where they are found.
 fn log_rejection(config: &LockConfig, rejection: &LockRejection) {
     let lock = config.locks.name();
     let code = rejection.code();
@@ -296,11 +327,8 @@ fn log_rejection(config: &LockConfig, rejection: &LockRejection) {
         ErrorKind::InvalidKey => {
             tracing::debug!(lock, code, "request refused: no valid lock key");
         }
-        ErrorKind::Unavailable | ErrorKind::Lost => {
-            tracing::warn!(lock, code, error = ?rejection.error(), "request refused: {}", rejection.detail());
-        }
         _ => {
-            tracing::error!(lock, code, error = ?rejection.error(), "request refused: {}", rejection.detail());
+            tracing::debug!(lock, code, error = ?rejection.error(), "request refused: {}", rejection.detail());
         }
     }
 }

@@ -56,6 +56,20 @@ pub trait LockKey: Send + Sync + 'static {
         let _ = request;
         ready(true)
     }
+
+    /// Why the service is wired so that this request cannot be locked, if it is; asked before
+    /// [`lock_key`](Self::lock_key) for requests the layer [applies to](Self::applies_to).
+    ///
+    /// A wiring mistake is a bug in the server, not in the request: the layer answers `500`
+    /// and logs the explanation (once per layer and explanation), instead of a `400` that
+    /// blames the client on every request. The explanation must not contain the key or any
+    /// request data; a route template and parameter names are fine. For example
+    /// [`PathTemplate`](https://docs.rs/lockingkit-axum) reports a template that names a path
+    /// parameter its route does not capture. The default finds nothing.
+    fn miswired(&self, request: &mut Parts) -> impl Future<Output = Option<String>> + Send {
+        let _ = request;
+        ready(None)
+    }
 }
 
 impl<F> LockKey for F
@@ -78,8 +92,10 @@ pub(crate) enum Derived {
     },
     Refused {
         error: LockError,
-        /// An outer lock layer already holds this key (in the same namespace) for this request.
-        nested: bool,
+    },
+    /// The service is wired so that the request cannot be locked: a server bug, told here.
+    Miswired {
+        explanation: String,
     },
 }
 
@@ -110,17 +126,29 @@ async fn derive_and_acquire<K: LockKey>(
     if !key.applies_to(parts).await {
         return Derived::NotApplicable;
     }
+    if let Some(explanation) = key.miswired(parts).await {
+        return Derived::Miswired { explanation };
+    }
     let Some(key) = key.lock_key(parts).await else {
         return Derived::NoKey;
     };
-    let acquired = config.hold.take(&config.locks, &key, config.wait).await;
-    match acquired {
+    // Locks are not reentrant: a second layer of the same provider locking the same key on one
+    // request would be refused as busy by the first, on every request.
+    let nested = parts.extensions.get::<RequestLock>().is_some_and(|outer| {
+        outer.key() == key
+            && same_namespace(outer.mode(), config.hold.mode())
+            && outer.is_from(&config.locks)
+    });
+    if nested {
+        return Derived::Miswired {
+            explanation: "two lock layers of one provider lock the same key on this request, \
+                          and locks are not reentrant (with axum, each Router::route_layer \
+                          wraps every route added before it)"
+                .to_owned(),
+        };
+    }
+    match config.hold.take(&config.locks, &key, config.wait).await {
         Ok(handle) => Derived::Acquired { handle },
-        Err(error) => Derived::Refused {
-            nested: parts.extensions.get::<RequestLock>().is_some_and(|outer| {
-                outer.key() == key && same_namespace(outer.mode(), config.hold.mode())
-            }),
-            error,
-        },
+        Err(error) => Derived::Refused { error },
     }
 }

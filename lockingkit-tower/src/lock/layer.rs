@@ -1,7 +1,8 @@
 //! `LockLayer`: the configuration of a locked service.
 
+use std::collections::HashSet;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::request::Parts;
@@ -22,7 +23,9 @@ use super::LockService;
 /// [`wait`](Self::wait) — puts a [`RequestLock`](crate::RequestLock) into the request
 /// extensions and calls the inner service. The inner service's future is raced against the
 /// lock's loss signal: if the lock is lost, that future is dropped at its current `.await`
-/// point and the client gets `503`. Once the inner service has produced its response the layer
+/// point and the client gets `500` with code `locking.lost`, saying the outcome is unknown
+/// (see [`on_loss`](Self::on_loss) for letting the handler finish instead). Once the inner
+/// service has produced its response the layer
 /// releases the lock and waits for the backend to confirm before handing the response on, so a
 /// client that has the response can take the lock at once; with
 /// [`hold_until_body_ends`](Self::hold_until_body_ends) it holds the lock until the response
@@ -40,6 +43,9 @@ use super::LockService;
 /// - If the lock is lost after the inner service has produced its response but before the
 ///   release, the response is sent as is and a warning is logged: the work is done, and the
 ///   fencing token is what protects its writes.
+/// - A request the service is wired so that it cannot lock — two layers of one provider locking
+///   the same key on one request, or a [`LockKey`] that reports a mistake through
+///   [`LockKey::miswired`] — is answered `500` and the mistake is logged once, naming it.
 /// - The inner service is asked for readiness before the lock is taken, and the instance that
 ///   was polled ready is kept while waiting for the lock (in wait mode), so a concurrency
 ///   limit inside the layer counts waiting requests too. Put such limits outside the layer to
@@ -97,8 +103,32 @@ pub(crate) struct LockConfig {
     pub(crate) wait: Option<Duration>,
     pub(crate) pass_through_without_key: bool,
     pub(crate) hold_until_body_ends: bool,
+    pub(crate) on_loss: OnLoss,
     pub(crate) busy_retry_after: Duration,
     pub(crate) unavailable_retry_after: Duration,
+    /// The wiring mistakes already logged, so each is logged once, not on every request.
+    pub(crate) miswirings: Arc<Mutex<HashSet<String>>>,
+}
+
+/// What a [`LockLayer`] does when the lock of a request is lost while the inner service
+/// handles it.
+///
+/// Either way the handler's work may have been applied in part or whole by then (a database
+/// commits a statement whose future is dropped): fence every write with the request's fencing
+/// token, or make the handler's effects one transaction (see docs/http.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnLoss {
+    /// Drop the inner service's future at its current `.await` point and answer `500` with
+    /// code `locking.lost` and no `Retry-After`, saying the outcome is unknown. The default:
+    /// nothing the handler does after the loss happens.
+    #[default]
+    Cancel,
+    /// Let the inner service run to its end and send its response. Its
+    /// [`RequestLock`](crate::RequestLock) tells it of the loss (the lost token fires,
+    /// `ensure_held` fails), so it can finish, roll back or answer as it sees fit — for work
+    /// that must not stop half-way. The layer logs the loss and adds nothing to the response.
+    Signal,
 }
 
 impl LockLayer {
@@ -120,8 +150,10 @@ impl LockLayer {
                 wait: None,
                 pass_through_without_key: false,
                 hold_until_body_ends: false,
+                on_loss: OnLoss::Cancel,
                 busy_retry_after: DEFAULT_BUSY_RETRY_AFTER,
                 unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
+                miswirings: Arc::default(),
             }),
             mapper: Arc::new(ProblemDetails),
         }
@@ -248,6 +280,28 @@ impl<M> LockLayer<M> {
         self.configure(|config| config.hold_until_body_ends = true)
     }
 
+    /// What to do when a request's lock is lost while the inner service handles it:
+    /// [`OnLoss::Cancel`] (the default) drops the handler and answers `500` "outcome unknown";
+    /// [`OnLoss::Signal`] lets the handler run to its end, telling it through its
+    /// [`RequestLock`](crate::RequestLock).
+    ///
+    /// ```
+    /// use http::request::Parts;
+    /// use lockingkit::DistributedLock;
+    /// use lockingkit_tower::{LockLayer, OnLoss};
+    ///
+    /// // A handler that commits in one transaction checks `ensure_held()` before COMMIT and
+    /// // rolls back otherwise: it must not be dropped between the two.
+    /// let layer = LockLayer::new(DistributedLock::in_memory(), |parts: &Parts| {
+    ///     Some(parts.uri.path().to_owned())
+    /// })
+    /// .on_loss(OnLoss::Signal);
+    /// # let _ = layer;
+    /// ```
+    pub fn on_loss(self, on_loss: OnLoss) -> Self {
+        self.configure(|config| config.on_loss = on_loss)
+    }
+
     /// The `Retry-After` sent with busy and timeout rejections (1 s by default; whole seconds,
     /// rounded up).
     pub fn busy_retry_after(self, after: Duration) -> Self {
@@ -337,6 +391,7 @@ impl LockConfig {
             .field("wait", &self.wait)
             .field("pass_through_without_key", &self.pass_through_without_key)
             .field("hold_until_body_ends", &self.hold_until_body_ends)
+            .field("on_loss", &self.on_loss)
             .finish_non_exhaustive()
     }
 }

@@ -14,7 +14,7 @@ mod until_lost;
 pub use self::body::LockBody;
 pub use self::future::ResponseFuture;
 pub use self::key::LockKey;
-pub use self::layer::LockLayer;
+pub use self::layer::{LockLayer, OnLoss};
 pub use self::rejection::{
     LockRejection, ProblemDetails, ProblemDocument, RejectionResponse, DEFAULT_BUSY_RETRY_AFTER,
     DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,

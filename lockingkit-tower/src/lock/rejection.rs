@@ -100,8 +100,14 @@ impl ProblemDocument {
 /// | `Busy`, `Timeout` of a [semaphore](crate::LockLayer::semaphore) layer | 429 Too Many Requests | yes |
 /// | `Unavailable` | 503 Service Unavailable | yes |
 /// | `InvalidKey` (also: no key derivable) | 400 Bad Request | no |
-/// | `Lost` mid-request | 503 Service Unavailable | no |
-/// | `Misconfigured`, `Backend` | 500 Internal Server Error | no |
+/// | `Lost` mid-request: the outcome is unknown | 500 Internal Server Error | no |
+/// | `Misconfigured`, `Backend` (also: the layer is wired wrong) | 500 Internal Server Error | no |
+///
+/// A lock lost mid-request is not `503`: the handler may have applied some or all of its
+/// effects before it was stopped (a database commits a statement whose future was dropped),
+/// so the request must not be retried blindly, and `503` is the status clients and proxies
+/// retry. The document says the outcome is unknown; docs/http.md says how to make such
+/// handlers safe.
 ///
 /// A rejection never carries the lock key, so it is safe to log and to show to clients.
 ///
@@ -120,6 +126,8 @@ enum Cause {
     NoKey,
     Acquire(LockError),
     Lost(LockError),
+    /// The service is wired so that this request cannot be locked: a server bug.
+    Miswired(LockError),
 }
 
 impl LockRejection {
@@ -157,11 +165,19 @@ impl LockRejection {
         }
     }
 
+    pub(crate) fn miswired(error: LockError, mode: LockMode) -> Self {
+        LockRejection {
+            cause: Cause::Miswired(error),
+            retry_after: None,
+            mode,
+        }
+    }
+
     /// The kind of failure; [`ErrorKind::InvalidKey`] when no key could be derived.
     pub fn kind(&self) -> ErrorKind {
         match &self.cause {
             Cause::NoKey => ErrorKind::InvalidKey,
-            Cause::Acquire(error) | Cause::Lost(error) => error.kind(),
+            Cause::Acquire(error) | Cause::Lost(error) | Cause::Miswired(error) => error.kind(),
         }
     }
 
@@ -183,11 +199,18 @@ impl LockRejection {
             && matches!(self.kind(), ErrorKind::Busy | ErrorKind::Timeout)
     }
 
-    /// Whether the lock was lost while the inner service was handling the request.
-    ///
-    /// The inner service's future was dropped at its current `.await` point.
+    /// Whether the lock was lost while the inner service was handling the request: the
+    /// inner service's future was dropped at its current `.await` point, and the outcome of
+    /// the request is unknown (some or all of its effects may have been applied).
     pub fn is_lost_mid_request(&self) -> bool {
         matches!(self.cause, Cause::Lost(_))
+    }
+
+    /// Whether the service is wired so that the request could not be locked (two layers
+    /// locking the same key, a key template naming a parameter the route does not capture): a
+    /// bug in the server, not in the request, answered `500`.
+    pub fn is_miswired(&self) -> bool {
+        matches!(self.cause, Cause::Miswired(_))
     }
 
     /// Whether no key could be derived from the request (as opposed to a derived key that the
@@ -200,7 +223,7 @@ impl LockRejection {
     pub fn error(&self) -> Option<&LockError> {
         match &self.cause {
             Cause::NoKey => None,
-            Cause::Acquire(error) | Cause::Lost(error) => Some(error),
+            Cause::Acquire(error) | Cause::Lost(error) | Cause::Miswired(error) => Some(error),
         }
     }
 
@@ -214,10 +237,14 @@ impl LockRejection {
         if self.is_concurrency_limit() {
             return StatusCode::TOO_MANY_REQUESTS;
         }
+        if self.is_miswired() {
+            return StatusCode::INTERNAL_SERVER_ERROR;
+        }
         match self.kind() {
             ErrorKind::Busy | ErrorKind::Timeout => StatusCode::CONFLICT,
-            ErrorKind::Unavailable | ErrorKind::Lost => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::InvalidKey => StatusCode::BAD_REQUEST,
+            // Lost mid-request: the outcome is unknown, so nothing here invites a retry.
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -235,14 +262,18 @@ impl LockRejection {
         }
         match (&self.cause, self.kind()) {
             (Cause::NoKey, _) => "No lock key could be derived from the request.",
+            (Cause::Miswired(_), _) => {
+                "The server is configured so that this request cannot be locked."
+            }
             (_, ErrorKind::Busy) => "The resource is locked by another request. Retry later.",
             (_, ErrorKind::Timeout) => {
                 "The resource stayed locked by another request for the whole wait. Retry later."
             }
             (_, ErrorKind::Unavailable) => "The lock service is unavailable. Retry later.",
             (_, ErrorKind::Lost) => {
-                "The lock protecting this request was lost before the request finished; \
-                 processing was stopped."
+                "The lock protecting this request was lost while the request was being \
+                 processed. The outcome is unknown: some or all of its effects may have been \
+                 applied. Check the resource's state before retrying."
             }
             (_, ErrorKind::InvalidKey) => "The lock key derived from the request is not valid.",
             _ => "The lock service failed.",
@@ -346,6 +377,7 @@ impl fmt::Debug for LockRejection {
             .field("mode", &self.mode)
             .field("status", &self.status().as_u16())
             .field("lost_mid_request", &self.is_lost_mid_request())
+            .field("miswired", &self.is_miswired())
             .field("retry_after", &self.retry_after)
             .finish()
     }
@@ -382,7 +414,7 @@ mod tests {
     }
 
     #[test]
-    fn statuses_follow_the_spec_table() {
+    fn statuses_follow_the_documented_table() {
         assert_eq!(rejection(ErrorKind::Busy).status(), StatusCode::CONFLICT);
         assert_eq!(rejection(ErrorKind::Timeout).status(), StatusCode::CONFLICT);
         assert_eq!(
@@ -402,8 +434,14 @@ mod tests {
             StatusCode::INTERNAL_SERVER_ERROR
         );
         let lost = LockRejection::lost(LockError::lost(None), LockMode::Exclusive);
-        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(lost.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert!(lost.retry_after().is_none());
+        assert!(lost.detail().contains("outcome is unknown"));
+        let miswired = LockRejection::miswired(
+            LockError::new(ErrorKind::Misconfigured, "two layers"),
+            LockMode::Exclusive,
+        );
+        assert_eq!(miswired.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(
             LockRejection::no_key(LockMode::Exclusive).status(),
             StatusCode::BAD_REQUEST
@@ -466,7 +504,7 @@ mod tests {
     fn a_handlers_lock_error_becomes_the_layers_own_rejection() {
         let lost = LockRejection::from(LockError::lost(None));
         assert!(lost.is_lost_mid_request());
-        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(lost.status(), StatusCode::INTERNAL_SERVER_ERROR);
         let busy = LockRejection::from(LockError::new(ErrorKind::Busy, "held"));
         assert_eq!(busy.retry_after(), Some(DEFAULT_BUSY_RETRY_AFTER));
         let down = LockRejection::from(LockError::new(ErrorKind::Unavailable, "down"));

@@ -41,6 +41,11 @@ impl RequestLock {
         self.view.key()
     }
 
+    /// Whether the lock was taken through `locks` (the same provider).
+    pub fn is_from(&self, locks: &lockingkit::DistributedLock) -> bool {
+        self.view.is_from(locks)
+    }
+
     /// How the layer holds the key: [`LockMode::Exclusive`] by default, [`LockMode::Shared`]
     /// after [`LockLayer::shared`](crate::LockLayer::shared), [`LockMode::Semaphore`] after
     /// [`LockLayer::semaphore`](crate::LockLayer::semaphore).

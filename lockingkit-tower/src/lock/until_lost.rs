@@ -16,7 +16,8 @@ pin_project! {
     /// is gone, even when both became ready together. (tokio-util's `run_until_cancelled`
     /// prefers the work in that race, which is why it is not used.)
     pub(crate) struct UntilLost<F> {
-        lost: CancellationToken,
+        // `None`: the work is never dropped on loss (`OnLoss::Signal`).
+        lost: Option<CancellationToken>,
         // Registered only once the work has returned `Pending`: most handlers behind the layer
         // finish in their first poll, and registering and removing a waiter costs two lock
         // round trips on the token (benchmark row 9, HTTP layer cost).
@@ -28,7 +29,7 @@ pin_project! {
 }
 
 impl<F> UntilLost<F> {
-    pub(crate) fn new(lost: CancellationToken, work: F) -> Self {
+    pub(crate) fn new(lost: Option<CancellationToken>, work: F) -> Self {
         UntilLost {
             lost,
             waiter: None,
@@ -42,9 +43,12 @@ impl<F: Future> Future for UntilLost<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        let Some(token) = this.lost.as_ref() else {
+            return this.work.poll(cx).map(Some);
+        };
         let lost = match this.waiter.as_mut().as_pin_mut() {
             Some(waiter) => waiter.poll(cx).is_ready(),
-            None => this.lost.is_cancelled(),
+            None => token.is_cancelled(),
         };
         if lost {
             return Poll::Ready(None);
@@ -54,7 +58,7 @@ impl<F: Future> Future for UntilLost<F> {
         }
         // The work waits, so loss must wake this task from now on.
         if this.waiter.is_none() {
-            this.waiter.set(Some(this.lost.clone().cancelled_owned()));
+            this.waiter.set(Some(token.clone().cancelled_owned()));
         }
         match this.waiter.as_pin_mut().map(|waiter| waiter.poll(cx)) {
             Some(Poll::Ready(())) => Poll::Ready(None),

@@ -1,7 +1,6 @@
 //! The engine: waiting, backoff, renewal, loss detection and release, written once for every
 //! backend.
 
-mod backoff;
 mod hold;
 mod options;
 mod waiting_room;
@@ -11,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 pub use options::LockOptions;
 
@@ -18,18 +18,22 @@ use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode}
 use crate::background::{self, BoxFuture, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::LockHandle;
+use crate::health::{Admission, Health, Probe, Refusal};
 use crate::keys::validate_key;
-use crate::telemetry::{Operation, Outcome, Telemetry};
+use crate::telemetry::{KeyDigest, Operation, Outcome, Telemetry};
 
-use backoff::Backoff;
+use crate::backoff::Backoff;
 use hold::Hold;
 use hold::RenewalScheduler;
-use waiting_room::{Answer, Arrival, Turn, WaitEvidence, WaitingRoom};
+use waiting_room::{Answer, Arrival, Occupied, Turn, WaitEvidence, WaitingRoom};
 
 /// How long a connection-held lock goes unwatched after it is taken (see
 /// `Engine::keeper_starts_after`). Loss through a closed connection is declared at most this
 /// much later than the backend notices it, and still long before the next check.
 const CONNECTION_WATCH_DELAY: Duration = Duration::from_millis(10);
+
+/// How often a shutdown looks whether every lock and attempt has ended.
+const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
 
 /// The shortest lease, check interval or renewal interval the engine accepts.
 const SHORTEST_INTERVAL: Duration = Duration::from_millis(1);
@@ -51,6 +55,13 @@ pub(crate) trait AnyEngine: Send + Sync {
     ) -> BoxFuture<'a, Result<LockHandle, LockError>>;
     /// Whether the backend can hold locks in `mode`.
     fn supports(&self, mode: LockMode) -> bool;
+    /// The failure callers are refused with while the backend is failing.
+    fn current_failure(&self) -> Option<LockError>;
+    /// The backend's own startup check (see `LockBackend::verify`).
+    fn verify(&self) -> BoxFuture<'_, Result<(), LockError>>;
+    /// Refuses new acquires, gives up every lock, waits for the releases and clean-ups, then
+    /// closes the backend; all within `timeout`.
+    fn shutdown(self: Arc<Self>, timeout: Duration) -> BoxFuture<'static, Result<(), LockError>>;
     fn busy_keys(&self) -> usize;
     fn waiting(&self, key: &str) -> usize;
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
@@ -67,6 +78,12 @@ pub(crate) struct Engine<B: LockBackend> {
     /// cannot take, the other may.
     semaphore_rooms: Mutex<HashMap<u32, Arc<WaitingRoom>>>,
     scheduler: Arc<RenewalScheduler>,
+    /// Whether the backend is failing: while it is, one attempt at a time goes out and the
+    /// other callers are refused with the latest cause (see `crate::health`).
+    health: Arc<Health>,
+    /// Cancelled by [`shutdown`](AnyEngine::shutdown): new acquires are refused, waits end,
+    /// and every keeper gives its lock up.
+    pub(super) closed: CancellationToken,
     telemetry: Telemetry,
 }
 
@@ -87,6 +104,7 @@ impl<B: LockBackend> Engine<B> {
         backend: B,
         options: LockOptions,
         meter: &opentelemetry::metrics::Meter,
+        key_digest: Option<KeyDigest>,
     ) -> Result<Self, LockError> {
         options.validate(&format!("Locking.{name}"))?;
         let timing = backend.timing();
@@ -125,7 +143,9 @@ impl<B: LockBackend> Engine<B> {
         if !problems.is_empty() {
             return Err(LockError::misconfigured(problems));
         }
-        Ok(Self::new_unchecked(name, backend, options, meter))
+        Ok(Self::new_unchecked(
+            name, backend, options, meter, key_digest,
+        ))
     }
 
     /// Builds without validating; for option sets that are valid by construction.
@@ -134,15 +154,24 @@ impl<B: LockBackend> Engine<B> {
         backend: B,
         options: LockOptions,
         meter: &opentelemetry::metrics::Meter,
+        key_digest: Option<KeyDigest>,
     ) -> Self {
-        let telemetry = Telemetry::new(name, backend.provider(), meter);
+        let telemetry = Telemetry::new(name, backend.provider(), meter, key_digest);
+        let health = Health::logged(
+            options.min_retry_delay,
+            options.max_outage_retry_delay,
+            telemetry.lock_name_shared(),
+            telemetry.provider_shared(),
+        );
         Engine {
             timing: backend.timing(),
             backend: Arc::new(backend),
+            room: Arc::new(WaitingRoom::new(options.max_retry_delay)),
             options,
-            room: Arc::new(WaitingRoom::default()),
             semaphore_rooms: Mutex::default(),
             scheduler: Arc::new(RenewalScheduler::default()),
+            health: Arc::new(health),
+            closed: CancellationToken::new(),
             telemetry,
         }
     }
@@ -150,38 +179,76 @@ impl<B: LockBackend> Engine<B> {
     /// How long after the acquire was sent the lock's keeper task starts: when the first
     /// renewal is due for an expiring lease. A connection-held lock can end any time its
     /// connection does, and a backend may notice that without asking
-    /// (`LockBackend::lease_ended`), so its keeper starts almost at once — yet not at once:
+    /// (`LockBackend::lease_ended`; expiring backends that watch their leases say so with
+    /// `LockBackend::watches_leases`), so its keeper starts almost at once — yet not at once:
     /// a task per acquire costs cross-thread wake-ups that were a third of a PostgreSQL
     /// try_acquire+release pair, and most holds are shorter than this.
     fn keeper_starts_after(&self) -> Duration {
         match self.timing {
-            LeaseTiming::Expiring(lease) => self.options.renew_every.unwrap_or(lease / 3),
+            LeaseTiming::Expiring(lease) => {
+                let renewal = self.options.renew_every.unwrap_or(lease / 3);
+                if self.backend.watches_leases() {
+                    renewal.min(CONNECTION_WATCH_DELAY)
+                } else {
+                    renewal
+                }
+            }
             LeaseTiming::ConnectionHeld(interval) => interval.min(CONNECTION_WATCH_DELAY),
         }
     }
 
-    /// One backend attempt under `turn`. If the caller drops this future while the attempt is
-    /// in flight, the attempt finishes in the background, a lease it won is released, and only
-    /// then does the turn pass to the next local waiter.
+    /// Whether an attempt may go out now (see `crate::health`): `Err` with the latest cause
+    /// while the backend is failing and another caller probes it, or the probe is not due.
+    fn admit(&self) -> Result<Option<Probe>, Refusal> {
+        match self.health.admit() {
+            Admission::Go => Ok(None),
+            Admission::Probe(probe) => Ok(Some(probe)),
+            Admission::Refused(refusal) => Err(refusal),
+        }
+    }
+
+    /// One backend attempt under `turn`, let through by [`admit`](Self::admit) (as its `probe`
+    /// while the backend is failing); `again` when the turn attempted before, which callers that
+    /// meet the key should know is in flight. If the caller drops this future while the attempt
+    /// is in flight, the attempt finishes in the background, a lease it won is released, and
+    /// only then does the turn pass to the next local waiter.
     fn attempt(
         &self,
         turn: Turn,
         mode: LockMode,
+        probe: Option<Probe>,
+        again: bool,
     ) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
         let backend = self.backend.clone();
+        let health = self.health.clone();
         let release_timeout = self.options.release_timeout;
         let work = async move {
             let sent = Instant::now();
+            if again {
+                turn.note_sent(sent);
+            }
             let result = match mode {
                 LockMode::Exclusive => backend.try_acquire(turn.key()).await,
                 mode => backend.try_acquire_in(turn.key(), mode).await,
             };
-            turn.note_attempt(match &result {
+            let answer = match &result {
                 Ok(Some(_)) => Answer::Took,
                 Ok(None) => Answer::Busy,
-                Err(error) if error.reached() => Answer::Failed,
-                Err(_) => Answer::Unreached,
-            });
+                Err(error) => Answer::Failed(error.clone()),
+            };
+            match (&answer, probe) {
+                (Answer::Failed(error), Some(probe)) => probe.failed(error),
+                (Answer::Failed(error), None) => {
+                    health.failed(error, false);
+                }
+                (_, Some(probe)) => {
+                    probe.answered();
+                }
+                (_, None) => {
+                    health.answered();
+                }
+            }
+            turn.note_attempt(answer);
             (turn, sent, result)
         };
         Orphanable::new(
@@ -195,7 +262,7 @@ impl<B: LockBackend> Engine<B> {
 
     fn hold(
         self: &Arc<Self>,
-        runtime: &tokio::runtime::Handle,
+        caller: &Caller,
         turn: Turn,
         mode: LockMode,
         acquired: Acquired<B::Lease>,
@@ -207,14 +274,40 @@ impl<B: LockBackend> Engine<B> {
         };
         let held = Arc::new(Hold::new(
             self.clone(),
-            runtime.clone(),
+            caller.runtime.clone(),
             turn,
             acquired,
             sent,
+            caller.span.clone(),
         ));
         self.telemetry.lock_taken();
         held.schedule();
+        if self.closed.is_cancelled() {
+            // Won as the engine shut down: the keeper gives it up at once.
+            self.scheduler.start_all();
+        }
         LockHandle::new(held)
+    }
+
+    /// The hold of a lock won under a queue's turn. A semaphore holder keeps a lane of its own:
+    /// the queue's turn passes on now, so the next local waiter attempts at once.
+    fn hold_won(
+        self: &Arc<Self>,
+        caller: &Caller,
+        turn: Turn,
+        mode: LockMode,
+        acquired: Acquired<B::Lease>,
+        sent: Instant,
+    ) -> LockHandle {
+        let turn = match mode {
+            LockMode::Semaphore { .. } => {
+                let lane = self.room.own_lane(turn.key());
+                drop(turn);
+                lane
+            }
+            _ => turn,
+        };
+        self.hold(caller, turn, mode, acquired, sent)
     }
 
     /// The room of the local queues for semaphores of `max_count`.
@@ -223,7 +316,10 @@ impl<B: LockBackend> Engine<B> {
             .semaphore_rooms
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        rooms.entry(max_count).or_default().clone()
+        rooms
+            .entry(max_count)
+            .or_insert_with(|| Arc::new(WaitingRoom::new(self.options.max_retry_delay)))
+            .clone()
     }
 
     /// The turn a semaphore holder keeps, its lane, made to nudge the front local waiter of the
@@ -236,15 +332,37 @@ impl<B: LockBackend> Engine<B> {
     /// The turn a caller in `mode` gets at once, if any: exclusive callers take the key's turn
     /// (or are told why not); readers take a lane of their own, and so do semaphore callers
     /// unless callers here already wait for the semaphore (it was full: they go first).
-    fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, WaitEvidence> {
+    fn try_turn(self: &Arc<Self>, key: &str, mode: LockMode) -> Result<Turn, Occupied> {
         match mode {
             LockMode::Exclusive => self.room.try_enter(key),
             LockMode::Semaphore { max_count } => match self.semaphore_room(max_count).occupied(key)
             {
-                Some(evidence) => Err(evidence),
+                Some(occupied) => Err(occupied),
                 None => Ok(self.room.own_lane(key)),
             },
             LockMode::Shared => Ok(self.room.own_lane(key)),
+        }
+    }
+
+    /// The turn for one attempt at `key`, or what the caller is told instead: a local caller
+    /// that holds or attempts the key answers for it (single flight: a caller that meets an
+    /// attempt still in flight waits for its answer rather than guess, or send another).
+    async fn try_turn_or_refusal(
+        self: &Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Turn, LockError> {
+        loop {
+            let evidence = match self.try_turn(key, mode) {
+                Ok(turn) => return Ok(turn),
+                Err(Occupied::Known(evidence)) => evidence,
+                Err(Occupied::Pending(answer)) => match answer.evidence().await {
+                    Some(evidence) => evidence,
+                    // The turn passed on without an answer: look again.
+                    None => continue,
+                },
+            };
+            return Err(refusal_error(evidence));
         }
     }
 
@@ -253,30 +371,21 @@ impl<B: LockBackend> Engine<B> {
         key: &str,
         mode: LockMode,
         attempts: &mut u64,
+        span: tracing::Span,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        let runtime = current_runtime()?;
-        let turn = match self.try_turn(key, mode) {
-            Ok(turn) => turn,
-            Err(WaitEvidence::Contended) => return Err(LockError::busy()),
-            // An earlier attempt for this key is still running here and never reached the
-            // backend: during an outage, say so rather than claim the lock is taken.
-            Err(WaitEvidence::Unreached) => {
-                return Err(LockError::new(
-                    ErrorKind::Unavailable,
-                    "the backend did not answer the last attempt for this key",
-                ))
-            }
-            Err(WaitEvidence::Failing) => {
-                return Err(LockError::new(
-                    ErrorKind::Unavailable,
-                    "the backend answered the last attempt for this key with a failure",
-                ))
+        let caller = Caller::here(span)?;
+        let turn = self.try_turn_or_refusal(key, mode).await?;
+        let probe = match self.admit() {
+            Ok(probe) => probe,
+            Err(refusal) => {
+                turn.note_attempt(Answer::Failed(refusal.cause.clone()));
+                return Err(failing_error(refusal));
             }
         };
         *attempts += 1;
-        match self.attempt(turn, mode).await {
-            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&runtime, turn, mode, acquired, sent)),
+        match self.attempt(turn, mode, probe, false).await {
+            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&caller, turn, mode, acquired, sent)),
             (_, _, Ok(None)) => Err(LockError::busy()),
             (_, _, Err(error)) => Err(attempt_error(error)),
         }
@@ -288,9 +397,10 @@ impl<B: LockBackend> Engine<B> {
         mode: LockMode,
         timeout: Duration,
         attempts: &mut u64,
+        span: tracing::Span,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        let runtime = current_runtime()?;
+        let caller = Caller::here(span)?;
         let deadline = crate::clock::in_(timeout);
         // What the latest finished attempt found, and when the one in flight (if any) was sent:
         // they decide between `Timeout` and `Unavailable` (see `wait_outcome`).
@@ -302,22 +412,30 @@ impl<B: LockBackend> Engine<B> {
         let mut attempted = false;
         let nobody_waits = |max_count| self.semaphore_room(max_count).occupied(key).is_none();
         if matches!(mode, LockMode::Semaphore { max_count } if nobody_waits(max_count)) {
-            *attempts += 1;
-            in_flight = Some(Instant::now());
-            let first = self.attempt(self.room.own_lane(key), mode);
-            let Ok((lane, sent, result)) = tokio::time::timeout_at(deadline, first).await else {
-                return Err(wait_outcome(
-                    timeout,
-                    latest,
-                    in_flight,
-                    self.options.max_retry_delay,
-                ));
-            };
-            in_flight = None;
-            match result {
-                Ok(Some(acquired)) => return Ok(self.hold(&runtime, lane, mode, acquired, sent)),
-                Ok(None) => latest = Latest::Busy,
-                Err(error) => latest = Latest::after_failure(error)?,
+            match self.admit() {
+                Ok(probe) => {
+                    *attempts += 1;
+                    in_flight = Some(Instant::now());
+                    let first = self.attempt(self.room.own_lane(key), mode, probe, false);
+                    let Ok((lane, sent, result)) = tokio::time::timeout_at(deadline, first).await
+                    else {
+                        return Err(wait_outcome(
+                            timeout,
+                            latest,
+                            in_flight,
+                            self.options.max_retry_delay,
+                        ));
+                    };
+                    in_flight = None;
+                    match result {
+                        Ok(Some(acquired)) => {
+                            return Ok(self.hold(&caller, lane, mode, acquired, sent))
+                        }
+                        Ok(None) => latest = Latest::Busy,
+                        Err(error) => latest = Latest::after_failure(error)?,
+                    }
+                }
+                Err(refusal) => latest = Latest::after_failure(refusal.cause)?,
             }
             attempted = true;
         }
@@ -337,6 +455,9 @@ impl<B: LockBackend> Engine<B> {
         if skip_attempt {
             turn.note_attempt(latest.answer());
         }
+        // Whether the turn has an answer on record, which callers that meet the key read until
+        // the next attempt answers: they need to know when that attempt was sent.
+        let mut noted = skip_attempt;
         let mut turn = Some(turn);
         let waited = tokio::time::timeout_at(deadline, async {
             loop {
@@ -357,27 +478,31 @@ impl<B: LockBackend> Engine<B> {
                     let Some(current) = turn.take() else {
                         return Err(LockError::new(ErrorKind::Backend, "internal: turn lost"));
                     };
-                    *attempts += 1;
-                    in_flight = Some(Instant::now());
-                    let (current, sent, result) = self.attempt(current, mode).await;
-                    in_flight = None;
-                    match result {
-                        Ok(Some(acquired)) => {
-                            let turn = match mode {
-                                // A semaphore holder keeps a lane of its own; the queue's turn
-                                // passes on now, so the next local waiter attempts at once.
-                                LockMode::Semaphore { .. } => {
-                                    let lane = self.room.own_lane(key);
-                                    drop(current);
-                                    lane
-                                }
-                                _ => current,
-                            };
-                            return Ok(self.hold(&runtime, turn, mode, acquired, sent));
+                    let current = match self.admit() {
+                        Err(refusal) => {
+                            // No request: the backend is failing and is not due to be asked.
+                            latest = Latest::after_failure(refusal.cause)?;
+                            current.note_attempt(latest.answer());
+                            noted = true;
+                            current
                         }
-                        Ok(None) => latest = Latest::Busy,
-                        Err(error) => latest = Latest::after_failure(error)?,
-                    }
+                        Ok(probe) => {
+                            *attempts += 1;
+                            in_flight = Some(Instant::now());
+                            let again = std::mem::replace(&mut noted, true);
+                            let (current, sent, result) =
+                                self.attempt(current, mode, probe, again).await;
+                            in_flight = None;
+                            match result {
+                                Ok(Some(acquired)) => {
+                                    return Ok(self.hold_won(&caller, current, mode, acquired, sent))
+                                }
+                                Ok(None) => latest = Latest::Busy,
+                                Err(error) => latest = Latest::after_failure(error)?,
+                            }
+                            current
+                        }
+                    };
                     turn = Some(current);
                 }
                 // Only a busy answer waits for the hint: after a failure the lock may well be
@@ -444,11 +569,46 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
+    /// See [`AnyEngine::shutdown`]. Holds give their locks up through their keepers (started
+    /// now for those still waiting for theirs), so a release answers as it does for a dropped
+    /// handle; the engine is done once no key has an active party any more: every hold ended,
+    /// every attempt (an orphaned one's clean-up included) finished.
+    async fn shut_down(&self, timeout: Duration) -> Result<(), LockError> {
+        let deadline = crate::clock::in_(timeout);
+        self.closed.cancel();
+        self.scheduler.start_all();
+        // Nothing signals the last turn's end, and a shutdown is rare: look every few ms.
+        while AnyEngine::busy_keys(self) > 0 {
+            if Instant::now() >= deadline {
+                return Err(LockError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "the shutdown did not finish within {timeout:?}: {} locks or attempts \
+                         were still outstanding (their leases expire, or their connections \
+                         close, at the backend)",
+                        AnyEngine::busy_keys(self)
+                    ),
+                ));
+            }
+            tokio::time::sleep(SHUTDOWN_POLL).await;
+        }
+        if tokio::time::timeout_at(deadline, self.backend.shutdown())
+            .await
+            .is_err()
+        {
+            return Err(LockError::new(
+                ErrorKind::Unavailable,
+                format!("the backend did not close within the shutdown's {timeout:?}"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Starts recording an acquire call: its span, and its outcome when it ends.
-    fn record(&self, operation: Operation, mode: LockMode) -> AcquireRecord<'_> {
+    fn record(&self, operation: Operation, mode: LockMode, key: &str) -> AcquireRecord<'_> {
         AcquireRecord {
             telemetry: &self.telemetry,
-            span: self.telemetry.acquire_span(operation, mode),
+            span: self.telemetry.acquire_span(operation, mode, key),
             operation,
             mode,
             started: Instant::now(),
@@ -466,13 +626,19 @@ impl<B: LockBackend> Engine<B> {
         key: &str,
         mode: LockMode,
     ) -> Result<LockHandle, LockError> {
-        let mut record = self.record(Operation::TryAcquire, mode);
+        let mut record = self.record(Operation::TryAcquire, mode, key);
         let span = record.span.clone();
-        let result = background::traced(
-            span,
-            self.try_acquire_inner(key, mode, &mut record.attempts),
-        )
-        .await;
+        let result = match self.closed.is_cancelled() {
+            true => Err(shut_down_error()),
+            false => {
+                let caller = caller_span(&span);
+                background::traced(
+                    span,
+                    self.try_acquire_inner(key, mode, &mut record.attempts, caller),
+                )
+                .await
+            }
+        };
         record.finish(&result);
         result
     }
@@ -483,13 +649,19 @@ impl<B: LockBackend> Engine<B> {
         mode: LockMode,
         timeout: Duration,
     ) -> Result<LockHandle, LockError> {
-        let mut record = self.record(Operation::Acquire, mode);
+        let mut record = self.record(Operation::Acquire, mode, key);
         let span = record.span.clone();
-        let result = background::traced(
+        let caller = caller_span(&span);
+        let waiting = background::traced(
             span,
-            self.acquire_inner(key, mode, timeout, &mut record.attempts),
-        )
-        .await;
+            self.acquire_inner(key, mode, timeout, &mut record.attempts, caller),
+        );
+        // A shutdown ends every wait; an attempt in flight finishes in the background.
+        let result = tokio::select! {
+            biased;
+            _ = self.closed.cancelled() => Err(shut_down_error()),
+            result = waiting => result,
+        };
         record.finish(&result);
         result
     }
@@ -523,6 +695,23 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
 
     fn supports(&self, mode: LockMode) -> bool {
         self.backend.supports(mode)
+    }
+
+    fn current_failure(&self) -> Option<LockError> {
+        self.health.current_failure().map(failing_error)
+    }
+
+    fn verify(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            self.backend
+                .verify()
+                .await
+                .map_err(BackendError::into_lock_error)
+        })
+    }
+
+    fn shutdown(self: Arc<Self>, timeout: Duration) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move { self.shut_down(timeout).await })
     }
 
     fn busy_keys(&self) -> usize {
@@ -613,6 +802,32 @@ impl<F: FnMut()> Drop for Defer<F> {
     }
 }
 
+/// Where an acquire call comes from: the runtime its hold will live on, and the caller's span
+/// (a request's, say), which a loss of the hold is logged under.
+struct Caller {
+    runtime: tokio::runtime::Handle,
+    span: tracing::Span,
+}
+
+impl Caller {
+    fn here(span: tracing::Span) -> Result<Caller, LockError> {
+        Ok(Caller {
+            runtime: current_runtime()?,
+            span,
+        })
+    }
+}
+
+/// The caller's current span, when anyone traces this acquire (its own span is enabled);
+/// otherwise none, which costs nothing.
+fn caller_span(acquire_span: &tracing::Span) -> tracing::Span {
+    if acquire_span.is_disabled() {
+        tracing::Span::none()
+    } else {
+        tracing::Span::current()
+    }
+}
+
 fn current_runtime() -> Result<tokio::runtime::Handle, LockError> {
     tokio::runtime::Handle::try_current().map_err(|_| {
         LockError::new(
@@ -633,18 +848,60 @@ fn attempt_error(error: BackendError) -> LockError {
     }
 }
 
+/// What a `try_acquire` that could not enter is told: busy only on evidence that someone holds
+/// the key; the failure of the latest attempt as that failure.
+fn refusal_error(evidence: WaitEvidence) -> LockError {
+    match evidence {
+        WaitEvidence::Contended => LockError::busy(),
+        WaitEvidence::Failing(cause) => attempt_error(cause),
+        WaitEvidence::Unanswered => LockError::new(
+            ErrorKind::Unavailable,
+            "the backend did not answer the attempt in flight for this key",
+        ),
+    }
+}
+
+/// What a caller is told when its attempt is not sent because the backend is failing.
+fn failing_error(refusal: Refusal) -> LockError {
+    let now = Instant::now();
+    let failing_for = now.saturating_duration_since(refusal.since);
+    let asked_in = refusal.retry_at.saturating_duration_since(now);
+    let error = attempt_error(refusal.cause);
+    let message = format!(
+        "{} (not sent: the backend has been failing for {failing_for:?}, and is asked again in \
+         {asked_in:?})",
+        error.message()
+    );
+    error.with_message(message)
+}
+
+/// How a queued waiter's wait ends at its deadline, from what it knows about the key.
 fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError {
     match evidence {
         WaitEvidence::Contended => timeout_error(timeout),
-        WaitEvidence::Failing => LockError::new(
+        WaitEvidence::Failing(cause) if cause.is_transient() => {
+            let what = if cause.reached() {
+                "the backend answered the latest attempt for this key with a failure"
+            } else {
+                "the latest attempt for this key could not reach the backend"
+            };
+            let message = format!(
+                "{what} ({}), and the timeout of {timeout:?} ran out",
+                cause.message()
+            );
+            LockError::new(ErrorKind::Unavailable, message).with_source(cause)
+        }
+        WaitEvidence::Failing(cause) => attempt_error(cause),
+        WaitEvidence::Unanswered => LockError::new(
             ErrorKind::Unavailable,
-            format!(
-                "the backend answered the latest attempt for this key with a failure, and the \
-                 timeout of {timeout:?} ran out"
-            ),
+            format!("no attempt for this key was answered within the timeout of {timeout:?}"),
         ),
-        WaitEvidence::Unreached => unreachable_error(timeout),
     }
+}
+
+/// What a caller of an engine that was shut down is told.
+fn shut_down_error() -> LockError {
+    LockError::new(ErrorKind::Unavailable, "the lock provider was shut down")
 }
 
 fn timeout_error(timeout: Duration) -> LockError {
@@ -667,28 +924,28 @@ enum Latest {
     NoAnswer,
     /// The backend answered "busy".
     Busy,
-    /// The backend answered with a failure it reported itself (a 5xx, a full lock table).
+    /// The attempt failed: the backend reported a failure itself (a 5xx, a full lock table), or
+    /// could not be reached ([`BackendError::reached`] tells which), or the attempt was not
+    /// sent because the backend was failing already.
     Failed(BackendError),
-    /// The attempt could not reach the backend, for this reason.
-    Unreached(BackendError),
 }
 
 impl Latest {
-    /// The answer this stands for, for callers queued behind.
+    /// The answer this stands for, for callers that meet the key.
     fn answer(&self) -> Answer {
         match self {
+            // Only noted after an attempt finished; "busy" is the answer that claims least.
             Latest::NoAnswer | Latest::Busy => Answer::Busy,
-            Latest::Failed(_) => Answer::Failed,
-            Latest::Unreached(_) => Answer::Unreached,
+            Latest::Failed(cause) => Answer::Failed(cause.clone()),
         }
     }
 
     /// What a failed attempt found; a failure no retry can fix ends the wait with its error.
     fn after_failure(error: BackendError) -> Result<Latest, LockError> {
-        match error {
-            error if error.is_transient() && error.reached() => Ok(Latest::Failed(error)),
-            error if error.is_transient() => Ok(Latest::Unreached(error)),
-            error => Err(attempt_error(error)),
+        if error.is_transient() {
+            Ok(Latest::Failed(error))
+        } else {
+            Err(attempt_error(error))
         }
     }
 }
@@ -720,7 +977,7 @@ fn wait_outcome(
     }
     match latest {
         Latest::Busy => timeout_error(timeout),
-        Latest::Failed(cause) => LockError::new(
+        Latest::Failed(cause) if cause.reached() => LockError::new(
             ErrorKind::Unavailable,
             format!(
                 "the backend answered the latest attempt with a failure ({}), and the timeout of {timeout:?} ran out",
@@ -729,7 +986,7 @@ fn wait_outcome(
         )
         .with_source(cause),
         Latest::NoAnswer => unreachable_error(timeout),
-        Latest::Unreached(cause) => LockError::new(
+        Latest::Failed(cause) => LockError::new(
             ErrorKind::Unavailable,
             format!(
                 "the latest attempt could not reach the backend ({}), and the timeout of {timeout:?} ran out",

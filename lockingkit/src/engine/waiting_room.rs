@@ -5,31 +5,58 @@
 //! the backend, so twenty local callers make one stream of requests. When the active party
 //! leaves (release, loss, timeout or a dropped future) the turn passes to the next waiter at
 //! once, without a backoff sleep.
+//!
+//! # What a caller that cannot enter is told
+//! A caller that finds the key taken here (`try_acquire`, or a waiter whose time ran out) is
+//! told only what there is evidence for. *Contended* needs evidence that someone holds the key:
+//! it is held here, or the backend answered the latest attempt "busy". A failed latest attempt
+//! is reported as that failure, with its cause. With no answer yet since the active party took
+//! its turn, or while a holder's release is on its way, a `try_acquire` waits for that answer
+//! (single flight: it makes no request of its own, and a request of its own would only be
+//! refused the same way), for at most the room's *patience*; a request unanswered for longer
+//! than that is an outage, not contention.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
 
-#[derive(Debug, Default)]
+use crate::backend::BackendError;
+
+#[derive(Debug)]
 pub(crate) struct WaitingRoom {
     slots: Mutex<HashMap<Arc<str>, Slot>>,
     next_id: AtomicU64,
     /// Turns of their own lane (see [`WaitingRoom::own_lane`]) that are still alive.
     lanes: AtomicUsize,
+    /// How long an attempt may go unanswered before callers that meet it are told the backend
+    /// did not answer (the engine's `max_retry_delay`: a backend that answers takes far less).
+    patience: Duration,
 }
 
 #[derive(Debug)]
 struct Slot {
     active: u64,
-    /// What the most recent backend attempt for this key got; `None` before any.
+    /// What the latest backend attempt for this key got; `None` before any.
     last_answer: Option<Answer>,
+    /// Whether `last_answer` came from a party that has left. The key it took is no longer
+    /// held here, so a caller that meets the key waits for the next party's own answer; a
+    /// busy or failed answer stays evidence until then.
+    inherited: bool,
+    /// When the active party's request in flight (an attempt, or the holder's release) was
+    /// sent.
+    sent: Option<Instant>,
     /// Whether the active party holds the lock (as opposed to attempting it).
     held: bool,
     queue: VecDeque<Waiter>,
     /// Asks the active party to attempt again now (see [`Turn::nudges`]); made on first use.
     nudge: Option<Arc<Notify>>,
+    /// The next answer, for callers waiting for it (see [`Occupied::Pending`]); made on first
+    /// use, and dropped when the turn passes so that they look again.
+    answers: Option<watch::Sender<Option<Answer>>>,
 }
 
 #[derive(Debug)]
@@ -39,30 +66,77 @@ struct Waiter {
 }
 
 /// What a backend attempt got.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) enum Answer {
     /// The lock.
     Took,
     /// "Busy".
     Busy,
-    /// A failure the backend reported itself (a 5xx, a full lock table).
-    Failed,
-    /// Nothing: the attempt did not reach the backend.
-    Unreached,
+    /// A failure: reported by the backend (a 5xx, a full lock table) or meeting nothing (see
+    /// [`BackendError::reached`]), or a refusal without a request while the backend is failing.
+    Failed(BackendError),
 }
 
-/// What a waiter learned about the key when it gave up.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+impl Answer {
+    fn evidence(&self) -> WaitEvidence {
+        match self {
+            Answer::Took | Answer::Busy => WaitEvidence::Contended,
+            Answer::Failed(cause) => WaitEvidence::Failing(cause.clone()),
+        }
+    }
+}
+
+/// What is known about a key that a caller could not enter.
+#[derive(Clone, Debug)]
 pub(crate) enum WaitEvidence {
-    /// The lock was held here or the backend answered that it was busy.
+    /// The lock is held here, or the backend answered the latest attempt that it was busy.
     Contended,
-    /// The backend answered the latest attempt with a failure.
-    Failing,
-    /// The latest attempt did not reach the backend.
-    Unreached,
+    /// The latest attempt failed, with this cause.
+    Failing(BackendError),
+    /// No attempt was answered: none finished, or the one in flight has gone unanswered for
+    /// longer than the room's patience.
+    Unanswered,
+}
+
+/// Why a caller could not enter a key, and what to do about it.
+pub(crate) enum Occupied {
+    /// What is known now.
+    Known(WaitEvidence),
+    /// Nothing yet: the active party's attempt has not been answered. Wait for that answer.
+    Pending(AnswerWait),
+}
+
+/// A wait for the answer to the attempt in flight on a key (see [`Occupied::Pending`]).
+pub(crate) struct AnswerWait {
+    answers: watch::Receiver<Option<Answer>>,
+    /// Past this, the attempt counts as unanswered.
+    give_up: Instant,
+}
+
+impl AnswerWait {
+    /// What the attempt found, or [`WaitEvidence::Unanswered`] if it stays unanswered for the
+    /// room's patience; `None` if the turn passed on without an answer (look again).
+    pub(crate) async fn evidence(mut self) -> Option<WaitEvidence> {
+        let answered = self.answers.wait_for(Option::is_some);
+        match tokio::time::timeout_at(self.give_up, answered).await {
+            Ok(Ok(answer)) => answer.as_ref().map(Answer::evidence),
+            Ok(Err(_)) => None,
+            Err(_) => Some(WaitEvidence::Unanswered),
+        }
+    }
 }
 
 impl WaitingRoom {
+    /// A room whose callers consider an attempt unanswered after `patience`.
+    pub(crate) fn new(patience: Duration) -> Self {
+        WaitingRoom {
+            slots: Mutex::default(),
+            next_id: AtomicU64::new(0),
+            lanes: AtomicUsize::new(0),
+            patience,
+        }
+    }
+
     fn slots(&self) -> MutexGuard<'_, HashMap<Arc<str>, Slot>> {
         // The map is consistent after every statement that touches it, so a panic elsewhere
         // while it was locked cannot leave it half-updated.
@@ -75,13 +149,13 @@ impl WaitingRoom {
 
     /// Takes the turn for `key` if nobody here is attempting, holding or waiting for it;
     /// otherwise says what is known about the key.
-    pub(crate) fn try_enter(self: &Arc<Self>, key: &str) -> Result<Turn, WaitEvidence> {
+    pub(crate) fn try_enter(self: &Arc<Self>, key: &str) -> Result<Turn, Occupied> {
         let key: Arc<str> = Arc::from(key);
         let id = self.new_id();
         // One hash lookup: the key is allocated up front because the turn needs it anyway.
         match self.slots().entry(key.clone()) {
-            std::collections::hash_map::Entry::Occupied(occupied) => {
-                return Err(occupied.get().evidence())
+            std::collections::hash_map::Entry::Occupied(mut occupied) => {
+                return Err(occupied.get_mut().occupied(self.patience))
             }
             std::collections::hash_map::Entry::Vacant(vacant) => {
                 vacant.insert(Slot::new(id));
@@ -156,6 +230,12 @@ impl WaitingRoom {
             Some(next) => {
                 slot.active = next.id;
                 slot.held = false;
+                // The last party's hold says nothing about whether the key is held now; its busy
+                // or failed answer still says what the backend last said.
+                slot.inherited = true;
+                slot.sent = None;
+                // Callers waiting for an answer look again.
+                slot.answers = None;
                 // A nudge meant for the party that left would only cost the next one an
                 // attempt: it attempts as soon as it has the turn anyway.
                 slot.nudge = None;
@@ -191,15 +271,17 @@ impl WaitingRoom {
     fn evidence(&self, key: &Arc<str>) -> WaitEvidence {
         let slots = self.slots();
         match slots.get(key) {
-            Some(slot) => slot.evidence(),
+            Some(slot) => slot.evidence(self.patience),
             // The key was freed in the instant before we looked: it was contended until then.
             None => WaitEvidence::Contended,
         }
     }
 
     /// What is known about `key` if a caller here is attempting, holding or waiting for it.
-    pub(crate) fn occupied(&self, key: &str) -> Option<WaitEvidence> {
-        self.slots().get(key).map(Slot::evidence)
+    pub(crate) fn occupied(&self, key: &str) -> Option<Occupied> {
+        self.slots()
+            .get_mut(key)
+            .map(|slot| slot.occupied(self.patience))
     }
 
     /// Asks the active party of `key` to attempt again now, if it listens for that.
@@ -233,24 +315,52 @@ impl WaitingRoom {
 }
 
 impl Slot {
-    /// Held here (the latest attempt took it), or the backend answered "busy", or nothing has
-    /// finished yet while the key has an active party: contention. A failed or unreached latest
-    /// attempt is not.
-    fn evidence(&self) -> WaitEvidence {
-        match self.last_answer {
-            Some(Answer::Failed) => WaitEvidence::Failing,
-            Some(Answer::Unreached) => WaitEvidence::Unreached,
-            Some(Answer::Took | Answer::Busy) | None => WaitEvidence::Contended,
+    /// Held here (the latest attempt took it) or answered "busy": contention. A failed latest
+    /// attempt: that failure. No answer yet, or an attempt in flight for longer than
+    /// `patience`: unanswered.
+    fn evidence(&self, patience: Duration) -> WaitEvidence {
+        // An attempt, or a holder's release, on its way for longer than a backend that answers
+        // takes: nothing is known, and a holder whose release hangs is no evidence of contention.
+        if self.sent.is_some_and(|sent| sent.elapsed() >= patience) {
+            return WaitEvidence::Unanswered;
         }
+        match &self.last_answer {
+            Some(answer) => answer.evidence(),
+            None => WaitEvidence::Unanswered,
+        }
+    }
+
+    /// What a caller that cannot enter learns now, or the answer it should wait for.
+    fn occupied(&mut self, patience: Duration) -> Occupied {
+        let released = self.inherited && matches!(self.last_answer, Some(Answer::Took));
+        // A holder whose release is on its way is giving the key up: what the caller should be
+        // told comes after the release's answer, like an attempt's.
+        let releasing = self.held && self.sent.is_some();
+        if !releasing && (self.held || (self.last_answer.is_some() && !released)) {
+            return Occupied::Known(self.evidence(patience));
+        }
+        let now = Instant::now();
+        let give_up = crate::clock::after(self.sent.unwrap_or(now), patience);
+        if give_up <= now {
+            return Occupied::Known(WaitEvidence::Unanswered);
+        }
+        let answers = self
+            .answers
+            .get_or_insert_with(|| watch::channel(None).0)
+            .subscribe();
+        Occupied::Pending(AnswerWait { answers, give_up })
     }
 
     fn new(active: u64) -> Self {
         Slot {
             active,
             last_answer: None,
+            inherited: false,
+            sent: None,
             held: false,
             queue: VecDeque::new(),
             nudge: None,
+            answers: None,
         }
     }
 }
@@ -304,15 +414,32 @@ impl Turn {
         }
     }
 
-    /// Records the answer to the latest attempt, for queued waiters that time out, and
-    /// whether the key is now held here. One lookup, since this runs on every attempt.
+    /// Records that an attempt (or the holder's release) is on its way, for callers that meet
+    /// it (see [`Occupied`]).
+    pub(crate) fn note_sent(&self, at: Instant) {
+        if self.own_lane {
+            return;
+        }
+        self.room
+            .update(&self.key, self.id, |slot| slot.sent = Some(at));
+    }
+
+    /// Records the answer to the latest attempt, for callers that meet the key and queued
+    /// waiters that time out, and whether the key is now held here. One lookup, since this
+    /// runs on every attempt.
     pub(crate) fn note_attempt(&self, answer: Answer) {
         if self.own_lane {
             return;
         }
         self.room.update(&self.key, self.id, |slot| {
+            slot.held = matches!(answer, Answer::Took);
+            slot.sent = None;
+            // Callers waiting for this answer get it; later ones wait for the next.
+            if let Some(answers) = slot.answers.take() {
+                answers.send_replace(Some(answer.clone()));
+            }
             slot.last_answer = Some(answer);
-            slot.held = answer == Answer::Took;
+            slot.inherited = false;
         });
     }
 }
@@ -415,7 +542,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn turns_pass_in_arrival_order() {
-        let room = Arc::new(WaitingRoom::default());
+        let room = Arc::new(WaitingRoom::new(std::time::Duration::from_secs(1)));
         let Arrival::Front(first) = room.enter("k") else {
             panic!("the first caller must be in front")
         };
@@ -444,7 +571,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_that_leaves_the_queue_takes_nothing_from_the_holder_or_the_others() {
-        let room = Arc::new(WaitingRoom::default());
+        let room = Arc::new(WaitingRoom::new(std::time::Duration::from_secs(1)));
         let Arrival::Front(holder) = room.enter("k") else {
             panic!("front")
         };
@@ -466,7 +593,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_ticket_dropped_after_the_turn_reached_it_hands_the_turn_on() {
-        let room = Arc::new(WaitingRoom::default());
+        let room = Arc::new(WaitingRoom::new(std::time::Duration::from_secs(1)));
         let Arrival::Front(first) = room.enter("k") else {
             panic!("front")
         };

@@ -11,6 +11,8 @@
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
+use crate::config::WholeNumbers;
+
 use super::lenient::{
     canonical, expected, missing_fields, struct_fields, BindError, Expected, Lenient,
 };
@@ -86,6 +88,7 @@ pub(crate) fn bind_section<T: DeserializeOwned>(
     path: &str,
     provider: &str,
     settings: &Map<String, Value>,
+    ranges: &[WholeNumbers],
 ) -> Bound<T> {
     let mut bound = Bound {
         value: None,
@@ -117,10 +120,15 @@ pub(crate) fn bind_section<T: DeserializeOwned>(
         if binds_alone::<T>(key, value) {
             parsed.insert(key.clone(), value.clone());
         } else {
-            // Worded from the field's type: the parser's own message may quote the value.
+            // Worded from the field's type (and the range its options check, so that both
+            // messages state the same one): the parser's own message may quote the value.
+            let expected = match WholeNumbers::of(ranges, field) {
+                Some(range) => format!("expected {}", range.describe()),
+                None => expects.describe(),
+            };
             bound
                 .problems
-                .push(Problem::detail(format!("{path}.{key}"), expects.describe()));
+                .push(Problem::detail(format!("{path}.{key}"), expected));
             bound.unparsed.push(field);
         }
     }
@@ -230,7 +238,7 @@ pub(super) mod tests {
             "max_connections": "many",
             "colour": "blue",
         }));
-        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s);
+        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s, &[]);
         assert!(bound.value.is_none());
         let all = problems_of(&bound).join("\n");
         assert!(
@@ -242,7 +250,9 @@ pub(super) mod tests {
             "{all}"
         );
         assert!(
-            all.contains(r#"Locking.Jobs.lease_duration: expected a duration such as "30s""#),
+            all.contains(
+                r#"Locking.Jobs.lease_duration: expected a duration with its unit, such as "30s""#
+            ),
             "{all}"
         );
         assert!(
@@ -277,7 +287,7 @@ pub(super) mod tests {
             }
         }
         let s = settings(json!({"size": -1, "check": "0s"}));
-        let bound = bind_section::<Pool>("Locking.Default", "demo", &s);
+        let bound = bind_section::<Pool>("Locking.Default", "demo", &s, &[]);
         let pool = bound.value.as_ref().expect("the parsed settings bind");
         assert_eq!(pool.check, Duration::ZERO);
         assert_eq!(pool.size, 4, "the unparsed one keeps its default");
@@ -300,7 +310,7 @@ pub(super) mod tests {
             "lease_duration": secret,
             "max_connections": secret,
         }));
-        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s);
+        let bound = bind_section::<Account>("Locking.Jobs", "demo", &s, &[]);
         assert_eq!(bound.problems.len(), 2, "{:?}", bound.problems);
         for problem in problems_of(&bound) {
             assert!(!problem.contains(secret), "{problem}");

@@ -26,6 +26,7 @@ pub struct LockingBuilder {
     custom: Vec<CustomProvider>,
     required: Vec<String>,
     meter: Option<Meter>,
+    key_digest: Option<crate::telemetry::KeyDigest>,
     #[cfg(feature = "azure")]
     azure_credential: Option<super::setup::AzureCredential>,
 }
@@ -206,6 +207,14 @@ impl LockingBuilder {
         self
     }
 
+    /// Records a keyed digest of each lock's key on every provider's spans and loss log lines
+    /// (see [`DistributedLockBuilder::key_digests`](crate::DistributedLockBuilder::key_digests)).
+    /// Off unless set.
+    pub fn key_digests(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.key_digest = Some(crate::telemetry::KeyDigest::new(secret.as_ref()));
+        self
+    }
+
     /// Validates everything and builds the registry.
     ///
     /// Fails with one [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) error
@@ -219,11 +228,13 @@ impl LockingBuilder {
             custom,
             required,
             meter,
+            key_digest,
             #[cfg(feature = "azure")]
             azure_credential,
         } = self;
         let mut draft = Draft::new(HostResources {
             meter: meter.as_ref(),
+            key_digest: key_digest.as_ref(),
             #[cfg(feature = "azure")]
             azure_credential: azure_credential.as_ref(),
         });

@@ -75,8 +75,9 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
 fn bind_checked<T: serde::de::DeserializeOwned>(
     section: &ProviderSection,
     problems_of: impl Fn(&T, &str) -> Vec<String>,
+    ranges: &[crate::config::WholeNumbers],
 ) -> (Option<T>, Vec<Problem>) {
-    let bound = section.bind_recorded::<T>();
+    let bound = section.bind_recorded::<T>(ranges);
     let own = bound.checked(section.path(), |options| {
         problems_of(options, section.path())
     });
@@ -109,7 +110,7 @@ fn finish<B: LockBackend>(
 }
 
 fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
-    let (options, problems) = bind_checked(section, MemoryOptions::problems);
+    let (options, problems) = bind_checked(section, MemoryOptions::problems, &[]);
     let backend = options.map(|options| {
         Ok(MemoryBackend::with_lease(
             MemoryStore::new(),
@@ -136,7 +137,11 @@ fn postgres(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
 #[cfg(feature = "postgres")]
 fn postgres(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
     use crate::providers::postgres::PostgresOptions;
-    let (options, problems) = bind_checked(section, PostgresOptions::problems);
+    let (options, problems) = bind_checked(
+        section,
+        PostgresOptions::problems,
+        PostgresOptions::WHOLE_NUMBERS,
+    );
     let backend = options.map(|options| open_postgres(options, section.path()));
     finish(backend, setup, problems)
 }
@@ -161,7 +166,11 @@ fn azure_blob(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult
 #[cfg(feature = "azure")]
 fn azure_blob(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
     use crate::providers::azure::AzureBlobOptions;
-    let (options, problems) = bind_checked(section, AzureBlobOptions::problems);
+    let (options, problems) = bind_checked(
+        section,
+        AzureBlobOptions::problems,
+        AzureBlobOptions::WHOLE_NUMBERS,
+    );
     let backend = options.map(|options| open_azure(options, setup.host, section.path()));
     finish(backend, setup, problems)
 }
@@ -191,7 +200,8 @@ fn redis(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
 #[cfg(feature = "redis")]
 fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
     use crate::providers::redis::RedisOptions;
-    let (options, problems) = bind_checked(section, RedisOptions::problems);
+    let (options, problems) =
+        bind_checked(section, RedisOptions::problems, RedisOptions::WHOLE_NUMBERS);
     let backend = options.map(|options| open_redis(options, section.path()));
     finish(backend, setup, problems)
 }

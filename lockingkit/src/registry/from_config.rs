@@ -144,7 +144,7 @@ fn bind_engine_options(
     settings: &Map<String, Value>,
     problems: &mut Vec<Problem>,
 ) -> (LockOptions, bool) {
-    let bound = bind_section::<LockOptions>(path, "shared", settings);
+    let bound = bind_section::<LockOptions>(path, "shared", settings, &[]);
     let checked = bound.checked(path, |options| options.problems(path));
     let ok = bound.problems.is_empty() && checked.is_empty();
     problems.extend(bound.problems);

@@ -519,9 +519,13 @@ impl<'de> de::Deserializer<'de> for StandIn {
 
     fn deserialize_newtype_struct<V: Visitor<'de>>(
         self,
-        _name: &'static str,
+        name: &'static str,
         visitor: V,
     ) -> Result<V::Value, BindError> {
+        if name == crate::config::DURATION_NEWTYPE {
+            // A duration takes no bare number: its zero is written with a unit.
+            return visitor.visit_str("0ms");
+        }
         visitor.visit_newtype_struct(self)
     }
 

@@ -46,6 +46,7 @@ mod setup;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use builder::LockingBuilder;
 pub use builtin::MemoryOptions;
@@ -126,10 +127,11 @@ impl Locking {
     }
 
     /// Checks over the network what [`build`](LockingBuilder::build) cannot, since building
-    /// stays synchronous and offline: for every Azure Blob provider, that the account exists,
-    /// the credential is accepted and the container exists (see
-    /// [`AzureBlobBackend::verify`](crate::providers::azure::AzureBlobBackend::verify)).
-    /// Other providers are not contacted. Call it once at startup, after `build`.
+    /// stays synchronous and offline: for every provider, its
+    /// [`DistributedLock::verify`] — for PostgreSQL that the server answers, accepts the
+    /// credentials and has (or lets us create) the fencing objects; for Azure Blob that the
+    /// account exists, the credential is accepted and the container exists. Call it once at
+    /// startup, after `build`.
     ///
     /// Fails with one [`ErrorKind::Misconfigured`] error listing every provider's problem,
     /// each prefixed with its section (such as "Locking.Jobs: the container \`job-locks\` does
@@ -139,7 +141,7 @@ impl Locking {
         let mut misconfigured = Vec::new();
         let mut other: Option<LockError> = None;
         for lock in self.providers.iter() {
-            let Err(error) = verify_provider(lock).await else {
+            let Err(error) = lock.verify().await else {
                 continue;
             };
             let problem = Problem::detail(format!("Locking.{}", lock.name()), error.message());
@@ -155,17 +157,40 @@ impl Locking {
             None => Ok(()),
         }
     }
-}
 
-/// The startup check of one provider, for those that have one.
-#[allow(clippy::unused_async)]
-async fn verify_provider(lock: &DistributedLock) -> Result<(), LockError> {
-    #[cfg(feature = "azure")]
-    if let Some(azure) = lock.backend::<crate::providers::azure::AzureBlobBackend>() {
-        return azure.verify().await;
+    /// Shuts every provider down (see [`DistributedLock::shutdown`]), all within `timeout`:
+    /// new acquires are refused, every lock is given up, and the backends' connections close.
+    /// Call it as the process stops, after the server has drained its requests (with axum,
+    /// after `axum::serve(…).with_graceful_shutdown(…)` returns; docs/http.md shows it whole):
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lockingkit::LockError> {
+    /// use lockingkit::{LockOptions, Locking, MemoryBackend, MemoryStore};
+    ///
+    /// let store = MemoryStore::new();
+    /// let backend = MemoryBackend::new(store);
+    /// let locking = Locking::builder()
+    ///     .backend("Default", backend, LockOptions::default())
+    ///     .build()?;
+    /// // … serve until SIGTERM, then:
+    /// locking.shutdown(std::time::Duration::from_secs(5)).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Fails with the first provider's error if any did not finish in time (the others are
+    /// shut down all the same).
+    pub async fn shutdown(&self, timeout: Duration) -> Result<(), LockError> {
+        let deadline = crate::clock::in_(timeout);
+        let mut first = None;
+        for lock in self.providers.iter() {
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if let (Err(error), None) = (lock.shutdown(remaining).await, &first) {
+                first = Some(error);
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
-    let _ = lock;
-    Ok(())
 }
 
 impl fmt::Debug for Locking {

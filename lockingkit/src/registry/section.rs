@@ -227,7 +227,7 @@ impl ProviderSection {
     /// if one of the factory's own errors quotes such a value, the registry withholds that
     /// message and names the setting instead.
     pub fn bind<T: DeserializeOwned>(&self) -> Result<T, LockError> {
-        let bound = self.bind_recorded::<T>();
+        let bound = self.bind_recorded::<T>(&[]);
         match bound.value {
             Some(value) if bound.problems.is_empty() => Ok(value),
             _ => {
@@ -239,9 +239,13 @@ impl ProviderSection {
         }
     }
 
-    /// Binds like [`bind`](Self::bind), keeping the partial result and remembering secrets.
-    pub(super) fn bind_recorded<T: DeserializeOwned>(&self) -> Bound<T> {
-        let bound = bind_section::<T>(&self.path, &self.provider, &self.settings);
+    /// Binds like [`bind`](Self::bind), keeping the partial result and remembering secrets;
+    /// `ranges` are those the options check (see `WholeNumbers`).
+    pub(super) fn bind_recorded<T: DeserializeOwned>(
+        &self,
+        ranges: &[crate::config::WholeNumbers],
+    ) -> Bound<T> {
+        let bound = bind_section::<T>(&self.path, &self.provider, &self.settings, ranges);
         self.binding()
             .get_or_insert_with(Binding::default)
             .secrets

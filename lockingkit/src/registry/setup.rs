@@ -23,6 +23,8 @@ pub(super) type AzureCredential = std::sync::Arc<dyn azure_core::credentials::To
 pub(super) struct HostResources<'a> {
     /// The meter to record on, instead of the global `lockingkit` meter.
     pub(super) meter: Option<&'a Meter>,
+    /// The secret of key digests, if the host wants them.
+    pub(super) key_digest: Option<&'a crate::telemetry::KeyDigest>,
     /// The identity for Azure sections that name a `service_url`.
     #[cfg(feature = "azure")]
     pub(super) azure_credential: Option<&'a AzureCredential>,
@@ -54,7 +56,8 @@ impl ProviderSetup<'_> {
         }
         let builder = DistributedLock::builder(backend)
             .name(self.name)
-            .options(self.options);
+            .options(self.options)
+            .with_key_digest(self.host.key_digest.cloned());
         match self.host.meter {
             Some(meter) => builder.meter(meter.clone()),
             None => builder,

@@ -145,7 +145,7 @@ fn names_given_twice_are_a_problem() {
 #[test]
 fn sections_bind_whatever_the_case_of_names_and_settings() {
     let locking = Locking::from_config(config(json!({
-        "DEFAULT": {"PROVIDER": "IN_MEMORY", "LEASE_DURATION": "20s", "MIN_RETRY_DELAY": "100"},
+        "DEFAULT": {"PROVIDER": "IN_MEMORY", "LEASE_DURATION": "20s", "MIN_RETRY_DELAY": "100ms"},
         "jobs": {"Provider": "InMemory", "MaxRetryDelay": "2s", "renew-every": "5s"},
     })))
     .unwrap();
@@ -448,7 +448,7 @@ mod postgres {
             "{shown}"
         );
         assert!(
-            shown.contains("Locking.Default.max_sessions must be at least 1"),
+            shown.contains("Locking.Default.max_sessions must be a whole number from 1 to 1024"),
             "{shown}"
         );
         assert!(shown.contains("Locking.Jobs.connection_string:"), "{shown}");
@@ -457,6 +457,15 @@ mod postgres {
             "{shown}"
         );
         assert!(!shown.contains("hunter2"), "{shown}");
+
+        // A value that is no number states the same range as one out of range.
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {"provider": "postgres", "connection_string": "host=db", "max_sessions": "abc"},
+        }))));
+        assert!(
+            shown.contains("Locking.Default.max_sessions: expected a whole number from 1 to 1024"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::clock::after;
 use super::schedule::StartKeeper;
 use super::{deadline_after, loss_deadline, Hold, HELD};
 use crate::backend::{BackendErrorKind, LeaseTiming, LockBackend};
-use crate::engine::backoff::Backoff;
+use crate::backoff::Backoff;
 use crate::telemetry::LossReason;
 
 impl<B: LockBackend> Hold<B> {
@@ -43,6 +43,8 @@ enum Exit {
     /// Released or dropped: the lost token fired, and whoever did it releases.
     Stopped,
     Lost(LossReason),
+    /// The engine is shutting down: the keeper gives the lock up.
+    Shutdown,
 }
 
 /// Keeps `held` alive until it is released, dropped or lost. `sent` is when the acquiring
@@ -52,9 +54,11 @@ async fn run_keeper<B: LockBackend>(held: Arc<Hold<B>>, sent: Instant) {
         LeaseTiming::Expiring(lease) => renew_expiring(&held, lease, sent).await,
         LeaseTiming::ConnectionHeld(interval) => check_connection(&held, interval, sent).await,
     };
-    // A stopped keeper has nothing left to do: release() or drop released the lock.
-    if let Exit::Lost(reason) = exit {
-        held.declare_lost(reason).await;
+    match exit {
+        // A stopped keeper has nothing left to do: release() or drop released the lock.
+        Exit::Stopped => {}
+        Exit::Lost(reason) => held.declare_lost(reason).await,
+        Exit::Shutdown => held.release_at_shutdown().await,
     }
 }
 
@@ -69,10 +73,15 @@ async fn renew_expiring<B: LockBackend>(held: &Hold<B>, lease: Duration, sent: I
         engine.options.min_retry_delay,
         engine.options.max_retry_delay,
     );
+    // A backend that watches its leases says at once when one is taken away.
+    let ended = engine.backend.lease_ended(&held.lease);
+    tokio::pin!(ended);
     loop {
         tokio::select! {
             biased;
             _ = held.lost_signal().cancelled() => return Exit::Stopped,
+            _ = held.engine.closed.cancelled() => return Exit::Shutdown,
+            _ = &mut ended => return Exit::Lost(LossReason::LeaseGone),
             _ = sleep_until(deadline) => return Exit::Lost(LossReason::Deadline),
             _ = sleep_until(next) => {}
         }
@@ -80,6 +89,7 @@ async fn renew_expiring<B: LockBackend>(held: &Hold<B>, lease: Duration, sent: I
         let result = tokio::select! {
             biased;
             _ = held.lost_signal().cancelled() => return Exit::Stopped,
+            _ = &mut ended => return Exit::Lost(LossReason::LeaseGone),
             _ = sleep_until(deadline) => {
                 // The renewal in flight never answered: it failed, as a timed-out check does.
                 engine.telemetry.renewal(false);
@@ -124,6 +134,7 @@ async fn check_connection<B: LockBackend>(
         tokio::select! {
             biased;
             _ = held.lost_signal().cancelled() => return Exit::Stopped,
+            _ = held.engine.closed.cancelled() => return Exit::Shutdown,
             _ = &mut ended => return Exit::Lost(LossReason::ConnectionLost),
             _ = sleep_until(next) => {}
         }

@@ -42,10 +42,10 @@ use tokio_util::sync::CancellationToken;
 use super::waiting_room::Turn;
 use super::Engine;
 use crate::backend::{Acquired, LeaseTiming, LockBackend};
-use crate::background::{traced, within, Orphanable};
+use crate::background::{traced, within, within_noting, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::AnyHold;
-use crate::telemetry::LossReason;
+use crate::telemetry::{HoldLabels, LossReason};
 
 mod keeper;
 mod schedule;
@@ -88,6 +88,11 @@ pub(crate) struct Hold<B: LockBackend> {
     turn: Mutex<Option<Turn>>,
     /// The runtime the lock was taken on; drop releases and keepers run there.
     runtime: Handle,
+    /// The key's digest, if the host asked for digests (see `telemetry::KeyDigest`).
+    key_digest: Option<Box<str>>,
+    /// The caller's span when the lock was taken (a request's, say), which its loss is logged
+    /// under; `Span::none()` when nobody traces.
+    parent: tracing::Span,
 }
 
 /// The instant at which an expiring lease must be considered lost: 90% of the lease after the
@@ -116,9 +121,13 @@ impl<B: LockBackend> Hold<B> {
         turn: Turn,
         acquired: Acquired<B::Lease>,
         sent: Instant,
+        parent: tracing::Span,
     ) -> Self {
         let deadline = deadline_after(engine.timing, sent);
+        let key_digest = engine.telemetry.key_digest(turn.key());
         Hold {
+            key_digest,
+            parent,
             runtime,
             key: turn.key().clone(),
             fencing_token: acquired.fencing_token,
@@ -175,9 +184,14 @@ impl<B: LockBackend> Hold<B> {
 
     /// Ends the hold: telemetry, then the turn passes to the next local waiter.
     fn finish(&self, lost: Option<LossReason>) {
+        let labels = HoldLabels {
+            fencing_token: self.fencing_token,
+            key_digest: self.key_digest.as_deref(),
+            parent: &self.parent,
+        };
         self.engine
             .telemetry
-            .lock_ended(self.origin.elapsed(), lost);
+            .lock_ended(self.origin.elapsed(), lost, labels);
         let turn = self
             .turn
             .lock()
@@ -186,15 +200,25 @@ impl<B: LockBackend> Hold<B> {
         drop(turn);
     }
 
+    /// Tells the key's waiting room that the release is on its way.
+    fn note_releasing(&self) {
+        if let Some(turn) = &*self.turn.lock().unwrap_or_else(PoisonError::into_inner) {
+            turn.note_sent(Instant::now());
+        }
+    }
+
     /// Releases at the backend; the caller has already claimed the lock.
     pub(super) async fn release_claimed(&self) -> Result<(), LockError> {
         let telemetry = &self.engine.telemetry;
-        let span = telemetry.release_span(self.fencing_token);
+        let span = telemetry.release_span(self.fencing_token, self.key_digest.as_deref());
         let timeout = self.engine.options.release_timeout;
         // Pinned where it is made and handed on by reference: each layer that took it by value
         // would copy the backend's future once more on every release.
         let release = std::pin::pin!(self.engine.backend.release(&self.lease));
-        let limited = std::pin::pin!(within(timeout, release));
+        // A release that does not answer at once is on its way: callers that meet the key
+        // learn of it, and one unanswered for longer than the engine's patience is an outage to
+        // them, not a holder they should call busy (see the waiting room).
+        let limited = std::pin::pin!(within_noting(timeout, release, || self.note_releasing()));
         let result = traced(span.clone(), limited).await;
         let result = match result {
             Some(Ok(())) => Ok(()),
@@ -211,6 +235,14 @@ impl<B: LockBackend> Hold<B> {
             .then_some(LossReason::LeaseGone);
         self.finish(lost);
         result
+    }
+
+    /// Called by the keeper when the engine shuts down: gives the lock up as a dropped handle
+    /// would (the lost token fires first), unless it was released or lost meanwhile.
+    pub(super) async fn release_at_shutdown(&self) {
+        if self.claim(DROPPED) {
+            let _ = self.release_claimed().await;
+        }
     }
 
     /// Called by the keeper when it can no longer vouch for the lock.
@@ -266,7 +298,7 @@ impl<B: LockBackend> AnyHold for Hold<B> {
             let error = LockError::lost(self.loss_reason());
             // The caller asked to release and is told it failed; the trace should say so too.
             let telemetry = &self.engine.telemetry;
-            let span = telemetry.release_span(self.fencing_token);
+            let span = telemetry.release_span(self.fencing_token, self.key_digest.as_deref());
             let result = Err(error);
             telemetry.release_finished(&span, &result);
             return Orphanable::finishing(std::future::ready(result));
@@ -287,6 +319,14 @@ impl<B: LockBackend> AnyHold for Hold<B> {
 
     fn lease(&self) -> &(dyn std::any::Any + Send + Sync) {
         &self.lease
+    }
+
+    fn engine_address(&self) -> usize {
+        Arc::as_ptr(&self.engine).cast::<()>() as usize
+    }
+
+    fn key_digest(&self) -> Option<&str> {
+        self.key_digest.as_deref()
     }
 }
 

@@ -124,6 +124,17 @@ impl RenewalScheduler {
         self.left.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Starts the keeper of every hold still waiting for one, now: at shutdown, each keeper
+    /// gives its lock up.
+    pub(crate) fn start_all(&self) {
+        let due: Vec<Due> = self.state().due.drain(..).collect();
+        for entry in due {
+            if let Some(hold) = entry.hold.upgrade() {
+                hold.start_keeper();
+            }
+        }
+    }
+
     /// Stops the driver; used when the engine goes away.
     pub(crate) fn close(&self) {
         let mut state = self.state();

@@ -241,6 +241,11 @@ impl fmt::Debug for AzureBlobBackend {
 impl LockBackend for AzureBlobBackend {
     type Lease = AzureBlobLease;
 
+    /// One request: see [`AzureBlobBackend::verify`].
+    async fn verify(&self) -> Result<(), BackendError> {
+        self.guards.verify().await
+    }
+
     fn provider(&self) -> &str {
         "azure_blob"
     }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::SecretString;
+use crate::config::{SecretString, WholeNumbers};
 
 use super::client::connection_string::ConnectionString;
 
@@ -77,6 +77,13 @@ impl Default for AzureBlobOptions {
 }
 
 impl AzureBlobOptions {
+    /// The range of `max_retries`.
+    pub(crate) const WHOLE_NUMBERS: &'static [WholeNumbers] = &[WholeNumbers {
+        setting: "max_retries",
+        min: 0,
+        max: MAX_RETRIES_LIMIT as u64,
+    }];
+
     /// Options for the account in `connection_string`, with every other field at its default.
     pub fn from_connection_string(connection_string: impl Into<SecretString>) -> Self {
         AzureBlobOptions {
@@ -170,11 +177,8 @@ impl AzureBlobOptions {
                 self.request_timeout
             ));
         }
-        if self.max_retries > MAX_RETRIES_LIMIT {
-            problems.push(format!(
-                "{section}.max_retries must be at most {MAX_RETRIES_LIMIT} (was {})",
-                self.max_retries
-            ));
+        for range in Self::WHOLE_NUMBERS {
+            problems.extend(range.check(section, u64::from(self.max_retries)));
         }
         if self.retry_delay.is_zero() || self.retry_delay > self.request_timeout {
             problems.push(format!(

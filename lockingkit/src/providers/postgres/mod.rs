@@ -54,6 +54,8 @@
 mod connection;
 mod errors;
 mod options;
+mod reconnect;
+mod schema;
 mod session;
 mod sessions;
 mod tls;
@@ -70,6 +72,7 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 
 pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
+pub use schema::setup_sql;
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::error::LockError;
@@ -81,10 +84,6 @@ use sessions::SessionSet;
 
 /// The provider name in telemetry.
 pub(crate) const PROVIDER: &str = "postgres";
-
-/// The transaction-level advisory lock that serializes creating the fencing objects. It uses
-/// the two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
-const FENCING_SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
 
 /// The unlock. Waiters in other processes learn of it from the server itself (see `watch`).
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
@@ -100,6 +99,37 @@ const UNLOCK_STRAY_SLOTS: &str =
      AND classid = $1::oid AND NOT objid::bigint::int4 = ANY($2)";
 /// The session check.
 const CHECK: &str = "SELECT 1";
+
+/// The rows of `pg_locks` for a `bigint` advisory key `$1` this session holds, in `mode`.
+macro_rules! held_key_rows {
+    ($mode:literal) => {
+        concat!(
+            " FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid() \
+             AND mode = '",
+            $mode,
+            "' AND objsubid = 1 AND classid = (($1 >> 32) & 4294967295)::oid \
+             AND objid = ($1 & 4294967295)::oid \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+    };
+}
+
+/// Settling an unlock that went unanswered: an unlock of a lock the session does not hold
+/// makes the server log a WARNING ("you don't own a lock of type …"), so these unlock only
+/// what `pg_locks` shows the session holding, and answer no row otherwise.
+const UNLOCK_IF_HELD: &str = concat!(
+    "SELECT pg_advisory_unlock($1)",
+    held_key_rows!("ExclusiveLock")
+);
+/// One shared hold of `$1`, if the session has one: sent until it answers no row.
+const UNLOCK_SHARED_IF_HELD: &str = concat!(
+    "SELECT pg_advisory_unlock_shared($1)",
+    held_key_rows!("ShareLock")
+);
+/// Slot `$2` of semaphore `$1`, if the session holds it.
+const UNLOCK_SLOT_IF_HELD: &str = "SELECT pg_advisory_unlock($1, $2) FROM pg_locks \
+     WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid() \
+     AND classid = $1::oid AND objid::bigint::int4 = $2";
 
 /// The PostgreSQL backend: a connection pool and the statements of the lock protocol.
 ///
@@ -140,8 +170,8 @@ struct Backend {
     /// Spreads the first slot semaphore attempts try (see `slot_offset`).
     offsets: std::collections::hash_map::RandomState,
     attempts: std::sync::atomic::AtomicU64,
-    fencing_exists: String,
-    fencing_setup: String,
+    /// The sequence and the watch function, and how to create them.
+    schema: Arc<schema::Schema>,
     /// Set once the fencing objects are known to exist; cleared if a statement finds them gone.
     fencing_ready: AtomicBool,
     /// Wakes this process's waiters when their key is freed.
@@ -175,15 +205,20 @@ impl PostgresBackend {
             return Err(LockError::misconfigured(problems));
         };
         tune_connection(&mut settings.config, options.query_timeout);
+        // Lock sessions and watchers back off together when the server refuses connections.
+        let reconnect = Arc::new(reconnect::Reconnect::new());
+        let schema = Arc::new(schema::Schema::new(&options));
         let releases = watch::ReleaseWatch::new(
             settings.config.clone(),
             tls.clone(),
             options.max_wait_sessions,
+            reconnect.clone(),
+            schema.clone(),
         );
         let timeout = options.query_timeout;
         let max_sessions = options.session_budget();
-        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout);
-        let sequence = format!("{}.{}", options.fencing_schema, options.fencing_sequence);
+        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout, reconnect);
+        let sequence = schema.sequence.clone();
         Ok(PostgresBackend {
             inner: Arc::new(Backend {
                 sessions,
@@ -202,13 +237,7 @@ impl PostgresBackend {
                 lock_slot: lock_slot_sql(&sequence),
                 offsets: std::collections::hash_map::RandomState::new(),
                 attempts: std::sync::atomic::AtomicU64::new(0),
-                fencing_exists: format!("SELECT to_regclass('{sequence}') IS NOT NULL"),
-                fencing_setup: format!(
-                    "SELECT pg_advisory_xact_lock({}, {});\
-                 CREATE SCHEMA IF NOT EXISTS {};\
-                 CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint MINVALUE 1 NO CYCLE CACHE 1;",
-                    FENCING_SETUP_LOCK.0, FENCING_SETUP_LOCK.1, options.fencing_schema
-                ),
+                schema: schema.clone(),
                 fencing_ready: AtomicBool::new(false),
                 releases,
             }),
@@ -242,28 +271,47 @@ impl PostgresBackend {
         }
     }
 
-    /// Creates the fencing schema and sequence unless they exist.
+    /// Creates the fencing schema and sequence, and the watch function, unless they exist.
     async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
         let client = session.client();
+        let schema = &self.inner.schema;
         // Checking first lets a role without CREATE use objects an administrator made:
         // CREATE SCHEMA checks the privilege before IF NOT EXISTS.
         let row = self
             .run(
                 Stage::Attempt,
                 session,
-                client.query_one(&self.inner.fencing_exists, &[]),
+                client.query_one(&schema.exists, &[]),
             )
             .await?;
-        let exists: bool = row
-            .try_get(0)
-            .map_err(|_| BackendError::permanent("unexpected answer to the fencing check"))?;
-        if !exists {
-            self.run(
-                Stage::Attempt,
-                session,
-                client.batch_execute(&self.inner.fencing_setup),
-            )
-            .await?;
+        let (Ok(sequence), Ok(function)) = (row.try_get::<_, bool>(0), row.try_get::<_, bool>(1))
+        else {
+            return Err(BackendError::permanent(
+                "unexpected answer to the fencing check",
+            ));
+        };
+        if !sequence {
+            self.run(Stage::Attempt, session, client.batch_execute(&schema.setup))
+                .await?;
+        } else if !function {
+            // Locks work without it; only the server's log pays (see `schema`).
+            let created = self
+                .run(
+                    Stage::Attempt,
+                    session,
+                    client.batch_execute(&schema.setup_function),
+                )
+                .await;
+            if let Err(error) = created {
+                tracing::warn!(
+                    target: "lockingkit",
+                    error = %error,
+                    "the PostgreSQL watch function {} is missing and could not be created; \
+                     locks work, but each waiting process's watcher makes the server log two \
+                     errors a second (create it with lockingkit::providers::postgres::setup_sql)",
+                    schema.watch_function
+                );
+            }
         }
         self.inner.fencing_ready.store(true, Ordering::Release);
         Ok(())
@@ -552,6 +600,29 @@ impl LockBackend for PostgresBackend {
         self.inner
             .releases
             .subscribe(PostgresLockKeys::advisory_key(key))
+    }
+
+    /// One throwaway session of its own (not one of the lock sessions): connects and
+    /// authenticates, checks the fencing sequence and the watch function, creating them if
+    /// missing and allowed, and closes. Two or three round trips after the connect; no lock.
+    async fn verify(&self) -> Result<(), BackendError> {
+        let session = Box::pin(Session::open(
+            self.inner.sessions.config(),
+            self.inner.sessions.tls(),
+            self.inner.timeout,
+            Arc::new(tokio::sync::Notify::new()),
+        ))
+        .await?;
+        let checked = Box::pin(self.ensure_fencing(&session)).await;
+        session.close();
+        checked
+    }
+
+    /// Closes every lock session and watcher. Called once the engine has released its locks;
+    /// clones of this backend lose their sessions too.
+    async fn shutdown(&self) {
+        self.inner.releases.stop();
+        self.inner.sessions.close_all();
     }
 
     fn lease_ended(&self, lease: &PostgresLease) -> impl Future<Output = ()> + Send {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::connection;
-use crate::config::SecretString;
+use crate::config::{SecretString, WholeNumbers};
 
 /// Options of the PostgreSQL provider, bindable from a `Locking.{name}` configuration section.
 ///
@@ -98,6 +98,21 @@ impl Default for PostgresOptions {
 }
 
 impl PostgresOptions {
+    /// The ranges of the session budgets. A backend's sessions are server connections, of which
+    /// PostgreSQL allows 100 by default in all: more than a thousand per backend is a mistake.
+    pub(crate) const WHOLE_NUMBERS: &'static [WholeNumbers] = &[
+        WholeNumbers {
+            setting: "max_sessions",
+            min: 1,
+            max: 1024,
+        },
+        WholeNumbers {
+            setting: "max_wait_sessions",
+            min: 0,
+            max: 1024,
+        },
+    ];
+
     /// Default options for `connection_string`.
     pub fn new(connection_string: impl Into<SecretString>) -> Self {
         PostgresOptions {
@@ -123,8 +138,12 @@ impl PostgresOptions {
         } else if let Err(problem) = connection::parse(self.connection_string.expose()) {
             problems.push(format!("{section}.connection_string: {problem}"));
         }
-        if self.max_sessions == 0 {
-            problems.push(format!("{section}.max_sessions must be at least 1"));
+        for (range, value) in Self::WHOLE_NUMBERS
+            .iter()
+            .zip([self.max_sessions, self.max_wait_sessions])
+        {
+            let value = u64::try_from(value).unwrap_or(u64::MAX);
+            problems.extend(range.check(section, value));
         }
         #[allow(deprecated)]
         if self.pool_size == 0 {

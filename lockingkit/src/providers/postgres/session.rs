@@ -59,10 +59,16 @@ pub(super) enum Prepared {
     UnlockSlot,
     /// Unlocks every slot of a semaphore the session holds but no lease knows of.
     UnlockStraySlots,
+    /// `pg_advisory_unlock($1)` if `pg_locks` shows the session holding `$1`.
+    UnlockIfHeld,
+    /// One `pg_advisory_unlock_shared($1)` if the session holds `$1` shared.
+    UnlockSharedIfHeld,
+    /// `pg_advisory_unlock($1, $2)` if the session holds that slot.
+    UnlockSlotIfHeld,
 }
 
 impl Prepared {
-    const COUNT: usize = 9;
+    const COUNT: usize = 12;
 
     fn index_and_types(self) -> (usize, &'static [Type]) {
         const KEY: &[Type] = &[Type::INT8];
@@ -76,6 +82,9 @@ impl Prepared {
             Prepared::LockSlot => (6, &[Type::INT4, Type::INT4, Type::INT4, Type::INT4_ARRAY]),
             Prepared::UnlockSlot => (7, &[Type::INT4, Type::INT4]),
             Prepared::UnlockStraySlots => (8, &[Type::INT4, Type::INT4_ARRAY]),
+            Prepared::UnlockIfHeld => (9, KEY),
+            Prepared::UnlockSharedIfHeld => (10, KEY),
+            Prepared::UnlockSlotIfHeld => (11, &[Type::INT4, Type::INT4]),
         }
     }
 }
@@ -589,30 +598,35 @@ enum Resolution {
 }
 
 impl Resolution {
-    /// Sends the unlock; `true` when another is needed.
+    /// Sends the unlock; `true` when another is needed. Each unlocks only what `pg_locks`
+    /// shows the session holding: the outcome that went unanswered may have left nothing held,
+    /// and an unlock of a lock not held writes a WARNING into the server's log.
     async fn unlock(self, session: &Session) -> Result<bool, tokio_postgres::Error> {
         let client = &session.client;
         match self {
             Resolution::Done | Resolution::Wait => Ok(false),
             Resolution::Once(Advisory::Exclusive(key) | Advisory::Shared(key)) => {
-                let statement = session.statement(Prepared::Unlock, super::UNLOCK).await?;
-                client.query_one(&statement, &[&key]).await.map(|_| false)
+                let statement = session
+                    .statement(Prepared::UnlockIfHeld, super::UNLOCK_IF_HELD)
+                    .await?;
+                client.query(&statement, &[&key]).await.map(|_| false)
             }
             Resolution::Once(Advisory::Slot(semaphore, slot)) => {
                 let statement = session
-                    .statement(Prepared::UnlockSlot, super::UNLOCK_SLOT)
+                    .statement(Prepared::UnlockSlotIfHeld, super::UNLOCK_SLOT_IF_HELD)
                     .await?;
                 client
-                    .query_one(&statement, &[&semaphore, &slot])
+                    .query(&statement, &[&semaphore, &slot])
                     .await
                     .map(|_| false)
             }
             Resolution::SharedUntilFalse(key) => {
                 let statement = session
-                    .statement(Prepared::UnlockShared, super::UNLOCK_SHARED)
+                    .statement(Prepared::UnlockSharedIfHeld, super::UNLOCK_SHARED_IF_HELD)
                     .await?;
-                let row = client.query_one(&statement, &[&key]).await?;
-                Ok(row.try_get::<_, bool>(0).unwrap_or(false))
+                // One row: a shared hold was given up, and there may be more.
+                let rows = client.query(&statement, &[&key]).await?;
+                Ok(!rows.is_empty())
             }
             Resolution::StraySlots(semaphore) => {
                 let statement = session

@@ -5,7 +5,9 @@
 //! so the connections a process uses do not grow with the locks it holds. Sessions open on
 //! demand, one at a time: a new one only when every open one has [`PIPELINE_DEPTH`] statements
 //! in flight, up to `max`. A session that ends leaves the set at once, and the next attempt
-//! that needs one opens a replacement.
+//! that needs one opens a replacement. While connecting fails, attempts that need a new
+//! session are refused at once with the latest cause (see `reconnect`), so a server that is
+//! down or refuses our password sees one connect at a time, ever less often.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -14,6 +16,7 @@ use tokio::sync::Notify;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::reconnect::Reconnect;
 use super::session::{Advisory, Attempt, Availability, Session};
 use crate::backend::BackendError;
 
@@ -32,6 +35,7 @@ pub(super) struct SessionSet {
     config: Config,
     tls: MakeRustlsConnect,
     timeout: Duration,
+    reconnect: Arc<Reconnect>,
 }
 
 #[derive(Default)]
@@ -46,6 +50,8 @@ enum Step {
     Connect,
     /// This process holds (or may still hold) the key on every session it may use.
     HeldHere,
+    /// No session can take the attempt, and connecting is failing: this is why.
+    Failing(BackendError),
     Wait,
 }
 
@@ -55,6 +61,7 @@ impl SessionSet {
         config: Config,
         tls: MakeRustlsConnect,
         timeout: Duration,
+        reconnect: Arc<Reconnect>,
     ) -> Self {
         SessionSet {
             slots: Mutex::new(Slots::default()),
@@ -63,6 +70,7 @@ impl SessionSet {
             config,
             tls,
             timeout,
+            reconnect,
         }
     }
 
@@ -93,6 +101,7 @@ impl SessionSet {
             match self.look(attempt) {
                 Step::Use(reservation) => return Ok(Some(reservation)),
                 Step::HeldHere => return Ok(None),
+                Step::Failing(cause) => return Err(cause),
                 Step::Connect => return self.connect(attempt).await.map(Some),
                 Step::Wait => {
                     if tokio::time::timeout_at(give_up, changed).await.is_err() {
@@ -148,6 +157,12 @@ impl SessionSet {
             None if holds_key && slots.connecting == 0 && slots.open.len() >= self.max => {
                 Step::HeldHere
             }
+            // A session is opening while connecting fails: that one connect is the probe, and
+            // whoever else needs a session is told the latest cause now.
+            None => match self.reconnect.current_failure() {
+                Some(cause) => Step::Failing(cause),
+                None => Step::Wait,
+            },
             // A session is opening, or every one is draining.
             _ => Step::Wait,
         }
@@ -167,12 +182,12 @@ impl SessionSet {
         let connecting = Connecting(self);
         // Boxed: connecting (TLS handshake included) is a future of many kilobytes, and inline
         // it would enlarge every attempt's future, though a session opens only rarely.
-        let session = Box::pin(Session::open(
+        let session = Box::pin(self.reconnect.connect(Session::open(
             &self.config,
             &self.tls,
             self.timeout,
             self.changed.clone(),
-        ))
+        )))
         .await?;
         let session = Arc::new(session);
         // A new session holds nothing, so the key is free on it.
@@ -180,6 +195,16 @@ impl SessionSet {
         self.slots().open.push(session.clone());
         drop(connecting);
         Ok(Reservation::new(session, attempt, false, self.timeout))
+    }
+
+    /// The connection settings sessions open with.
+    pub(super) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The TLS connector sessions open with.
+    pub(super) fn tls(&self) -> &MakeRustlsConnect {
+        &self.tls
     }
 
     /// Closes every session; their locks are lost.

@@ -31,11 +31,14 @@
 //! A statement that waits in a lock queue keeps a snapshot (`backend_xmin`) for as long as it
 //! waits: VACUUM cannot remove rows that died after it, and CREATE INDEX CONCURRENTLY waits for
 //! it — and deadlocks against a holder that runs one. So a watcher never waits long in one
-//! statement: its session sets `lock_timeout` to [`SLICE`] (or half the server's
-//! `deadlock_timeout`, if that is shorter), and a statement that times out is sent again at
-//! once. Each snapshot lives at most one slice; the deadlock detector, which looks only after
-//! `deadlock_timeout`, finds the wait already gone. A release between two slices is seen by the
-//! next one, which is granted at once, so nothing is missed.
+//! statement: each waits at most [`SLICE`] (or half the server's `deadlock_timeout`, if that is
+//! shorter) under `lock_timeout`, and one that times out is sent again at once. Each snapshot
+//! lives at most one slice; the deadlock detector, which looks only after `deadlock_timeout`,
+//! finds the wait already gone. A release between two slices is seen by the next one, which is
+//! granted at once, so nothing is missed. A slice is one call of the watch function (see
+//! `schema`), which catches the timeout, so the server logs nothing; without the function (a
+//! role that may not create it, and nobody did) it is a plain statement whose timeout the
+//! server logs as an ERROR.
 //!
 //! - A watcher starts with the key's first wait and watches again only after its waiter's next
 //!   attempt, so a lock that is free while attempts fail for another reason cannot spin it.
@@ -43,8 +46,9 @@
 //!   still queued (the server drops it when the slice ends) or keeps it idle for [`LINGER`]
 //!   for another wait; a process that waits for nothing keeps nothing open.
 //! - At most `max_wait_sessions` keys are watched per backend at once; waits beyond that, and
-//!   waits while the server cannot be reached, are served by polling, which stays the fallback
-//!   and the cap in every case.
+//!   waits while the server cannot be reached (watchers connect through the backend's shared
+//!   reconnect backoff, see `reconnect`), are served by polling, which stays the fallback and
+//!   the cap in every case.
 //! - The lock is held only for the instant between the grant and the end of the statement; an
 //!   attempt of another process landing in that instant answers busy, and that process then
 //!   watches too. A queued watcher never waits long enough for the deadlock detector to look at
@@ -64,9 +68,14 @@ use tokio_postgres::{Config, Statement};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
-/// Queues for the key exclusively and gives it back in the same statement: it returns when the
-/// key is free of every holder, or fails with SQLSTATE 55P03 when the session's `lock_timeout`
-/// ends the slice. The subquery runs first, so the unlock follows the grant. For writers.
+use super::errors::Stage;
+use super::reconnect::Reconnect;
+use super::schema::Schema;
+
+/// Without the watch function (see `schema`): queues for the key exclusively and gives it back
+/// in the same statement: it returns when the key is free of every holder, or fails with
+/// SQLSTATE 55P03 when the session's `lock_timeout` ends the slice (which the server logs as
+/// an ERROR). The subquery runs first, so the unlock follows the grant. For writers.
 const WATCH: &str = "SELECT pg_advisory_unlock($1::bigint) \
                      FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted";
 
@@ -77,6 +86,8 @@ const WATCH_SHARED: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
 
 /// The longest one watch statement (and so its snapshot) lives.
 const SLICE: Duration = Duration::from_millis(500);
+/// [`SLICE`] as the watch function takes it.
+const SLICE_MS: i32 = 500;
 
 /// Sets the session's `lock_timeout` to [`SLICE`], or to half the server's `deadlock_timeout`
 /// when that is shorter (at least 10 ms), so that a wait ends before the deadlock detector
@@ -106,9 +117,6 @@ const MAX_IDLE: usize = 2;
 /// survivors), so memory follows the keys waited for now.
 const FIRST_SWEEP: usize = 64;
 
-/// After a watcher could not connect, no new one starts for this long.
-const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
-
 /// The watchers of one backend and the waiters they wake.
 pub(super) struct ReleaseWatch {
     shared: Arc<WatchState>,
@@ -123,6 +131,10 @@ struct WatchState {
     max_watchers: usize,
     /// Sessions open for watchers, busy or idle.
     open: Arc<AtomicUsize>,
+    /// The backend's connect backoff, shared with its lock sessions.
+    reconnect: Arc<Reconnect>,
+    /// Names the watch function, which keeps the server's log clean (see `schema`).
+    schema: Arc<Schema>,
 }
 
 #[derive(Default)]
@@ -135,8 +147,6 @@ struct Keys {
     watchers: usize,
     /// Numbers idle sessions, so a lingering one can be found again.
     next_session: u64,
-    /// No watcher starts before this (set after a failed connect).
-    quiet_until: Option<Instant>,
 }
 
 struct WatchedKey {
@@ -155,7 +165,13 @@ struct KeyWatch {
 }
 
 impl ReleaseWatch {
-    pub(super) fn new(config: Config, tls: MakeRustlsConnect, max_watchers: usize) -> Self {
+    pub(super) fn new(
+        config: Config,
+        tls: MakeRustlsConnect,
+        max_watchers: usize,
+        reconnect: Arc<Reconnect>,
+        schema: Arc<Schema>,
+    ) -> Self {
         ReleaseWatch {
             shared: Arc::new(WatchState {
                 keys: Mutex::new(Keys::default()),
@@ -164,6 +180,8 @@ impl ReleaseWatch {
                 stop: CancellationToken::new(),
                 max_watchers,
                 open: Arc::new(AtomicUsize::new(0)),
+                reconnect,
+                schema,
             }),
         }
     }
@@ -201,10 +219,17 @@ impl ReleaseWatch {
     }
 }
 
-impl Drop for ReleaseWatch {
-    fn drop(&mut self) {
+impl ReleaseWatch {
+    /// Ends every watcher and closes their sessions: waiters poll from now on.
+    pub(super) fn stop(&self) {
         self.shared.stop.cancel();
         self.shared.keys().idle.clear();
+    }
+}
+
+impl Drop for ReleaseWatch {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
@@ -256,7 +281,8 @@ impl WatchState {
             return;
         };
         entry.key.attempts.send_modify(|attempts| *attempts += 1);
-        let quiet = keys.quiet_until.is_some_and(|until| Instant::now() < until);
+        // While connecting fails, waiters poll: a watcher could not connect either.
+        let quiet = self.reconnect.is_failing();
         if let (false, false, true, Some(runtime)) = (
             entry.watched,
             quiet,
@@ -269,13 +295,10 @@ impl WatchState {
         }
     }
 
-    /// A watcher ended; `connect_failed` holds new watchers back for a while.
-    fn watcher_ended(&self, advisory_key: i64, connect_failed: bool) {
+    /// A watcher ended.
+    fn watcher_ended(&self, advisory_key: i64) {
         let mut keys = self.keys();
         keys.watchers = keys.watchers.saturating_sub(1);
-        if connect_failed {
-            keys.quiet_until = Some(Instant::now() + CONNECT_BACKOFF);
-        }
         if let std::collections::hash_map::Entry::Occupied(mut entry) =
             keys.by_key.entry(advisory_key)
         {
@@ -305,15 +328,23 @@ enum WatcherExit {
 /// queued when its slice ends.
 struct WatchSession {
     client: tokio_postgres::Client,
-    /// [`WATCH`] and [`WATCH_SHARED`], prepared once: a slice is sent every half second while a
-    /// key stays busy.
-    watch: Statement,
-    watch_shared: Statement,
+    /// The statements of a slice, prepared once: one is sent every half second while a key
+    /// stays busy.
+    slices: SliceStatements,
     driver: tokio::task::JoinHandle<()>,
     idle_since: Instant,
     /// Numbers the session while it lingers idle.
     id: u64,
     open: Arc<AtomicUsize>,
+}
+
+/// How a watcher waits one slice.
+enum SliceStatements {
+    /// The watch function: answers whether the key was free, logging nothing.
+    Function(Statement),
+    /// [`WATCH`] and [`WATCH_SHARED`] under the session's `lock_timeout`, for a database
+    /// without the function.
+    Plain { watch: Statement, shared: Statement },
 }
 
 impl Drop for WatchSession {
@@ -344,32 +375,48 @@ impl WatchState {
             .get_connect_timeout()
             .copied()
             .unwrap_or(SLICE_GRACE);
+        let connect = async {
+            match tokio::time::timeout(timeout, self.config.connect(self.tls.clone())).await {
+                Ok(Ok(pair)) => Ok(pair),
+                Ok(Err(error)) => Err(super::errors::query_error(error, Stage::Connect)),
+                Err(_) => Err(super::errors::timed_out(Stage::Connect, timeout)),
+            }
+        };
         let connecting = tokio::select! {
             _ = self.stop.cancelled() => return None,
-            connecting = tokio::time::timeout(timeout, self.config.connect(self.tls.clone())) => connecting,
+            connecting = self.reconnect.connect(connect) => connecting,
         };
-        let (client, connection) = connecting.ok()?.ok()?;
+        let (client, connection) = connecting.ok()?;
         let driver = tokio::spawn(async move {
             let _ = connection.await;
         });
         self.open.fetch_add(1, Ordering::Relaxed);
         let open = self.open.clone();
         let setup = async {
+            let function = client
+                .query_one(&self.schema.function_exists(), &[])
+                .await?
+                .try_get::<_, bool>(0)?;
+            if function {
+                let watch = self.schema.watch_statement();
+                let types = [Type::INT8, Type::BOOL, Type::INT4];
+                let watch = client.prepare_typed(&watch, &types).await?;
+                return Ok::<_, tokio_postgres::Error>(SliceStatements::Function(watch));
+            }
             client.batch_execute(SET_SLICE).await?;
             let watch = client.prepare_typed(WATCH, &[Type::INT8]).await?;
             let shared = client.prepare_typed(WATCH_SHARED, &[Type::INT8]).await?;
-            Ok::<_, tokio_postgres::Error>((watch, shared))
+            Ok(SliceStatements::Plain { watch, shared })
         };
         let setup = tokio::time::timeout(timeout, setup).await;
-        let Ok(Ok((watch, watch_shared))) = setup else {
+        let Ok(Ok(slices)) = setup else {
             driver.abort();
             open.fetch_sub(1, Ordering::Relaxed);
             return None;
         };
         Some(WatchSession {
             client,
-            watch,
-            watch_shared,
+            slices,
             driver,
             idle_since: Instant::now(),
             id: 0,
@@ -414,7 +461,6 @@ async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>)
         None if shared.stop.is_cancelled() => WatcherExit::Done,
         None => WatcherExit::ConnectFailed,
     };
-    let connect_failed = matches!(end, WatcherExit::ConnectFailed);
     match end {
         WatcherExit::Clean(session) => shared.keep_idle(*session),
         WatcherExit::Done => {}
@@ -423,7 +469,7 @@ async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>)
             key.wake.send_replace(());
         }
     }
-    shared.watcher_ended(advisory_key, connect_failed);
+    shared.watcher_ended(advisory_key);
 }
 
 /// Whether the key's waiters are gone for good: not back within [`GRACE`] (the engine makes a
@@ -511,12 +557,28 @@ async fn watch_until_free(
         if key.wake.receiver_count() == 0 && waiters_left(key).await {
             return Slices::Left;
         }
-        let statement = if key.writer_waits.load(Ordering::Acquire) {
-            &session.watch
-        } else {
-            &session.watch_shared
+        let exclusive = key.writer_waits.load(Ordering::Acquire);
+        let statement = async {
+            match &session.slices {
+                SliceStatements::Function(watch) => {
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                        [&advisory_key, &exclusive, &SLICE_MS];
+                    let row = session.client.query_one(watch, &params).await?;
+                    Ok(row.try_get::<_, bool>(0)?)
+                }
+                SliceStatements::Plain { watch, shared } => {
+                    let statement = if exclusive { watch } else { shared };
+                    match session.client.query_one(statement, &params).await {
+                        Ok(_) => Ok(true),
+                        // The slice ended with the key still taken.
+                        Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                            Ok(false)
+                        }
+                        Err(error) => Err(error),
+                    }
+                }
+            }
         };
-        let statement = session.client.query_one(statement, &params);
         tokio::pin!(statement);
         let overdue = tokio::time::sleep(SLICE + SLICE_GRACE);
         tokio::pin!(overdue);
@@ -535,9 +597,9 @@ async fn watch_until_free(
             }
         };
         match answer {
-            Ok(_) => return Slices::Freed,
+            Ok(true) => return Slices::Freed,
             // The slice ended with the key still taken: the next one queues again.
-            Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {}
+            Ok(false) => {}
             Err(_) => return Slices::Failed,
         }
     }
@@ -574,6 +636,9 @@ mod tests {
             .expect("woken, so the waiter polls instead of waiting on a dead watcher");
         let keys = backend.inner.releases.shared.keys();
         assert_eq!(keys.watchers, 0);
-        assert!(keys.quiet_until.is_some(), "no new watcher for a while");
+        assert!(
+            backend.inner.releases.shared.reconnect.is_failing(),
+            "no new watcher for a while"
+        );
     }
 }

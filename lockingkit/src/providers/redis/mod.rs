@@ -152,6 +152,11 @@ impl RedisBackend {
     /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when Redis does not answer
     /// within `request_timeout`.
     pub async fn verify(&self) -> Result<(), LockError> {
+        self.check().await.map_err(BackendError::into_lock_error)
+    }
+
+    /// What [`verify`](Self::verify) checks, as the backend reports it.
+    async fn check(&self) -> Result<(), BackendError> {
         for script in self.inner.scripts.all() {
             let mut load = redis::cmd("SCRIPT");
             load.arg("LOAD").arg(script.source());
@@ -162,10 +167,8 @@ impl RedisBackend {
                 .await
             {
                 Ok(Ok(_)) => {}
-                Ok(Err(error)) => {
-                    return Err(errors::request_error(&error, Stage::Connect).into_lock_error())
-                }
-                Err(error) => return Err(error.into_lock_error()),
+                Ok(Err(error)) => return Err(errors::request_error(&error, Stage::Connect)),
+                Err(error) => return Err(error),
             }
         }
         Ok(())
@@ -328,6 +331,11 @@ impl LockBackend for RedisBackend {
 
     fn timing(&self) -> LeaseTiming {
         LeaseTiming::Expiring(self.inner.lease)
+    }
+
+    /// See [`RedisBackend::verify`].
+    async fn verify(&self) -> Result<(), BackendError> {
+        self.check().await
     }
 
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<RedisLease>>, BackendError> {

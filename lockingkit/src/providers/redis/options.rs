@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::connection::Target;
-use crate::config::SecretString;
+use crate::config::{SecretString, WholeNumbers};
 use crate::keys::RedisLockKeys;
 
 /// The shortest lease: a renewal every third of it must still fit a round trip.
@@ -90,7 +90,19 @@ impl Default for RedisOptions {
     }
 }
 
+/// The most replicas `replicas` may ask for: `WAIT` blocks the shared connection for up to
+/// `replica_timeout` whenever fewer acknowledge, so asking for more than a primary could have
+/// is a mistake.
+pub(super) const MAX_REPLICAS: u32 = 64;
+
 impl RedisOptions {
+    /// The range of `replicas`.
+    pub(crate) const WHOLE_NUMBERS: &'static [WholeNumbers] = &[WholeNumbers {
+        setting: "replicas",
+        min: 0,
+        max: MAX_REPLICAS as u64,
+    }];
+
     /// Default options for the server at `url`.
     pub fn new(url: impl Into<SecretString>) -> Self {
         RedisOptions {
@@ -150,6 +162,9 @@ impl RedisOptions {
                  lease_duration ({lease:?}), so a failed renewal can be retried before the lease \
                  runs out"
             ));
+        }
+        for (range, value) in Self::WHOLE_NUMBERS.iter().zip([self.replicas]) {
+            problems.extend(range.check(section, u64::from(value)));
         }
         if self.replicas > 0
             && (self.replica_timeout < Duration::from_millis(1) || self.replica_timeout >= timeout)

@@ -1,0 +1,317 @@
+//! What a locked route answers when things go wrong around it: a lock lost while the handler's
+//! write is in flight (the outcome is unknown, and with `OnLoss::Signal` the handler decides),
+//! and wiring mistakes in the server (two layers locking one key, a template naming a parameter
+//! the route does not capture), which are 500s logged once, not 409s or 400s on every request.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use http::StatusCode;
+use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+use lockingkit_axum::{lock_route, HeldLock};
+use lockingkit_tower::OnLoss;
+use tokio::sync::{mpsc, oneshot};
+
+use support::{post as http_post, serve};
+
+const HANG_GUARD: Duration = Duration::from_secs(10);
+
+async fn guarded<F: std::future::Future>(future: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, future)
+        .await
+        .expect("the test hung")
+}
+
+/// Locks with a short lease, so that a broken lease is noticed within 100 ms.
+fn short_leases(store: &MemoryStore) -> DistributedLock {
+    DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_millis(300),
+    ))
+    .build()
+    .expect("lock provider")
+}
+
+/// A "database" that applies a write once it is sent, whether or not the caller is still
+/// there to hear back — as a server commits a statement whose client future was dropped.
+#[derive(Clone, Default)]
+struct Database {
+    applied: Arc<AtomicUsize>,
+}
+
+impl Database {
+    /// Sends the write; it is applied when `commit` fires, and the answer comes back then.
+    async fn write(&self, commit: oneshot::Receiver<()>) {
+        let applied = self.applied.clone();
+        let server = tokio::spawn(async move {
+            let _ = commit.await;
+            applied.fetch_add(1, Ordering::SeqCst);
+        });
+        let _ = server.await;
+    }
+
+    fn applied(&self) -> usize {
+        self.applied.load(Ordering::SeqCst)
+    }
+}
+
+/// A route whose handler sends one write and waits for it; it reports when the write is in
+/// flight and hands the test the switch that lets the database apply it.
+fn deposit_route(
+    locks: DistributedLock,
+    database: Database,
+    on_loss: OnLoss,
+) -> (Router, mpsc::UnboundedReceiver<oneshot::Sender<()>>) {
+    let (in_flight_tx, in_flight) = mpsc::unbounded_channel();
+    let handler = move |lock: HeldLock| {
+        let (database, in_flight_tx) = (database.clone(), in_flight_tx.clone());
+        async move {
+            let (commit, committed) = oneshot::channel();
+            let _ = in_flight_tx.send(commit);
+            database.write(committed).await;
+            // With `OnLoss::Signal` the handler gets here and tells the truth itself.
+            match lock.ensure_held() {
+                Ok(()) => (StatusCode::OK, "deposited"),
+                Err(_) => (
+                    StatusCode::ACCEPTED,
+                    "deposited; the lock was lost meanwhile",
+                ),
+            }
+        }
+    };
+    let app = Router::new().route(
+        "/accounts/{id}/deposits",
+        post(handler).route_layer(lock_route(locks, "accounts/{id}").on_loss(on_loss)),
+    );
+    (app, in_flight)
+}
+
+#[tokio::test]
+async fn a_lock_lost_while_the_write_is_in_flight_is_answered_outcome_unknown() {
+    let (store, database) = (MemoryStore::new(), Database::default());
+    let (app, mut in_flight) =
+        deposit_route(short_leases(&store), database.clone(), OnLoss::Cancel);
+    let addr = serve(app).await;
+
+    let request = tokio::spawn(http_post(addr, "/accounts/7/deposits"));
+    let commit = guarded(in_flight.recv())
+        .await
+        .expect("the write is in flight");
+    assert!(store.break_lease("accounts/7"));
+    let reply = guarded(request).await.expect("reply");
+    // The database applies the write after all: the answer must not have claimed it stopped.
+    commit.send(()).expect("the database is still there");
+    tokio::task::yield_now().await;
+    for _ in 0..100 {
+        if database.applied() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(database.applied(), 1, "the write was applied");
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
+    assert_eq!(reply.code(), "locking.lost");
+    assert!(
+        reply.retry_after().is_none(),
+        "no invitation to retry blindly"
+    );
+    let detail = reply.problem()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(detail.contains("outcome is unknown"), "{detail}");
+    assert!(!detail.contains("stopped"), "{detail}");
+}
+
+#[tokio::test]
+async fn with_on_loss_signal_the_handler_finishes_its_write_and_answers_itself() {
+    let (store, database) = (MemoryStore::new(), Database::default());
+    let (app, mut in_flight) =
+        deposit_route(short_leases(&store), database.clone(), OnLoss::Signal);
+    let addr = serve(app).await;
+
+    let request = tokio::spawn(http_post(addr, "/accounts/8/deposits"));
+    let commit = guarded(in_flight.recv())
+        .await
+        .expect("the write is in flight");
+    assert!(store.break_lease("accounts/8"));
+    // The loss is noticed by the next renewal (every 100 ms), while the write is in flight.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!request.is_finished(), "the handler was not dropped");
+    commit
+        .send(())
+        .expect("the handler still waits for its write");
+    let reply = guarded(request).await.expect("reply");
+    assert_eq!(database.applied(), 1);
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{reply:?}");
+    assert!(reply.text().contains("lost meanwhile"), "{reply:?}");
+}
+
+/// Counts the errors logged while it is installed (on this thread, which the current-thread
+/// test runtime and the server share).
+#[derive(Clone, Default)]
+struct ErrorCount(Arc<AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ErrorCount {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *event.metadata().level() == tracing::Level::ERROR {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl ErrorCount {
+    fn install(&self) -> tracing::subscriber::DefaultGuard {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+
+    fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+#[tokio::test]
+async fn two_layers_locking_one_key_are_a_500_logged_once_and_lock_nothing() {
+    let errors = ErrorCount::default();
+    let _log = errors.install();
+    let locks = DistributedLock::in_memory();
+    // `route_layer` wraps every route added before it: the ship route gets both layers.
+    let app = Router::new()
+        .route(
+            "/orders/{id}/ship",
+            post(|| async { "shipped" }).route_layer(lock_route(locks.clone(), "orders/{id}")),
+        )
+        .route_layer(lock_route(locks.clone(), "orders/{id}"));
+    let addr = serve(app).await;
+    for _ in 0..3 {
+        let reply = guarded(http_post(addr, "/orders/1/ship")).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
+        assert_eq!(reply.code(), "locking.misconfigured");
+    }
+    assert_eq!(errors.count(), 1, "the mistake is logged once");
+    // The outer layer's lock was released with the response; nothing stays held.
+    assert_eq!(locks.active_keys(), 0);
+    // Another provider's lock on the same key is no mistake: they are different locks.
+    let other = DistributedLock::in_memory();
+    let app = Router::new()
+        .route(
+            "/orders/{id}/ship",
+            post(|| async { "shipped" }).route_layer(lock_route(other, "orders/{id}")),
+        )
+        .route_layer(lock_route(locks, "orders/{id}"));
+    let addr = serve(app).await;
+    let reply = guarded(http_post(addr, "/orders/1/ship")).await;
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+}
+
+#[tokio::test]
+async fn a_template_naming_a_parameter_the_route_lacks_is_a_500_logged_once() {
+    let errors = ErrorCount::default();
+    let _log = errors.install();
+    let locks = DistributedLock::in_memory();
+    let app = Router::new()
+        .route("/orders/{id}/ship", post(|| async { "shipped" }))
+        .route_layer(lock_route(locks.clone(), "orders/{Id}"));
+    let addr = serve(app).await;
+    for id in 0..3 {
+        let reply = guarded(http_post(addr, &format!("/orders/{id}/ship"))).await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
+        assert_eq!(reply.code(), "locking.misconfigured");
+        assert!(
+            !reply.text().contains("Id"),
+            "the document names no internals"
+        );
+    }
+    assert_eq!(errors.count(), 1);
+    assert_eq!(locks.active_keys(), 0, "nothing was locked");
+}
+
+/// A backend whose startup check fails with `Misconfigured` and counts how often it runs.
+#[derive(Clone, Default)]
+struct Unverifiable {
+    checks: Arc<AtomicUsize>,
+}
+
+impl lockingkit::LockBackend for Unverifiable {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "unverifiable"
+    }
+    fn timing(&self) -> lockingkit::LeaseTiming {
+        lockingkit::LeaseTiming::Expiring(Duration::from_secs(30))
+    }
+    async fn try_acquire(
+        &self,
+        _key: &str,
+    ) -> Result<Option<lockingkit::Acquired<()>>, lockingkit::BackendError> {
+        Ok(None)
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), lockingkit::BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), lockingkit::BackendError> {
+        Ok(())
+    }
+    async fn verify(&self) -> Result<(), lockingkit::BackendError> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        Err(lockingkit::BackendError::misconfigured(
+            "the container does not exist",
+        ))
+    }
+}
+
+#[tokio::test]
+async fn the_readiness_endpoint_reports_an_outage_and_a_failed_startup_check_as_503() {
+    use lockingkit_axum::Readiness;
+
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    let app = Router::new().route_service("/ready", Readiness::of([locks.clone()]));
+    let addr = serve(app).await;
+    let ready = guarded(support::get(addr, "/ready")).await;
+    assert_eq!(ready.status, StatusCode::OK, "{ready:?}");
+    assert_eq!(ready.text(), r#"{"status":"ready"}"#);
+
+    // An attempt fails: the provider is failing until one is answered again.
+    store.set_unavailable(true);
+    assert!(locks.try_acquire("k").await.is_err());
+    let down = guarded(support::get(addr, "/ready")).await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE, "{down:?}");
+    assert_eq!(down.code(), "locking.unavailable");
+    assert!(down.retry_after().is_some());
+    store.set_unavailable(false);
+    tokio::time::sleep(Duration::from_millis(100)).await; // the first probe is due by then
+    locks
+        .try_acquire("k")
+        .await
+        .expect("answered again")
+        .release()
+        .await
+        .expect("release");
+    assert_eq!(
+        guarded(support::get(addr, "/ready")).await.status,
+        StatusCode::OK
+    );
+
+    // A provider whose startup check fails is not ready, and probes do not hammer it.
+    let backend = Unverifiable::default();
+    let checks = backend.checks.clone();
+    let broken = DistributedLock::builder(backend).build().expect("provider");
+    let addr = serve(Router::new().route_service("/ready", Readiness::of([broken]))).await;
+    for _ in 0..5 {
+        let reply = guarded(support::get(addr, "/ready")).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+        assert_eq!(reply.code(), "locking.misconfigured");
+        assert!(
+            !reply.text().contains("container"),
+            "no internals in the document"
+        );
+    }
+    assert_eq!(checks.load(Ordering::SeqCst), 1, "one check per 5 s");
+}

@@ -1,0 +1,85 @@
+//! One backoff for every connection a backend opens, so that a server that is down, refuses
+//! our password or is out of connection slots is not hammered by reconnects.
+//!
+//! Lock sessions and watcher sessions connect through the same [`Reconnect`]. After a connect
+//! fails, the backend opens no connection for a while and every caller that needs one is told
+//! the latest cause at once (the server sees nothing); then one connect at a time is tried,
+//! [`FIRST_DELAY`] after the failure, each further one twice as long after the last failed one,
+//! up to [`MOST_DELAY`] apart, with equal jitter so that instances drift apart. The first
+//! connection that opens ends it. The engine logs the outage (once when it starts, once when
+//! it ends); this module logs nothing.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::backend::BackendError;
+use crate::health::{Admission, Health};
+
+/// How long after a failed connect the next one may be tried.
+pub(super) const FIRST_DELAY: Duration = Duration::from_millis(100);
+/// The longest time between two connects while connecting fails.
+pub(super) const MOST_DELAY: Duration = Duration::from_secs(5);
+
+/// Whether connecting to the server works, shared by every session of a backend.
+#[derive(Debug)]
+pub(super) struct Reconnect {
+    health: Arc<Health>,
+}
+
+impl Reconnect {
+    pub(super) fn new() -> Self {
+        Reconnect {
+            health: Arc::new(Health::new(FIRST_DELAY, MOST_DELAY)),
+        }
+    }
+
+    /// Whether connects are failing now (no connect would be tried).
+    pub(super) fn is_failing(&self) -> bool {
+        self.health.is_failing()
+    }
+
+    /// The latest connect failure, while connecting is failing.
+    pub(super) fn current_failure(&self) -> Option<BackendError> {
+        self.health.current_failure().map(|refusal| refusal.cause)
+    }
+
+    /// Runs `connect` unless connecting is failing and no attempt is due, in which case the
+    /// latest failure is returned at once without touching the server.
+    pub(super) async fn connect<T>(
+        &self,
+        connect: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        let probe = match self.health.admit() {
+            Admission::Go => None,
+            Admission::Probe(probe) => Some(probe),
+            Admission::Refused(refusal) => {
+                let now = Instant::now();
+                let message = format!(
+                    "{} (no connection attempted: connecting has failed for {:?}; the next \
+                     attempt is in {:?})",
+                    refusal.cause.message(),
+                    now.saturating_duration_since(refusal.since),
+                    refusal.retry_at.saturating_duration_since(now),
+                );
+                return Err(refusal.cause.with_message(message));
+            }
+        };
+        let result = connect.await;
+        match (&result, probe) {
+            (Ok(_), Some(probe)) => {
+                probe.answered();
+            }
+            (Ok(_), None) => {
+                self.health.answered();
+            }
+            (Err(error), Some(probe)) => probe.failed(error),
+            (Err(error), None) => {
+                self.health.failed(error, false);
+            }
+        }
+        result
+    }
+}

@@ -1,0 +1,135 @@
+//! The database objects the provider uses, and how they come to exist.
+//!
+//! - The fencing-token **sequence** (`lockingkit.fencing_tokens` by default): one `nextval` per
+//!   lock taken, in the lock's own round trip.
+//! - The **watch function** `<schema>.watch_advisory_lock(key, exclusive, slice_ms)`: waits up
+//!   to a slice for the advisory lock `key` (exclusively or shared), gives it straight back, and
+//!   says whether it was granted. A watcher (see `watch`) calls it twice a second while a key
+//!   it waits for stays taken. A plain statement that waits under `lock_timeout` would end
+//!   every slice with an ERROR in the server's log ("canceling statement due to lock
+//!   timeout", and the statement) — some 170,000 lines a day per waiting process; an error
+//!   caught in PL/pgSQL is not logged.
+//!
+//! Both are created on first use by a role that may (serialized by a transaction-level
+//! advisory lock, so processes starting together do not race); a role without `CREATE` needs
+//! them created beforehand with [`setup_sql`]. Without the function the provider still works:
+//! watchers fall back to `lock_timeout` slices, and the server logs their errors.
+
+use super::options::PostgresOptions;
+
+/// The transaction-level advisory lock that serializes creating the objects. It uses the
+/// two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
+const SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
+
+/// The watch function's name within the fencing schema, and its argument types.
+const WATCH_FUNCTION: &str = "watch_advisory_lock";
+const WATCH_ARGUMENTS: &str = "bigint, boolean, integer";
+
+/// The provider's objects, named for one set of options.
+#[derive(Debug)]
+pub(super) struct Schema {
+    /// `schema.sequence`.
+    pub(super) sequence: String,
+    /// `schema.watch_advisory_lock`.
+    pub(super) watch_function: String,
+    /// Whether the sequence and the function exist: two booleans.
+    pub(super) exists: String,
+    /// Creates whatever is missing.
+    pub(super) setup: String,
+    /// Creates only the function, under the setup lock.
+    pub(super) setup_function: String,
+}
+
+impl Schema {
+    pub(super) fn new(options: &PostgresOptions) -> Self {
+        let schema = &options.fencing_schema;
+        let sequence = format!("{schema}.{}", options.fencing_sequence);
+        let watch_function = format!("{schema}.{WATCH_FUNCTION}");
+        let lock = format!(
+            "SELECT pg_advisory_xact_lock({}, {});",
+            SETUP_LOCK.0, SETUP_LOCK.1
+        );
+        Schema {
+            exists: format!(
+                "SELECT to_regclass('{sequence}') IS NOT NULL, \
+                 to_regprocedure('{watch_function}({WATCH_ARGUMENTS})') IS NOT NULL"
+            ),
+            setup: format!(
+                "{lock}CREATE SCHEMA IF NOT EXISTS {schema};{};{};",
+                create_sequence(&sequence),
+                create_function(&watch_function)
+            ),
+            setup_function: format!("{lock}{};", create_function(&watch_function)),
+            sequence,
+            watch_function,
+        }
+    }
+
+    /// The statement a watcher sends with the function: whether `$1` was free within the
+    /// slice `$3` (ms), exclusively if `$2`.
+    pub(super) fn watch_statement(&self) -> String {
+        format!("SELECT {}($1, $2, $3)", self.watch_function)
+    }
+
+    /// Whether the function exists, for a watcher session choosing its statements.
+    pub(super) fn function_exists(&self) -> String {
+        format!(
+            "SELECT to_regprocedure('{}({WATCH_ARGUMENTS})') IS NOT NULL",
+            self.watch_function
+        )
+    }
+}
+
+fn create_sequence(sequence: &str) -> String {
+    // CACHE 1: a cached sequence hands each session its own block of numbers, and tokens would
+    // no longer grow across processes.
+    format!("CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint MINVALUE 1 NO CYCLE CACHE 1")
+}
+
+/// The watch function. The slice is the caller's, or half the server's `deadlock_timeout` when
+/// that is shorter (at least 10 ms): a wait ends before the deadlock detector looks at it, and
+/// its snapshot lives no longer than the slice. `lock_timeout` is set for the statement's own
+/// transaction only.
+fn create_function(name: &str) -> String {
+    format!(
+        "CREATE OR REPLACE FUNCTION {name}(key bigint, exclusive boolean, slice_ms integer) \
+         RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog AS $lockingkit$ \
+         BEGIN \
+           PERFORM set_config('lock_timeout', greatest(10, least(slice_ms, \
+             (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 500)::int))::text \
+             || 'ms', true); \
+           IF exclusive THEN \
+             PERFORM pg_advisory_lock(key); PERFORM pg_advisory_unlock(key); \
+           ELSE \
+             PERFORM pg_advisory_lock_shared(key); PERFORM pg_advisory_unlock_shared(key); \
+           END IF; \
+           RETURN true; \
+         EXCEPTION WHEN lock_not_available THEN \
+           RETURN false; \
+         END $lockingkit$"
+    )
+}
+
+/// The SQL an administrator runs once for a role (`role`) that may not create objects itself:
+/// the fencing schema, sequence and watch function of `options`, and the grants the role needs.
+///
+/// ```
+/// use lockingkit::PostgresOptions;
+/// use lockingkit::providers::postgres::setup_sql;
+///
+/// let sql = setup_sql(&PostgresOptions::default(), "app");
+/// assert!(sql.contains("CREATE SEQUENCE IF NOT EXISTS lockingkit.fencing_tokens"));
+/// assert!(sql.contains("GRANT USAGE, UPDATE ON SEQUENCE lockingkit.fencing_tokens TO app"));
+/// ```
+pub fn setup_sql(options: &PostgresOptions, role: &str) -> String {
+    let schema = &options.fencing_schema;
+    let sequence = format!("{schema}.{}", options.fencing_sequence);
+    let function = format!("{schema}.{WATCH_FUNCTION}");
+    format!(
+        "CREATE SCHEMA IF NOT EXISTS {schema};\n{};\n{};\nGRANT USAGE ON SCHEMA {schema} TO {role};\n\
+         GRANT USAGE, UPDATE ON SEQUENCE {sequence} TO {role};\n\
+         GRANT EXECUTE ON FUNCTION {function}({WATCH_ARGUMENTS}) TO {role};\n",
+        create_sequence(&sequence),
+        create_function(&function),
+    )
+}

@@ -1,0 +1,459 @@
+//! The outage experiment, against a real PostgreSQL server: a locked axum route (one attempt
+//! per request, deposits locked per account) under sixty-four clients while the server is
+//! frozen, unreachable, restarted, or refuses our password.
+//!
+//! What a careful operator needs from it, and what each test checks:
+//! - an outage is never answered as contention: once the fault is older than the engine's
+//!   patience (the longest retry delay, 1 s), no request gets `409`; every refusal is `503`
+//!   (`500` when the server refuses our credentials);
+//! - the server is not hammered: the connections it sees (counted by a proxy in front of it, or
+//!   as failed logins in its log) stay a handful however many requests arrive;
+//! - the log is not flooded: a handful of warnings for the whole outage, not one per request;
+//! - service resumes once the fault ends.
+//!
+//! Each test prints its counts (`--nocapture`), the numbers the closing note of the issue
+//! quotes. The tests take the machine for a few seconds each, so they run one at a time.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use http::StatusCode;
+use lockingkit::{DistributedLock, PostgresBackend, PostgresOptions};
+use lockingkit_tests::http::{serve, Connection};
+use lockingkit_tests::postgres::PostgresServer;
+use lockingkit_tests::proxy::{Fault, FaultProxy};
+use tokio::time::Instant;
+
+/// Runs one experiment at a time, even when the test harness runs them in one process.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The engine's patience: callers that meet an attempt or release in flight for longer than
+/// this are told the backend did not answer (`LockOptions::max_retry_delay`, 1 s by default).
+const PATIENCE: Duration = Duration::from_secs(1);
+
+const CLIENTS: usize = 64;
+const ACCOUNTS: usize = 8;
+
+/// Warnings and errors logged by anyone in this process, counted since it started.
+#[derive(Default)]
+struct Lines {
+    warnings: AtomicUsize,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for &'static Lines {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *event.metadata().level() <= tracing::Level::WARN {
+            self.warnings.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn lines() -> &'static Lines {
+    static LINES: OnceLock<&'static Lines> = OnceLock::new();
+    LINES.get_or_init(|| {
+        use tracing_subscriber::layer::SubscriberExt;
+        let lines: &'static Lines = Box::leak(Box::default());
+        let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry().with(lines));
+        lines
+    })
+}
+
+/// One answer, and when its request was sent and answered.
+struct Answer {
+    sent: Instant,
+    answered: Instant,
+    status: StatusCode,
+}
+
+/// `POST /accounts/{id}/deposits` behind `lock_route("accounts/{id}")` on `locks`: the
+/// handler itself takes no time.
+fn deposits(locks: DistributedLock) -> Router {
+    Router::new().route(
+        "/accounts/{id}/deposits",
+        post(|| async { StatusCode::OK })
+            .route_layer(lockingkit_axum::lock_route(locks, "accounts/{id}")),
+    )
+}
+
+/// Sixty-four clients, each on a keep-alive connection, posting deposits to one of eight
+/// accounts until `stop`; every answer is recorded.
+struct Clients {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Answer>>>,
+}
+
+impl Clients {
+    async fn start(locks: DistributedLock) -> Clients {
+        let addr = serve(deposits(locks)).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..CLIENTS)
+            .map(|client| {
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let mut connection = Connection::open(addr).await;
+                    let path = format!("/accounts/{}/deposits", client % ACCOUNTS);
+                    let mut answers = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let sent = Instant::now();
+                        let status = connection.post(&path).await;
+                        let answered = Instant::now();
+                        answers.push(Answer {
+                            sent,
+                            answered,
+                            status,
+                        });
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    answers
+                })
+            })
+            .collect();
+        Clients { stop, tasks }
+    }
+
+    async fn stop(self) -> Vec<Answer> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for task in self.tasks {
+            all.extend(task.await.expect("a client task panicked"));
+        }
+        all
+    }
+}
+
+/// How many answers of each status came back for requests sent and answered in `[from, to)`.
+fn statuses(answers: &[Answer], from: Instant, to: Instant) -> BTreeMap<u16, usize> {
+    let mut counts = BTreeMap::new();
+    for answer in answers.iter().filter(|a| a.sent >= from && a.answered < to) {
+        *counts.entry(answer.status.as_u16()).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn locks_through(proxy: &FaultProxy, server: &PostgresServer) -> DistributedLock {
+    let options = PostgresOptions {
+        connection_string: format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+            proxy.port()
+        )
+        .into(),
+        ..server.options(Duration::from_secs(5))
+    };
+    DistributedLock::builder(PostgresBackend::new(options).expect("options"))
+        .build()
+        .expect("lock options")
+}
+
+/// What a fault did, for the assertions and the printout.
+struct Run {
+    /// Answers to requests sent once the fault was older than the engine's patience.
+    during: BTreeMap<u16, usize>,
+    /// Answers to requests sent in the second after the fault began.
+    first_second: BTreeMap<u16, usize>,
+    /// Answers to requests sent from `recovered_by` after the fault ended.
+    after: BTreeMap<u16, usize>,
+    connections: usize,
+    warnings: usize,
+}
+
+impl Run {
+    fn print(&self, fault: &str) {
+        eprintln!(
+            "{fault}: after the first second {:?}; first second {:?}; after recovery {:?}; \
+             {} connections reached the server; {} warning lines",
+            self.during, self.first_second, self.after, self.connections, self.warnings
+        );
+    }
+
+    fn assert_outage_is_503_never_409(&self) {
+        assert_eq!(self.during.get(&409), None, "an outage is not contention");
+        assert!(
+            self.during.keys().all(|status| *status == 503),
+            "every refusal is 503: {:?}",
+            self.during
+        );
+        assert!(
+            self.during.get(&503).copied().unwrap_or(0) > 100,
+            "{:?}",
+            self.during
+        );
+        assert!(
+            self.after.get(&200).copied().unwrap_or(0) > 100,
+            "service resumes: {:?}",
+            self.after
+        );
+    }
+}
+
+/// The faults of the experiment.
+#[derive(Clone, Copy)]
+enum Outage {
+    /// Every server process stopped (SIGSTOP): connections stay open and nothing answers.
+    Frozen,
+    /// The network resets every connection, open and new.
+    Unreachable,
+    /// The server stopped (every session ends), started again when the outage ends.
+    Restarted,
+}
+
+impl Outage {
+    async fn begin(self, server: &mut PostgresServer, proxy: &FaultProxy) {
+        match self {
+            Outage::Frozen => server.pause(),
+            Outage::Unreachable => proxy.set_fault(Fault::Reset),
+            Outage::Restarted => server.stop_immediate(),
+        }
+    }
+
+    async fn end(self, server: &mut PostgresServer, proxy: &FaultProxy) {
+        match self {
+            Outage::Frozen => server.resume(),
+            Outage::Unreachable => proxy.set_fault(Fault::Pass),
+            Outage::Restarted => server.start_again().await,
+        }
+    }
+}
+
+/// Runs the clients for a second, applies `outage` for `length`, ends it, and runs on until
+/// `recovered_by` after the end plus two more seconds.
+async fn experiment(outage: Outage, length: Duration, recovered_by: Duration) -> Run {
+    lines();
+    let mut server = PostgresServer::start_local().await;
+    let proxy = FaultProxy::to_port(server.port()).await;
+    let locks = locks_through(&proxy, &server);
+    let clients = Clients::start(locks.clone()).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (connections, warnings) = (
+        proxy.connections_accepted(),
+        lines().warnings.load(Ordering::SeqCst),
+    );
+    let began = Instant::now();
+    outage.begin(&mut server, &proxy).await;
+    tokio::time::sleep(length).await;
+    let ended = Instant::now();
+    outage.end(&mut server, &proxy).await;
+    let connections = proxy.connections_accepted() - connections;
+    let warnings = lines().warnings.load(Ordering::SeqCst) - warnings;
+    tokio::time::sleep(recovered_by + Duration::from_secs(2)).await;
+    let answers = clients.stop().await;
+    Run {
+        during: statuses(&answers, began + PATIENCE, ended),
+        first_second: statuses(&answers, began, began + PATIENCE),
+        after: statuses(&answers, ended + recovered_by, Instant::now()),
+        connections,
+        warnings,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_server_is_503_to_every_request_never_409() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Frozen longer than the statement timeout (5 s), so attempts time out while it lasts.
+    let run = experiment(
+        Outage::Frozen,
+        Duration::from_secs(6),
+        Duration::from_secs(6),
+    )
+    .await;
+    run.print("frozen 6 s");
+    run.assert_outage_is_503_never_409();
+    assert!(run.warnings <= 20, "{} warnings", run.warnings);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_is_503_and_reconnects_back_off() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let run = experiment(
+        Outage::Unreachable,
+        Duration::from_secs(5),
+        Duration::from_secs(6),
+    )
+    .await;
+    run.print("unreachable 5 s");
+    run.assert_outage_is_503_never_409();
+    // One connect at a time, 100 ms after a failure and doubling: at most eight in 5 s for the
+    // lock sessions, whatever the request rate.
+    assert!(run.connections <= 12, "{} connections", run.connections);
+    assert!(run.warnings <= 20, "{} warnings", run.warnings);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_nobody_holding_a_lock_is_never_answered_409() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let run = experiment(
+        Outage::Restarted,
+        Duration::from_secs(3),
+        Duration::from_secs(6),
+    )
+    .await;
+    run.print("restarted, down 3 s");
+    run.assert_outage_is_503_never_409();
+    assert!(run.connections <= 12, "{} connections", run.connections);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_password_is_500_to_every_request_at_a_handful_of_logins() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let server = PostgresServer::start_local().await;
+    let wrong = server.create_password_role("right", "wrong").await;
+    let options = PostgresOptions {
+        connection_string: wrong.into(),
+        ..server.options(Duration::from_secs(5))
+    };
+    let locks = DistributedLock::builder(PostgresBackend::new(options).expect("options"))
+        .build()
+        .expect("lock options");
+    let warnings = lines().warnings.load(Ordering::SeqCst);
+    let began = Instant::now();
+    let clients = Clients::start(locks).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let answers = clients.stop().await;
+    let statuses = statuses(&answers, began, Instant::now());
+    let logins = server
+        .server_log()
+        .matches("password authentication failed")
+        .count();
+    let warnings = lines().warnings.load(Ordering::SeqCst) - warnings;
+    eprintln!("wrong password 5 s: {statuses:?}; {logins} failed logins; {warnings} warning lines");
+    assert!(statuses.keys().all(|status| *status == 500), "{statuses:?}");
+    assert!(
+        statuses.get(&500).copied().unwrap_or(0) > 1000,
+        "{statuses:?}"
+    );
+    assert!(logins <= 10, "{logins} failed logins in 5 s");
+    assert!(warnings <= 2, "{warnings} warnings");
+}
+
+/// An Azure provider whose requests go through `proxy` to Azurite, with `key` as its account
+/// key (`None`: the right one).
+fn azure_through(
+    proxy: &FaultProxy,
+    azurite: &lockingkit_tests::azurite::Azurite,
+    key: Option<&str>,
+) -> DistributedLock {
+    let right = azurite.connection_string();
+    let connection = right.replace(
+        &format!("127.0.0.1:{}", azurite.port()),
+        &format!("127.0.0.1:{}", proxy.port()),
+    );
+    let connection = match key {
+        Some(key) => connection.replace(
+            connection
+                .split(';')
+                .find_map(|part| part.strip_prefix("AccountKey="))
+                .unwrap_or_default(),
+            key,
+        ),
+        None => connection,
+    };
+    let backend = lockingkit::AzureBlobBackend::new(
+        lockingkit::AzureBlobOptions::from_connection_string(connection)
+            .lease_duration(Duration::from_secs(15))
+            .request_timeout(Duration::from_secs(2)),
+    )
+    .expect("options");
+    DistributedLock::builder(backend)
+        .build()
+        .expect("lock options")
+}
+
+/// Sixty-four callers of `try_acquire` on eight keys for `length`; the kinds of every answer.
+async fn callers_for(locks: &DistributedLock, length: Duration) -> BTreeMap<String, usize> {
+    let until = Instant::now() + length;
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let locks = locks.clone();
+            tokio::spawn(async move {
+                let key = format!("accounts/{}", client % ACCOUNTS);
+                let mut kinds = Vec::new();
+                while Instant::now() < until {
+                    match locks.try_acquire(&key).await {
+                        Ok(handle) => {
+                            let _ = handle.release().await;
+                            kinds.push("acquired".to_owned());
+                        }
+                        Err(error) => kinds.push(error.code().to_owned()),
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                kinds
+            })
+        })
+        .collect();
+    let mut counts = BTreeMap::new();
+    for task in tasks {
+        for kind in task.await.expect("a caller panicked") {
+            *counts.entry(kind).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_azure_credential_costs_the_service_a_handful_of_requests() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    lines();
+    let azurite = lockingkit_tests::azurite::Azurite::start_local(
+        lockingkit_tests::azurite::Persistence::InMemory,
+    )
+    .await;
+    let proxy = FaultProxy::to_port(azurite.port()).await;
+    let locks = azure_through(
+        &proxy,
+        &azurite,
+        Some("d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXk="),
+    );
+    let warnings = lines().warnings.load(Ordering::SeqCst);
+    let kinds = callers_for(&locks, Duration::from_secs(5)).await;
+    let requests = proxy.exchanges().len();
+    let warnings = lines().warnings.load(Ordering::SeqCst) - warnings;
+    eprintln!("azure, wrong key 5 s: {kinds:?}; {requests} requests reached the service; {warnings} warning lines");
+    assert!(
+        kinds.keys().all(|kind| kind == "locking.misconfigured"),
+        "{kinds:?}"
+    );
+    assert!(kinds.values().sum::<usize>() > 1000, "{kinds:?}");
+    // The eight keys' first attempts, then one probe at a time (a request each; retries are
+    // for transient failures only).
+    assert!(requests <= 8 + 8, "{requests} requests in 5 s");
+    assert!(warnings <= 2, "{warnings} warnings");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_azure_service_is_unavailable_and_not_hammered() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    lines();
+    let azurite = lockingkit_tests::azurite::Azurite::start_local(
+        lockingkit_tests::azurite::Persistence::InMemory,
+    )
+    .await;
+    let proxy = FaultProxy::to_port(azurite.port()).await;
+    let locks = azure_through(&proxy, &azurite, None);
+    locks
+        .try_acquire("warm-up")
+        .await
+        .expect("Azurite answers")
+        .release()
+        .await
+        .expect("release");
+    proxy.set_fault(Fault::Reset);
+    let connections = proxy.connections_accepted();
+    let kinds = callers_for(&locks, Duration::from_secs(5)).await;
+    let connections = proxy.connections_accepted() - connections;
+    eprintln!("azure, unreachable 5 s: {kinds:?}; {connections} connections reached the proxy");
+    assert!(
+        kinds.keys().all(|kind| kind == "locking.unavailable"),
+        "{kinds:?}"
+    );
+    // At most fifteen attempts in 5 s (the eight keys' first ones, then one probe at a time),
+    // each sent up to three times by the provider's own retry policy (max_retries 2), and a
+    // connection reset before the request is written may be retried once by the HTTP client.
+    assert!(
+        connections <= 15 * 3 * 2,
+        "{connections} connections in 5 s"
+    );
+}

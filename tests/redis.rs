@@ -10,9 +10,10 @@ use std::time::Duration;
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{
-    DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockOptions, RedisBackend,
-    RedisOptions,
+    BackendErrorKind, DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockOptions,
+    RedisBackend, RedisOptions,
 };
+use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::{RedisCluster, RedisServer};
 use redis::AsyncCommands;
 use tokio::time::Instant;
@@ -404,6 +405,45 @@ async fn a_wrong_password_is_misconfigured_and_never_repeated() {
     assert!(!format!("{backend:?}").contains("right-one"));
 }
 
+/// A line that accepts connections and then answers nothing makes every connection attempt
+/// (here, its `AUTH`) time out. That counts as a failure like a refused connection: requests
+/// meanwhile fail at once without opening connections of their own, and one connect at a time
+/// is tried, less and less often.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_that_time_out_back_off_instead_of_one_per_request() {
+    let server = RedisServer::start_with(vec!["--requirepass".into(), "pw".into()]).await;
+    let proxy = FaultProxy::to_port(server.port()).await;
+    proxy.set_fault(Fault::Blackhole);
+    let bare = RedisBackend::new(RedisOptions {
+        lease_duration: Duration::from_millis(300),
+        request_timeout: Duration::from_millis(100),
+        writer_intent: Duration::from_millis(300),
+        ..RedisOptions::new(format!("redis://:pw@127.0.0.1:{}", proxy.port()))
+    })
+    .expect("options");
+    let started = Instant::now();
+    let mut attempts = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        let error = bare.try_acquire("k").await.expect_err("nothing answers");
+        assert_eq!(
+            error.kind(),
+            BackendErrorKind::Transient { reached: false },
+            "{error}"
+        );
+        attempts += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let connects = proxy.connections_accepted();
+    // The first, then one per probe: 50-100 ms after the failure, each further one twice as long
+    // after the last (jittered), so about five in three seconds whatever the number of requests.
+    assert!(
+        connects <= 8,
+        "{connects} connection attempts for {attempts} requests"
+    );
+    // Refused at once, not after a connection attempt's timeout of their own.
+    assert!(attempts >= 50, "{attempts} requests in 3 s");
+}
+
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
     let error = RedisBackend::new(RedisOptions {
@@ -648,7 +688,7 @@ async fn a_crashed_semaphore_holder_frees_its_slot_when_its_lease_runs_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_attempt_is_one_round_trip_in_every_mode() {
     let server = RedisServer::start().await;
-    let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
+    let proxy = FaultProxy::to_port(server.port()).await;
     let counted = DistributedLock::builder(
         RedisBackend::new(options(
             format!("redis://127.0.0.1:{}", proxy.port()),

@@ -1,23 +1,35 @@
-//! The connections a backend's locks share, opened on first use: one auto-reconnecting,
-//! multiplexed connection to a server, or the cluster client's (one per primary).
+//! The connections a backend's locks share, opened on first use and again after a failure:
+//! one multiplexed connection to a server, or the cluster client's (one per node).
 //!
 //! Every request is bounded by the request timeout on our side too, whatever the client
-//! library does: a frozen server must not hang a lock call. One connection attempt is in flight
-//! at a time (the library's reconnect, or our opening of the cluster client), and after a
-//! failed one the next waits for a backoff (see [`Gate`]).
+//! library does: a frozen server must not hang a lock call. Whether Redis can be reached is one
+//! [`Health`] per backend, shared with the release watch (see `watch`): after a request or a
+//! connection attempt finds Redis unreachable or refusing our credentials, requests fail at once
+//! with that cause, without touching the server, and one at a time is let through as a probe,
+//! first 100 ms after the failure, then less and less often (up to 5 s apart, jittered); the
+//! first answer ends it. So a thousand renewals of a server that is down cost a few connection
+//! attempts a second at first and one every few seconds after, not a thousand, and one connect
+//! is in flight at a time.
+//!
+//! A request that times out on an open connection is not counted: the server is slow or frozen,
+//! nothing reconnects, and what was sent still runs once it answers — including a release,
+//! which must not be held back behind renewals that timed out.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::{socket2, TcpSettings};
-use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
+use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
 use tokio::time::Instant;
 
 use super::errors::{self, Stage};
+use super::locked;
 use super::options::RedisOptions;
 use crate::backend::{BackendError, BackendErrorKind};
+use crate::health::{Admission, Health, Refusal};
 
 /// Where the backend connects: parsed once from the options.
 #[derive(Clone)]
@@ -106,10 +118,15 @@ fn tcp_settings() -> TcpSettings {
         .set_keepalive(keepalive)
 }
 
+/// How long after a failure the first probe may go out.
+pub(super) const FIRST_DELAY: Duration = Duration::from_millis(100);
+/// The longest time between two probes while Redis keeps failing.
+pub(super) const MOST_DELAY: Duration = Duration::from_secs(5);
+
 /// The open connections of one backend.
 #[derive(Clone)]
 enum Link {
-    Server(ConnectionManager),
+    Server(MultiplexedConnection),
     Cluster(ClusterConnection),
 }
 
@@ -117,115 +134,132 @@ enum Link {
 pub(super) struct Connection {
     target: Target,
     timeout: Duration,
-    link: Mutex<Option<Link>>,
+    /// The open link and its number, so a failure drops only the link it happened on.
+    link: Mutex<Option<(u64, Link)>>,
+    opened: AtomicU64,
     /// Held while a link is being opened: one at a time.
     opening: tokio::sync::Mutex<()>,
-    gate: Mutex<Gate>,
+    health: Arc<Health>,
 }
 
-/// After a failure that says the connection is unusable (refused, closed, or the credentials
-/// were refused; not a timeout, after which the connection stays), requests fail at once with that failure for a backoff that doubles from
-/// [`FIRST_BACKOFF`] to [`MAX_BACKOFF`], instead of each starting a connection attempt: a
-/// thousand renewals of a server that is down make a few connection attempts a second, not a
-/// thousand.
-#[derive(Default)]
-struct Gate {
-    closed_until: Option<Instant>,
-    backoff: Duration,
-    last: Option<(BackendErrorKind, String)>,
-}
-
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
-
-fn locked<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every update leaves the value consistent, so a poisoned lock is still usable.
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// What a request showed about the connection.
+enum Seen {
+    /// Redis answered (whatever it said).
+    Answered,
+    /// Redis could not be reached, or refused our credentials.
+    Failed(BackendError),
+    /// Nothing either way: an open connection timed out.
+    Nothing,
 }
 
 impl Connection {
-    pub(super) fn new(target: Target, timeout: Duration) -> Self {
+    pub(super) fn new(target: Target, timeout: Duration, health: Arc<Health>) -> Self {
         Connection {
             target,
             timeout,
             link: Mutex::new(None),
+            opened: AtomicU64::new(0),
             opening: tokio::sync::Mutex::new(()),
-            gate: Mutex::new(Gate::default()),
+            health,
         }
     }
 
     /// Sends `request` (one command, or a pipeline of `count` commands) within the request
     /// timeout. The outer error is a timeout, a connection that could not be opened or a
-    /// closed gate, already classified for `stage`; the inner one is the library's, for the
-    /// caller to read (a missing script) before classifying it.
+    /// refusal while Redis is failing, already classified for `stage`; the inner one is the
+    /// library's, for the caller to read (a missing script) before classifying it.
     pub(super) async fn send(
         &self,
         stage: Stage,
         request: Request<'_>,
     ) -> Result<redis::RedisResult<Vec<Value>>, BackendError> {
-        if let Some(closed) = self.closed_gate() {
-            return Err(closed);
+        let probe = match self.health.admit() {
+            Admission::Go => None,
+            Admission::Probe(probe) => Some(probe),
+            Admission::Refused(refusal) => return Err(refused(stage, refusal)),
+        };
+        let (seen, answered) = self.exchange(stage, request, probe.is_some()).await;
+        match (seen, probe) {
+            (Seen::Answered, Some(probe)) => {
+                probe.answered();
+            }
+            (Seen::Answered, None) => {
+                self.health.answered();
+            }
+            (Seen::Failed(cause), Some(probe)) => probe.failed(&cause),
+            (Seen::Failed(cause), None) => {
+                self.health.failed(&cause, false);
+            }
+            // A probe dropped without an outcome lets the next caller probe.
+            (Seen::Nothing, _) => {}
         }
+        answered
+    }
+
+    /// Opens the link if needed and sends `request` on it, saying what that showed.
+    async fn exchange(
+        &self,
+        stage: Stage,
+        request: Request<'_>,
+        probe: bool,
+    ) -> (Seen, Result<redis::RedisResult<Vec<Value>>, BackendError>) {
         let deadline = crate::clock::in_(self.timeout);
-        let link = tokio::time::timeout_at(deadline, self.link())
-            .await
-            .map_err(|_| errors::timed_out(stage, self.timeout))??;
+        let (number, link) = match tokio::time::timeout_at(deadline, self.link(probe)).await {
+            Ok(Ok(link)) => link,
+            Ok(Err(failure)) => return (Seen::Failed(failure.clone()), Err(failure)),
+            Err(_) => {
+                // Opening the connection took too long: the server is unreachable.
+                let failure = errors::timed_out(Stage::Connect, self.timeout);
+                return (Seen::Failed(failure.clone()), Err(failure));
+            }
+        };
         let answered = match link {
-            Link::Server(mut manager) => {
-                tokio::time::timeout_at(deadline, request.send(&mut manager)).await
+            Link::Server(mut connection) => {
+                tokio::time::timeout_at(deadline, request.send(&mut connection)).await
             }
             Link::Cluster(mut cluster) => {
                 tokio::time::timeout_at(deadline, request.send(&mut cluster)).await
             }
         };
-        let answered = answered.map_err(|_| errors::timed_out(stage, self.timeout))?;
-        match &answered {
-            Ok(_) => locked(&self.gate).closed_until = None,
-            // A frozen or slow server: the connection stays, nothing reconnects, and what was
-            // sent still runs once it answers — including a release, which must not be held
-            // back behind renewals that timed out.
-            Err(error) if error.is_timeout() => {}
+        let Ok(answered) = answered else {
+            return (Seen::Nothing, Err(errors::timed_out(stage, self.timeout)));
+        };
+        let seen = match &answered {
+            Ok(_) => Seen::Answered,
+            Err(error) if error.is_timeout() => Seen::Nothing,
+            Err(error) if errors::is_authentication(error) => {
+                // The server forgot who we are (ACL changed, or it restarted with another
+                // password): only a new connection authenticates again.
+                self.drop_link(number);
+                Seen::Failed(errors::request_error(error, stage))
+            }
             Err(error) => {
                 let failure = errors::request_error(error, stage);
-                match failure.kind() {
-                    BackendErrorKind::Misconfigured => {
-                        // The library keeps a connection that failed to authenticate for good;
-                        // the next attempt after the backoff opens a new one.
-                        *locked(&self.link) = None;
-                        self.close_gate(&failure);
+                if failure.kind() == (BackendErrorKind::Transient { reached: false }) {
+                    // The connection is broken (reset, closed): the next request opens another.
+                    if matches!(self.target, Target::Server(_)) {
+                        self.drop_link(number);
                     }
-                    BackendErrorKind::Transient { reached: false } => self.close_gate(&failure),
-                    _ => {}
+                    Seen::Failed(failure)
+                } else {
+                    Seen::Answered
                 }
             }
-        }
-        Ok(answered)
-    }
-
-    /// The failure to report while the gate is closed.
-    fn closed_gate(&self) -> Option<BackendError> {
-        let gate = locked(&self.gate);
-        let until = gate.closed_until?;
-        if Instant::now() >= until {
-            return None;
-        }
-        let (kind, message) = gate.last.clone()?;
-        Some(BackendError::new(kind, message))
-    }
-
-    fn close_gate(&self, failure: &BackendError) {
-        let mut gate = locked(&self.gate);
-        gate.backoff = match gate.closed_until {
-            Some(_) => (gate.backoff * 2).clamp(FIRST_BACKOFF, MAX_BACKOFF),
-            None => FIRST_BACKOFF,
         };
-        gate.closed_until = Some(crate::clock::in_(gate.backoff));
-        gate.last = Some((failure.kind(), failure.message().to_owned()));
+        (seen, Ok(answered))
     }
 
-    async fn link(&self) -> Result<Link, BackendError> {
+    /// Forgets link `number`, if it is still the open one.
+    fn drop_link(&self, number: u64) {
+        let mut link = locked(&self.link);
+        if link.as_ref().is_some_and(|(open, _)| *open == number) {
+            *link = None;
+        }
+    }
+
+    /// The open link, or a new one. Callers that queued behind a connect that failed get that
+    /// failure instead of connecting again, unless they are the probe.
+    async fn link(&self, probe: bool) -> Result<(u64, Link), BackendError> {
         if let Some(link) = locked(&self.link).clone() {
             return Ok(link);
         }
@@ -233,16 +267,15 @@ impl Connection {
         if let Some(link) = locked(&self.link).clone() {
             return Ok(link);
         }
-        match self.open().await {
-            Ok(link) => {
-                *locked(&self.link) = Some(link.clone());
-                Ok(link)
-            }
-            Err(failure) => {
-                self.close_gate(&failure);
-                Err(failure)
+        if !probe {
+            if let Some(failure) = self.health.current_failure() {
+                return Err(failure.cause);
             }
         }
+        let link = self.open().await?;
+        let number = self.opened.fetch_add(1, Ordering::Relaxed);
+        *locked(&self.link) = Some((number, link.clone()));
+        Ok((number, link))
     }
 
     async fn open(&self) -> Result<Link, BackendError> {
@@ -250,14 +283,12 @@ impl Connection {
             Target::Server(info) => {
                 let client = redis::Client::open(info.clone())
                     .map_err(|e| errors::request_error(&e, Stage::Connect))?;
-                // No retries of its own: a failed reconnect fails the requests waiting for it,
-                // and the gate spaces the next ones.
-                let config = ConnectionManagerConfig::new()
+                let config = AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(self.timeout))
-                    .set_response_timeout(Some(self.timeout))
-                    .set_number_of_retries(0);
-                // Lazy: nothing connects until the first request, which waits for it.
-                ConnectionManager::new_lazy_with_config(client, config)
+                    .set_response_timeout(Some(self.timeout));
+                client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
                     .map(Link::Server)
                     .map_err(|e| errors::request_error(&e, Stage::Connect))
             }
@@ -276,6 +307,19 @@ impl Connection {
             }
         }
     }
+}
+
+/// The error a caller gets while Redis is failing and no request is sent.
+fn refused(stage: Stage, refusal: Refusal) -> BackendError {
+    let now = Instant::now();
+    let message = format!(
+        "{}: {} (no request sent: Redis has failed for {:?}; the next attempt is in {:?})",
+        stage.as_str(),
+        refusal.cause.message(),
+        now.saturating_duration_since(refusal.since),
+        refusal.retry_at.saturating_duration_since(now),
+    );
+    refusal.cause.with_message(message)
 }
 
 /// A request to send: one command, or a pipeline of commands.

@@ -111,6 +111,13 @@ fn io_kind(error: &RedisError) -> String {
     }
 }
 
+/// Whether `error` says Redis refused our credentials (or forgot them): only a new connection
+/// can authenticate again.
+pub(super) fn is_authentication(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("NOAUTH" | "WRONGPASS"))
+}
+
 /// Whether `error` says the server lacks a script we sent by SHA (after a restart, a failover,
 /// `SCRIPT FLUSH`), so it must be loaded and sent again.
 pub(super) fn is_missing_script(error: &RedisError) -> bool {

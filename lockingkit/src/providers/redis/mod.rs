@@ -50,6 +50,7 @@ use crate::backend::{
     Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode,
 };
 use crate::error::LockError;
+use crate::health::Health;
 use crate::keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
 use crate::MAX_SEMAPHORE_COUNT;
 use connection::{Connection, Target};
@@ -125,10 +126,12 @@ impl RedisBackend {
         })?;
         let timeout = options.request_timeout;
         let millis = |d: Duration| d.as_millis().to_string();
+        // One view of whether Redis can be reached, for the locks and the release watch alike.
+        let health = Arc::new(Health::new(connection::FIRST_DELAY, connection::MOST_DELAY));
         Ok(RedisBackend {
             inner: Arc::new(Backend {
-                releases: ReleaseWatch::new(target.clone(), timeout),
-                connection: Connection::new(target, timeout),
+                releases: ReleaseWatch::new(target.clone(), timeout, health.clone()),
+                connection: Connection::new(target, timeout, health),
                 scripts: Scripts::new(),
                 prefix: options.key_prefix,
                 lease: options.lease_duration,
@@ -409,6 +412,14 @@ impl LockBackend for RedisBackend {
         let names = RedisLockKeys::lock(&self.inner.prefix, key);
         self.inner.releases.hint(names.released)
     }
+}
+
+/// Locks `mutex`, whose every critical section leaves the value consistent, so a poisoned lock
+/// is still usable.
+fn locked<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A held Redis lease: which names hold it and the holder id it is held under.

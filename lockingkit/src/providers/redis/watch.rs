@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -34,6 +34,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::connection::Target;
+use super::errors::{self, Stage};
+use crate::backend::{BackendError, BackendErrorKind};
+use crate::health::{Admission, Health, Probe};
 
 /// A channel nobody waits on stays subscribed this long, for the next round of the same wait.
 const LINGER: Duration = Duration::from_secs(1);
@@ -45,10 +48,6 @@ const IDLE: Duration = Duration::from_secs(10);
 /// noticed.
 const PING_EVERY: Duration = Duration::from_secs(5);
 
-/// The first delay before connecting again after a failure; it doubles up to [`MAX_BACKOFF`].
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
-
 /// The release watch of one backend: the channels its waiters wait on, and the one task that
 /// keeps the pub/sub connection.
 pub(super) struct ReleaseWatch {
@@ -59,6 +58,8 @@ struct Shared {
     state: Mutex<State>,
     target: Target,
     timeout: Duration,
+    /// Whether Redis can be reached, shared with the lock connection.
+    health: Arc<Health>,
 }
 
 #[derive(Default)]
@@ -98,17 +99,17 @@ impl Channel {
 }
 
 fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
-    // Every update leaves the state consistent, so a poisoned lock is still usable.
-    state.lock().unwrap_or_else(PoisonError::into_inner)
+    super::locked(state)
 }
 
 impl ReleaseWatch {
-    pub(super) fn new(target: Target, timeout: Duration) -> Self {
+    pub(super) fn new(target: Target, timeout: Duration, health: Arc<Health>) -> Self {
         ReleaseWatch {
             shared: Arc::new(Shared {
                 state: Mutex::new(State::default()),
                 target,
                 timeout,
+                health,
             }),
         }
     }
@@ -202,17 +203,15 @@ enum Ended {
 
 /// The subscriber task: keeps one pub/sub connection subscribed to every requested channel.
 async fn subscriber(shared: Weak<Shared>, mut commands: mpsc::UnboundedReceiver<String>) {
-    let mut backoff = FIRST_BACKOFF;
     loop {
         let Some(strong) = shared.upgrade() else {
             return;
         };
-        let (target, timeout) = (strong.target.clone(), strong.timeout);
+        let (connected, timeout) = (strong.connect().await, strong.timeout);
         drop(strong);
-        match connect(&target, timeout).await {
-            Some((sink, stream)) => {
-                backoff = FIRST_BACKOFF;
-                let ended = serve(&shared, &mut commands, sink, stream, timeout).await;
+        match connected {
+            Ok(opened) => {
+                let ended = serve(&shared, &mut commands, opened, timeout).await;
                 if let Some(strong) = shared.upgrade() {
                     lock(&strong.state).connected = false;
                 }
@@ -220,10 +219,8 @@ async fn subscriber(shared: Weak<Shared>, mut commands: mpsc::UnboundedReceiver<
                     return;
                 }
             }
-            None => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-            }
+            // Redis is failing: no connection before the next probe is due.
+            Err(retry_at) => tokio::time::sleep_until(retry_at).await,
         }
         if stop_if_unwanted(&shared) {
             return;
@@ -231,21 +228,114 @@ async fn subscriber(shared: Weak<Shared>, mut commands: mpsc::UnboundedReceiver<
     }
 }
 
+/// A pub/sub connection just opened, and the report it owes the backend's [`Health`] once the
+/// server has answered on it (or failed to).
+struct Opened {
+    sink: PubSubSink,
+    stream: PubSubStream,
+    report: Report,
+}
+
+/// What the first request on a new connection tells the backend's [`Health`]. Opening a
+/// connection proves little (a server that needs no password is sent nothing), so only the
+/// server's first answer counts as one.
+struct Report {
+    health: Arc<Health>,
+    probe: Option<Probe>,
+}
+
+impl Report {
+    /// The server answered (whatever it said), or the request failed with `result`'s error.
+    fn outcome<T>(self, result: &Result<redis::RedisResult<T>, tokio::time::error::Elapsed>) {
+        let failure = match result {
+            Ok(Ok(_)) => None,
+            Ok(Err(error)) => Some(errors::request_error(error, Stage::Connect))
+                .filter(|e| e.kind() == (BackendErrorKind::Transient { reached: false })),
+            // A connection that opened and then stayed silent: slow or frozen, not counted
+            // (a probe dropped without an outcome lets the next caller probe).
+            Err(_) => return,
+        };
+        match (failure, self.probe) {
+            (None, Some(probe)) => {
+                probe.answered();
+            }
+            (None, None) => {
+                self.health.answered();
+            }
+            (Some(cause), Some(probe)) => probe.failed(&cause),
+            (Some(cause), None) => {
+                self.health.failed(&cause, false);
+            }
+        }
+    }
+
+    /// The connection attempt itself failed with `cause`.
+    fn failed(self, cause: &BackendError) {
+        match self.probe {
+            Some(probe) => probe.failed(cause),
+            None => {
+                self.health.failed(cause, false);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// A pub/sub connection, opened through the backend's [`Health`]; while Redis is failing
+    /// and no probe is due, none is tried, and `Err` says when to ask again.
+    async fn connect(&self) -> Result<Opened, Instant> {
+        let probe = match self.health.admit() {
+            Admission::Go => None,
+            Admission::Probe(probe) => Some(probe),
+            Admission::Refused(refusal) => return Err(refusal.retry_at),
+        };
+        let report = Report {
+            health: self.health.clone(),
+            probe,
+        };
+        match open(&self.target, self.timeout).await {
+            Ok((sink, stream)) => Ok(Opened {
+                sink,
+                stream,
+                report,
+            }),
+            Err(cause) => {
+                report.failed(&cause);
+                let next = self
+                    .health
+                    .current_failure()
+                    .map(|failure| failure.retry_at);
+                Err(next.unwrap_or_else(|| crate::clock::in_(super::connection::FIRST_DELAY)))
+            }
+        }
+    }
+}
+
 /// Opens a pub/sub connection to the server, or to the first cluster node that answers.
-async fn connect(target: &Target, timeout: Duration) -> Option<(PubSubSink, PubSubStream)> {
+async fn open(
+    target: &Target,
+    timeout: Duration,
+) -> Result<(PubSubSink, PubSubStream), BackendError> {
     let nodes: Vec<&ConnectionInfo> = match target {
         Target::Server(info) => vec![info],
         Target::Cluster(nodes) => nodes.iter().collect(),
     };
+    let mut last = errors::timed_out(Stage::Connect, timeout);
     for node in nodes {
-        let Ok(client) = redis::Client::open(node.clone()) else {
-            continue;
+        let client = match redis::Client::open(node.clone()) {
+            Ok(client) => client,
+            Err(error) => {
+                last = errors::request_error(&error, Stage::Connect);
+                continue;
+            }
         };
-        if let Ok(Ok(pubsub)) = tokio::time::timeout(timeout, client.get_async_pubsub()).await {
-            return Some(pubsub.split());
+        match tokio::time::timeout(timeout, client.get_async_pubsub()).await {
+            Ok(Ok(pubsub)) => return Ok(pubsub.split()),
+            Ok(Err(error)) => last = errors::request_error(&error, Stage::Connect),
+            Err(_) => last = errors::timed_out(Stage::Connect, timeout),
         }
     }
-    None
+    Err(last)
 }
 
 /// Ends the task if no channel is wanted any more (under the state lock, so a hint that comes
@@ -267,17 +357,30 @@ fn stop_if_unwanted(shared: &Weak<Shared>) -> bool {
 async fn serve(
     shared: &Weak<Shared>,
     commands: &mut mpsc::UnboundedReceiver<String>,
-    mut sink: PubSubSink,
-    mut stream: PubSubStream,
+    opened: Opened,
     timeout: Duration,
 ) -> Ended {
-    // Every channel wanted now, subscribed in one command; their waiters retry once, as a
-    // release may have gone unheard while the connection was down.
+    let Opened {
+        mut sink,
+        mut stream,
+        report,
+    } = opened;
+    // Every channel wanted now, subscribed in one command (a ping when none is: the server's
+    // first answer is owed to the health report); their waiters retry once, as a release may
+    // have gone unheard while the connection was down.
     let wanted = match requested_channels(shared, true) {
         Some(wanted) => wanted,
         None => return Ended::Done,
     };
-    if !wanted.is_empty() && !bounded(timeout, sink.subscribe(&wanted)).await {
+    let first = if wanted.is_empty() {
+        tokio::time::timeout(timeout, sink.ping::<redis::Value>())
+            .await
+            .map(|answer| answer.map(drop))
+    } else {
+        tokio::time::timeout(timeout, sink.subscribe(&wanted)).await
+    };
+    report.outcome(&first);
+    if !matches!(first, Ok(Ok(()))) {
         return Ended::Lost;
     }
     wake(shared, &wanted);

@@ -493,6 +493,68 @@ async fn a_thousand_held_locks_share_one_connection_and_leave_nothing_behind() {
     assert!(keys.lines().all(|k| k.ends_with(":fence")), "{keys}");
 }
 
+/// Shutting a provider down closes its lock connection and its pub/sub connection, and wakes
+/// its waiters; the other process's connection stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_the_lock_and_the_pub_sub_connections() {
+    let server = RedisServer::start().await;
+    let (holder, waiter) = (process(&server), process(&server));
+    let key = unique_prefix("shutdown");
+    let held = holder.try_acquire(&key).await.expect("a lock");
+    let mine = waiter
+        .try_acquire(&format!("{key}/mine"))
+        .await
+        .expect("a lock");
+    let waiting = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move { waiter.acquire(&key, Duration::from_secs(30)).await })
+    };
+    let channel = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).released;
+    let started = Instant::now();
+    while !server.cli(&["PUBSUB", "NUMSUB", &channel]).ends_with('1') {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        lock_clients(&server),
+        (3, 1),
+        "two lock connections, one subscribed"
+    );
+    waiter
+        .shutdown(Duration::from_secs(5))
+        .await
+        .expect("shut down in time");
+    let error = waiting
+        .await
+        .expect("the waiter task")
+        .expect_err("ended by the shutdown");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert!(!mine.is_held(), "given up at shutdown");
+    let started = Instant::now();
+    while lock_clients(&server) != (1, 0) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "still connected after the shutdown: {:?}",
+            lock_clients(&server)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        server.cli(&[
+            "EXISTS",
+            &RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &format!("{key}/mine")).lock
+        ]),
+        "0",
+        "released at shutdown"
+    );
+    held.release()
+        .await
+        .expect("the other process is unaffected");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_log_shows_no_errors_after_a_busy_run() {
     let server = RedisServer::start().await;

@@ -278,6 +278,12 @@ impl Connection {
         Ok((number, link))
     }
 
+    /// Closes the link (once requests still using it are done); a request after this opens
+    /// another.
+    pub(super) fn close(&self) {
+        *locked(&self.link) = None;
+    }
+
     async fn open(&self) -> Result<Link, BackendError> {
         match &self.target {
             Target::Server(info) => {

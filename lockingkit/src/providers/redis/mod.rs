@@ -341,6 +341,14 @@ impl LockBackend for RedisBackend {
         self.check().await
     }
 
+    /// Closes the lock connection (on a cluster, the cluster client's) and the pub/sub
+    /// connection. Called once the engine has released its locks; clones of this backend lose
+    /// their connections too, and a request made afterwards opens a new one.
+    async fn shutdown(&self) {
+        self.inner.releases.stop();
+        self.inner.connection.close();
+    }
+
     async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<RedisLease>>, BackendError> {
         self.attempt(key, LockMode::Exclusive).await
     }

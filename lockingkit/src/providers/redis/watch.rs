@@ -32,6 +32,7 @@ use redis::aio::{PubSubSink, PubSubStream};
 use redis::ConnectionInfo;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::connection::Target;
 use super::errors::{self, Stage};
@@ -60,6 +61,8 @@ struct Shared {
     timeout: Duration,
     /// Whether Redis can be reached, shared with the lock connection.
     health: Arc<Health>,
+    /// Cancelled at shutdown: the task ends and closes its connection, and no other starts.
+    stop: CancellationToken,
 }
 
 #[derive(Default)]
@@ -110,8 +113,18 @@ impl ReleaseWatch {
                 target,
                 timeout,
                 health,
+                stop: CancellationToken::new(),
             }),
         }
+    }
+
+    /// Closes the pub/sub connection for good and wakes every waiter, which polls from now on.
+    pub(super) fn stop(&self) {
+        self.shared.stop.cancel();
+        let mut state = lock(&self.shared.state);
+        // Dropping a channel's sender wakes its hints.
+        state.channels.clear();
+        state.task = None;
     }
 
     /// Whether the pub/sub connection is open now (0 or 1).
@@ -155,6 +168,10 @@ impl Interest {
     /// Asks the task to subscribe to the channel unless it was asked already, starting the task
     /// if none runs.
     fn subscribe(&self) {
+        if self.shared.stop.is_cancelled() {
+            // Shut down: waits poll.
+            return;
+        }
         let mut state = lock(&self.shared.state);
         let requested = match state.channels.get_mut(&self.channel) {
             Some(entry) => std::mem::replace(&mut entry.requested, true),
@@ -172,7 +189,15 @@ impl Interest {
             let _ = commands.send(self.channel.clone());
             state.task = Some(commands);
             drop(state);
-            tokio::spawn(subscriber(Arc::downgrade(&self.shared), receiver));
+            let stop = self.shared.stop.clone();
+            let task = subscriber(Arc::downgrade(&self.shared), receiver);
+            tokio::spawn(async move {
+                // Dropping the task at shutdown closes its connection.
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    () = task => {}
+                }
+            });
         }
     }
 }

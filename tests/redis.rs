@@ -444,6 +444,120 @@ async fn connects_that_time_out_back_off_instead_of_one_per_request() {
     assert!(attempts >= 50, "{attempts} requests in 3 s");
 }
 
+/// Connections the server has accepted since it started (`INFO stats`), each `redis-cli` call
+/// included.
+fn connections_received(server: &RedisServer) -> u64 {
+    server
+        .cli(&["INFO", "stats"])
+        .lines()
+        .find_map(|line| line.strip_prefix("total_connections_received:"))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("INFO stats counts connections")
+}
+
+/// A Redis 7 ACL user gets no pub/sub channels unless granted some: every subscription is
+/// refused with NOPERM. The watch then stands down (waiters poll) and tries again only every
+/// few seconds, instead of reconnecting each time the refusal closes its loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_channel_permissions_waits_by_polling_without_reconnecting_over_and_over() {
+    let server = RedisServer::start().await;
+    let created = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "locker",
+        "on",
+        ">pw",
+        "~*",
+        "+@all",
+        "resetchannels",
+    ]);
+    assert_eq!(created, "OK");
+    let holder = process(&server);
+    let url = format!("redis://locker:pw@127.0.0.1:{}", server.port());
+    let waiter = DistributedLock::builder(RedisBackend::new(options(url, false)).expect("options"))
+        .options(quick_polling())
+        .build()
+        .expect("lock");
+    let key = unique_prefix("noperm/wait");
+    let held = holder.try_acquire(&key).await.expect("a lock");
+    let before = connections_received(&server);
+    let error = waiter
+        .acquire(&key, Duration::from_secs(3))
+        .await
+        .expect_err("held throughout");
+    assert_eq!(error.kind(), ErrorKind::Timeout, "{error}");
+    // The waiter's lock connection and one refused pub/sub connection (tried again after 5 s),
+    // plus this redis-cli call.
+    let opened = connections_received(&server) - before;
+    eprintln!("{opened} connections in 3 s of waiting");
+    assert!(opened <= 3, "{opened} connections in 3 s of waiting");
+    // Waiting still works, by polling.
+    held.release().await.expect("release");
+    let got = waiter
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("taken by polling once free");
+    drop(got);
+}
+
+/// A pub/sub connection that keeps being lost right after it subscribed (here killed by
+/// `CLIENT KILL TYPE pubsub` every 50 ms) is opened again after a growing backoff, not at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pub_sub_connection_lost_over_and_over_is_reopened_with_backoff() {
+    let server = RedisServer::start().await;
+    let proxy = FaultProxy::to_port(server.port()).await;
+    let holder = process(&server);
+    let waiter = DistributedLock::builder(
+        RedisBackend::new(options(
+            format!("redis://127.0.0.1:{}", proxy.port()),
+            false,
+        ))
+        .expect("options"),
+    )
+    .options(quick_polling())
+    .build()
+    .expect("lock");
+    let key = unique_prefix("pubsub/killed");
+    let channel = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).released;
+    let held = holder.try_acquire(&key).await.expect("a lock");
+    let waiting = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move { waiter.acquire(&key, Duration::from_secs(30)).await })
+    };
+    let started = Instant::now();
+    while !server.cli(&["PUBSUB", "NUMSUB", &channel]).ends_with('1') {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = proxy.connections_accepted();
+    let killing = Instant::now();
+    while killing.elapsed() < Duration::from_secs(3) {
+        let port = server.port();
+        tokio::task::spawn_blocking(move || {
+            lockingkit_tests::redis::cli(port, &["CLIENT", "KILL", "TYPE", "pubsub"])
+        })
+        .await
+        .expect("redis-cli");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reopened = proxy.connections_accepted() - before;
+    eprintln!("{reopened} pub/sub connections in 3 s of kills");
+    // 50-100 ms after the first loss, then twice as long after each: about five in 3 s.
+    assert!(
+        reopened <= 8,
+        "{reopened} pub/sub connections in 3 s of kills"
+    );
+    held.release().await.expect("release");
+    let got = waiting
+        .await
+        .expect("the waiter task")
+        .expect("the waiter's lock");
+    got.release().await.expect("release");
+}
+
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
     let error = RedisBackend::new(RedisOptions {

@@ -118,6 +118,11 @@ pub(super) fn is_authentication(error: &RedisError) -> bool {
         || matches!(error.code(), Some("NOAUTH" | "WRONGPASS"))
 }
 
+/// Whether `error` says the user may not run a command or use a key or channel (`NOPERM`).
+pub(super) fn is_no_permission(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+}
+
 /// Whether `error` says the server lacks a script we sent by SHA (after a restart, a failover,
 /// `SCRIPT FLUSH`), so it must be loaded and sent again.
 pub(super) fn is_missing_script(error: &RedisError) -> bool {

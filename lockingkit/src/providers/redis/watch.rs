@@ -16,14 +16,22 @@
 //! - **Channels linger**: the engine asks for a new hint before each attempt, so a channel
 //!   nobody waits on stays subscribed for [`LINGER`] before it is unsubscribed.
 //! - **One connection in all**, opened on the first subscription and closed after [`IDLE`]
-//!   with no channel subscribed. A lost connection is opened again with backoff (one attempt
-//!   at a time); once it is back, every waiter is woken once, as a release may have been
-//!   missed meanwhile. A connection that stops answering pings is treated as lost.
+//!   with no channel subscribed. It opens through the backend's outage gate (see
+//!   `connection`): while Redis is failing it waits for the gate's probe like every request,
+//!   and only the server's first answer on it counts as Redis answering again. A lost
+//!   connection is opened again only after a backoff ([`FIRST_DELAY`] doubling to
+//!   [`MOST_DELAY`]) that starts over once a connection stayed subscribed for [`STEADY`]; once
+//!   it is back, every waiter is woken once, as a release may have been missed meanwhile. A
+//!   connection that stops answering pings is treated as lost.
+//! - **A refused subscription disables the watch** (a Redis 7 ACL user has no channels unless
+//!   granted `&<key_prefix>:*`): it is logged once, waiters poll, and subscribing is tried
+//!   again every [`MOST_DELAY`].
 //! - On Redis Cluster, a `PUBLISH` reaches every node, so one connection to any node hears the
 //!   releases of every slot.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -34,9 +42,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::connection::Target;
+use super::connection::{Target, FIRST_DELAY, MOST_DELAY};
 use super::errors::{self, Stage};
 use crate::backend::{BackendError, BackendErrorKind};
+use crate::backoff::Backoff;
 use crate::health::{Admission, Health, Probe};
 
 /// A channel nobody waits on stays subscribed this long, for the next round of the same wait.
@@ -48,6 +57,10 @@ const IDLE: Duration = Duration::from_secs(10);
 /// How often an otherwise quiet connection is pinged, so a frozen server or a silent network is
 /// noticed.
 const PING_EVERY: Duration = Duration::from_secs(5);
+
+/// A connection that stayed subscribed this long was a good one: the backoff after losing it
+/// starts over.
+const STEADY: Duration = Duration::from_secs(10);
 
 /// The release watch of one backend: the channels its waiters wait on, and the one task that
 /// keeps the pub/sub connection.
@@ -63,6 +76,8 @@ struct Shared {
     health: Arc<Health>,
     /// Cancelled at shutdown: the task ends and closes its connection, and no other starts.
     stop: CancellationToken,
+    /// Whether Redis has refused a subscription (said once in the log).
+    refused: AtomicBool,
 }
 
 #[derive(Default)]
@@ -114,6 +129,7 @@ impl ReleaseWatch {
                 timeout,
                 health,
                 stop: CancellationToken::new(),
+                refused: AtomicBool::new(false),
             }),
         }
     }
@@ -222,34 +238,70 @@ impl Drop for Interest {
 enum Ended {
     /// The backend is gone, or nothing was subscribed for [`IDLE`]: the task ends.
     Done,
-    /// The connection failed: open another.
+    /// The connection failed or stopped answering: open another, after a backoff.
     Lost,
+    /// Redis refused a subscription (`NOPERM`): the user may not use the release channels.
+    Refused,
 }
 
 /// The subscriber task: keeps one pub/sub connection subscribed to every requested channel.
+///
+/// After every lost connection it waits before opening the next, [`FIRST_DELAY`] doubling to
+/// [`MOST_DELAY`] (jittered), and the delay starts over only after a connection stayed
+/// subscribed for [`STEADY`]: a connection that opens and fails at once (a middlebox, a
+/// server that drops subscribers) costs one connect per backoff, not a loop of them. A refused
+/// subscription disables the watch until [`MOST_DELAY`] has passed; waiters poll meanwhile.
 async fn subscriber(shared: Weak<Shared>, mut commands: mpsc::UnboundedReceiver<String>) {
+    let mut losses = Backoff::new(FIRST_DELAY, MOST_DELAY);
     loop {
         let Some(strong) = shared.upgrade() else {
             return;
         };
         let (connected, timeout) = (strong.connect().await, strong.timeout);
         drop(strong);
-        match connected {
+        let resume = match connected {
+            // Redis is failing: no connection before the next probe is due.
+            Err(retry_at) => retry_at,
             Ok(opened) => {
-                let ended = serve(&shared, &mut commands, opened, timeout).await;
+                let (ended, subscribed_for) = serve(&shared, &mut commands, opened, timeout).await;
                 if let Some(strong) = shared.upgrade() {
                     lock(&strong.state).connected = false;
                 }
-                if let Ended::Done = ended {
-                    return;
+                match ended {
+                    Ended::Done => return,
+                    Ended::Lost => {
+                        if subscribed_for >= STEADY {
+                            losses.reset();
+                        }
+                        crate::clock::in_(losses.next_delay())
+                    }
+                    Ended::Refused => {
+                        refused(&shared);
+                        crate::clock::in_(MOST_DELAY)
+                    }
                 }
             }
-            // Redis is failing: no connection before the next probe is due.
-            Err(retry_at) => tokio::time::sleep_until(retry_at).await,
-        }
+        };
+        tokio::time::sleep_until(resume).await;
         if stop_if_unwanted(&shared) {
             return;
         }
+    }
+}
+
+/// Says once per backend that the watch is disabled because Redis refuses the subscriptions.
+fn refused(shared: &Weak<Shared>) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    if !shared.refused.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            target: "lockingkit",
+            provider = super::PROVIDER,
+            "Redis refused to subscribe to the lock's release channels (NOPERM): waiters in this \
+             process poll instead of being woken by releases, and subscribing is tried again \
+             every {MOST_DELAY:?}; grant the Redis user the channels `&<key_prefix>:*`"
+        );
     }
 }
 
@@ -330,7 +382,7 @@ impl Shared {
                     .health
                     .current_failure()
                     .map(|failure| failure.retry_at);
-                Err(next.unwrap_or_else(|| crate::clock::in_(super::connection::FIRST_DELAY)))
+                Err(next.unwrap_or_else(|| crate::clock::in_(FIRST_DELAY)))
             }
         }
     }
@@ -378,13 +430,14 @@ fn stop_if_unwanted(shared: &Weak<Shared>) -> bool {
     true
 }
 
-/// Serves one connection until it fails, the backend goes, or it idles out.
+/// Serves one connection until it fails, the backend goes, or it idles out; returns why it
+/// ended and how long it stayed subscribed.
 async fn serve(
     shared: &Weak<Shared>,
     commands: &mut mpsc::UnboundedReceiver<String>,
     opened: Opened,
     timeout: Duration,
-) -> Ended {
+) -> (Ended, Duration) {
     let Opened {
         mut sink,
         mut stream,
@@ -393,9 +446,8 @@ async fn serve(
     // Every channel wanted now, subscribed in one command (a ping when none is: the server's
     // first answer is owed to the health report); their waiters retry once, as a release may
     // have gone unheard while the connection was down.
-    let wanted = match requested_channels(shared, true) {
-        Some(wanted) => wanted,
-        None => return Ended::Done,
+    let Some(wanted) = requested_channels(shared, true) else {
+        return (Ended::Done, Duration::ZERO);
     };
     let first = if wanted.is_empty() {
         tokio::time::timeout(timeout, sink.ping::<redis::Value>())
@@ -405,10 +457,24 @@ async fn serve(
         tokio::time::timeout(timeout, sink.subscribe(&wanted)).await
     };
     report.outcome(&first);
-    if !matches!(first, Ok(Ok(()))) {
-        return Ended::Lost;
+    if let Err(ended) = checked(first) {
+        return (ended, Duration::ZERO);
     }
     wake(shared, &wanted);
+    let subscribed = Instant::now();
+    let ended = listen(shared, commands, &mut sink, &mut stream, timeout).await;
+    (ended, subscribed.elapsed())
+}
+
+/// Subscribes and unsubscribes as waits come and go, and wakes waiters as releases arrive,
+/// until the connection fails, the backend goes, or it idles out.
+async fn listen(
+    shared: &Weak<Shared>,
+    commands: &mut mpsc::UnboundedReceiver<String>,
+    sink: &mut PubSubSink,
+    stream: &mut PubSubStream,
+    timeout: Duration,
+) -> Ended {
     let mut quiet_since = Instant::now();
     let mut idle_since = Instant::now();
     // One tick a second whatever else arrives: a sleep made anew each turn of the loop would
@@ -416,56 +482,68 @@ async fn serve(
     let mut tick = tokio::time::interval(LINGER);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            command = commands.recv() => {
-                let Some(channel) = command else {
-                    return Ended::Done;
-                };
-                if !bounded(timeout, sink.subscribe(&channel)).await {
-                    return Ended::Lost;
+        let turn = tokio::select! {
+            command = commands.recv() => match command {
+                None => Err(Ended::Done),
+                Some(channel) => {
+                    let subscribed = tokio::time::timeout(timeout, sink.subscribe(&channel)).await;
+                    checked(subscribed).map(|()| wake(shared, std::slice::from_ref(&channel)))
                 }
-                wake(shared, std::slice::from_ref(&channel));
-            }
-            message = stream.next() => {
-                let Some(message) = message else {
-                    return Ended::Lost;
-                };
-                quiet_since = Instant::now();
-                wake(shared, &[message.get_channel_name().to_owned()]);
-            }
-            _ = tick.tick() => {
-                let Some(gone) = sweep(shared) else {
-                    return Ended::Done;
-                };
-                if !gone.is_empty() && !bounded(timeout, sink.unsubscribe(&gone)).await {
-                    return Ended::Lost;
-                }
-                if quiet_since.elapsed() >= PING_EVERY {
-                    if !bounded(timeout, sink.ping::<redis::Value>()).await {
-                        return Ended::Lost;
-                    }
+            },
+            message = stream.next() => match message {
+                None => Err(Ended::Lost),
+                Some(message) => {
                     quiet_since = Instant::now();
+                    wake(shared, &[message.get_channel_name().to_owned()]);
+                    Ok(())
                 }
-                match requested_channels(shared, false) {
-                    None => return Ended::Done,
-                    Some(subscribed) if subscribed.is_empty() => {
-                        if idle_since.elapsed() >= IDLE && stop_if_unwanted(shared) {
-                            return Ended::Done;
-                        }
-                    }
-                    Some(_) => idle_since = Instant::now(),
-                }
+            },
+            _ = tick.tick() => {
+                tend(shared, sink, timeout, &mut quiet_since, &mut idle_since).await
             }
+        };
+        if let Err(ended) = turn {
+            return ended;
         }
     }
 }
 
-/// Whether `request` succeeded within `timeout`.
-async fn bounded<T>(
+/// Once a second: unsubscribes what nobody waits on, pings a quiet connection, and ends an idle
+/// one.
+async fn tend(
+    shared: &Weak<Shared>,
+    sink: &mut PubSubSink,
     timeout: Duration,
-    request: impl Future<Output = redis::RedisResult<T>>,
-) -> bool {
-    matches!(tokio::time::timeout(timeout, request).await, Ok(Ok(_)))
+    quiet_since: &mut Instant,
+    idle_since: &mut Instant,
+) -> Result<(), Ended> {
+    let gone = sweep(shared).ok_or(Ended::Done)?;
+    if !gone.is_empty() {
+        checked(tokio::time::timeout(timeout, sink.unsubscribe(&gone)).await)?;
+    }
+    if quiet_since.elapsed() >= PING_EVERY {
+        checked(tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await)?;
+        *quiet_since = Instant::now();
+    }
+    let subscribed = requested_channels(shared, false).ok_or(Ended::Done)?;
+    if !subscribed.is_empty() {
+        *idle_since = Instant::now();
+    } else if idle_since.elapsed() >= IDLE && stop_if_unwanted(shared) {
+        return Err(Ended::Done);
+    }
+    Ok(())
+}
+
+/// What a request's answer means for the connection: fine, lost (an error or no answer in
+/// time), or refused for want of permission.
+fn checked<T>(
+    answer: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+) -> Result<T, Ended> {
+    match answer {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) if errors::is_no_permission(&error) => Err(Ended::Refused),
+        _ => Err(Ended::Lost),
+    }
 }
 
 /// The channels a subscription was asked for; with `connected`, also marks the connection

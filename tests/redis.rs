@@ -558,6 +558,206 @@ async fn a_pub_sub_connection_lost_over_and_over_is_reopened_with_backoff() {
     got.release().await.expect("release");
 }
 
+/// A user for `ACL SETUSER name on >pw …rules`, and a backend that connects as it.
+fn user_backend(server: &RedisServer, name: &str, rules: &[&str]) -> RedisBackend {
+    let mut args = vec!["ACL", "SETUSER", name, "reset", "on", ">pw"];
+    args.extend_from_slice(rules);
+    assert_eq!(server.cli(&args), "OK", "ACL SETUSER {name}");
+    let url = format!("redis://{name}:pw@127.0.0.1:{}", server.port());
+    RedisBackend::new(options(url, false)).expect("options")
+}
+
+/// A user that may not use the release channels still releases: publishing a release is best
+/// effort, so only waking other processes' waiters is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_channel_permissions_still_releases_every_mode() {
+    let server = RedisServer::start().await;
+    let backend = user_backend(&server, "no-channels", &["~*", "+@all", "resetchannels"]);
+    let locks = DistributedLock::builder(backend).build().expect("lock");
+    let key = unique_prefix("noperm/release");
+    let names = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let held = locks.try_acquire(&key).await.expect("a lock");
+    held.release()
+        .await
+        .expect("released although the publish is refused");
+    assert_eq!(server.cli(&["EXISTS", &names.lock]), "0");
+    let read = locks
+        .reader_writer()
+        .expect("readers")
+        .try_read(&key)
+        .await
+        .expect("a read");
+    read.release()
+        .await
+        .expect("released although the publish is refused");
+    assert_eq!(server.cli(&["EXISTS", &names.readers]), "0");
+    let slot = locks
+        .semaphore(&key, 2)
+        .expect("semaphore")
+        .try_acquire()
+        .await
+        .expect("a slot");
+    slot.release().await.expect("released");
+}
+
+/// The least a Redis user needs for every mode and for waking waiters (docs/redis.md,
+/// "Permissions"); `+wait` too with `replicas`, `+config|get` for the startup check to read the
+/// eviction policy.
+const LOCKER_ACL: &[&str] = &[
+    "~lockingkit:*",
+    "&lockingkit:*",
+    "+eval",
+    "+evalsha",
+    "+script|load",
+    "+publish",
+    "+subscribe",
+    "+unsubscribe",
+    "+ping",
+    "+get",
+    "+set",
+    "+del",
+    "+exists",
+    "+pexpire",
+    "+pttl",
+    "+time",
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+zcard",
+    "+zremrangebyscore",
+];
+
+/// The documented least-privilege user passes the startup check and can lock, read, hold a
+/// semaphore slot, renew, and be woken by another process's release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_least_privilege_user_can_do_everything_locks_need() {
+    let server = RedisServer::start().await;
+    let backend = user_backend(&server, "locker", LOCKER_ACL);
+    backend.verify().await.expect("the startup check passes");
+    let (holder, waiter) = (
+        DistributedLock::builder(backend).build().expect("lock"),
+        DistributedLock::builder(user_backend(&server, "locker", LOCKER_ACL))
+            .options(LockOptions {
+                min_retry_delay: Duration::from_secs(5),
+                max_retry_delay: Duration::from_secs(5),
+                ..LockOptions::default()
+            })
+            .build()
+            .expect("lock"),
+    );
+    let key = unique_prefix("acl/least");
+    let held = holder.try_acquire(&key).await.expect("a lock");
+    let read_key = format!("{key}/read");
+    let read = holder
+        .reader_writer()
+        .expect("readers")
+        .try_read(&read_key)
+        .await
+        .expect("a read");
+    let slot = holder
+        .semaphore(&key, 2)
+        .expect("semaphore")
+        .try_acquire()
+        .await
+        .expect("a slot");
+    let waiting = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move { waiter.acquire(&key, Duration::from_secs(30)).await })
+    };
+    // Held past two renewals (every second with the 3 s lease).
+    tokio::time::sleep(LEASE).await;
+    for handle in [&held, &read, &slot] {
+        handle.ensure_held().expect("renewed");
+    }
+    let released = Instant::now();
+    held.release().await.expect("release");
+    let got = waiting.await.expect("the waiter").expect("woken");
+    assert!(
+        released.elapsed() < Duration::from_secs(2),
+        "woken by the release, not the 5 s backoff"
+    );
+    for handle in [got, read, slot] {
+        handle.release().await.expect("release");
+    }
+}
+
+/// A command of a lock script, or a key of the prefix, refused to the user is `Misconfigured`
+/// (a waiter stops at once), not a `Backend` failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_and_keys_refused_to_the_user_are_misconfigured() {
+    let server = RedisServer::start().await;
+    let key = unique_prefix("noperm/commands");
+    let no_zadd = DistributedLock::builder(user_backend(
+        &server,
+        "no-zadd",
+        &["~*", "&*", "+@all", "-zadd"],
+    ))
+    .build()
+    .expect("lock");
+    let error = no_zadd
+        .reader_writer()
+        .expect("readers")
+        .try_read(&key)
+        .await
+        .expect_err("ZADD refused inside the script");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    let other_keys = DistributedLock::builder(user_backend(
+        &server,
+        "other-keys",
+        &["~other:*", "&*", "+@all"],
+    ))
+    .build()
+    .expect("lock");
+    let error = other_keys
+        .try_acquire(&key)
+        .await
+        .expect_err("keys refused");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    assert!(error.to_string().contains("NOPERM"), "{error}");
+}
+
+/// The startup check names the channel permission a user lacks, and passes for one that has
+/// what locks need.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_refuses_a_user_that_may_not_publish_or_subscribe_on_the_prefix_channels() {
+    let server = RedisServer::start().await;
+    for (name, rules, missing) in [
+        (
+            "no-channels",
+            vec!["~*", "+@all", "resetchannels"],
+            "publish on",
+        ),
+        (
+            "no-publish",
+            vec!["~*", "+@all", "-publish", "&lockingkit:*"],
+            "publish on",
+        ),
+        (
+            "no-subscribe",
+            vec!["~*", "+@all", "-subscribe", "&lockingkit:*"],
+            "subscribe to",
+        ),
+        (
+            "other-channels",
+            vec!["~*", "+@all", "&other:*"],
+            "publish on",
+        ),
+    ] {
+        let error = user_backend(&server, name, &rules)
+            .verify()
+            .await
+            .expect_err("a permission is missing");
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{name}: {error}");
+        let text = error.to_string();
+        assert!(text.contains(missing), "{name}: {text}");
+        assert!(text.contains("`&lockingkit:*`"), "{name}: {text}");
+    }
+    user_backend(&server, "locker", LOCKER_ACL)
+        .verify()
+        .await
+        .expect("the user has what locks need");
+}
+
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
     let error = RedisBackend::new(RedisOptions {

@@ -278,6 +278,23 @@ impl Connection {
         Ok((number, link))
     }
 
+    /// Where the backend connects.
+    pub(super) fn target(&self) -> &Target {
+        &self.target
+    }
+
+    /// A connection of its own for a one-off check, closed when dropped: not the shared link,
+    /// and not behind the outage gate (a startup check asks the server itself).
+    pub(super) async fn check_link(&self) -> Result<Checking, BackendError> {
+        let link = tokio::time::timeout(self.timeout, self.open())
+            .await
+            .map_err(|_| errors::timed_out(Stage::Check, self.timeout))??;
+        Ok(Checking {
+            link,
+            timeout: self.timeout,
+        })
+    }
+
     /// Closes the link (once requests still using it are done); a request after this opens
     /// another.
     pub(super) fn close(&self) {
@@ -312,6 +329,30 @@ impl Connection {
                     .map_err(|e| errors::request_error(&e, Stage::Connect))
             }
         }
+    }
+}
+
+/// A connection opened for a startup check; closed when dropped.
+pub(super) struct Checking {
+    link: Link,
+    timeout: Duration,
+}
+
+impl Checking {
+    /// Sends `request` within the request timeout; the inner error is the library's.
+    pub(super) async fn send(
+        &mut self,
+        request: Request<'_>,
+    ) -> Result<redis::RedisResult<Vec<Value>>, BackendError> {
+        let answered = match &mut self.link {
+            Link::Server(connection) => {
+                tokio::time::timeout(self.timeout, request.send(connection)).await
+            }
+            Link::Cluster(cluster) => {
+                tokio::time::timeout(self.timeout, request.send(cluster)).await
+            }
+        };
+        answered.map_err(|_| errors::timed_out(Stage::Check, self.timeout))
     }
 }
 

@@ -13,6 +13,7 @@ use crate::backend::BackendError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stage {
     Connect,
+    Check,
     Attempt,
     Renew,
     Release,
@@ -22,6 +23,7 @@ impl Stage {
     pub(super) fn as_str(self) -> &'static str {
         match self {
             Stage::Connect => "connecting to Redis",
+            Stage::Check => "the startup check",
             Stage::Attempt => "the lock attempt",
             Stage::Renew => "the lease renewal",
             Stage::Release => "the release",
@@ -66,9 +68,11 @@ pub(super) fn request_error(error: &RedisError, stage: Stage) -> BackendError {
         ErrorKind::AuthenticationFailed => {
             BackendError::misconfigured(format!("{what}: Redis refused the credentials in the URL"))
         }
-        ErrorKind::Server(ServerErrorKind::NoPerm) => BackendError::misconfigured(format!(
-            "{what}: the Redis user may not run the lock's commands (NOPERM); it needs EVALSHA, \
-             SCRIPT LOAD, WAIT, SUBSCRIBE and access to the prefix's keys and channels"
+        _ if is_no_permission(error) => BackendError::misconfigured(format!(
+            "{what}: the Redis user may not run the lock's commands (NOPERM); it needs EVAL, \
+             EVALSHA, SCRIPT LOAD, the commands the scripts run, WAIT when replicas are asked \
+             for, PUBLISH, SUBSCRIBE, the prefix's keys `~<key_prefix>:*` and channels \
+             `&<key_prefix>:*`"
         )),
         ErrorKind::Server(
             ServerErrorKind::BusyLoading
@@ -118,9 +122,15 @@ pub(super) fn is_authentication(error: &RedisError) -> bool {
         || matches!(error.code(), Some("NOAUTH" | "WRONGPASS"))
 }
 
-/// Whether `error` says the user may not run a command or use a key or channel (`NOPERM`).
+/// Whether `error` says the user may not run a command or use a key or channel: `NOPERM`, or
+/// the `ERR` a script gets when a command it runs is refused to its user ("The user executing
+/// the script can't run this command…", "…can't publish to the channel…").
 pub(super) fn is_no_permission(error: &RedisError) -> bool {
     error.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+        || (error.code() == Some("ERR")
+            && error
+                .detail()
+                .is_some_and(|detail| detail.starts_with("The user executing the script can't")))
 }
 
 /// Whether `error` says the server lacks a script we sent by SHA (after a restart, a failover,

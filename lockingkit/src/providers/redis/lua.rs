@@ -122,21 +122,23 @@ return 1"
 
 /// Releases an exclusive hold and publishes `released` on the channel, waking waiters: KEYS
 /// `lock`; ARGV the holder id, the `released` channel. Answers 1 when deleted, 0 when the lock
-/// was gone or another holder's (then nothing is deleted or published).
+/// was gone or another holder's (then nothing is deleted or published). Publishing is best
+/// effort (`redis.pcall`): a user that may not publish on the channel still releases.
 pub const RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], 'released')
+  redis.pcall('PUBLISH', ARGV[2], 'released')
   return 1
 end
 return 0";
 
 /// Releases a reader or a semaphore holder: KEYS `readers` or `holders`; ARGV the holder id and
 /// the channel to publish on (readers: `released`; empty for a semaphore, which publishes
-/// nothing). Answers 1 when a live member was removed, 0 when it was gone or had expired.
+/// nothing; publishing is best effort, as in [`RELEASE`]). Answers 1 when a live member was
+/// removed, 0 when it was gone or had expired.
 pub const RELEASE_MEMBER: &str = "local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], 'released') end
+if ARGV[2] ~= '' then redis.pcall('PUBLISH', ARGV[2], 'released') end
 local t = redis.call('TIME')
 if tonumber(score) <= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then return 0 end
 return 1";

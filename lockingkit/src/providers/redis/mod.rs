@@ -31,6 +31,7 @@
 //!   after the timeout): a compare-and-delete of its holder id follows it on the same
 //!   connection, so the key is not kept until its lease runs out.
 
+mod check;
 mod connection;
 mod errors;
 pub mod lua;
@@ -93,6 +94,7 @@ struct Backend {
     releases: ReleaseWatch,
     prefix: String,
     lease: Duration,
+    timeout: Duration,
     lease_ms: String,
     intent_ms: String,
     replication: Option<Replication>,
@@ -135,6 +137,7 @@ impl RedisBackend {
                 scripts: Scripts::new(),
                 prefix: options.key_prefix,
                 lease: options.lease_duration,
+                timeout,
                 lease_ms: millis(options.lease_duration),
                 intent_ms: millis(options.writer_intent),
                 replication: (options.replicas > 0).then_some(Replication {
@@ -146,12 +149,15 @@ impl RedisBackend {
         })
     }
 
-    /// Checks, by loading the lock scripts (on a cluster, into every primary), that Redis
-    /// answers, accepts the credentials and lets this user run scripts, so a deployment that
-    /// cannot lock fails at startup. Nothing else is written.
+    /// Checks at startup, on connections of its own that it closes, what building a backend
+    /// cannot: that Redis answers and accepts the credentials, that this user may load and run
+    /// the lock scripts (they are loaded, on a cluster into every primary), publish and
+    /// subscribe on the prefix's channels (`&{prefix}:*`), and — where the user may read it —
+    /// that `maxmemory-policy` is `noeviction` (any other policy is logged as a warning: it can
+    /// evict held locks). No lock is taken; nothing but the scripts is left on the server.
     ///
     /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) for refused
-    /// credentials or permissions, or
+    /// credentials or permissions (naming what is missing), or
     /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when Redis does not answer
     /// within `request_timeout`.
     pub async fn verify(&self) -> Result<(), LockError> {
@@ -160,21 +166,14 @@ impl RedisBackend {
 
     /// What [`verify`](Self::verify) checks, as the backend reports it.
     async fn check(&self) -> Result<(), BackendError> {
-        for script in self.inner.scripts.all() {
-            let mut load = redis::cmd("SCRIPT");
-            load.arg("LOAD").arg(script.source());
-            match self
-                .inner
-                .connection
-                .send(Stage::Connect, connection::Request::Command(&load))
-                .await
-            {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => return Err(errors::request_error(&error, Stage::Connect)),
-                Err(error) => return Err(error),
-            }
-        }
-        Ok(())
+        let inner = &*self.inner;
+        check::run(
+            &inner.connection,
+            &inner.scripts,
+            &inner.prefix,
+            inner.timeout,
+        )
+        .await
     }
 
     /// The lease duration.

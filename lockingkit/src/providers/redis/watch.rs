@@ -389,7 +389,7 @@ impl Shared {
 }
 
 /// Opens a pub/sub connection to the server, or to the first cluster node that answers.
-async fn open(
+pub(super) async fn open(
     target: &Target,
     timeout: Duration,
 ) -> Result<(PubSubSink, PubSubStream), BackendError> {

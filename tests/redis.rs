@@ -13,6 +13,7 @@ use lockingkit::{
     BackendErrorKind, DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockOptions,
     RedisBackend, RedisOptions,
 };
+use lockingkit_tests::field_log::FieldLog;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::{RedisCluster, RedisServer};
 use redis::AsyncCommands;
@@ -756,6 +757,40 @@ async fn verify_refuses_a_user_that_may_not_publish_or_subscribe_on_the_prefix_c
         .verify()
         .await
         .expect("the user has what locks need");
+}
+
+/// What LockingKit logs while `work` runs on this thread (the test runs on one).
+async fn logged_while<F: std::future::Future>(work: F) -> (F::Output, String) {
+    use tracing_subscriber::layer::SubscriberExt;
+    let log = FieldLog::default();
+    let capturing =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(log.clone()));
+    let output = work.await;
+    drop(capturing);
+    (output, log.text())
+}
+
+/// An eviction policy can delete a held lock: the startup check warns about any policy but
+/// `noeviction`, says so when it may not read the policy, and is quiet otherwise.
+#[tokio::test]
+async fn verify_warns_when_redis_may_evict_locks() {
+    let evicting =
+        RedisServer::start_with(vec!["--maxmemory-policy".into(), "allkeys-lru".into()]).await;
+    let (checked, log) = logged_while(backend(&evicting).verify()).await;
+    checked.expect("a warning, not a failure");
+    assert!(
+        log.contains("maxmemory-policy allkeys-lru") && log.contains("noeviction"),
+        "{log}"
+    );
+
+    let server = RedisServer::start().await;
+    let (checked, log) = logged_while(backend(&server).verify()).await;
+    checked.expect("the default policy is noeviction");
+    assert!(!log.contains("maxmemory-policy"), "{log}");
+
+    let (checked, log) = logged_while(user_backend(&server, "locker", LOCKER_ACL).verify()).await;
+    checked.expect("a user without CONFIG passes");
+    assert!(log.contains("could not read maxmemory-policy"), "{log}");
 }
 
 #[test]

@@ -7,8 +7,13 @@
 //!    scripts publish (best effort: a refused publish does not fail a release, but wakes no
 //!    waiter), and the release watch subscribes. A Redis 7 ACL user has no channels unless
 //!    granted some, so this is the permission most often missing.
+//! 3. `CONFIG GET maxmemory-policy`, where the user may: a policy that evicts keys can delete a
+//!    held lock, so anything but `noeviction` is logged as a warning (not a failure: a dedicated
+//!    instance whose memory never fills is safe with any policy).
 
 use std::time::Duration;
+
+use redis::Value;
 
 use super::connection::{Connection, Request};
 use super::errors::{self, Stage};
@@ -42,6 +47,17 @@ pub(super) async fn run(
         .await?
         .map_err(|error| channel_error(&error, "publish on", prefix))?;
     subscribe(connection, &channel, prefix, timeout).await?;
+    let mut policy = redis::cmd("CONFIG");
+    policy.arg("GET").arg("maxmemory-policy");
+    match checking.send(Request::Command(&policy)).await? {
+        Ok(answer) => warn_if_evicting(&answer),
+        Err(_) => tracing::info!(
+            target: "lockingkit",
+            provider = super::PROVIDER,
+            "the Redis startup check could not read maxmemory-policy (CONFIG GET is refused); \
+             locks need `noeviction`, or an instance whose memory never fills"
+        ),
+    }
     Ok(())
 }
 
@@ -72,4 +88,28 @@ fn channel_error(error: &redis::RedisError, what: &str, prefix: &str) -> Backend
          channels unless granted), or waiters in other processes are not woken by releases",
         Stage::Check.as_str()
     ))
+}
+
+/// Logs a warning when the eviction policy in `answer` (`CONFIG GET`'s) may delete locks.
+fn warn_if_evicting(answer: &[Value]) {
+    let policy = match answer.first() {
+        Some(Value::Array(pair)) => pair.get(1),
+        Some(Value::Map(pairs)) => pairs.first().map(|(_, value)| value),
+        _ => None,
+    };
+    let policy = match policy {
+        Some(Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
+        Some(Value::SimpleString(text)) => text.clone(),
+        _ => return,
+    };
+    if policy != "noeviction" {
+        tracing::warn!(
+            target: "lockingkit",
+            provider = super::PROVIDER,
+            policy = %policy,
+            "Redis evicts keys when its memory is full (maxmemory-policy {policy}): a held \
+             lock can be deleted and taken by another process before its holder notices. Set \
+             maxmemory-policy noeviction, or keep locks on an instance whose memory never fills"
+        );
+    }
 }

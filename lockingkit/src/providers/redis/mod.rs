@@ -23,6 +23,9 @@
 //!   node the cluster client knows), multiplexed, reconnected with backoff; plus one pub/sub
 //!   connection while this process waits for keys held elsewhere. Every request has its own timeout
 //!   ([`request_timeout`](RedisOptions::request_timeout)).
+//! - **Redis must not evict the lock keys**: run them with `maxmemory-policy noeviction` (the
+//!   default) or on an instance whose memory never fills; [`RedisBackend::verify`] warns about
+//!   any other policy it can read.
 //! - **Replication is asynchronous**: a failover can promote a replica that had not received a
 //!   lock, and the holder learns of it only at its next renewal, while another process may
 //!   already have taken the key. [`replicas`](RedisOptions::replicas) (`WAIT`) narrows that

@@ -4,8 +4,9 @@
 //! | fault | expected |
 //! |---|---|
 //! | server killed and restarted without persistence | every holder lost at its next renewal (`LeaseGone`), tokens still grow |
-//! | server frozen (SIGSTOP) past the deadline | loss at the deadline; the key free after the loss, at the latest one lease after the server woke |
-//! | holder's connection reset | transient: reconnected, no loss, the lock stays held |
+//! | server frozen (SIGSTOP) past the deadline, thawed within the lease | loss at the deadline; the key free after the loss, at the latest one lease after the server woke |
+//! | server frozen past the lease | loss at the deadline; the key free as soon as the server wakes; the renewals that queued up find it gone, the lost lease's renewal is `LeaseGone`, and the next holder keeps it |
+//! | holder's connections reset until a renewal failed on them | transient: reconnected, no loss, the lock stays held |
 //! | holder's line blackholed for less than the deadline | transient: no loss, renewals resume |
 //! | holder's line blackholed past the deadline | loss at the deadline; the key free only once its lease ran out |
 //! | `FLUSHALL`, or the key deleted by another client | `LeaseGone` at the next renewal |
@@ -33,6 +34,12 @@ use lockingkit::{
 };
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::RedisServer;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::reader::MetricReader;
+use opentelemetry_sdk::metrics::{
+    InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
+};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -65,11 +72,80 @@ fn lock_on(options: RedisOptions) -> DistributedLock {
         .expect("valid lock options")
 }
 
+/// A process's own metrics pipeline, read on demand: what its engine counted as
+/// `lockingkit.renewals` shows whether a renewal failed.
+struct Renewals {
+    reader: SharedReader,
+    provider: SdkMeterProvider,
+}
+
+/// The manual reader, shared by the meter provider (which owns a reader) and the test.
+#[derive(Clone, Debug)]
+struct SharedReader(Arc<ManualReader>);
+
+impl MetricReader for SharedReader {
+    fn register_pipeline(&self, pipeline: std::sync::Weak<Pipeline>) {
+        self.0.register_pipeline(pipeline)
+    }
+    fn collect(&self, rm: &mut ResourceMetrics) -> OTelSdkResult {
+        self.0.collect(rm)
+    }
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+    fn temporality(&self, kind: InstrumentKind) -> Temporality {
+        self.0.temporality(kind)
+    }
+}
+
+impl Renewals {
+    fn new() -> Renewals {
+        let reader = SharedReader(Arc::new(ManualReader::builder().build()));
+        let provider = SdkMeterProvider::builder()
+            .with_reader(reader.clone())
+            .build();
+        Renewals { reader, provider }
+    }
+
+    fn meter(&self) -> opentelemetry::metrics::Meter {
+        lockingkit::telemetry::meter(&self.provider)
+    }
+
+    /// How many renewals failed so far (retried, or ending in loss).
+    fn failed(&self) -> u64 {
+        let mut metrics = ResourceMetrics::default();
+        self.reader.collect(&mut metrics).expect("collect");
+        let mut failed = 0;
+        for metric in metrics.scope_metrics().flat_map(|scope| scope.metrics()) {
+            let AggregatedMetrics::U64(MetricData::Sum(sum)) = metric.data() else {
+                continue;
+            };
+            if metric.name() != "lockingkit.renewals" {
+                continue;
+            }
+            failed += sum
+                .data_points()
+                .filter(|point| {
+                    point.attributes().any(|kv| {
+                        kv.key.as_str() == "lockingkit.outcome" && kv.value.as_str() == "failed"
+                    })
+                })
+                .map(|point| point.value())
+                .sum::<u64>();
+        }
+        failed
+    }
+}
+
 /// One "process": its own engine and connections, behind its own proxy.
 struct Process {
     id: usize,
     proxy: FaultProxy,
     locks: DistributedLock,
+    renewals: Renewals,
 }
 
 impl Process {
@@ -82,8 +158,19 @@ impl Process {
         id: usize,
         tune: impl FnOnce(RedisOptions) -> RedisOptions,
     ) -> Process {
-        let locks = lock_on(tune(options_for(proxy.port())));
-        Process { id, proxy, locks }
+        let renewals = Renewals::new();
+        let backend = RedisBackend::new(tune(options_for(proxy.port()))).expect("valid options");
+        let locks = DistributedLock::builder(backend)
+            .options(quick_polling())
+            .meter(renewals.meter())
+            .build()
+            .expect("valid lock options");
+        Process {
+            id,
+            proxy,
+            locks,
+            renewals,
+        }
     }
 
     async fn acquire(&self, key: &str) -> (LockHandle, Instant) {
@@ -362,6 +449,80 @@ async fn a_frozen_server_is_loss_at_the_deadline_and_frees_the_key_after_the_los
     checker.assert_consistent();
 }
 
+/// Frozen for longer than the lease: the holder declares loss at its deadline; once the server
+/// wakes, the key is free at once (its lease ran out by the server's clock, which went on), the
+/// renewals and the release that queued up while it slept find it gone and bring nothing back,
+/// and a new holder keeps it undisturbed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_frozen_past_the_lease_frees_the_key_and_late_renewals_never_bring_it_back() {
+    let mut server = RedisServer::start().await;
+    let checker = IntervalChecker::new();
+    let key = unique_prefix("chaos/sigstop-past");
+    let name = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).lock;
+    let (holder, other) = (Process::on(&server, 0).await, Process::on(&server, 1).await);
+    let watched = holder.hold_watched(&key).await;
+    holder.settle(&watched).await;
+    let token = watched.token;
+    let failed_before = holder.renewals.failed();
+    server.pause();
+    let paused = Instant::now();
+    let (loss, hold) = watched.lost_within(PATIENCE).await;
+    let last = holder.proxy.last_answered_request().expect("a renewal");
+    assert!(last < paused);
+    assert_lost(&loss, LossReason::Deadline);
+    assert_near("loss", loss.at, last + LEASE * 9 / 10, SEND_SKEW, LATE);
+    assert!(
+        holder.renewals.failed() > failed_before,
+        "renewals were sent into the frozen server"
+    );
+    checker.record(hold);
+    // Thawed well after the lease ran out.
+    tokio::time::sleep_until(last + LEASE + Duration::from_millis(1500)).await;
+    server.resume();
+    let resumed = Instant::now();
+    assert_eq!(
+        server.cli(&["EXISTS", &name]),
+        "0",
+        "free once the server wakes"
+    );
+    let (handle, start) = other.acquire(&key).await;
+    assert!(
+        start - resumed < Duration::from_secs(1),
+        "taken {:?} after the server woke",
+        start - resumed
+    );
+    assert!(handle.fencing_token() > token);
+    // The lost holder's renewal now answers that the lease is gone, and the new holder keeps the
+    // key through more than a lease of its own renewals.
+    let lease = loss
+        .handle
+        .lease::<lockingkit::providers::redis::RedisLease>()
+        .expect("a Redis lease");
+    let backend = holder
+        .locks
+        .backend::<RedisBackend>()
+        .expect("a Redis backend");
+    let late = lockingkit::LockBackend::renew(backend, lease)
+        .await
+        .expect_err("the lost lease is gone");
+    assert_eq!(
+        late.kind(),
+        lockingkit::BackendErrorKind::LeaseGone,
+        "{late}"
+    );
+    let mut kept = Watched::new(other.id, handle, start);
+    kept.still_held_after(LEASE + RENEW_EVERY).await;
+    let holder_id = server.cli(&["GET", &name]);
+    assert_ne!(
+        holder_id,
+        lease.holder_id(),
+        "the lost holder's id never came back"
+    );
+    record(&checker, &key, other.id, token + 1, start);
+    kept.end().await;
+    checker.assert_consistent();
+}
+
 /// Another client removes or replaces the lock's key: the holder's next renewal says the lease
 /// is gone, within one renewal interval.
 async fn key_taken_away(what: &[&str]) {
@@ -413,6 +574,9 @@ async fn the_key_overwritten_with_another_type_is_lease_gone_at_the_next_renewal
 // Network faults through the proxy
 // ----------------------------------------------------------------------------------------------
 
+/// Every connection of the holder is reset, and new ones too, until a renewal has failed on it;
+/// then the line heals. The failure is transient: a retry reconnects and renews before the
+/// deadline, and the lock is never lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_connection_is_transient_and_the_lock_stays_held() {
     let server = RedisServer::start().await;
@@ -420,11 +584,23 @@ async fn a_reset_connection_is_transient_and_the_lock_stays_held() {
     let (holder, other) = (Process::on(&server, 0).await, Process::on(&server, 1).await);
     let mut watched = holder.hold_watched(&key).await;
     holder.settle(&watched).await;
-    let before = holder.proxy.connections_accepted();
+    let (before, failed_before) = (
+        holder.proxy.connections_accepted(),
+        holder.renewals.failed(),
+    );
     holder.proxy.set_fault(Fault::Reset);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let reset = Instant::now();
+    // Kept until a renewal met it (the next is due within a second).
+    while holder.renewals.failed() == failed_before {
+        assert!(
+            reset.elapsed() < Duration::from_secs(5),
+            "no renewal was tried during the reset"
+        );
+        watched.still_held_after(Duration::from_millis(10)).await;
+    }
     holder.proxy.set_fault(Fault::Pass);
     let healed = Instant::now();
+    eprintln!("reset for {:?}", healed - reset);
     holder.renewed_after(healed).await;
     assert!(
         holder.proxy.connections_accepted() > before,

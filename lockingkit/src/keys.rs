@@ -240,8 +240,8 @@ impl PostgresLockKeys {
 ///
 /// | name | type | what |
 /// |---|---|---|
-/// | `lockingkit:{orders/42}` | string, expires | the exclusive holder: `{fencing token}:{holder id}` |
-/// | `lockingkit:{orders/42}:readers` | sorted set, expires | readers: member `{fencing token}:{holder id}`, score the member's expiry (Unix ms) |
+/// | `lockingkit:{orders/42}` | string, expires | the exclusive holder: its holder id |
+/// | `lockingkit:{orders/42}:readers` | sorted set, expires | readers: member the holder id, score the member's expiry (Unix ms) |
 /// | `lockingkit:{orders/42}:intent` | string, expires | a writer waits for the readers: new readers are refused |
 /// | `lockingkit:{orders/42}:fence` | string, expires after a day idle | the last fencing token of the lock and its readers |
 /// | `lockingkit:{orders/42}:semaphore` | sorted set, expires | holders of the semaphore `orders/42`, as readers |
@@ -347,6 +347,11 @@ impl RedisLockKeys {
 
     /// The names of the lock `key` (its exclusive holder, readers, writer intent and fencing
     /// counter) under `prefix`.
+    ///
+    /// `key` should be a valid lock key (1 to 512 characters, see [`validate_key`]), as every
+    /// key the engine hands a backend is: the mapping is injective and keeps one slot for any
+    /// string, but the empty key's names are reserved (the Redis startup check publishes on
+    /// its channel) and longer keys only make longer names.
     pub fn lock(prefix: &str, key: &str) -> RedisLockNames {
         let lock = Self::base(prefix, key);
         RedisLockNames {
@@ -359,6 +364,7 @@ impl RedisLockKeys {
     }
 
     /// The names of the semaphore `key` under `prefix`: a namespace apart from the lock `key`.
+    /// `key` should be a valid lock key, as for [`lock`](Self::lock).
     pub fn semaphore(prefix: &str, key: &str) -> RedisSemaphoreNames {
         let holders = format!("{}:semaphore", Self::base(prefix, key));
         RedisSemaphoreNames {

@@ -189,8 +189,9 @@ impl RedisBackend {
         &self.inner.prefix
     }
 
-    /// Whether the pub/sub connection that wakes this process's waiters is open now (0 or 1);
-    /// it opens while someone waits for a key held elsewhere.
+    /// Whether the pub/sub connection that wakes this process's waiters is open now, the server
+    /// having confirmed its subscriptions (0 or 1); it opens while someone waits for a key held
+    /// elsewhere.
     pub fn wait_connections(&self) -> usize {
         self.inner.releases.connections()
     }

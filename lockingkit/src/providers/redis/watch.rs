@@ -85,7 +85,7 @@ struct State {
     channels: HashMap<String, Channel>,
     /// The subscriber task, while one runs.
     task: Option<mpsc::UnboundedSender<String>>,
-    /// Whether the task has an open connection now.
+    /// Whether the task has a connection now on which the server confirmed the subscriptions.
     connected: bool,
 }
 
@@ -143,7 +143,8 @@ impl ReleaseWatch {
         state.task = None;
     }
 
-    /// Whether the pub/sub connection is open now (0 or 1).
+    /// Whether the pub/sub connection is open, its subscriptions confirmed by the server (0 or
+    /// 1).
     pub(super) fn connections(&self) -> usize {
         usize::from(lock(&self.shared.state).connected)
     }
@@ -446,7 +447,7 @@ async fn serve(
     // Every channel wanted now, subscribed in one command (a ping when none is: the server's
     // first answer is owed to the health report); their waiters retry once, as a release may
     // have gone unheard while the connection was down.
-    let Some(wanted) = requested_channels(shared, true) else {
+    let Some(wanted) = requested_channels(shared) else {
         return (Ended::Done, Duration::ZERO);
     };
     let first = if wanted.is_empty() {
@@ -459,6 +460,10 @@ async fn serve(
     report.outcome(&first);
     if let Err(ended) = checked(first) {
         return (ended, Duration::ZERO);
+    }
+    // Counted as open only now that the server has answered on it.
+    if let Some(shared) = shared.upgrade() {
+        lock(&shared.state).connected = true;
     }
     wake(shared, &wanted);
     let subscribed = Instant::now();
@@ -525,7 +530,7 @@ async fn tend(
         checked(tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await)?;
         *quiet_since = Instant::now();
     }
-    let subscribed = requested_channels(shared, false).ok_or(Ended::Done)?;
+    let subscribed = requested_channels(shared).ok_or(Ended::Done)?;
     if !subscribed.is_empty() {
         *idle_since = Instant::now();
     } else if idle_since.elapsed() >= IDLE && stop_if_unwanted(shared) {
@@ -546,14 +551,10 @@ fn checked<T>(
     }
 }
 
-/// The channels a subscription was asked for; with `connected`, also marks the connection
-/// open. `None` once the backend is gone.
-fn requested_channels(shared: &Weak<Shared>, connected: bool) -> Option<Vec<String>> {
+/// The channels a subscription was asked for; `None` once the backend is gone.
+fn requested_channels(shared: &Weak<Shared>) -> Option<Vec<String>> {
     let shared = shared.upgrade()?;
-    let mut state = lock(&shared.state);
-    if connected {
-        state.connected = true;
-    }
+    let state = lock(&shared.state);
     Some(
         state
             .channels

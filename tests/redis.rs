@@ -397,9 +397,54 @@ async fn a_wrong_password_is_misconfigured_and_never_repeated() {
     let error = backend.verify().await.expect_err("a wrong password");
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
     assert!(!format!("{error} {error:?}").contains("hunter2"));
-    let locks = DistributedLock::builder(backend).build().expect("lock");
-    let error = locks.try_acquire("k").await.expect_err("a wrong password");
-    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    // Logins refused so far, as the server counts them (asked with the right password).
+    let refused = || -> u64 {
+        server
+            .cli(&["-a", "right-one", "--no-auth-warning", "INFO", "errorstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("errorstat_WRONGPASS:count="))
+            .map_or(0, |count| count.trim().parse().expect("a count"))
+    };
+    assert_eq!(refused(), 1, "the startup check's login");
+    // Two seconds of attempts, first on the backend alone (its own outage gate), then through
+    // an engine (whose gate comes first): each tries one login per probe, 50-100 ms after the
+    // first failure and twice as long after each further one, so about five a gate.
+    let mut attempts = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        let error = backend
+            .try_acquire("k")
+            .await
+            .expect_err("a wrong password");
+        assert_eq!(error.kind(), BackendErrorKind::Misconfigured, "{error}");
+        attempts += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let logins = refused();
+    eprintln!("{logins} refused logins for {attempts} attempts on the backend");
+    assert!(attempts >= 100, "{attempts} attempts");
+    assert!(
+        logins <= 8,
+        "{logins} refused logins for {attempts} attempts"
+    );
+    let locks = DistributedLock::builder(
+        RedisBackend::new(options(
+            format!("redis://:hunter2@127.0.0.1:{}", server.port()),
+            false,
+        ))
+        .expect("options"),
+    )
+    .build()
+    .expect("lock");
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        let error = locks.try_acquire("k").await.expect_err("a wrong password");
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let more = refused() - logins;
+    eprintln!("{more} refused logins through an engine");
+    assert!(more <= 7, "{more} refused logins in 2 s through an engine");
 
     let right = format!("redis://:right-one@127.0.0.1:{}", server.port());
     let backend = RedisBackend::new(options(right, false)).expect("options");

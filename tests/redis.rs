@@ -763,6 +763,25 @@ async fn commands_and_keys_refused_to_the_user_are_misconfigured() {
     assert!(error.to_string().contains("NOPERM"), "{error}");
 }
 
+/// A refused permission is an answer: the connection stays (only refused credentials make a
+/// new one), so a user that may not lock costs the server no reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_permission_keeps_the_connection() {
+    let server = RedisServer::start().await;
+    let bare = user_backend(&server, "other-keys", &["~other:*", "&*", "+@all"]);
+    let before = connections_received(&server);
+    for _ in 0..20 {
+        let error = bare
+            .try_acquire("noperm/keys")
+            .await
+            .expect_err("keys refused");
+        assert_eq!(error.kind(), BackendErrorKind::Misconfigured, "{error}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    // The backend's one connection, and this redis-cli call.
+    assert_eq!(connections_received(&server) - before, 2);
+}
+
 /// The startup check names the channel permission a user lacks, and passes for one that has
 /// what locks need.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

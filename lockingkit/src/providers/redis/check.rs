@@ -17,7 +17,7 @@ use redis::Value;
 
 use super::connection::{Connection, Request};
 use super::errors::{self, Stage};
-use super::scripts::Scripts;
+use super::eval::Scripts;
 use super::watch;
 use crate::backend::BackendError;
 use crate::keys::RedisLockKeys;

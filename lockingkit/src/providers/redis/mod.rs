@@ -37,9 +37,9 @@
 mod check;
 mod connection;
 mod errors;
+mod eval;
 pub mod lua;
 mod options;
-mod scripts;
 mod watch;
 
 use std::fmt;
@@ -59,7 +59,7 @@ use crate::keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
 use crate::MAX_SEMAPHORE_COUNT;
 use connection::{Connection, Target};
 use errors::Stage;
-use scripts::{Answer, Replication, Script, Scripts};
+use eval::{Answer, Replication, Script, Scripts};
 use watch::ReleaseWatch;
 
 /// The provider name in telemetry.
@@ -231,7 +231,7 @@ impl RedisBackend {
                 vec![&holder, &inner.lease_ms, &count],
             ),
         };
-        let answered = scripts::run(
+        let answered = eval::run(
             &inner.connection,
             Stage::Attempt,
             script,
@@ -306,7 +306,7 @@ impl RedisBackend {
             ),
             Held::Slot(n) => (&inner.scripts.release_member, &n.holders, ""),
         };
-        scripts::run(
+        eval::run(
             &inner.connection,
             Stage::Release,
             script,
@@ -385,7 +385,7 @@ impl LockBackend for RedisBackend {
             Held::Shared(n) => (&inner.scripts.renew_member, &n.readers),
             Held::Slot(n) => (&inner.scripts.renew_member, &n.holders),
         };
-        let answer = scripts::run(
+        let answer = eval::run(
             &inner.connection,
             Stage::Renew,
             script,

@@ -858,6 +858,53 @@ async fn verify_warns_when_redis_may_evict_locks() {
     assert!(log.contains("could not read maxmemory-policy"), "{log}");
 }
 
+/// An attempt that went out and got no answer in time may still run on the server and take the
+/// lock: its holder id is given back after it, so the key does not stay taken for a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_that_timed_out_is_given_back_after_it_runs() {
+    let server = RedisServer::start().await;
+    let proxy = FaultProxy::to_port(server.port()).await;
+    let bare = RedisBackend::new(options(
+        format!("redis://127.0.0.1:{}", proxy.port()),
+        false,
+    ))
+    .expect("options");
+    let key = unique_prefix("timed-out/attempt");
+    let name = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).lock;
+    // Connected and the script cached, then every request reaches the server after the timeout.
+    let warm = bare
+        .try_acquire(&key)
+        .await
+        .expect("attempt")
+        .expect("free");
+    bare.release(&warm.lease).await.expect("release");
+    proxy.set_latency(REQUEST_TIMEOUT + Duration::from_millis(300));
+    let error = bare.try_acquire(&key).await.expect_err("no answer in time");
+    assert_eq!(
+        error.kind(),
+        BackendErrorKind::Transient { reached: false },
+        "{error}"
+    );
+    let started = Instant::now();
+    let mut seen_taken = false;
+    loop {
+        match server.cli(&["EXISTS", &name]).as_str() {
+            "1" => seen_taken = true,
+            _ if seen_taken => break,
+            _ => {}
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "taken: {seen_taken}, and never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        started.elapsed() < LEASE,
+        "given back, not left to its lease"
+    );
+}
+
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
     let error = RedisBackend::new(RedisOptions {

@@ -172,11 +172,11 @@ impl Connection {
         &self,
         stage: Stage,
         request: Request<'_>,
-    ) -> Result<redis::RedisResult<Vec<Value>>, BackendError> {
+    ) -> Result<redis::RedisResult<Vec<Value>>, Failed> {
         let probe = match self.health.admit() {
             Admission::Go => None,
             Admission::Probe(probe) => Some(probe),
-            Admission::Refused(refusal) => return Err(refused(stage, refusal)),
+            Admission::Refused(refusal) => return Err(Failed::unsent(refused(stage, refusal))),
         };
         let (seen, answered) = self.exchange(stage, request, probe.is_some()).await;
         match (seen, probe) {
@@ -202,15 +202,17 @@ impl Connection {
         stage: Stage,
         request: Request<'_>,
         probe: bool,
-    ) -> (Seen, Result<redis::RedisResult<Vec<Value>>, BackendError>) {
+    ) -> (Seen, Result<redis::RedisResult<Vec<Value>>, Failed>) {
         let deadline = crate::clock::in_(self.timeout);
         let (number, link) = match tokio::time::timeout_at(deadline, self.link(probe)).await {
             Ok(Ok(link)) => link,
-            Ok(Err(failure)) => return (Seen::Failed(failure.clone()), Err(failure)),
+            Ok(Err(failure)) => {
+                return (Seen::Failed(failure.clone()), Err(Failed::unsent(failure)));
+            }
             Err(_) => {
                 // Opening the connection took too long: the server is unreachable.
                 let failure = errors::timed_out(Stage::Connect, self.timeout);
-                return (Seen::Failed(failure.clone()), Err(failure));
+                return (Seen::Failed(failure.clone()), Err(Failed::unsent(failure)));
             }
         };
         let answered = match link {
@@ -222,7 +224,8 @@ impl Connection {
             }
         };
         let Ok(answered) = answered else {
-            return (Seen::Nothing, Err(errors::timed_out(stage, self.timeout)));
+            let failure = errors::timed_out(stage, self.timeout);
+            return (Seen::Nothing, Err(Failed::sent(failure)));
         };
         let seen = match &answered {
             Ok(_) => Seen::Answered,
@@ -329,6 +332,31 @@ impl Connection {
                     .map_err(|e| errors::request_error(&e, Stage::Connect))
             }
         }
+    }
+}
+
+/// A request that failed without an answer: before it could reach Redis (refused while Redis
+/// is failing, or no connection could be opened), or after it was sent, when it may still run.
+pub(super) struct Failed {
+    pub(super) error: BackendError,
+    /// Whether the request went out (and so may have run).
+    pub(super) sent: bool,
+}
+
+impl Failed {
+    fn unsent(error: BackendError) -> Self {
+        Failed { error, sent: false }
+    }
+
+    /// A failure of a request that went out.
+    pub(super) fn sent(error: BackendError) -> Self {
+        Failed { error, sent: true }
+    }
+}
+
+impl From<Failed> for BackendError {
+    fn from(failed: Failed) -> Self {
+        failed.error
     }
 }
 

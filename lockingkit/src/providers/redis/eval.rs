@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use redis::Value;
 
-use super::connection::{Connection, Request};
+use super::connection::{Connection, Failed, Request};
 use super::errors::{self, Stage};
 use super::lua::{
     ACQUIRE, ACQUIRE_SHARED, ACQUIRE_SLOT, RELEASE, RELEASE_MEMBER, RENEW, RENEW_MEMBER,
@@ -98,13 +98,22 @@ pub(super) async fn run(
     keys: &[&str],
     args: &[&str],
     replication: Option<Replication>,
-) -> Result<Answer, BackendError> {
+) -> Result<Answer, Failed> {
     let by_sha = invocation("EVALSHA", &script.sha, keys, args);
     let mut answered = send(connection, stage, by_sha, replication).await?;
     if answered.as_ref().is_err_and(errors::is_missing_script) {
         let whole = invocation("EVAL", script.source, keys, args);
         answered = send(connection, stage, whole, replication).await?;
     }
+    answer_of(answered, stage, replication).map_err(Failed::sent)
+}
+
+/// What the script's answer (and `WAIT`'s) says, or the failure the server answered.
+fn answer_of(
+    answered: redis::RedisResult<Vec<Value>>,
+    stage: Stage,
+    replication: Option<Replication>,
+) -> Result<Answer, BackendError> {
     let values = match answered {
         Ok(values) => values,
         Err(error) if errors::is_wrong_type(&error) && stage != Stage::Attempt => {
@@ -137,7 +146,7 @@ async fn send(
     stage: Stage,
     cmd: redis::Cmd,
     replication: Option<Replication>,
-) -> Result<redis::RedisResult<Vec<Value>>, BackendError> {
+) -> Result<redis::RedisResult<Vec<Value>>, Failed> {
     match replication {
         None => connection.send(stage, Request::Command(&cmd)).await,
         Some(Replication { replicas, timeout }) => {

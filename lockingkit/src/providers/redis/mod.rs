@@ -243,14 +243,18 @@ impl RedisBackend {
         let lease = RedisLease { held, holder };
         match answered {
             Ok(answer) => self.taken(lease, answer).await,
-            Err(error) => {
-                if error.kind() == (BackendErrorKind::Transient { reached: false }) {
+            Err(failed) => {
+                // Only a request that went out and got no answer may have taken the lock; one
+                // refused before it was sent, or that the server answered, took nothing.
+                let unanswered =
+                    failed.error.kind() == (BackendErrorKind::Transient { reached: false });
+                if failed.sent && unanswered {
                     let backend = self.clone();
                     tokio::spawn(async move {
                         let _ = backend.give_back(&lease).await;
                     });
                 }
-                Err(error)
+                Err(failed.error)
             }
         }
     }
@@ -315,6 +319,7 @@ impl RedisBackend {
             None,
         )
         .await
+        .map_err(BackendError::from)
     }
 }
 
@@ -492,5 +497,39 @@ impl HolderIds {
         let high = self.seed.hash_one((n, 0u8));
         let low = self.seed.hash_one((n, 1u8));
         format!("{high:016x}{low:016x}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_attempt_that_never_went_out_gives_nothing_back() {
+        // Nothing listens on port 1 of loopback: the first connect is refused, and the outage
+        // gate refuses the next attempts without a connect.
+        let backend =
+            RedisBackend::new(RedisOptions::new("redis://127.0.0.1:1")).expect("valid options");
+        let tasks = || {
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks()
+        };
+        let before = tasks();
+        for _ in 0..3 {
+            let Err(error) = backend.try_acquire("k").await else {
+                panic!("nothing listens")
+            };
+            assert_eq!(
+                error.kind(),
+                BackendErrorKind::Transient { reached: false },
+                "{error}"
+            );
+        }
+        assert_eq!(
+            tasks(),
+            before,
+            "a give-back was spawned for an unsent request"
+        );
     }
 }

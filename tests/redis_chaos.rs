@@ -23,14 +23,16 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockingkit::keys::RedisLockKeys;
-use lockingkit::testing::{quick_polling, unique_prefix, Hold, IntervalChecker};
+use lockingkit::testing::{quick_polling, unique_prefix, IntervalChecker};
 use lockingkit::{
     DistributedLock, ErrorKind, LockError, LockHandle, LossReason, RedisBackend, RedisOptions,
+};
+use lockingkit_tests::chaos::{
+    assert_lost, assert_near, contender_lock, record, Watched, PATIENCE,
 };
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::RedisServer;
@@ -54,8 +56,6 @@ const SEND_SKEW: Duration = Duration::from_millis(300);
 /// How late after its expected instant a loss may be observed on a loaded machine. Below the
 /// 300 ms between the deadline (90% of the lease) and the lease's end, the bound that matters.
 const LATE: Duration = Duration::from_millis(250);
-/// Long enough for any wait a case expects to finish.
-const PATIENCE: Duration = Duration::from_secs(60);
 
 fn options_for(port: u16) -> RedisOptions {
     RedisOptions {
@@ -211,146 +211,6 @@ impl Process {
             .await
             .expect("a renewal answered");
     }
-}
-
-/// A held lock whose `run` carries work that never ends, so `run` returns only on loss.
-struct Watched {
-    process: usize,
-    token: u64,
-    acquired: Instant,
-    loss: JoinHandle<Loss>,
-}
-
-struct Loss {
-    at: Instant,
-    result: Result<(), LockError>,
-    work_dropped: bool,
-    handle: LockHandle,
-}
-
-struct DropFlag(Arc<AtomicBool>);
-
-impl Drop for DropFlag {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
-
-impl Watched {
-    fn new(process: usize, handle: LockHandle, acquired: Instant) -> Watched {
-        let token = handle.fencing_token();
-        let loss = tokio::spawn(async move {
-            let dropped = Arc::new(AtomicBool::new(false));
-            let flag = DropFlag(dropped.clone());
-            let result = handle
-                .run(async move {
-                    let _flag = flag;
-                    std::future::pending::<()>().await
-                })
-                .await;
-            Loss {
-                at: Instant::now(),
-                result,
-                work_dropped: dropped.load(Ordering::SeqCst),
-                handle,
-            }
-        });
-        Watched {
-            process,
-            token,
-            acquired,
-            loss,
-        }
-    }
-
-    async fn lost_within(self, within: Duration) -> (Loss, Hold) {
-        let loss = tokio::time::timeout(within, self.loss)
-            .await
-            .unwrap_or_else(|_| panic!("no loss declared within {within:?}"))
-            .expect("the watching task");
-        let hold = Hold {
-            key: loss.handle.key().to_owned(),
-            process: self.process,
-            fencing_token: self.token,
-            start: self.acquired,
-            end: loss.at,
-        };
-        (loss, hold)
-    }
-
-    /// Still held after `period`: no loss.
-    async fn still_held_after(&mut self, period: Duration) {
-        if let Ok(loss) = tokio::time::timeout(period, &mut self.loss).await {
-            let loss = loss.expect("the watching task");
-            panic!(
-                "the lock was lost: {:?}, {:?}",
-                loss.handle.loss_reason(),
-                loss.result.err()
-            );
-        }
-    }
-
-    /// Ends a hold that was never lost (dropping the handle releases it).
-    async fn end(self) {
-        assert!(!self.loss.is_finished(), "the hold ended by itself");
-        self.loss.abort();
-        assert!(self.loss.await.is_err(), "the hold ended by itself");
-    }
-}
-
-#[track_caller]
-fn assert_lost(loss: &Loss, reason: LossReason) {
-    let error = loss
-        .result
-        .as_ref()
-        .expect_err("`run` returned Ok on a lost lock");
-    assert_eq!(error.kind(), ErrorKind::Lost, "{error}");
-    assert!(loss.work_dropped, "`run` must drop its work on loss");
-    assert!(
-        loss.handle.lost_token().is_cancelled(),
-        "the lost token fired"
-    );
-    assert!(!loss.handle.is_held());
-    assert_eq!(loss.handle.loss_reason(), Some(reason));
-}
-
-/// Asserts `at` falls within `[expected - early, expected + late]`.
-#[track_caller]
-fn assert_near(what: &str, at: Instant, expected: Instant, early: Duration, late: Duration) {
-    if at >= expected {
-        eprintln!("{what}: {:?} after the expected instant", at - expected);
-    } else {
-        eprintln!("{what}: {:?} before the expected instant", expected - at);
-    }
-    assert!(
-        at + early >= expected && at <= expected + late,
-        "{what}: {} than expected (allowed {early:?} early, {late:?} late)",
-        if at < expected {
-            format!("{:?} earlier", expected - at)
-        } else {
-            format!("{:?} later", at - expected)
-        }
-    );
-}
-
-fn record(checker: &IntervalChecker, key: &str, process: usize, token: u64, start: Instant) {
-    checker.record(Hold {
-        key: key.to_owned(),
-        process,
-        fencing_token: token,
-        start,
-        end: Instant::now(),
-    });
-}
-
-async fn contender_lock(
-    waiter: JoinHandle<Result<(LockHandle, Instant), LockError>>,
-) -> (LockHandle, Instant) {
-    tokio::time::timeout(PATIENCE, waiter)
-        .await
-        .expect("the contender got the lock in time")
-        .expect("the contender task")
-        .expect("the contender acquired")
 }
 
 /// The process takes the lock again once the fault is gone, with a higher token.

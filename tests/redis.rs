@@ -1325,6 +1325,56 @@ async fn a_redis_section_binds_from_configuration_and_lists_every_problem_withou
     assert!(!text.contains("hunter2"), "{text}");
 }
 
+/// A writer's intent that could lapse between two of its attempts is refused where the registry
+/// knows both settings: from configuration and from code.
+#[test]
+fn a_writer_intent_no_longer_than_max_retry_delay_is_refused() {
+    use lockingkit::registry::{Locking, LockingConfig};
+    let config = LockingConfig::new().with_section(
+        "Default",
+        serde_json::json!({
+            "provider": "redis",
+            "url": "redis://127.0.0.1:1",
+            "max_retry_delay": "3s",
+        }),
+    );
+    let error = Locking::from_config(config).expect_err("the default intent is 2s");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    assert!(
+        error.to_string().contains(
+            "Locking.Default.writer_intent (2s) must be longer than max_retry_delay (3s)"
+        ),
+        "{error}"
+    );
+    let error = Locking::builder()
+        .redis(
+            "Jobs",
+            RedisOptions::new("redis://127.0.0.1:1"),
+            LockOptions {
+                max_retry_delay: Duration::from_secs(2),
+                ..LockOptions::default()
+            },
+        )
+        .build()
+        .expect_err("an intent equal to the delay");
+    assert!(
+        error.to_string().contains("Locking.Jobs.writer_intent"),
+        "{error}"
+    );
+    let longer = RedisOptions {
+        writer_intent: Duration::from_secs(4),
+        ..RedisOptions::new("redis://127.0.0.1:1")
+    };
+    let slow = LockOptions {
+        max_retry_delay: Duration::from_secs(3),
+        ..LockOptions::default()
+    };
+    Locking::builder()
+        .redis("Default", longer, slow)
+        .build()
+        .expect("an intent longer than the delay");
+}
+
 /// The clients of `node` that are neither replication links nor `redis-cli` asking, and how many
 /// of them are subscribed (flag `P`).
 fn lock_clients(node: &RedisServer) -> (usize, usize) {

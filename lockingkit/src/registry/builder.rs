@@ -82,8 +82,17 @@ impl LockingBuilder {
         redis: crate::providers::redis::RedisOptions,
         options: LockOptions,
     ) -> Self {
+        let engine = options.clone();
         self.deferred(name, options, move |path, _| {
-            super::builtin::open_redis(redis, path)
+            let mut problems = Problem::checked(path, redis.problems_with(path, &engine));
+            match super::builtin::open_redis(redis, path) {
+                Ok(backend) if problems.is_empty() => Ok(backend),
+                Ok(_) => Err(problems),
+                Err(more) => {
+                    problems.extend(more);
+                    Err(problems)
+                }
+            }
         })
     }
 

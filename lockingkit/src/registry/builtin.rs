@@ -200,8 +200,12 @@ fn redis(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
 #[cfg(feature = "redis")]
 fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
     use crate::providers::redis::RedisOptions;
-    let (options, problems) =
+    let (options, mut problems) =
         bind_checked(section, RedisOptions::problems, RedisOptions::WHOLE_NUMBERS);
+    if let Some(options) = &options {
+        let together = options.problems_with(section.path(), &setup.options);
+        problems.extend(Problem::checked(section.path(), together));
+    }
     let backend = options.map(|options| open_redis(options, section.path()));
     finish(backend, setup, problems)
 }

@@ -64,8 +64,10 @@ pub struct RedisOptions {
     #[serde(with = "crate::config::duration")]
     pub replica_timeout: Duration,
     /// How long a writer that found the key read holds new readers back after each of its
-    /// attempts (its *intent*). Default 2 s; keep it above the engine's `max_retry_delay`
-    /// (1 s by default), so the intent stands for as long as the writer waits.
+    /// attempts (its *intent*). Default 2 s; it must be longer than the engine's
+    /// `max_retry_delay` (1 s by default), so the intent stands for as long as the writer waits:
+    /// the registry refuses a provider whose settings break that rule; with
+    /// [`DistributedLock::builder`](crate::DistributedLock::builder), keep to it yourself.
     #[serde(with = "crate::config::duration")]
     pub writer_intent: Duration,
 }
@@ -179,6 +181,26 @@ impl RedisOptions {
             problems.push(format!(
                 "{section}.writer_intent ({:?}) must be at least 1ms and at most lease_duration",
                 self.writer_intent
+            ));
+        }
+        problems
+    }
+}
+
+impl RedisOptions {
+    /// The problems of these options together with the engine options of the same provider,
+    /// each prefixed with `section`: a waiting writer sets its intent again at each attempt, so
+    /// an intent no longer than the longest pause between two attempts (`max_retry_delay`)
+    /// lapses between them and lets new readers in. The registry checks this for every Redis
+    /// provider it builds.
+    pub(crate) fn problems_with(&self, section: &str, engine: &crate::LockOptions) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.writer_intent <= engine.max_retry_delay {
+            problems.push(format!(
+                "{section}.writer_intent ({:?}) must be longer than max_retry_delay ({:?}): a \
+                 waiting writer sets its intent again at each attempt, and one that lapses \
+                 between two attempts lets new readers in",
+                self.writer_intent, engine.max_retry_delay
             ));
         }
         problems

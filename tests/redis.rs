@@ -314,6 +314,32 @@ async fn a_counter_ahead_of_the_clock_keeps_counting_up() {
     assert_eq!(server.cli(&["GET", &fence]), (ahead + 2).to_string());
 }
 
+/// A counter at 2^53 - 1 mints nothing (no greater token is exact in a double): the attempt is
+/// refused with a permanent error and takes nothing; one below still mints the last exact one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counter_at_two_to_the_53_minus_one_mints_no_token() {
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("fencing/exhausted");
+    let names = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let last_exact: u64 = (1 << 53) - 1;
+    assert_eq!(
+        server.cli(&["SET", &names.fence, &(last_exact - 1).to_string()]),
+        "OK"
+    );
+    let held = locks.try_acquire(&key).await.expect("the last exact token");
+    assert_eq!(held.fencing_token(), last_exact);
+    held.release().await.expect("release");
+    let error = locks
+        .try_acquire(&key)
+        .await
+        .expect_err("no exact token left");
+    assert_eq!(error.kind(), ErrorKind::Backend, "{error}");
+    assert!(error.to_string().contains("fencing counter"), "{error}");
+    assert_eq!(server.cli(&["EXISTS", &names.lock]), "0", "nothing taken");
+    assert_eq!(server.cli(&["GET", &names.fence]), last_exact.to_string());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_ends() {
     let server = RedisServer::start().await;

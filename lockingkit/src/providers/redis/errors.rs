@@ -93,6 +93,10 @@ pub(super) fn request_error(error: &RedisError, stage: Stage) -> BackendError {
             "NOAUTH" | "WRONGPASS" => BackendError::misconfigured(format!(
                 "{what}: Redis refused the credentials in the URL ({code})"
             )),
+            "FENCING" => BackendError::permanent(format!(
+                "{what}: the key's fencing counter is at 2^53 - 1, beyond which tokens are not \
+                 exact; it was set so by someone else (the clock reaches it in the year 2255)"
+            )),
             "WRONGTYPE" => BackendError::permanent(format!(
                 "{what}: a key the lock uses holds a value of another type, written by someone \
                  else under the lock's prefix"

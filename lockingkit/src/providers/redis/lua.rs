@@ -17,7 +17,9 @@
 //! idle — as long as the server's clock then reads later than the last token, in
 //! microseconds. That holds unless the clock was set back by more than the time since the last
 //! token, or a key minted more than a million tokens a second (a script alone takes longer).
-//! Tokens fit JavaScript's and Lua's doubles exactly until the year 2255.
+//! Tokens fit JavaScript's and Lua's doubles exactly until the year 2255. A counter at
+//! 2^53 − 1 (set so by hand: the clock gets there in 2255) mints nothing: the attempt is
+//! answered with the error `FENCING`, as no greater token would be exact.
 
 /// Helpers every acquiring script starts with: the clock in milliseconds, minting a token, and
 /// holding a member of a sorted set until a time, with the set kept alive as long as its
@@ -29,6 +31,9 @@ macro_rules! with_helpers {
             "local function mint(fence, t)\n",
             "  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])\n",
             "  local last = tonumber(redis.call('GET', fence) or '0') or 0\n",
+            "  if last >= 9007199254740991 then\n",
+            "    error(redis.error_reply('FENCING the fencing counter is at 2^53-1: no greater token is exact'))\n",
+            "  end\n",
             "  local token = math.max(last + 1, floor)\n",
             "  redis.call('SET', fence, string.format('%d', token), 'PX', 86400000)\n",
             "  return token\n",

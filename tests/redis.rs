@@ -262,6 +262,102 @@ async fn every_name_of_a_key_is_in_the_slot_the_cluster_computes() {
     }
 }
 
+/// A held lock's slot moves to another primary (`CLUSTER SETSLOT … IMPORTING/MIGRATING`, then
+/// `MIGRATE` of its keys, then `SETSLOT … NODE`), as resharding does: renewals follow the slot
+/// (answered by the old primary while the keys are there, redirected with `ASK` once they have
+/// moved, with `MOVED` after), the lock is never lost, and it stays exclusive with growing
+/// tokens on the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lock_survives_its_slot_migrating_to_another_primary() {
+    let cluster = RedisCluster::start().await;
+    let url = cluster.urls().join(",");
+    let process = || {
+        DistributedLock::builder(RedisBackend::new(options(url.clone(), true)).expect("options"))
+            .options(quick_polling())
+            .build()
+            .expect("lock")
+    };
+    let (holder, other) = (process(), process());
+    let key = unique_prefix("cluster/migrate");
+    let names = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let held = holder.try_acquire(&key).await.expect("a lock");
+    let slot = cluster.keyslot(&names.lock);
+    let (source, target) = {
+        let source = cluster.primary_of(slot);
+        let target = cluster
+            .nodes()
+            .iter()
+            .find(|node| node.port() != source.port())
+            .expect("another primary");
+        (source, target)
+    };
+    let id = |node: &RedisServer| node.cli(&["CLUSTER", "MYID"]);
+    let (source_id, target_id) = (id(source), id(target));
+    let slot_arg = slot.to_string();
+    let setslot = |node: &RedisServer, state: &str, owner: &str| {
+        assert_eq!(
+            node.cli(&["CLUSTER", "SETSLOT", &slot_arg, state, owner]),
+            "OK"
+        );
+    };
+    // Renewed within the last second and a half, on `node`: a renewal reached it since. (Renewals
+    // come every second; a lease not renewed for 1.5 s has at most 1.5 s left.)
+    let renewed_on = |node: &RedisServer, stage: &str| {
+        let ttl: i64 = node.cli(&["PTTL", &names.lock]).parse().expect("a TTL");
+        eprintln!("{stage}: PTTL {ttl} ms");
+        assert!(ttl > 1500, "{stage}: not renewed lately (PTTL {ttl} ms)");
+    };
+    setslot(target, "IMPORTING", &source_id);
+    setslot(source, "MIGRATING", &target_id);
+    // Renewals (every second) while the slot is migrating and its keys are still here.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    held.ensure_held().expect("held while migrating");
+    renewed_on(source, "migrating");
+    let keys = source.cli(&["CLUSTER", "GETKEYSINSLOT", &slot_arg, "100"]);
+    let keys: Vec<&str> = keys.lines().collect();
+    assert!(keys.contains(&names.lock.as_str()), "{keys:?}");
+    let port = target.port().to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().copied());
+    assert_eq!(source.cli(&migrate), "OK");
+    // Renewals while the keys live on the target and the slot is still the source's.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    held.ensure_held().expect("held with its keys moved");
+    // The target answers for the importing slot only after ASKING, as the client's redirected
+    // renewals do.
+    let (_, ttl): ((), i64) = redis::pipe()
+        .cmd("ASKING")
+        .cmd("PTTL")
+        .arg(&names.lock)
+        .query_async(&mut target.client().await)
+        .await
+        .expect("ASKING, PTTL");
+    eprintln!("keys moved, slot not yet: PTTL {ttl} ms");
+    assert!(
+        ttl > 1500,
+        "not renewed on the target lately (PTTL {ttl} ms)"
+    );
+    for node in cluster.nodes() {
+        setslot(node, "NODE", &target_id);
+    }
+    // Renewals once the slot is the target's.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    held.ensure_held().expect("held on the new primary");
+    renewed_on(target, "slot moved");
+    assert_eq!(kind_of(other.try_acquire(&key).await), ErrorKind::Busy);
+    let token = held.fencing_token();
+    held.release().await.expect("released on the new primary");
+    let next = other
+        .try_acquire(&key)
+        .await
+        .expect("free after the release");
+    assert!(
+        next.fencing_token() > token,
+        "the counter moved with the slot"
+    );
+    next.release().await.expect("release");
+}
+
 /// Fencing tokens keep growing when the server restarts without persistence: the counter is
 /// gone, and the floor from the server's clock takes over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,9 +55,11 @@ pub struct RedisOptions {
     #[serde(with = "crate::config::duration")]
     pub request_timeout: Duration,
     /// How many replicas must acknowledge an acquire or a renewal (`WAIT`) before it counts;
-    /// default 0 (no waiting). An acquire that fewer replicas acknowledge within
+    /// default 0 (no waiting), at most 64. An acquire that fewer replicas acknowledge within
     /// `replica_timeout` is given back and reported unavailable. This narrows, but does not
-    /// close, the window in which a failover loses a lock: see the Redis guide.
+    /// close, the window in which a failover loses a lock: see the Redis guide. `WAIT` holds up
+    /// the backend's one connection until it is answered, so a backend then makes about one
+    /// acquire or renewal per replication round trip (the guide has numbers).
     pub replicas: u32,
     /// How long an acquire or renewal waits for `replicas` acknowledgements. Default 500 ms;
     /// shorter than `request_timeout`.

@@ -21,19 +21,17 @@
 //! 2^53 − 1 (set so by hand: the clock gets there in 2255) mints nothing: the attempt is
 //! answered with the error `FENCING`, as no greater token would be exact.
 
-/// Helpers every acquiring script starts with: the clock in milliseconds, minting a token (which
-/// deletes `undo`, a key the script set, when it must refuse), and
+/// Helpers every acquiring script starts with: the clock in milliseconds, minting a token, and
 /// holding a member of a sorted set until a time, with the set kept alive as long as its
 /// longest-lived member.
 macro_rules! with_helpers {
     ($body:expr) => {
         concat!(
             "local function now_ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end\n",
-            "local function mint(fence, t, undo)\n",
+            "local function mint(fence, t)\n",
             "  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])\n",
             "  local last = tonumber(redis.call('GET', fence) or '0') or 0\n",
             "  if last >= 9007199254740991 then\n",
-            "    if undo then redis.call('DEL', undo) end\n",
             "    error(redis.error_reply('FENCING the fencing counter is at 2^53-1: no greater token is exact'))\n",
             "  end\n",
             "  local token = math.max(last + 1, floor)\n",
@@ -49,11 +47,6 @@ macro_rules! with_helpers {
     };
 }
 
-// The common case, a free key with no readers and no intent, costs five commands: the set, the
-// clock, one look for readers and intent together, and the counter's read and write. Setting
-// first (and deleting again in the rare case that live readers turn up) saves a separate look
-// at the lock; a script is atomic, so nobody sees the undone set. Row 11 of the benchmark and
-// bench-peers' rslock row measure the pair.
 /// Takes the lock exclusively (a writer, or a plain lock).
 ///
 /// KEYS: `lock`, `readers`, `intent`, `fence` of [`RedisLockKeys::lock`]. ARGV: a holder id (any
@@ -63,20 +56,19 @@ macro_rules! with_helpers {
 ///
 /// [`RedisLockKeys::lock`]: crate::keys::RedisLockKeys::lock
 pub const ACQUIRE: &str = with_helpers!(
-    "if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+    "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local t = redis.call('TIME')
-if redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms(t))
   if redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms(t))
-    if redis.call('EXISTS', KEYS[2]) == 1 then
-      redis.call('DEL', KEYS[1])
-      redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
-      return 0
-    end
+    redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+    return 0
   end
-  redis.call('DEL', KEYS[3])
 end
-return mint(KEYS[4], t, KEYS[1])"
+local token = mint(KEYS[4], t)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('DEL', KEYS[3])
+return token"
 );
 
 /// Takes the lock shared (a reader).

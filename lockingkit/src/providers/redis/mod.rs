@@ -21,8 +21,8 @@
 //!   server's clock did not go back (see the guide).
 //! - **One connection for every lock** of a backend (to a server; on a cluster, one to each
 //!   node the cluster client knows), multiplexed, reconnected with backoff; plus one pub/sub
-//!   connection while this process waits for keys held elsewhere. Every request has its own timeout
-//!   ([`request_timeout`](RedisOptions::request_timeout)).
+//!   connection per backend while it has waiters for keys held elsewhere. Every request has its
+//!   own timeout ([`request_timeout`](RedisOptions::request_timeout)).
 //! - **Redis must not evict the lock keys**: run them with `maxmemory-policy noeviction` (the
 //!   default) or on an instance whose memory never fills; [`RedisBackend::verify`] warns about
 //!   any other policy it can read.
@@ -31,8 +31,9 @@
 //!   already have taken the key. [`replicas`](RedisOptions::replicas) (`WAIT`) narrows that
 //!   window; it cannot close it. Fencing tokens are what protects the resource there.
 //! - **An attempt that got no answer may still have taken the lock** (the request may have run
-//!   after the timeout): a compare-and-delete of its holder id follows it on the same
-//!   connection, so the key is not kept until its lease runs out.
+//!   after the timeout): a compare-and-delete of its holder id follows it, usually on the same
+//!   connection (on a new one if that one broke), so the key is not kept until its lease runs
+//!   out.
 
 mod check;
 mod connection;

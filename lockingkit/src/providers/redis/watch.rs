@@ -27,7 +27,7 @@
 //!   granted `&<key_prefix>:*`): it is logged once, waiters poll, and subscribing is tried
 //!   again every [`MOST_DELAY`].
 //! - On Redis Cluster, a `PUBLISH` reaches every node, so one connection to any node hears the
-//!   releases of every slot.
+//!   releases of every slot (and each release costs every node a cluster-bus message).
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lockingkit::registry::ProviderSection;
-use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError};
+use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError, LockMode};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -276,7 +276,12 @@ impl LockBackend for FileLockBackend {
         LeaseTiming::Expiring(self.lease)
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<FileLease>>, BackendError> {
+    // Exclusive locks only: the default `supports` keeps the engine from asking for others.
+    async fn try_acquire(
+        &self,
+        key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<FileLease>>, BackendError> {
         let path: Arc<Path> = Self::lock_file_in(&self.directory, key).into();
         let id = self.new_lease_id();
         let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);

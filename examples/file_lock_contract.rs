@@ -11,7 +11,9 @@ use std::time::Duration;
 use file_lock::{FileLockBackend, FileLockOptions, PROVIDER};
 use lockingkit::config::format_duration;
 use lockingkit::testing::ContractBackend;
-use lockingkit::{DistributedLock, ErrorKind, LockBackend, LockOptions, Locking, LockingConfig};
+use lockingkit::{
+    DistributedLock, ErrorKind, LockBackend, LockMode, LockOptions, Locking, LockingConfig,
+};
 use serde_json::json;
 
 /// Long enough that a busy 2-core machine never delays a renewal past the loss deadline.
@@ -83,15 +85,23 @@ async fn an_abandoned_lease_expires_and_the_next_token_is_higher() {
     let locks = FileLocks::new();
     let crashed = FileLockBackend::open(&locks.options()).unwrap();
     let survivor = FileLockBackend::open(&locks.options()).unwrap();
-    let abandoned = crashed.try_acquire("jobs/nightly").await.unwrap().unwrap();
+    let abandoned = crashed
+        .try_acquire("jobs/nightly", LockMode::Exclusive)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(survivor
-        .try_acquire("jobs/nightly")
+        .try_acquire("jobs/nightly", LockMode::Exclusive)
         .await
         .unwrap()
         .is_none());
 
     tokio::time::sleep(LEASE + Duration::from_millis(50)).await;
-    let next = survivor.try_acquire("jobs/nightly").await.unwrap().unwrap();
+    let next = survivor
+        .try_acquire("jobs/nightly", LockMode::Exclusive)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(next.fencing_token > abandoned.fencing_token);
     // The old holder finds out at its next renewal.
     let gone = crashed.renew(&abandoned.lease).await.unwrap_err();
@@ -104,12 +114,20 @@ async fn fencing_tokens_survive_a_restart() {
     let locks = FileLocks::new();
     let before = {
         let backend = FileLockBackend::open(&locks.options()).unwrap();
-        let held = backend.try_acquire("orders/42").await.unwrap().unwrap();
+        let held = backend
+            .try_acquire("orders/42", LockMode::Exclusive)
+            .await
+            .unwrap()
+            .unwrap();
         backend.release(&held.lease).await.unwrap();
         held.fencing_token
     };
     let restarted = FileLockBackend::open(&locks.options()).unwrap();
-    let held = restarted.try_acquire("orders/42").await.unwrap().unwrap();
+    let held = restarted
+        .try_acquire("orders/42", LockMode::Exclusive)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(held.fencing_token > before);
 }
 

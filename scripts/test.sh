@@ -19,5 +19,11 @@ cargo nextest run --workspace --all-features --no-fail-fast
 cargo test --workspace --all-features --doc
 # The API docs build without a broken link or a missing item, as docs.rs would build them.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
-# The three library crates package and build from their packaged sources alone.
+# The three library crates package and build from their packaged sources alone. Cargo verifies
+# each against the others through a temporary local registry, and takes what comes from a
+# registry to be immutable: it keeps the unpacked sources (in CARGO_HOME) and the build (in
+# the target directory) under names that do not change with the sources. Drop both, or a
+# later run verifies against the sources of an earlier one.
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/lockingkit*-0.1.0 \
+  "${CARGO_TARGET_DIR:-target}"/debug/.fingerprint/lockingkit*
 cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-examples --allow-dirty

@@ -656,7 +656,7 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
     assert!(!placeholder_exists);
 }
 
-/// Semaphores at the backend level, through [`LockBackend::try_acquire_in`] as the engine calls
+/// Semaphores at the backend level, through [`LockBackend::try_acquire`] as the engine calls
 /// it: every holder is one lease on one slot blob.
 mod semaphore {
     use super::*;
@@ -678,7 +678,7 @@ mod semaphore {
         mode: LockMode,
     ) -> Option<AzureBlobLease> {
         backend
-            .try_acquire_in(key, mode)
+            .try_acquire(key, mode)
             .await
             .unwrap_or_else(|e| panic!("a semaphore attempt failed: {e}"))
             .map(|acquired| {
@@ -815,7 +815,7 @@ mod semaphore {
         let (first, second) = (backend(&azurite), backend(&azurite));
         // The lock first, then the semaphore of the same name, and both are held at once.
         let lock = first
-            .try_acquire(&key)
+            .try_acquire(&key, LockMode::Exclusive)
             .await
             .expect("lock")
             .expect("free lock");
@@ -826,7 +826,7 @@ mod semaphore {
         assert_eq!(slot.fencing_token(), 1, "the slot has a token of its own");
         // Each is busy for its own kind only.
         assert!(first
-            .try_acquire_in(&key, LockMode::Exclusive)
+            .try_acquire(&key, LockMode::Exclusive)
             .await
             .expect("attempt")
             .is_none());
@@ -834,7 +834,7 @@ mod semaphore {
         // The lock named like the slot's blob is yet another lock.
         let named_like_slot = format!("{key}~slot~0");
         let other = first
-            .try_acquire(&named_like_slot)
+            .try_acquire(&named_like_slot, LockMode::Exclusive)
             .await
             .expect("lock")
             .expect("an unrelated lock is free");
@@ -855,7 +855,7 @@ mod semaphore {
         // The semaphore is still held after the lock is gone, and the lock is free while it is.
         assert!(try_slot(&first, &key, one).await.is_none());
         let again = first
-            .try_acquire(&key)
+            .try_acquire(&key, LockMode::Exclusive)
             .await
             .expect("lock")
             .expect("free lock");
@@ -934,13 +934,13 @@ mod semaphore {
 
         let key = unique("semaphore/refused");
         let shared = backend
-            .try_acquire_in(&key, LockMode::Shared)
+            .try_acquire(&key, LockMode::Shared)
             .await
             .unwrap_err();
         assert_eq!(shared.kind(), lockingkit::BackendErrorKind::Misconfigured);
         assert!(shared.message().contains("reader-writer"), "{shared}");
         let too_many = backend
-            .try_acquire_in(
+            .try_acquire(
                 &key,
                 LockMode::Semaphore {
                     max_count: MAX_SEMAPHORE_SLOTS + 1,
@@ -950,7 +950,7 @@ mod semaphore {
             .unwrap_err();
         assert_eq!(too_many.kind(), lockingkit::BackendErrorKind::Misconfigured);
         let none = backend
-            .try_acquire_in(&key, LockMode::Semaphore { max_count: 0 })
+            .try_acquire(&key, LockMode::Semaphore { max_count: 0 })
             .await
             .unwrap_err();
         assert_eq!(none.kind(), lockingkit::BackendErrorKind::Misconfigured);
@@ -1128,7 +1128,7 @@ mod semaphore {
     async fn reader_writer_locks_are_misconfigured_on_azure_and_semaphores_end_at_the_slot_limit() {
         let azurite = Azurite::start().await;
         let locks = lock_with(options(&azurite));
-        let error = locks.reader_writer().unwrap_err();
+        let error = locks.reader_writer("jobs").unwrap_err();
         assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
         let error = locks
             .semaphore("jobs", MAX_SEMAPHORE_SLOTS + 1)

@@ -844,7 +844,7 @@ async fn vanishing_holder_process() {
         writeln!(out, "HELD {}", handle.fencing_token()).expect("report the lock");
         out.flush().expect("flush");
     }
-    // Hold (and renew) until killed.
+    // HeldInterval (and renew) until killed.
     tokio::time::sleep(Duration::from_secs(600)).await;
     drop(handle);
 }
@@ -931,7 +931,7 @@ fn slot_backend(port: u16) -> AzureBlobBackend {
 /// One attempt at a free slot of `key`.
 async fn try_slot(backend: &AzureBlobBackend, key: &str) -> Option<AzureBlobLease> {
     backend
-        .try_acquire_in(key, THREE_SLOTS)
+        .try_acquire(key, THREE_SLOTS)
         .await
         .unwrap_or_else(|e| panic!("a semaphore attempt failed: {e}"))
         .map(|acquired| acquired.lease)

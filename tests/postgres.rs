@@ -403,12 +403,12 @@ async fn waiting_writes_nothing_into_the_servers_log() {
     let writer_key = unique_prefix("log/writer");
     let reader_key = unique_prefix("log/reader");
     let held = holder.try_acquire(&writer_key).await.expect("lock");
-    let readers = waiter.reader_writer().expect("readers");
-    let writers = holder.reader_writer().expect("writers");
-    let written = writers.try_write(&reader_key).await.expect("write lock");
+    let readers = waiter.reader_writer(&reader_key).expect("readers");
+    let writers = holder.reader_writer(&reader_key).expect("writers");
+    let written = writers.try_write().await.expect("write lock");
     let waited = tokio::join!(
         waiter.acquire(&writer_key, Duration::from_secs(3)),
-        readers.read(&reader_key, Duration::from_secs(3)),
+        readers.read(Duration::from_secs(3)),
     );
     assert_eq!(kind_of(waited.0), ErrorKind::Timeout);
     assert_eq!(kind_of(waited.1), ErrorKind::Timeout);
@@ -1518,7 +1518,7 @@ mod modes {
         mode: LockMode,
     ) -> Option<Acquired<PostgresLease>> {
         backend
-            .try_acquire_in(key, mode)
+            .try_acquire(key, mode)
             .await
             .expect("the server answered")
     }
@@ -1841,7 +1841,7 @@ mod modes {
         let attempts = (0..24).map(|_| {
             let backend = backend.clone();
             let key = key.clone();
-            tokio::spawn(async move { backend.try_acquire_in(&key, four).await })
+            tokio::spawn(async move { backend.try_acquire(&key, four).await })
         });
         let mut holders = Vec::new();
         for attempt in attempts {
@@ -1870,7 +1870,7 @@ mod modes {
         assert!(backend.supports(semaphore(lockingkit::MAX_SEMAPHORE_COUNT)));
         assert!(!backend.supports(semaphore(lockingkit::MAX_SEMAPHORE_COUNT + 1)));
         let refused = backend
-            .try_acquire_in("modes/too-big", semaphore(u32::MAX))
+            .try_acquire("modes/too-big", semaphore(u32::MAX))
             .await
             .unwrap_err();
         assert_eq!(refused.kind(), lockingkit::BackendErrorKind::Misconfigured);
@@ -1953,22 +1953,23 @@ mod modes {
     async fn a_terminated_readers_session_frees_its_share_and_leaves_the_other_reader_holding() {
         let server = PostgresServer::start().await;
         let admin = server.connect().await;
-        let rw_of = |locks: DistributedLock| locks.reader_writer().expect("readers on PostgreSQL");
+        let key = unique_prefix("modes/terminated-reader");
+        let rw_of =
+            |locks: DistributedLock| locks.reader_writer(&key).expect("readers on PostgreSQL");
         let doomed = named_process(&server, "doomed-reader", server.options(CHECK));
         let other = process(&server);
         let writer = process(&server);
-        let key = unique_prefix("modes/terminated-reader");
 
         let first = rw_of(doomed.clone())
-            .try_read(&key)
+            .try_read()
             .await
             .expect("first reader");
         let second = rw_of(other.clone())
-            .try_read(&key)
+            .try_read()
             .await
             .expect("second reader");
         assert_eq!(
-            kind_of(rw_of(writer.clone()).try_write(&key).await),
+            kind_of(rw_of(writer.clone()).try_write().await),
             ErrorKind::Busy
         );
 
@@ -1985,14 +1986,14 @@ mod modes {
         .await;
         assert!(second.is_held(), "the other reader is unaffected");
         assert_eq!(
-            kind_of(rw_of(writer.clone()).try_write(&key).await),
+            kind_of(rw_of(writer.clone()).try_write().await),
             ErrorKind::Busy
         );
 
         let second_token = second.fencing_token();
         second.release().await.expect("release");
         let written = rw_of(writer)
-            .try_write(&key)
+            .try_write()
             .await
             .expect("the writer once every reader is gone");
         assert!(written.fencing_token() > second_token);
@@ -2004,9 +2005,9 @@ mod modes {
     async fn a_writer_waiting_behind_overlapping_readers_gets_in_once_the_readers_holding_then_are_gone(
     ) {
         let server = PostgresServer::start().await;
-        let readers = process(&server).reader_writer().expect("readers");
-        let writers = process(&server).reader_writer().expect("writers");
         let key = unique_prefix("modes/writer-intent");
+        let readers = process(&server).reader_writer(&key).expect("readers");
+        let writers = process(&server).reader_writer(&key).expect("writers");
         const READ: Duration = Duration::from_millis(400);
 
         // A reader every 100 ms, each holding 400 ms: the key is never free of readers, so a
@@ -2014,12 +2015,11 @@ mod modes {
         let stop = lockingkit::CancellationToken::new();
         let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let stream = tokio::spawn({
-            let (readers, key, stop, refused) =
-                (readers.clone(), key.clone(), stop.clone(), refused.clone());
+            let (readers, stop, refused) = (readers.clone(), stop.clone(), refused.clone());
             async move {
                 let mut reads = tokio::task::JoinSet::new();
                 while !stop.is_cancelled() {
-                    match readers.try_read(&key).await {
+                    match readers.try_read().await {
                         Ok(handle) => {
                             reads.spawn(async move {
                                 tokio::time::sleep(READ).await;
@@ -2039,7 +2039,7 @@ mod modes {
         tokio::time::sleep(Duration::from_millis(600)).await;
         let started = Instant::now();
         let written = writers
-            .write(&key, Duration::from_secs(10))
+            .write(Duration::from_secs(10))
             .await
             .expect("the writer gets in");
         let waited = started.elapsed();
@@ -2152,17 +2152,17 @@ mod modes {
     async fn a_reader_waiting_for_a_writer_queues_shared_and_holds_no_other_reader_back() {
         let server = PostgresServer::start().await;
         let admin = server.connect().await;
-        let writer = process(&server).reader_writer().expect("rw");
-        // A one-second backoff: only the watcher can hand the key over quickly.
-        let reader = patient(&server).reader_writer().expect("rw");
-        let other = process(&server).reader_writer().expect("rw");
         let key = unique_prefix("modes/waiting-reader");
+        let writer = process(&server).reader_writer(&key).expect("rw");
+        // A one-second backoff: only the watcher can hand the key over quickly.
+        let reader = patient(&server).reader_writer(&key).expect("rw");
+        let other = process(&server).reader_writer(&key).expect("rw");
 
-        let written = writer.try_write(&key).await.expect("writer");
+        let written = writer.try_write().await.expect("writer");
         let waiting = tokio::spawn({
-            let (reader, key) = (reader.clone(), key.clone());
+            let reader = reader.clone();
             async move {
-                let handle = reader.read(&key, Duration::from_secs(10)).await;
+                let handle = reader.read(Duration::from_secs(10)).await;
                 (Instant::now(), handle)
             }
         });
@@ -2184,10 +2184,7 @@ mod modes {
             read_at.saturating_duration_since(released) < Duration::from_millis(300),
             "woken by its watcher, not its 1 s backoff"
         );
-        let beside = other
-            .try_read(&key)
-            .await
-            .expect("another reader beside it");
+        let beside = other.try_read().await.expect("another reader beside it");
         read.release().await.expect("release");
         beside.release().await.expect("release");
         assert!(key_rows(&admin, &key).await.is_empty());
@@ -2197,15 +2194,15 @@ mod modes {
     async fn a_writer_waiting_for_readers_queues_exclusively_and_new_readers_are_refused() {
         let server = PostgresServer::start().await;
         let admin = server.connect().await;
-        let readers = process(&server).reader_writer().expect("rw");
-        let writer = patient(&server).reader_writer().expect("rw");
         let key = unique_prefix("modes/waiting-writer");
+        let readers = process(&server).reader_writer(&key).expect("rw");
+        let writer = patient(&server).reader_writer(&key).expect("rw");
 
-        let read = readers.try_read(&key).await.expect("reader");
+        let read = readers.try_read().await.expect("reader");
         let waiting = tokio::spawn({
-            let (writer, key) = (writer.clone(), key.clone());
+            let writer = writer.clone();
             async move {
-                let handle = writer.write(&key, Duration::from_secs(10)).await;
+                let handle = writer.write(Duration::from_secs(10)).await;
                 (Instant::now(), handle)
             }
         });
@@ -2216,7 +2213,7 @@ mod modes {
         )
         .await;
         assert_eq!(
-            kind_of(readers.try_read(&key).await),
+            kind_of(readers.try_read().await),
             ErrorKind::Busy,
             "a new reader while a writer waits"
         );
@@ -2257,7 +2254,7 @@ mod modes {
 
         // The attempt reaches the server, which takes a slot, but its answer comes too late.
         proxy.set_latency(Duration::from_millis(700));
-        let unanswered = backend.try_acquire_in(&key, five).await;
+        let unanswered = backend.try_acquire(&key, five).await;
         assert!(
             unanswered.is_err(),
             "no answer within the statement timeout"
@@ -2311,9 +2308,9 @@ mod modes {
             max_sessions: 2,
             ..server.options(CHECK)
         });
-        let rw = locks.reader_writer().expect("rw");
         let key = unique_prefix("modes/many-readers");
-        let reads = futures_join_all((0..12).map(|_| rw.try_read(&key))).await;
+        let rw = locks.reader_writer(&key).expect("rw");
+        let reads = futures_join_all((0..12).map(|_| rw.try_read())).await;
         let reads: Vec<LockHandle> = reads
             .into_iter()
             .map(|r| r.expect("every reader fits"))
@@ -2324,9 +2321,9 @@ mod modes {
         assert_eq!(
             kind_of(
                 process(&server)
-                    .reader_writer()
+                    .reader_writer(&key)
                     .expect("rw")
-                    .try_write(&key)
+                    .try_write()
                     .await
             ),
             ErrorKind::Busy

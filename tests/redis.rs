@@ -10,8 +10,8 @@ use std::time::Duration;
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{
-    BackendErrorKind, DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockOptions,
-    RedisBackend, RedisOptions,
+    BackendErrorKind, DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockMode,
+    LockOptions, RedisBackend, RedisOptions,
 };
 use lockingkit_tests::field_log::FieldLog;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
@@ -535,7 +535,7 @@ async fn a_wrong_password_is_misconfigured_and_never_repeated() {
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(2) {
         let error = backend
-            .try_acquire("k")
+            .try_acquire("k", LockMode::Exclusive)
             .await
             .expect_err("a wrong password");
         assert_eq!(error.kind(), BackendErrorKind::Misconfigured, "{error}");
@@ -593,7 +593,10 @@ async fn connects_that_time_out_back_off_instead_of_one_per_request() {
     let started = Instant::now();
     let mut attempts = 0;
     while started.elapsed() < Duration::from_secs(3) {
-        let error = bare.try_acquire("k").await.expect_err("nothing answers");
+        let error = bare
+            .try_acquire("k", LockMode::Exclusive)
+            .await
+            .expect_err("nothing answers");
         assert_eq!(
             error.kind(),
             BackendErrorKind::Transient { reached: false },
@@ -751,9 +754,9 @@ async fn a_user_without_channel_permissions_still_releases_every_mode() {
         .expect("released although the publish is refused");
     assert_eq!(server.cli(&["EXISTS", &names.lock]), "0");
     let read = locks
-        .reader_writer()
+        .reader_writer(&key)
         .expect("readers")
-        .try_read(&key)
+        .try_read()
         .await
         .expect("a read");
     read.release()
@@ -818,9 +821,9 @@ async fn the_documented_least_privilege_user_can_do_everything_locks_need() {
     let held = holder.try_acquire(&key).await.expect("a lock");
     let read_key = format!("{key}/read");
     let read = holder
-        .reader_writer()
+        .reader_writer(&read_key)
         .expect("readers")
-        .try_read(&read_key)
+        .try_read()
         .await
         .expect("a read");
     let slot = holder
@@ -864,9 +867,9 @@ async fn commands_and_keys_refused_to_the_user_are_misconfigured() {
     .build()
     .expect("lock");
     let error = no_zadd
-        .reader_writer()
+        .reader_writer(&key)
         .expect("readers")
-        .try_read(&key)
+        .try_read()
         .await
         .expect_err("ZADD refused inside the script");
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
@@ -894,7 +897,7 @@ async fn a_refused_permission_keeps_the_connection() {
     let before = connections_received(&server);
     for _ in 0..20 {
         let error = bare
-            .try_acquire("noperm/keys")
+            .try_acquire("noperm/keys", LockMode::Exclusive)
             .await
             .expect_err("keys refused");
         assert_eq!(error.kind(), BackendErrorKind::Misconfigured, "{error}");
@@ -995,13 +998,16 @@ async fn an_attempt_that_timed_out_is_given_back_after_it_runs() {
     let name = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).lock;
     // Connected and the script cached, then every request reaches the server after the timeout.
     let warm = bare
-        .try_acquire(&key)
+        .try_acquire(&key, LockMode::Exclusive)
         .await
         .expect("attempt")
         .expect("free");
     bare.release(&warm.lease).await.expect("release");
     proxy.set_latency(REQUEST_TIMEOUT + Duration::from_millis(300));
-    let error = bare.try_acquire(&key).await.expect_err("no answer in time");
+    let error = bare
+        .try_acquire(&key, LockMode::Exclusive)
+        .await
+        .expect_err("no answer in time");
     assert_eq!(
         error.kind(),
         BackendErrorKind::Transient { reached: false },
@@ -1148,9 +1154,9 @@ async fn the_server_log_shows_no_errors_after_a_busy_run() {
         assert_eq!(kind_of(b.try_acquire(&key).await), ErrorKind::Busy);
         held.release().await.expect("release");
         let read = b
-            .reader_writer()
+            .reader_writer(&key)
             .expect("rw")
-            .try_read(&key)
+            .try_read()
             .await
             .expect("read");
         read.release().await.expect("release");
@@ -1175,12 +1181,15 @@ async fn the_backend_answers_through_the_trait_without_the_engine() {
     let bare = backend(&server);
     let key = unique_prefix("bare");
     let first = bare
-        .try_acquire(&key)
+        .try_acquire(&key, LockMode::Exclusive)
         .await
         .expect("attempt")
         .expect("free");
     assert!(
-        bare.try_acquire(&key).await.expect("attempt").is_none(),
+        bare.try_acquire(&key, LockMode::Exclusive)
+            .await
+            .expect("attempt")
+            .is_none(),
         "busy"
     );
     assert_eq!(
@@ -1211,9 +1220,9 @@ async fn a_waiting_writer_holds_new_readers_back_in_every_process_and_gets_in_af
     let key = unique_prefix("rw/intent");
     let intent = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key).intent;
     let reader = first
-        .reader_writer()
+        .reader_writer(&key)
         .expect("readers")
-        .try_read(&key)
+        .try_read()
         .await
         .expect("read");
     let read_until = Instant::now() + READ;
@@ -1234,9 +1243,9 @@ async fn a_waiting_writer_holds_new_readers_back_in_every_process_and_gets_in_af
     }
     for readers in [&first, &second] {
         let error = readers
-            .reader_writer()
+            .reader_writer(&key)
             .expect("readers")
-            .try_read(&key)
+            .try_read()
             .await
             .expect_err("a new reader while a writer waits");
         assert_eq!(error.kind(), ErrorKind::Busy, "{error}");
@@ -1265,9 +1274,9 @@ async fn a_waiting_writer_holds_new_readers_back_in_every_process_and_gets_in_af
     held.release().await.expect("release");
     // Once the writer is gone, readers get in at once.
     let again = second
-        .reader_writer()
+        .reader_writer(&key)
         .expect("readers")
-        .try_read(&key)
+        .try_read()
         .await
         .expect("read");
     again.release().await.expect("release");
@@ -1283,7 +1292,7 @@ async fn a_crashed_semaphore_holder_frees_its_slot_when_its_lease_runs_out() {
     // The crashed holder: a slot taken through the backend alone, never renewed or released.
     let crashed = backend(&server);
     let abandoned = crashed
-        .try_acquire_in(&key, lockingkit::LockMode::Semaphore { max_count: 2 })
+        .try_acquire(&key, lockingkit::LockMode::Semaphore { max_count: 2 })
         .await
         .expect("attempt")
         .expect("a free slot");
@@ -1346,7 +1355,7 @@ async fn every_attempt_is_one_round_trip_in_every_mode() {
     .expect("lock");
     let other = process(&server);
     let key = unique_prefix("round-trips");
-    let rw = counted.reader_writer().expect("readers");
+    let rw = counted.reader_writer(&key).expect("readers");
     let semaphore = counted.semaphore(&key, 1).expect("semaphore");
     let exchanges = || proxy.exchanges().len();
     // Warm: every script cached on the server.
@@ -1358,7 +1367,7 @@ async fn every_attempt_is_one_round_trip_in_every_mode() {
             .release()
             .await
             .expect("release");
-        rw.try_read(&key)
+        rw.try_read()
             .await
             .expect("read")
             .release()
@@ -1379,7 +1388,7 @@ async fn every_attempt_is_one_round_trip_in_every_mode() {
     held.release().await.expect("release");
     assert_eq!(exchanges() - before, 1, "release");
     let before = exchanges();
-    let read = rw.try_read(&key).await.expect("read");
+    let read = rw.try_read().await.expect("read");
     assert_eq!(exchanges() - before, 1, "shared attempt");
     let before = exchanges();
     let slot = semaphore.try_acquire().await.expect("slot");

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+use lockingkit::{DistributedLock, LockMode, MemoryBackend, MemoryStore};
 use lockingkit_axum::{lock_route, HeldLock};
 use lockingkit_tower::OnLoss;
 use tokio::sync::{mpsc, oneshot};
@@ -196,7 +196,7 @@ async fn two_layers_locking_one_key_are_a_500_logged_once_and_lock_nothing() {
     }
     assert_eq!(errors.count(), 1, "the mistake is logged once");
     // The outer layer's lock was released with the response; nothing stays held.
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
     // Another provider's lock on the same key is no mistake: they are different locks.
     let other = DistributedLock::in_memory();
     let app = Router::new()
@@ -229,7 +229,7 @@ async fn a_template_naming_a_parameter_the_route_lacks_is_a_500_logged_once() {
         );
     }
     assert_eq!(errors.count(), 1);
-    assert_eq!(locks.active_keys(), 0, "nothing was locked");
+    assert_eq!(locks.active_parties(), 0, "nothing was locked");
 }
 
 /// A backend whose startup check fails with `Misconfigured` and counts how often it runs.
@@ -249,6 +249,7 @@ impl lockingkit::LockBackend for Unverifiable {
     async fn try_acquire(
         &self,
         _key: &str,
+        _mode: LockMode,
     ) -> Result<Option<lockingkit::Acquired<()>>, lockingkit::BackendError> {
         Ok(None)
     }

@@ -199,8 +199,9 @@ impl LockBackend for ExclusiveOnly {
     fn try_acquire(
         &self,
         key: &str,
+        mode: LockMode,
     ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send {
-        self.0.try_acquire(key)
+        self.0.try_acquire(key, mode)
     }
 
     fn renew(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), BackendError>> + Send {

@@ -13,7 +13,8 @@ use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use lockingkit::{
-    BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, MemoryBackend, MemoryStore,
+    BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode, MemoryBackend,
+    MemoryStore,
 };
 use lockingkit_tower::{LockKey, LockLayer, RequestLock};
 use tokio::sync::{mpsc, Semaphore};
@@ -61,9 +62,10 @@ impl LockBackend for GatedRelease {
     fn try_acquire(
         &self,
         key: &str,
+        mode: LockMode,
     ) -> impl Future<Output = Result<Option<lockingkit::Acquired<Self::Lease>>, BackendError>> + Send
     {
-        self.inner.try_acquire(key)
+        self.inner.try_acquire(key, mode)
     }
 
     fn renew(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), BackendError>> + Send {

@@ -217,13 +217,13 @@ impl std::error::Error for BackendError {
 /// cancellation safety, release on drop and telemetry. A backend only talks to its server.
 ///
 /// # What the engine promises a backend
-/// - An exclusive attempt (`try_acquire`, or `try_acquire_in` with [`LockMode::Exclusive`]) is
-///   never made for a key this engine already holds or is attempting exclusively. It may be
-///   made while this engine holds the key shared, which the backend must answer busy.
-/// - Shared and semaphore attempts ([`try_acquire_in`](Self::try_acquire_in)) are made only if
-///   [`supports`](Self::supports) said yes, and may be made while this engine already holds the
-///   key in the same mode: every local holder gets a lease of its own. A semaphore attempt must
-///   take a slot nobody holds, this engine included.
+/// - An exclusive attempt is never made for a key this engine already holds or is attempting
+///   exclusively. It may be made while this engine holds the key shared, which the backend must
+///   answer busy.
+/// - Shared and semaphore attempts are made only if [`supports`](Self::supports) said yes, and
+///   may be made while this engine already holds the key in the same mode: every local holder
+///   gets a lease of its own. A semaphore attempt must take a slot nobody holds, this engine
+///   included.
 /// - `renew` and `release` get a lease this backend returned, and `release` is called at most
 ///   once per lease, after which the lease is dropped.
 /// - If the caller of an attempt goes away while it runs, the attempt still runs to the end and
@@ -243,36 +243,21 @@ pub trait LockBackend: Send + Sync + 'static {
     /// How leases of this backend stay alive.
     fn timing(&self) -> LeaseTiming;
 
-    /// One attempt to take the lock for `key`: `Ok(None)` when someone else holds it.
-    fn try_acquire(
-        &self,
-        key: &str,
-    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send;
-
     /// Whether this backend can hold locks in `mode`. Only [`LockMode::Exclusive`] by default;
-    /// the engine refuses the other modes with `Misconfigured` before any attempt.
+    /// the engine refuses the other modes with `Misconfigured` before any attempt, and
+    /// [`DistributedLock::supports`](crate::DistributedLock::supports) tells callers.
     fn supports(&self, mode: LockMode) -> bool {
         matches!(mode, LockMode::Exclusive)
     }
 
-    /// One attempt to take `key` in `mode`: `Ok(None)` when it is busy in a conflicting mode, or
-    /// (for a semaphore) when every slot is taken. The default takes exclusive locks through
-    /// [`try_acquire`](Self::try_acquire) and refuses every other mode.
-    fn try_acquire_in(
+    /// One attempt to take `key` in `mode`: `Ok(None)` when someone else holds it in a
+    /// conflicting mode, or (for a semaphore) when every slot is taken. Called only with modes
+    /// [`supports`](Self::supports) accepts, so a backend of exclusive locks may ignore `mode`.
+    fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
-    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send {
-        async move {
-            match mode {
-                LockMode::Exclusive => self.try_acquire(key).await,
-                other => Err(BackendError::misconfigured(format!(
-                    "the {} provider does not support {other} locks",
-                    self.provider()
-                ))),
-            }
-        }
-    }
+    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send;
 
     /// Renews an expiring lease, or checks a connection-held one.
     fn renew(&self, lease: &Self::Lease) -> impl Future<Output = Result<(), BackendError>> + Send;
@@ -281,8 +266,9 @@ pub trait LockBackend: Send + Sync + 'static {
     fn release(&self, lease: &Self::Lease)
         -> impl Future<Output = Result<(), BackendError>> + Send;
 
-    /// Optional: a future that resolves when the lock of `key` may have been released by
-    /// someone else, so a waiter can retry at once instead of sleeping out its backoff.
+    /// Optional: a future that resolves when `key` may have become free for a caller in `mode`
+    /// (released by someone else), so a waiter can retry at once instead of sleeping out its
+    /// backoff. For a semaphore, `key` names the semaphore, and free means a slot.
     ///
     /// The engine calls this *before* each attempt of the front waiter and, when the attempt
     /// answers busy, races the future against the backoff sleep, so subscribe eagerly (in the
@@ -290,8 +276,8 @@ pub trait LockBackend: Send + Sync + 'static {
     /// and the sleep. A spurious wake-up only costs one attempt. The default never resolves:
     /// waiting is pure polling, which stays the fallback and the cap whatever a backend offers
     /// here.
-    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        let _ = key;
+    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        let _ = (key, mode);
         std::future::pending()
     }
 

@@ -31,7 +31,10 @@ pub(crate) trait AnyHold: Send + Sync {
 
 /// A held distributed lock.
 ///
-/// A handle is the proof of holding a lock, so it is neither `Clone` nor `Copy`. While it
+/// A handle is the proof of holding a lock, so it is neither `Clone` nor `Copy`. What it tells
+/// about the lock — key, fencing token, loss signal, [`run`](LockView::run) — is its
+/// [`LockView`]'s, reached through `Deref`; the handle adds what only the holder may do:
+/// [`release`](Self::release). While it
 /// exists the engine keeps the lock alive in the background: it renews expiring leases (every
 /// third of the lease by default) or checks the held connection, and declares the lock lost when
 /// it can no longer vouch for it.
@@ -40,9 +43,9 @@ pub(crate) trait AnyHold: Send + Sync {
 /// The lock is *lost* when a renewal or check tells the engine the lease is gone, or when no
 /// renewal has succeeded for 90% of the lease since the last successful one was sent. A
 /// separate timer enforces that deadline, so a renewal that never returns cannot postpone it.
-/// On loss [`lost_token`](Self::lost_token) fires, [`is_held`](Self::is_held) turns `false`,
-/// [`ensure_held`](Self::ensure_held) returns [`ErrorKind::Lost`] and [`run`](Self::run) drops
-/// its work. A lost lock is never re-acquired behind your back.
+/// On loss [`lost_token`](LockView::lost_token) fires, [`is_held`](LockView::is_held) turns
+/// `false`, [`ensure_held`](LockView::ensure_held) returns [`ErrorKind::Lost`] and
+/// [`run`](LockView::run) drops its work. A lost lock is never re-acquired behind your back.
 ///
 /// # Release and drop
 /// [`release`](Self::release) gives the lock up and reports whether the backend confirmed it.
@@ -53,7 +56,7 @@ pub(crate) trait AnyHold: Send + Sync {
 /// released again.
 ///
 /// # Fencing
-/// [`fencing_token`](Self::fencing_token) is strictly greater than every token handed out
+/// [`fencing_token`](LockView::fencing_token) is strictly greater than every token handed out
 /// earlier for the same key. A lease lock cannot stop a process that was paused (GC, VM
 /// suspension) from waking up and carrying on; a resource that rejects tokens lower than the
 /// highest it has seen can.
@@ -82,55 +85,6 @@ impl LockHandle {
     /// (a spawned task, a request's extensions). The view never releases; the handle does.
     pub fn view(&self) -> LockView {
         self.view.clone()
-    }
-
-    /// The key this handle holds.
-    pub fn key(&self) -> &str {
-        self.view.key()
-    }
-
-    /// The fencing token of this hold; strictly greater than every earlier token for the key.
-    pub fn fencing_token(&self) -> u64 {
-        self.view.fencing_token()
-    }
-
-    /// A token that is cancelled when the lock is lost or released.
-    ///
-    /// Each call returns a child of the handle's own token, so cancelling what you were given
-    /// affects only your copy, never the handle.
-    pub fn lost_token(&self) -> CancellationToken {
-        self.view.lost_token()
-    }
-
-    /// Whether the lock is still held: not lost, not released, and within its loss deadline.
-    pub fn is_held(&self) -> bool {
-        self.view.is_held()
-    }
-
-    /// Why the lock was lost, once it has been.
-    pub fn loss_reason(&self) -> Option<LossReason> {
-        self.view.loss_reason()
-    }
-
-    /// The keyed digest of the key, if the provider records digests (see
-    /// [`LockView::key_digest`]).
-    pub fn key_digest(&self) -> Option<&str> {
-        self.view.key_digest()
-    }
-
-    /// `Ok(())` while the lock is held, `Err` of kind [`ErrorKind::Lost`] after.
-    ///
-    /// Call it between steps of long work so it stops instead of carrying on unprotected.
-    pub fn ensure_held(&self) -> Result<(), LockError> {
-        self.view.ensure_held()
-    }
-
-    /// Runs `work` while the lock is held, dropping it the moment the lock is lost.
-    ///
-    /// Returns `Err` of kind [`ErrorKind::Lost`] if the lock was lost before `work` finished;
-    /// `work` is then dropped at its current `.await` point, so give it cancellation-safe steps.
-    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output, LockError> {
-        self.view.run(work).await
     }
 
     /// Releases the lock and waits for the backend to confirm.
@@ -165,6 +119,14 @@ impl LockHandle {
     /// ```
     pub fn lease<L: std::any::Any>(&self) -> Option<&L> {
         self.view.held.lease().downcast_ref::<L>()
+    }
+}
+
+impl std::ops::Deref for LockHandle {
+    type Target = LockView;
+
+    fn deref(&self) -> &LockView {
+        &self.view
     }
 }
 
@@ -208,8 +170,10 @@ impl LockView {
         self.held.fencing_token()
     }
 
-    /// A token that is cancelled when the lock is lost or released; a child of the hold's own
-    /// token, so cancelling it affects only your copy.
+    /// A token that is cancelled when the lock is lost or released.
+    ///
+    /// Each call returns a child of the hold's own token, so cancelling what you were given
+    /// affects only your copy, never the hold.
     pub fn lost_token(&self) -> CancellationToken {
         self.held.lost_token().child_token()
     }

@@ -40,8 +40,9 @@ mod health;
 pub mod keys;
 mod lock;
 pub mod providers;
+mod reader_writer;
 pub mod registry;
-mod shared;
+mod semaphore;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -58,8 +59,9 @@ pub use providers::memory::{MemoryBackend, MemoryStore};
 pub use providers::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "redis")]
 pub use providers::redis::{RedisBackend, RedisOptions};
+pub use reader_writer::ReaderWriterLock;
 pub use registry::{Locking, LockingConfig};
-pub use shared::{DistributedSemaphore, ReaderWriterLock, MAX_SEMAPHORE_COUNT};
+pub use semaphore::{DistributedSemaphore, MAX_SEMAPHORE_COUNT};
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
 

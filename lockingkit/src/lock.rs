@@ -10,7 +10,10 @@ use crate::backend::{LockBackend, LockMode};
 use crate::engine::{AnyEngine, Engine, LockOptions};
 use crate::error::LockError;
 use crate::handle::LockHandle;
+use crate::keys::validate_key;
 use crate::providers::memory::{MemoryBackend, MemoryStore};
+use crate::reader_writer::ReaderWriterLock;
+use crate::semaphore::DistributedSemaphore;
 use crate::telemetry::KeyDigest;
 
 /// The name of the provider a plain `DistributedLock` stands for.
@@ -118,25 +121,96 @@ impl DistributedLock {
             .await
     }
 
-    pub(crate) async fn try_acquire_in(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<LockHandle, LockError> {
+    /// Makes one attempt to take `key` in `mode`: the form of
+    /// [`try_acquire`](Self::try_acquire) for every lock mode, for code that picks the mode at
+    /// run time (an HTTP layer configured per route). [`reader_writer`](Self::reader_writer)
+    /// and [`semaphore`](Self::semaphore) are the friendlier faces of the same calls.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) before any
+    /// request if the provider cannot hold locks in `mode` (see [`supports`](Self::supports)),
+    /// and for a semaphore of 0 or more than [`MAX_SEMAPHORE_COUNT`](crate::MAX_SEMAPHORE_COUNT)
+    /// holders.
+    pub async fn try_acquire_in(&self, key: &str, mode: LockMode) -> Result<LockHandle, LockError> {
+        self.ensure_supports(mode)?;
         self.engine.clone().try_acquire(key, mode).await
     }
 
-    pub(crate) async fn acquire_in(
+    /// Waits up to `timeout` for `key` in `mode`, as [`acquire`](Self::acquire) waits; see
+    /// [`try_acquire_in`](Self::try_acquire_in).
+    pub async fn acquire_in(
         &self,
         key: &str,
         mode: LockMode,
         timeout: Duration,
     ) -> Result<LockHandle, LockError> {
+        self.ensure_supports(mode)?;
         self.engine.clone().acquire(key, mode, timeout).await
     }
 
-    pub(crate) fn supports(&self, mode: LockMode) -> bool {
-        self.engine.supports(mode)
+    /// Whether this provider can hold locks in `mode`: every provider holds exclusive locks;
+    /// in-memory and PostgreSQL also readers and semaphores, Azure semaphores of up to 32
+    /// holders but no readers. Asking sends nothing.
+    pub fn supports(&self, mode: LockMode) -> bool {
+        self.ensure_supports(mode).is_ok()
+    }
+
+    /// `Ok` if this provider can hold locks in `mode`, else the
+    /// [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) error that says why (for
+    /// refusing a configuration at startup rather than on every request).
+    pub fn ensure_supports(&self, mode: LockMode) -> Result<(), LockError> {
+        if let LockMode::Semaphore { max_count } = mode {
+            if !(1..=crate::MAX_SEMAPHORE_COUNT).contains(&max_count) {
+                return Err(LockError::new(
+                    crate::ErrorKind::Misconfigured,
+                    format!(
+                        "a semaphore admits between 1 and {} holders, not {max_count}",
+                        crate::MAX_SEMAPHORE_COUNT
+                    ),
+                ));
+            }
+        }
+        if self.engine.supports(mode) {
+            return Ok(());
+        }
+        let what = match mode {
+            LockMode::Shared => "shared (reader-writer) locks".to_owned(),
+            LockMode::Semaphore { max_count } => format!("semaphores of {max_count} holders"),
+            _ => format!("{mode} locks"),
+        };
+        Err(LockError::new(
+            crate::ErrorKind::Misconfigured,
+            format!(
+                "the {} provider of lock `{}` cannot hold {what}",
+                self.provider(),
+                self.name()
+            ),
+        ))
+    }
+
+    /// A reader-writer lock on `key`: readers hold it together, a writer alone (the writer's
+    /// lock is the key's plain lock).
+    ///
+    /// Fails with [`ErrorKind::InvalidKey`](crate::ErrorKind::InvalidKey) for a key outside
+    /// 1–512 characters, and with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured)
+    /// if the provider cannot hold shared locks: Azure Blob leases are exclusive only, so the
+    /// Azure provider refuses rather than hand out an exclusive lock that pretends to be
+    /// shared. Nothing is sent to the backend.
+    pub fn reader_writer(&self, key: &str) -> Result<ReaderWriterLock, LockError> {
+        validate_key(key)?;
+        self.ensure_supports(LockMode::Shared)?;
+        Ok(ReaderWriterLock::new(self.clone(), key))
+    }
+
+    /// A semaphore named `key` that admits at most `max_count` holders at once.
+    ///
+    /// Fails with [`ErrorKind::InvalidKey`](crate::ErrorKind::InvalidKey) for a key outside
+    /// 1–512 characters, and with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured)
+    /// if `max_count` is 0 or above [`MAX_SEMAPHORE_COUNT`](crate::MAX_SEMAPHORE_COUNT), or the
+    /// provider cannot hold semaphores of that size. Nothing is sent to the backend.
+    pub fn semaphore(&self, key: &str, max_count: u32) -> Result<DistributedSemaphore, LockError> {
+        validate_key(key)?;
+        self.ensure_supports(LockMode::Semaphore { max_count })?;
+        Ok(DistributedSemaphore::new(self.clone(), key, max_count))
     }
 
     /// The failure this provider's callers are refused with right now, if its backend is
@@ -190,9 +264,11 @@ impl DistributedLock {
         self.engine.clone().shutdown(timeout).await
     }
 
-    /// How many keys this provider is currently holding, attempting or queueing for.
-    pub fn active_keys(&self) -> usize {
-        self.engine.busy_keys()
+    /// How many callers of this provider are holding, attempting or waiting for a lock right
+    /// now, each counted once (a holder, an attempt in flight, a caller queued): zero when
+    /// nothing is held or going on. Meant for diagnostics and leak checks.
+    pub fn active_parties(&self) -> usize {
+        self.engine.active_parties()
     }
 
     /// How many local callers are waiting for `key` through this provider (not counting the

@@ -39,26 +39,19 @@ impl LockBackend for RoundTrip {
         self.0.timing()
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         tokio::time::sleep(ONE_WAY).await;
-        let answer = self.0.try_acquire(key).await;
+        let answer = self.0.try_acquire(key, mode).await;
         tokio::time::sleep(ONE_WAY).await;
         answer
     }
 
     fn supports(&self, mode: LockMode) -> bool {
         self.0.supports(mode)
-    }
-
-    async fn try_acquire_in(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        tokio::time::sleep(ONE_WAY).await;
-        let answer = self.0.try_acquire_in(key, mode).await;
-        tokio::time::sleep(ONE_WAY).await;
-        answer
     }
 
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {

@@ -114,7 +114,11 @@ impl<B: LockBackend> LockBackend for Recording<B> {
         self.inner.timing()
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<B::Lease>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<B::Lease>>, BackendError> {
         self.attempts.lock().unwrap().push(Instant::now());
         let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -122,7 +126,7 @@ impl<B: LockBackend> LockBackend for Recording<B> {
         if let Some(gate) = gate {
             gate.notified().await;
         }
-        let result = self.inner.try_acquire(key).await;
+        let result = self.inner.try_acquire(key, mode).await;
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         result
     }
@@ -216,8 +220,12 @@ impl LockBackend for SlowRenewals {
     fn timing(&self) -> LeaseTiming {
         self.0.timing()
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key).await
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         tokio::time::sleep(RENEWAL_LATENCY).await;
@@ -415,7 +423,11 @@ impl LockBackend for Connection {
         LeaseTiming::ConnectionHeld(Duration::from_secs(5))
     }
 
-    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        _key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<()>>, BackendError> {
         let attempt = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(Some(Acquired {
             lease: (),
@@ -594,7 +606,7 @@ async fn twenty_local_waiters_make_one_stream_of_attempts_and_are_served_fifo() 
         after_release, 20,
         "each waiter was woken at once and attempted once"
     );
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -660,7 +672,7 @@ async fn waiting_ends_in_timeout_when_busy_and_unavailable_when_unreachable() {
     assert_eq!(err.kind(), ErrorKind::Unavailable);
     let err = locks.try_acquire("k2").await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable);
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -710,7 +722,11 @@ impl LockBackend for BusyThenHanging {
     fn timing(&self) -> LeaseTiming {
         LeaseTiming::Expiring(Duration::from_secs(30))
     }
-    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        _key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<()>>, BackendError> {
         if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
             Ok(None)
         } else {
@@ -748,7 +764,11 @@ impl LockBackend for Refusing {
     fn timing(&self) -> LeaseTiming {
         LeaseTiming::Expiring(Duration::from_secs(30))
     }
-    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        _key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<()>>, BackendError> {
         self.0.fetch_add(1, Ordering::SeqCst);
         Err(BackendError::misconfigured("credentials refused"))
     }
@@ -825,7 +845,7 @@ async fn cancelling_a_queued_waiter_leaks_nothing() {
         .await
         .is_err());
     holder.release().await.unwrap();
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
     assert!(!store.is_locked("k"));
     assert!(locks.try_acquire("k").await.is_ok());
 }
@@ -843,7 +863,7 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
         .is_err());
     assert_eq!(recording.attempt_times().len(), 1);
     assert_eq!(
-        locks.active_keys(),
+        locks.active_parties(),
         1,
         "the orphaned attempt still owns the turn"
     );
@@ -859,7 +879,7 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
     );
     assert_eq!(recording.releases(), 1);
     tokio::task::yield_now().await;
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
     assert!(locks.try_acquire("k").await.is_ok());
 }
 
@@ -879,7 +899,7 @@ async fn cancelling_after_the_attempt_means_dropping_the_handle_which_releases_i
     assert!(!store.is_locked("k"));
     assert_eq!(recording.releases(), 1);
     tokio::task::yield_now().await;
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -938,7 +958,7 @@ async fn every_way_a_hold_ends_sends_exactly_one_release() {
     // Nothing is sent later either.
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(recording.releases(), 4);
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -987,7 +1007,7 @@ async fn an_unconfirmed_release_is_reported_and_the_key_is_freed_locally() {
     store.set_unavailable(true);
     let err = handle.release().await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable);
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
     store.set_unavailable(false);
     // The lease was not released, so it expires on its own after 30 s.
     assert!(store.is_locked("k"));
@@ -1054,8 +1074,12 @@ impl LockBackend for Hinting {
     fn timing(&self) -> LeaseTiming {
         self.inner.timing()
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key).await
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.renew(lease).await
@@ -1065,7 +1089,11 @@ impl LockBackend for Hinting {
         self.released.send_modify(|n| *n += 1);
         result
     }
-    fn release_hint(&self, _key: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
+    fn release_hint(
+        &self,
+        _key: &str,
+        _mode: LockMode,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         // Subscribing here, not on first poll, catches a release that lands before the sleep.
         let mut receiver = self.released.subscribe();
         async move {
@@ -1131,8 +1159,12 @@ impl LockBackend for Watching {
     fn timing(&self) -> LeaseTiming {
         self.inner.timing()
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key).await
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.renew(lease).await
@@ -1201,7 +1233,7 @@ async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs(
     let err = waiter.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable);
     assert_eq!(
-        locks.active_keys(),
+        locks.active_parties(),
         1,
         "the hung attempt still owns the key's turn"
     );
@@ -1227,7 +1259,11 @@ impl LockBackend for Failing {
     fn timing(&self) -> LeaseTiming {
         LeaseTiming::Expiring(Duration::from_secs(30))
     }
-    async fn try_acquire(&self, _key: &str) -> Result<Option<Acquired<()>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        _key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<()>>, BackendError> {
         Err((self.0)())
     }
     async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
@@ -1337,10 +1373,10 @@ async fn dropping_the_last_lock_of_an_engine_ends_its_schedule_driver() {
     );
 }
 
-/// The in-memory backend in every mode, counting the release hints the engine asks for.
+/// The in-memory backend in every mode, noting the mode of each release hint the engine asks for.
 struct HintCounting {
     inner: MemoryBackend,
-    hints: Arc<AtomicUsize>,
+    hints: Arc<Mutex<Vec<LockMode>>>,
 }
 
 impl LockBackend for HintCounting {
@@ -1354,15 +1390,12 @@ impl LockBackend for HintCounting {
     fn supports(&self, mode: LockMode) -> bool {
         self.inner.supports(mode)
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key).await
-    }
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
     ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire_in(key, mode).await
+        self.inner.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.renew(lease).await
@@ -1370,38 +1403,48 @@ impl LockBackend for HintCounting {
     async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.release(lease).await
     }
-    fn release_hint(&self, _key: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
-        self.hints.fetch_add(1, Ordering::SeqCst);
+    fn release_hint(
+        &self,
+        _key: &str,
+        mode: LockMode,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.hints.lock().unwrap().push(mode);
         std::future::pending()
     }
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_semaphore_wait_asks_for_no_release_hint_and_a_reader_wait_does() {
-    let hints = Arc::new(AtomicUsize::new(0));
+async fn every_wait_asks_for_a_release_hint_in_its_own_mode() {
+    let hints = Arc::new(Mutex::new(Vec::new()));
     let locks = DistributedLock::builder(HintCounting {
         inner: MemoryBackend::new(MemoryStore::new()),
         hints: hints.clone(),
     })
     .build()
     .unwrap();
+    let asked = |mode: LockMode| hints.lock().unwrap().iter().filter(|m| **m == mode).count();
 
     let semaphore = locks.semaphore("k", 1).unwrap();
     let _slot = semaphore.try_acquire().await.unwrap();
     let err = semaphore.acquire(Duration::from_secs(3)).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
-    assert_eq!(
-        hints.load(Ordering::SeqCst),
-        0,
-        "a semaphore's key names no lock the backend could watch"
-    );
+    assert!(asked(LockMode::Semaphore { max_count: 1 }) > 0);
+    let all = hints.lock().unwrap().len();
+    assert_eq!(all, asked(LockMode::Semaphore { max_count: 1 }));
 
-    // The lock `k` is unrelated to the semaphore `k`; a reader waiting for its writer asks.
-    let _writer = locks.try_acquire("k").await.unwrap();
-    let readers = locks.reader_writer().unwrap();
-    let err = readers.read("k", Duration::from_secs(3)).await.unwrap_err();
+    // The lock `k` is unrelated to the semaphore `k`; a reader waiting for its writer asks
+    // as a reader, and a writer waiting for that reader as a writer.
+    let writer = locks.try_acquire("k").await.unwrap();
+    let readers = locks.reader_writer("k").unwrap();
+    let err = readers.read(Duration::from_secs(3)).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
-    assert!(hints.load(Ordering::SeqCst) > 0);
+    assert!(asked(LockMode::Shared) > 0);
+    assert_eq!(asked(LockMode::Exclusive), 0);
+    writer.release().await.unwrap();
+    let _reader = readers.try_read().await.unwrap();
+    let err = readers.write(Duration::from_secs(3)).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    assert!(asked(LockMode::Exclusive) > 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1429,9 +1472,9 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     let polled = store.attempts() - before;
     assert!(polled <= 25, "{polled} attempts in 10 s");
     assert_eq!(
-        locks.active_keys(),
-        1,
-        "the twenty waiters are one queue, and hold nothing here"
+        locks.active_parties(),
+        20,
+        "twenty waiters, each counted once, and nothing held here"
     );
 
     // A caller that only tries goes behind them, without asking the backend.
@@ -1461,7 +1504,7 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     for waiter in waiters {
         waiter.await.unwrap().unwrap().release().await.unwrap();
     }
-    assert_eq!(locks.active_keys(), 0, "no queue or lane left behind");
+    assert_eq!(locks.active_parties(), 0, "no queue or lane left behind");
 }
 
 /// An in-memory backend seen over a network: each attempt takes `latency` to answer, and
@@ -1505,17 +1548,13 @@ impl LockBackend for Remote {
     fn supports(&self, mode: LockMode) -> bool {
         self.inner.supports(mode)
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.reach().await?;
-        self.inner.try_acquire(key).await
-    }
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
     ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         self.reach().await?;
-        self.inner.try_acquire_in(key, mode).await
+        self.inner.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.renew(lease).await
@@ -1624,7 +1663,7 @@ async fn a_slot_freed_here_at_a_semaphore_waiters_deadline_is_not_taken_late() {
     let err = waiter.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert_eq!(store.attempts(), attempts, "no attempt after the deadline");
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1701,7 +1740,7 @@ async fn a_semaphore_waiter_that_gives_up_passes_the_polling_on() {
         .unwrap();
     assert_eq!(store.semaphore_holders("k"), 1);
     slot.release().await.unwrap();
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
 }
 
 #[tokio::test]
@@ -1709,7 +1748,7 @@ async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphore
     let locks = DistributedLock::builder(Failing(|| BackendError::transient("unused")))
         .build()
         .unwrap();
-    let err = locks.reader_writer().unwrap_err();
+    let err = locks.reader_writer("k").unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
     let err = locks.semaphore("k", 2).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
@@ -1754,5 +1793,102 @@ async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_passed_on_unused() {
     let err = waiter.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert_eq!(store.attempts(), attempts, "no attempt after the deadline");
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn readers_waiting_for_a_writer_elsewhere_make_one_stream_of_attempts_and_all_get_in() {
+    let store = MemoryStore::new();
+    let locks = DistributedLock::in_memory_shared(&store);
+    // Another "process" writes the key for 10 s.
+    let remote = DistributedLock::in_memory_shared(&store);
+    let remote_writer = remote.try_acquire("prices").await.unwrap();
+
+    let readers = locks.reader_writer("prices").unwrap();
+    let before = store.attempts();
+    let mut waiting = Vec::new();
+    for _ in 0..20 {
+        let readers = readers.clone();
+        waiting.push(tokio::spawn(async move {
+            readers.read(Duration::from_secs(60)).await
+        }));
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // The first busy answer sends every reader into one queue, whose front polls, backing off
+    // from 50 ms to 1 s: about 15 attempts in 10 s, not 20 streams of them.
+    let polled = store.attempts() - before;
+    assert!(polled <= 25, "{polled} attempts in 10 s");
+    assert_eq!(locks.waiting("prices"), 20);
+
+    // A reader that only tries goes behind them, without asking the backend.
+    let tried = store.attempts();
+    let err = readers.try_read().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Busy, "{err}");
+    assert_eq!(store.attempts(), tried);
+
+    remote_writer.release().await.unwrap();
+    let start = Instant::now();
+    let mut held = Vec::new();
+    for waiter in waiting {
+        held.push(waiter.await.unwrap().unwrap());
+    }
+    // Readers hold together: once the front one is in, each one in line follows at once.
+    assert!(
+        start.elapsed() <= Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(held.iter().all(|handle| handle.is_held()));
+    for handle in held {
+        handle.release().await.unwrap();
+    }
+    assert_eq!(locks.active_parties(), 0, "no queue or turn left behind");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_local_writers_release_lets_the_waiting_reader_in_at_once() {
+    let locks = DistributedLock::in_memory();
+    let prices = locks.reader_writer("prices").unwrap();
+    let writer = prices.try_write().await.unwrap();
+    let reader = tokio::spawn({
+        let prices = prices.clone();
+        async move { prices.read(Duration::from_secs(60)).await }
+    });
+    // Long enough for the reader's backoff to grow to its 1 s cap.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let released = Instant::now();
+    writer.release().await.unwrap();
+    let read = reader.await.unwrap().unwrap();
+    assert_eq!(
+        Instant::now(),
+        released,
+        "woken by the local release, not after its backoff"
+    );
+    read.release().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_local_readers_release_lets_the_waiting_writer_in_at_once() {
+    let locks = DistributedLock::in_memory();
+    let prices = locks.reader_writer("prices").unwrap();
+    let first = prices.try_read().await.unwrap();
+    let second = prices.try_read().await.unwrap();
+    let writer = tokio::spawn({
+        let prices = prices.clone();
+        async move { prices.write(Duration::from_secs(60)).await }
+    });
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    first.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!writer.is_finished(), "one reader still holds the key");
+    let released = Instant::now();
+    second.release().await.unwrap();
+    let written = writer.await.unwrap().unwrap();
+    assert_eq!(
+        Instant::now(),
+        released,
+        "woken by the last local release, not after its backoff"
+    );
+    written.release().await.unwrap();
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockError,
-    LockHandle, MemoryBackend, MemoryStore,
+    LockHandle, LockMode, MemoryBackend, MemoryStore,
 };
 use tokio::time::Instant;
 
@@ -76,7 +76,11 @@ impl LockBackend for Flaky {
         self.inner.timing()
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         self.attempts.fetch_add(1, Ordering::SeqCst);
         let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -84,7 +88,7 @@ impl LockBackend for Flaky {
         let result = match fault {
             None => {
                 tokio::time::sleep(self.latency).await;
-                self.inner.try_acquire(key).await
+                self.inner.try_acquire(key, mode).await
             }
             Some(Fault::Unreachable) => {
                 tokio::time::sleep(self.latency).await;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, MemoryBackend,
-    MemoryStore,
+    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode,
+    MemoryBackend, MemoryStore,
 };
 use tokio::time::Instant;
 
@@ -42,8 +42,12 @@ impl LockBackend for Counting {
     fn timing(&self) -> LeaseTiming {
         self.inner.timing()
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key).await
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.renew(lease).await
@@ -102,7 +106,7 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
         backend.closed.load(Ordering::SeqCst),
         "the backend closed last"
     );
-    assert_eq!(locks.active_keys(), 0);
+    assert_eq!(locks.active_parties(), 0);
     let ended = waiter.await.unwrap().unwrap_err();
     assert_eq!(ended.kind(), ErrorKind::Unavailable, "{ended}");
     let refused = locks.try_acquire("jobs/new").await.unwrap_err();

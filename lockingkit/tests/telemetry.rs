@@ -20,7 +20,7 @@ use lockingkit::providers::memory::MemoryLease;
 use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
-    LossReason, MemoryBackend, MemoryStore,
+    LockMode, LossReason, MemoryBackend, MemoryStore,
 };
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};
@@ -346,7 +346,7 @@ async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Option<F::Output> {
 async fn loss_recorded(locks: &DistributedLock, handle: &LockHandle) {
     handle.lost_token().cancelled().await;
     for _ in 0..1000 {
-        if locks.active_keys() == 0 {
+        if locks.active_parties() == 0 {
             return;
         }
         tokio::task::yield_now().await;
@@ -377,8 +377,9 @@ impl LockBackend for SessionStore {
     fn try_acquire(
         &self,
         key: &str,
+        mode: LockMode,
     ) -> impl Future<Output = Result<Option<Acquired<MemoryLease>>, BackendError>> + Send {
-        self.0.try_acquire(key)
+        self.0.try_acquire(key, mode)
     }
 
     fn renew(&self, lease: &MemoryLease) -> impl Future<Output = Result<(), BackendError>> + Send {
@@ -448,9 +449,9 @@ async fn readers_and_semaphore_holders_are_recorded_with_their_mode() {
     writer.release().await.expect("confirmed");
 
     let reader = locks
-        .reader_writer()
+        .reader_writer(KEY)
         .expect("in-memory locks can be shared")
-        .read(KEY, Duration::from_secs(1))
+        .read(Duration::from_secs(1))
         .await
         .expect("free");
     let span = rec.span("acquire Jobs");

@@ -2,6 +2,7 @@
 //! in-memory throughput, backend attempts while many local callers wait, local hand-off on
 //! any backend, and cross-process hand-off with and without the backend's release hint.
 
+use lockingkit::LockMode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,7 +95,11 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
     on_one_thread(async |raw, locks| {
         // Warm up both paths (allocator, hash map capacity).
         for _ in 0..pairs.min(10_000) {
-            let acquired = raw.try_acquire("bench").await.unwrap().unwrap();
+            let acquired = raw
+                .try_acquire("bench", LockMode::Exclusive)
+                .await
+                .unwrap()
+                .unwrap();
             raw.release(&acquired.lease).await.unwrap();
             let handle = locks.try_acquire("bench").await.unwrap();
             handle.release().await.unwrap();
@@ -105,7 +110,11 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
         for _ in 0..5 {
             let start = Instant::now();
             for _ in 0..pairs {
-                let acquired = raw.try_acquire("bench").await.unwrap().unwrap();
+                let acquired = raw
+                    .try_acquire("bench", LockMode::Exclusive)
+                    .await
+                    .unwrap()
+                    .unwrap();
                 raw.release(&acquired.lease).await.unwrap();
             }
             best_raw = best_raw.max(f64::from(pairs) / start.elapsed().as_secs_f64());
@@ -156,7 +165,11 @@ pub fn cold_cache_pairs(pairs: u32) -> (Duration, Duration) {
 
             evict(round);
             let started = Instant::now();
-            let acquired = raw.try_acquire("bench/cold").await.unwrap().unwrap();
+            let acquired = raw
+                .try_acquire("bench/cold", LockMode::Exclusive)
+                .await
+                .unwrap()
+                .unwrap();
             let acquiring = started.elapsed();
             evict(round);
             let started = Instant::now();
@@ -183,14 +196,18 @@ impl LockBackend for Counting {
     fn timing(&self) -> LeaseTiming {
         self.inner.timing()
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         self.attempts.fetch_add(1, Ordering::Relaxed);
         let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         self.most_in_flight.fetch_max(now, Ordering::Relaxed);
         // A scheduling point inside the attempt: streams the engine failed to merge would
         // overlap here.
         tokio::task::yield_now().await;
-        let result = self.inner.try_acquire(key).await;
+        let result = self.inner.try_acquire(key, mode).await;
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         result
     }
@@ -322,8 +339,12 @@ impl<B: LockBackend> LockBackend for PollingOnly<B> {
     fn timing(&self) -> LeaseTiming {
         self.0.timing()
     }
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key).await
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key, mode).await
     }
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.0.renew(lease).await

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::providers::postgres::{DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
-use lockingkit::{DistributedLock, LockBackend, PostgresBackend};
+use lockingkit::{DistributedLock, LockBackend, LockMode, PostgresBackend};
 
 use crate::postgres::PostgresServer;
 
@@ -197,7 +197,7 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
                 }
                 _ => {
                     let acquired = bare
-                        .try_acquire(&bare_key)
+                        .try_acquire(&bare_key, LockMode::Exclusive)
                         .await
                         .expect("backend acquire")
                         .expect("backend lock was busy");
@@ -330,10 +330,10 @@ pub async fn measure_modes(server: &PostgresServer, pairs: usize) -> ModesReport
         let backend = PostgresBackend::new(options).expect("options");
         DistributedLock::builder(backend).build().expect("lock")
     };
-    let readers = lock(server.options(Duration::from_secs(30)))
-        .reader_writer()
-        .expect("readers on PostgreSQL");
     let read_key = format!("bench/modes/read/{pid}");
+    let readers = lock(server.options(Duration::from_secs(30)))
+        .reader_writer(&read_key)
+        .expect("readers on PostgreSQL");
     let semaphore_key = format!("bench/modes/semaphore/{pid}");
     let semaphore = lock(server.options(Duration::from_secs(30)))
         .semaphore(&semaphore_key, SLOTS)
@@ -366,7 +366,7 @@ pub async fn measure_modes(server: &PostgresServer, pairs: usize) -> ModesReport
             let started = Instant::now();
             match variant {
                 0 => readers
-                    .try_read(&read_key)
+                    .try_read()
                     .await
                     .expect("reader")
                     .release()

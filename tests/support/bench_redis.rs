@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::providers::redis::lua;
-use lockingkit::{DistributedLock, LockBackend, RedisBackend, RedisOptions};
+use lockingkit::{DistributedLock, LockBackend, LockMode, RedisBackend, RedisOptions};
 use redis::aio::MultiplexedConnection;
 use tokio::sync::Mutex;
 
@@ -150,7 +150,7 @@ pub async fn measure(server: &RedisServer, pairs: usize) -> RedisPairs {
                 1 => raw.pair(&mut connection, key).await,
                 _ => {
                     let acquired = bare
-                        .try_acquire(key)
+                        .try_acquire(key, LockMode::Exclusive)
                         .await
                         .expect("backend acquire")
                         .expect("the backend's lock was busy");

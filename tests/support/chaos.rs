@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::testing::{Hold, IntervalChecker};
+use lockingkit::testing::{HeldInterval, IntervalChecker};
 use lockingkit::{ErrorKind, LockError, LockHandle, LossReason};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -74,12 +74,12 @@ impl Watched {
     }
 
     /// Waits for the loss, failing the case if none comes within `within`.
-    pub async fn lost_within(self, within: Duration) -> (Loss, Hold) {
+    pub async fn lost_within(self, within: Duration) -> (Loss, HeldInterval) {
         let loss = tokio::time::timeout(within, self.loss)
             .await
             .unwrap_or_else(|_| panic!("no loss declared within {within:?}"))
             .expect("the watching task");
-        let hold = Hold {
+        let hold = HeldInterval {
             key: loss.handle.key().to_owned(),
             process: self.process,
             fencing_token: self.token,
@@ -149,7 +149,7 @@ pub fn assert_near(what: &str, at: Instant, expected: Instant, early: Duration, 
 
 /// Records one hold.
 pub fn record(checker: &IntervalChecker, key: &str, process: usize, token: u64, start: Instant) {
-    checker.record(Hold {
+    checker.record(HeldInterval {
         key: key.to_owned(),
         process,
         fencing_token: token,

@@ -26,9 +26,9 @@ use super::rejection::MissingLock;
 /// not need to watch for loss itself (with
 /// [`on_loss(OnLoss::Signal)`](lockingkit_tower::LockLayer::on_loss) it runs on instead, and
 /// this extractor tells it of the loss). Send
-/// [`fencing_token`](RequestLock::fencing_token) with every write to a resource that can
-/// reject stale tokens, and tie spawned work to [`lost_token`](RequestLock::lost_token) or
-/// [`run`](RequestLock::run).
+/// [`fencing_token`](lockingkit::LockView::fencing_token) with every write to a resource that
+/// can reject stale tokens, and tie spawned work to
+/// [`lost_token`](lockingkit::LockView::lost_token) or [`run`](lockingkit::LockView::run).
 ///
 /// ```
 /// use axum::{extract::Path, routing::post, Router};

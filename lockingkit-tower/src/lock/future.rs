@@ -165,7 +165,7 @@ where
     let mut request = Request::from_parts(parts, body);
     Poll::Ready(match derived {
         Derived::Acquired { handle } => {
-            let view = RequestLock::new(&handle, config.hold.mode());
+            let view = RequestLock::new(&handle, config.mode.mode());
             let lost = match config.on_loss {
                 OnLoss::Cancel => Some(view.loss_signal()),
                 OnLoss::Signal => None,
@@ -177,7 +177,7 @@ where
             })
         }
         Derived::NoKey if !config.pass_through_without_key => {
-            Step::Finish(Outcome::Rejected(LockRejection::no_key(config.hold.mode())))
+            Step::Finish(Outcome::Rejected(LockRejection::no_key(config.mode.mode())))
         }
         Derived::NotApplicable | Derived::NoKey => Step::Next(State::Unlocked {
             response: service.call(request),
@@ -190,12 +190,12 @@ where
             );
             Step::Finish(Outcome::Rejected(LockRejection::miswired(
                 error,
-                config.hold.mode(),
+                config.mode.mode(),
             )))
         }
         Derived::Refused { error } => Step::Finish(Outcome::Rejected(LockRejection::acquire(
             error,
-            config.hold.mode(),
+            config.mode.mode(),
             config.busy_retry_after,
             config.unavailable_retry_after,
         ))),
@@ -237,13 +237,13 @@ where
             .unwrap_or_else(|| LockError::lost(None));
         tracing::warn!(
             lock = config.locks.name(),
-            fencing_token = handle.as_ref().map(LockHandle::fencing_token),
-            key_digest = handle.as_ref().and_then(LockHandle::key_digest),
+            fencing_token = handle.as_ref().map(|handle| handle.fencing_token()),
+            key_digest = handle.as_ref().and_then(|handle| handle.key_digest()),
             reason = error.message(),
             "the lock was lost while the request was being handled; the handler was stopped and \
              the client is told the outcome is unknown"
         );
-        let rejection = LockRejection::lost(error, config.hold.mode());
+        let rejection = LockRejection::lost(error, config.mode.mode());
         return Poll::Ready(Step::Finish(Outcome::Rejected(rejection)));
     };
     let Some(handle) = handle.take() else {

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use http::request::Parts;
 use lockingkit::{LockError, LockHandle};
 
-use super::hold::same_namespace;
 use super::layer::LockConfig;
+use super::mode::same_namespace;
 use super::RequestLock;
 
 /// Derives the lock key of a request.
@@ -136,7 +136,7 @@ async fn derive_and_acquire<K: LockKey>(
     // request would be refused as busy by the first, on every request.
     let nested = parts.extensions.get::<RequestLock>().is_some_and(|outer| {
         outer.key() == key
-            && same_namespace(outer.mode(), config.hold.mode())
+            && same_namespace(outer.mode(), config.mode.mode())
             && outer.is_from(&config.locks)
     });
     if nested {
@@ -147,7 +147,7 @@ async fn derive_and_acquire<K: LockKey>(
                 .to_owned(),
         };
     }
-    match config.hold.take(&config.locks, &key, config.wait).await {
+    match config.mode.take(&config.locks, &key, config.wait).await {
         Ok(handle) => Derived::Acquired { handle },
         Err(error) => Derived::Refused { error },
     }

@@ -9,8 +9,8 @@ use http::request::Parts;
 use lockingkit::{DistributedLock, LockError, LockMode};
 use tower_layer::Layer;
 
-use super::hold::Hold;
 use super::key::{AcquireForRequest, LockKey};
+use super::mode::RequestMode;
 use super::rejection::{
     LockRejection, ProblemDetails, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
 };
@@ -98,7 +98,7 @@ pub struct LockLayer<M = ProblemDetails> {
 pub(crate) struct LockConfig {
     pub(crate) locks: DistributedLock,
     pub(crate) key: Arc<dyn AcquireForRequest>,
-    pub(crate) hold: Hold,
+    pub(crate) mode: RequestMode,
     /// `None` tries once; `Some` waits up to the timeout.
     pub(crate) wait: Option<Duration>,
     pub(crate) pass_through_without_key: bool,
@@ -146,7 +146,7 @@ impl LockLayer {
             config: Arc::new(LockConfig {
                 locks,
                 key: Arc::new(key),
-                hold: Hold::Exclusive,
+                mode: RequestMode::EXCLUSIVE,
                 wait: None,
                 pass_through_without_key: false,
                 hold_until_body_ends: false,
@@ -200,8 +200,8 @@ impl<M> LockLayer<M> {
     /// # Ok(()) }
     /// ```
     pub fn shared(self) -> Result<Self, LockError> {
-        let hold = Hold::shared(&self.config.locks)?;
-        Ok(self.configure(|config| config.hold = hold))
+        let mode = RequestMode::checked(&self.config.locks, LockMode::Shared)?;
+        Ok(self.configure(|config| config.mode = mode))
     }
 
     /// Turns the layer into a distributed concurrency limit: each request takes one of at most
@@ -241,14 +241,14 @@ impl<M> LockLayer<M> {
     /// # Ok(()) }
     /// ```
     pub fn semaphore(self, max_count: u32) -> Result<Self, LockError> {
-        let hold = Hold::slot(&self.config.locks, max_count)?;
-        Ok(self.configure(|config| config.hold = hold))
+        let mode = RequestMode::checked(&self.config.locks, LockMode::Semaphore { max_count })?;
+        Ok(self.configure(|config| config.mode = mode))
     }
 
     /// The mode the layer takes keys in: [`LockMode::Exclusive`] unless built with
     /// [`shared`](Self::shared) or [`semaphore`](Self::semaphore).
     pub fn mode(&self) -> LockMode {
-        self.config.hold.mode()
+        self.config.mode.mode()
     }
 
     /// Waits up to `timeout` for a busy lock instead of refusing at once.
@@ -387,7 +387,7 @@ impl<M> fmt::Debug for LockLayer<M> {
 impl LockConfig {
     pub(crate) fn fmt_fields(&self, mut s: fmt::DebugStruct<'_, '_>) -> fmt::Result {
         s.field("locks", &self.locks)
-            .field("mode", &self.hold.mode())
+            .field("mode", &self.mode.mode())
             .field("wait", &self.wait)
             .field("pass_through_without_key", &self.pass_through_without_key)
             .field("hold_until_body_ends", &self.hold_until_body_ends)

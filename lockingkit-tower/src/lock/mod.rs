@@ -1,12 +1,12 @@
 //! The lock-per-request middleware: `LockService` here, `LockLayer` in `layer.rs`, the response
 //! future in `future.rs`, rejections, their mapper and the problem document in `rejection.rs`,
-//! and the mode each request's key is held in (exclusive, shared, semaphore slot) in `hold.rs`.
+//! and the mode each request's key is held in (exclusive, shared, semaphore slot) in `mode.rs`.
 
 mod body;
 mod future;
-mod hold;
 mod key;
 mod layer;
+mod mode;
 mod rejection;
 mod request_lock;
 mod until_lost;

@@ -300,6 +300,47 @@ impl MemoryBackend {
         true
     }
 
+    /// One attempt at the plain (exclusive) lock of `key`.
+    fn try_lock(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        let store = &self.store;
+        store.inner.attempts.fetch_add(1, Ordering::Relaxed);
+        if store.is_unavailable() {
+            return Err(Self::unreachable());
+        }
+        let now = Instant::now();
+        let mut leases = store.leases();
+        let lease_id = store.inner.next_lease.fetch_add(1, Ordering::Relaxed);
+        let entry = StoredLease {
+            lease_id,
+            expires_at: crate::clock::after(now, self.lease),
+        };
+        let key = match leases.get_key_value(key) {
+            Some((_, current)) if current.live(now) => return Ok(None),
+            _ if self.read_by_others(key, now) => return Ok(None),
+            Some((existing, _expired)) => {
+                let existing = existing.clone();
+                leases.insert(existing.clone(), entry);
+                existing
+            }
+            None => {
+                let key: Arc<str> = Arc::from(key);
+                leases.insert(key.clone(), entry);
+                key
+            }
+        };
+        // Taken under the map lock, so tokens are handed out in acquisition order.
+        let fencing_token = store.inner.next_token.fetch_add(1, Ordering::Relaxed) + 1;
+        drop(leases);
+        Ok(Some(Acquired {
+            lease: MemoryLease {
+                key,
+                id: lease_id,
+                held: Held::Exclusive,
+            },
+            fencing_token,
+        }))
+    }
+
     fn try_read(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
         let store = &self.store;
         store.inner.attempts.fetch_add(1, Ordering::Relaxed);
@@ -479,44 +520,16 @@ impl LockBackend for MemoryBackend {
         LeaseTiming::Expiring(self.lease)
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
-        let store = &self.store;
-        store.inner.attempts.fetch_add(1, Ordering::Relaxed);
-        if store.is_unavailable() {
-            return Err(Self::unreachable());
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
+        match mode {
+            LockMode::Shared => self.try_read(key),
+            LockMode::Semaphore { max_count } => self.try_take_slot(key, max_count),
+            _ => self.try_lock(key),
         }
-        let now = Instant::now();
-        let mut leases = store.leases();
-        let lease_id = store.inner.next_lease.fetch_add(1, Ordering::Relaxed);
-        let entry = StoredLease {
-            lease_id,
-            expires_at: crate::clock::after(now, self.lease),
-        };
-        let key = match leases.get_key_value(key) {
-            Some((_, current)) if current.live(now) => return Ok(None),
-            _ if self.read_by_others(key, now) => return Ok(None),
-            Some((existing, _expired)) => {
-                let existing = existing.clone();
-                leases.insert(existing.clone(), entry);
-                existing
-            }
-            None => {
-                let key: Arc<str> = Arc::from(key);
-                leases.insert(key.clone(), entry);
-                key
-            }
-        };
-        // Taken under the map lock, so tokens are handed out in acquisition order.
-        let fencing_token = store.inner.next_token.fetch_add(1, Ordering::Relaxed) + 1;
-        drop(leases);
-        Ok(Some(Acquired {
-            lease: MemoryLease {
-                key,
-                id: lease_id,
-                held: Held::Exclusive,
-            },
-            fencing_token,
-        }))
     }
 
     fn supports(&self, mode: LockMode) -> bool {
@@ -524,18 +537,6 @@ impl LockBackend for MemoryBackend {
             mode,
             LockMode::Exclusive | LockMode::Shared | LockMode::Semaphore { .. }
         )
-    }
-
-    async fn try_acquire_in(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<MemoryLease>>, BackendError> {
-        match mode {
-            LockMode::Exclusive => self.try_acquire(key).await,
-            LockMode::Shared => self.try_read(key),
-            LockMode::Semaphore { max_count } => self.try_take_slot(key, max_count),
-        }
     }
 
     async fn renew(&self, lease: &MemoryLease) -> Result<(), BackendError> {

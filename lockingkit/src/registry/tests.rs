@@ -3,7 +3,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::SecretString;
 use crate::engine::LockOptions;
 use crate::providers::memory::{MemoryBackend, MemoryStore};
@@ -260,8 +260,12 @@ impl LockBackend for Counted {
         self.inner.timing()
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key).await
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key, mode).await
     }
 
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {

@@ -7,7 +7,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    abandon_after_polls, quick_polling, unique_prefix, ContractBackend, Hold, IntervalChecker,
+    abandon_after_polls, quick_polling, unique_prefix, ContractBackend, HeldInterval,
+    IntervalChecker,
 };
 use crate::{
     DistributedLock, DistributedSemaphore, ErrorKind, LockError, LockHandle, LockOptions,
@@ -65,11 +66,11 @@ fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
 /// idle process has given every lock it had back to the backend.
 pub(super) async fn until_idle(lock: &DistributedLock, within: Duration, what: &str) {
     let give_up = Instant::now() + within;
-    while lock.active_keys() != 0 {
+    while lock.active_parties() != 0 {
         assert!(
             Instant::now() < give_up,
             "contract broken: {what}: the process still had {} key(s) after {within:?}",
-            lock.active_keys()
+            lock.active_parties()
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -177,7 +178,7 @@ pub async fn release_is_idempotent_and_drop_releases<B: ContractBackend>(backend
     )
     .await;
     required(next.release().await, "release");
-    assert_eq!(procs[0].active_keys(), 0, "nothing left behind locally");
+    assert_eq!(procs[0].active_parties(), 0, "nothing left behind locally");
 }
 
 /// `acquire` waits for a release and reports `Timeout` when the lock stays busy, neither early
@@ -277,11 +278,11 @@ pub async fn eighty_acquisitions_by_twenty_contenders_in_four_processes_never_ov
                     "acquire",
                 );
                 let start = Instant::now();
-                // Hold briefly so overlapping holds, if any, would be caught.
+                // HeldInterval briefly so overlapping holds, if any, would be caught.
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 assert!(handle.is_held(), "lost while held");
                 let end = Instant::now();
-                checker.record(Hold {
+                checker.record(HeldInterval {
                     key: key.clone(),
                     process,
                     fencing_token: handle.fencing_token(),
@@ -466,7 +467,7 @@ pub async fn cancellation_before_during_and_after_an_attempt_leaks_nothing<B: Co
     required(next.release().await, "release");
 
     let give_up = Instant::now() + Duration::from_secs(20);
-    while procs[0].active_keys() != 0 {
+    while procs[0].active_parties() != 0 {
         assert!(
             Instant::now() < give_up,
             "a cancelled attempt never finished"
@@ -554,8 +555,8 @@ pub async fn local_waiters_are_served_in_arrival_order<B: ContractBackend>(backe
 /// The reader-writer lock of the backend, or `None` after checking that the provider refuses
 /// it as `Misconfigured` (a provider whose locks are exclusive only must say so, never hand out
 /// an exclusive lock as a shared one).
-fn reader_writer_or_refused(lock: &DistributedLock) -> Option<ReaderWriterLock> {
-    match lock.reader_writer() {
+fn reader_writer_or_refused(lock: &DistributedLock, key: &str) -> Option<ReaderWriterLock> {
+    match lock.reader_writer(key) {
         Ok(rw) => Some(rw),
         Err(error) => {
             assert_eq!(
@@ -592,21 +593,25 @@ fn semaphore_or_refused(
 /// its own process and in others; every hold is given back at once.
 pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(backend: &B) {
     let procs = processes(backend, 3, quick_polling()).await;
-    let rws: Vec<ReaderWriterLock> = match procs.iter().map(reader_writer_or_refused).collect() {
+    let key = unique_prefix("rw");
+    let rws: Vec<ReaderWriterLock> = match procs
+        .iter()
+        .map(|lock| reader_writer_or_refused(lock, &key))
+        .collect()
+    {
         Some(rws) => rws,
         None => return,
     };
-    let key = unique_prefix("rw");
     let mut readers = Vec::new();
     for (index, rw) in rws.iter().enumerate() {
-        readers.push(required(rw.try_read(&key).await, "a reader beside readers"));
+        readers.push(required(rw.try_read().await, "a reader beside readers"));
         let what = format!("a second reader in process {index}");
-        readers.push(required(rw.try_read(&key).await, &what));
+        readers.push(required(rw.try_read().await, &what));
     }
-    assert!(readers.iter().all(LockHandle::is_held));
+    assert!(readers.iter().all(|handle| handle.is_held()));
     for rw in &rws {
         expect_kind(
-            rw.try_write(&key).await,
+            rw.try_write().await,
             ErrorKind::Busy,
             "a writer among readers",
         );
@@ -635,7 +640,7 @@ pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(
     // The writer must not wait for its own intent: the readers are gone.
     let writer = match tokio::time::timeout(
         release_settles_within(backend) + quick_polling().max_retry_delay * 4,
-        rws[1].write(&key, Duration::from_secs(30)),
+        rws[1].write(Duration::from_secs(30)),
     )
     .await
     {
@@ -644,12 +649,12 @@ pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(
     };
     for rw in &rws {
         expect_kind(
-            rw.try_read(&key).await,
+            rw.try_read().await,
             ErrorKind::Busy,
             "a reader beside a writer",
         );
         expect_kind(
-            rw.try_write(&key).await,
+            rw.try_write().await,
             ErrorKind::Busy,
             "a writer beside a writer",
         );
@@ -661,7 +666,7 @@ pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(
         "the writer released",
     )
     .await;
-    let reader = required(rws[0].try_read(&key).await, "a reader after the writer");
+    let reader = required(rws[0].try_read().await, "a reader after the writer");
     required(reader.release().await, "release");
 }
 
@@ -669,26 +674,25 @@ pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(
 /// held back while it waits, and it gets in soon after the readers it found have left.
 pub async fn a_writer_waiting_behind_overlapping_readers_gets_in<B: ContractBackend>(backend: &B) {
     let procs = processes(backend, 3, quick_polling()).await;
-    let Some(writer_rw) = reader_writer_or_refused(&procs[0]) else {
+    let key = unique_prefix("writer-starvation");
+    let Some(writer_rw) = reader_writer_or_refused(&procs[0], &key) else {
         return;
     };
-    let key = unique_prefix("writer-starvation");
     let reader_hold = Duration::from_millis(100);
     let writer_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Two reader processes take turns so that some reader always holds the key: each reader
     // starts before the other's ends.
     let mut streams = Vec::new();
     for (process, lock) in procs.iter().enumerate().skip(1) {
-        let Some(rw) = reader_writer_or_refused(lock) else {
+        let Some(rw) = reader_writer_or_refused(lock, &key) else {
             return;
         };
-        let key = key.clone();
         let done = writer_done.clone();
         streams.push(tokio::spawn(async move {
             tokio::time::sleep(reader_hold / 2 * (process as u32 - 1)).await;
             let mut reads = 0usize;
             while !done.load(Ordering::SeqCst) {
-                if let Ok(reader) = rw.try_read(&key).await {
+                if let Ok(reader) = rw.try_read().await {
                     reads += 1;
                     tokio::time::sleep(reader_hold).await;
                     let _ = reader.release().await;
@@ -711,8 +715,7 @@ pub async fn a_writer_waiting_behind_overlapping_readers_gets_in<B: ContractBack
     // runs, and fails at the hard limit below. Each provider documents its own, tighter bound.
     let bound =
         reader_hold * 40 + quick_polling().max_retry_delay * 4 + release_settles_within(backend);
-    let writer =
-        tokio::time::timeout(bound * 4, writer_rw.write(&key, Duration::from_secs(60))).await;
+    let writer = tokio::time::timeout(bound * 4, writer_rw.write(Duration::from_secs(60))).await;
     writer_done.store(true, Ordering::SeqCst);
     let waited = asked.elapsed();
     let writer = match writer {
@@ -769,7 +772,7 @@ pub async fn a_semaphore_never_has_more_than_its_count_of_holders<B: ContractBac
                 assert!(slot.is_held(), "lost while held");
                 current.fetch_sub(1, Ordering::SeqCst);
                 let end = Instant::now();
-                checker.record(Hold {
+                checker.record(HeldInterval {
                     key: key.clone(),
                     process,
                     fencing_token: slot.fencing_token(),
@@ -866,11 +869,11 @@ pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(back
     ) else {
         return;
     };
-    let rw = reader_writer_or_refused(&procs[0]);
+    let rw = reader_writer_or_refused(&procs[0], &key);
     for polls in 1..=6 {
         drop(abandon_after_polls(semaphore.try_acquire(), polls).await);
         if let Some(rw) = &rw {
-            drop(abandon_after_polls(rw.try_read(&key), polls).await);
+            drop(abandon_after_polls(rw.try_read(), polls).await);
         }
         until_idle(
             &procs[0],
@@ -907,7 +910,7 @@ pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(back
     let waits = tokio::time::timeout(Duration::from_millis(50), async {
         let slot = semaphore.acquire(Duration::from_secs(30)).await;
         let read = match &rw {
-            Some(rw) => Some(rw.read(&key, Duration::from_secs(30)).await),
+            Some(rw) => Some(rw.read(Duration::from_secs(30)).await),
             None => None,
         };
         (slot.is_ok(), read.map(|r| r.is_ok()))
@@ -921,7 +924,7 @@ pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(back
     // After: holds dropped as soon as they were won are given back at once.
     drop(required(semaphore.try_acquire().await, "a slot"));
     if let Some(rw) = &rw {
-        drop(required(rw.try_read(&key).await, "a reader"));
+        drop(required(rw.try_read().await, "a reader"));
     }
     until_idle(&procs[0], release_settles_within(backend), "dropped holds").await;
     let (a, b) = (
@@ -939,7 +942,7 @@ pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(back
     let period = backend.lease_period();
     let slot = required(semaphore.try_acquire().await, "a slot");
     let reader = match &rw {
-        Some(rw) => Some(required(rw.try_read(&key).await, "a reader")),
+        Some(rw) => Some(required(rw.try_read().await, "a reader")),
         None => None,
     };
     let until = Instant::now() + period * 3 + period / 2;

@@ -93,21 +93,16 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         self.inner.timing()
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        let acquired = self.inner.try_acquire(key).await?;
-        Ok(self.counted(acquired))
-    }
-
     fn supports(&self, mode: LockMode) -> bool {
         self.inner.supports(mode)
     }
 
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
     ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        let acquired = self.inner.try_acquire_in(key, mode).await?;
+        let acquired = self.inner.try_acquire(key, mode).await?;
         Ok(self.counted(acquired))
     }
 
@@ -128,8 +123,8 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         self.inner.release(&lease.inner).await
     }
 
-    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.release_hint(key)
+    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        self.inner.release_hint(key, mode)
     }
 
     fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {

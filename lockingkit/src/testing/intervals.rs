@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 /// One hold of a lock, from the moment `acquire` returned to the moment `release` was called.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Hold {
+pub struct HeldInterval {
     /// The key held.
     pub key: String,
     /// Which "process" held it.
@@ -23,7 +23,7 @@ pub struct Hold {
 /// Collects holds from many tasks and checks mutual exclusion and fencing order.
 #[derive(Debug, Default)]
 pub struct IntervalChecker {
-    holds: Mutex<Vec<Hold>>,
+    holds: Mutex<Vec<HeldInterval>>,
 }
 
 impl IntervalChecker {
@@ -33,7 +33,7 @@ impl IntervalChecker {
     }
 
     /// Records one hold.
-    pub fn record(&self, hold: Hold) {
+    pub fn record(&self, hold: HeldInterval) {
         self.holds
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -41,7 +41,7 @@ impl IntervalChecker {
     }
 
     /// Every hold recorded so far.
-    pub fn holds(&self) -> Vec<Hold> {
+    pub fn holds(&self) -> Vec<HeldInterval> {
         self.holds
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -51,7 +51,7 @@ impl IntervalChecker {
     /// Describes every violation: two holds of one key that overlap, or fencing tokens that do
     /// not increase in the order the holds began. Empty when the holds are consistent.
     pub fn violations(&self) -> Vec<String> {
-        let mut by_key: HashMap<String, Vec<Hold>> = HashMap::new();
+        let mut by_key: HashMap<String, Vec<HeldInterval>> = HashMap::new();
         for hold in self.holds() {
             by_key.entry(hold.key.clone()).or_default().push(hold);
         }
@@ -84,7 +84,7 @@ impl IntervalChecker {
     /// For a semaphore: describes every instant at which more than `max_holders` holds of one
     /// key overlapped. Fencing tokens are not compared, since a backend may keep them per slot.
     pub fn count_violations(&self, max_holders: usize) -> Vec<String> {
-        let mut by_key: HashMap<String, Vec<Hold>> = HashMap::new();
+        let mut by_key: HashMap<String, Vec<HeldInterval>> = HashMap::new();
         for hold in self.holds() {
             by_key.entry(hold.key.clone()).or_default().push(hold);
         }
@@ -92,7 +92,7 @@ impl IntervalChecker {
         for holds in by_key.values() {
             // Ends sort before starts at the same instant: a hold that ends as another begins
             // does not overlap it.
-            let mut events: Vec<(Instant, bool, &Hold)> = holds
+            let mut events: Vec<(Instant, bool, &HeldInterval)> = holds
                 .iter()
                 .flat_map(|h| [(h.start, true, h), (h.end, false, h)])
                 .collect();
@@ -146,8 +146,8 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn hold(process: usize, token: u64, start_ms: u64, end_ms: u64, base: Instant) -> Hold {
-        Hold {
+    fn hold(process: usize, token: u64, start_ms: u64, end_ms: u64, base: Instant) -> HeldInterval {
+        HeldInterval {
             key: "k".into(),
             process,
             fencing_token: token,

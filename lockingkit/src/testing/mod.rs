@@ -73,7 +73,7 @@ use std::time::Duration;
 
 pub use cases::*;
 pub use counting::{CountedLease, CountingBackend};
-pub use intervals::{Hold, IntervalChecker};
+pub use intervals::{HeldInterval, IntervalChecker};
 pub use release::{
     a_repeated_or_late_release_never_frees_the_next_holder, each_lease_is_released_exactly_once,
 };

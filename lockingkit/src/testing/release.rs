@@ -19,7 +19,7 @@ fn process<B: LockBackend>(backend: B) -> DistributedLock {
 }
 
 async fn acquire<B: LockBackend>(backend: &B, key: &str, what: &str) -> B::Lease {
-    match backend.try_acquire(key).await {
+    match backend.try_acquire(key, crate::LockMode::Exclusive).await {
         Ok(Some(acquired)) => acquired.lease,
         Ok(None) => panic!("contract broken: {what}: the free key was busy"),
         Err(error) => panic!("contract broken: {what}: {error}"),
@@ -28,7 +28,7 @@ async fn acquire<B: LockBackend>(backend: &B, key: &str, what: &str) -> B::Lease
 
 /// Fails the case unless `key` is busy for `observer`, a process that holds nothing.
 async fn busy_for<B: LockBackend>(observer: &B, key: &str, what: &str) {
-    match observer.try_acquire(key).await {
+    match observer.try_acquire(key, crate::LockMode::Exclusive).await {
         Ok(None) => {}
         Ok(Some(acquired)) => {
             let _ = observer.release(&acquired.lease).await;

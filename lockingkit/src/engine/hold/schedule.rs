@@ -12,7 +12,7 @@
 //!
 //! The keeper, once started, enforces the loss deadline from the acquire's send time, so a
 //! driver that runs late (a starved runtime) can delay renewal but never postpone loss:
-//! `LockHandle::is_held` checks the deadline itself, and a late keeper finds it passed at once.
+//! `LockView::is_held` checks the deadline itself, and a late keeper finds it passed at once.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};

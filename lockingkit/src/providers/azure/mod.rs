@@ -254,17 +254,6 @@ impl LockBackend for AzureBlobBackend {
         LeaseTiming::Expiring(self.lease_duration)
     }
 
-    async fn try_acquire(
-        &self,
-        key: &str,
-    ) -> Result<Option<Acquired<AzureBlobLease>>, BackendError> {
-        let lease = self.guards.try_acquire(key).await?;
-        Ok(lease.map(|lease| Acquired {
-            fencing_token: lease.fencing_token,
-            lease,
-        }))
-    }
-
     /// Exclusive locks, and semaphores of 1 to [`MAX_SEMAPHORE_SLOTS`] holders; never shared
     /// holds, which blob leases cannot express.
     fn supports(&self, mode: LockMode) -> bool {
@@ -275,7 +264,7 @@ impl LockBackend for AzureBlobBackend {
         }
     }
 
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,

@@ -467,15 +467,6 @@ impl LockBackend for PostgresBackend {
         LeaseTiming::ConnectionHeld(self.inner.check_interval)
     }
 
-    async fn try_acquire(
-        &self,
-        key: &str,
-    ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
-        let advisory_key = PostgresLockKeys::advisory_key(key);
-        self.attempt(Attempt::Exclusive(advisory_key), advisory_key)
-            .await
-    }
-
     /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] slots: a busy
     /// semaphore attempt tries every slot in its one statement (a few microseconds each in the
     /// server's lock table), and slot numbers stay far below the fencing setup lock's, which
@@ -487,7 +478,7 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
@@ -596,10 +587,23 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    fn release_hint(&self, key: &str) -> impl Future<Output = ()> + Send + 'static {
-        self.inner
-            .releases
-            .subscribe(PostgresLockKeys::advisory_key(key))
+    /// Plain locks and readers: the watcher of the key (see `watch`). A semaphore's key names
+    /// no lock the server could wake anyone for: none.
+    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        let hint = match mode {
+            LockMode::Semaphore { .. } => None,
+            _ => Some(
+                self.inner
+                    .releases
+                    .subscribe(PostgresLockKeys::advisory_key(key)),
+            ),
+        };
+        async move {
+            match hint {
+                Some(hint) => hint.await,
+                None => std::future::pending().await,
+            }
+        }
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and

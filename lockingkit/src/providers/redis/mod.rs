@@ -358,10 +358,6 @@ impl LockBackend for RedisBackend {
         self.inner.connection.close();
     }
 
-    async fn try_acquire(&self, key: &str) -> Result<Option<Acquired<RedisLease>>, BackendError> {
-        self.attempt(key, LockMode::Exclusive).await
-    }
-
     /// Exclusive locks, readers, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] holders.
     fn supports(&self, mode: LockMode) -> bool {
         match mode {
@@ -370,7 +366,7 @@ impl LockBackend for RedisBackend {
         }
     }
 
-    async fn try_acquire_in(
+    async fn try_acquire(
         &self,
         key: &str,
         mode: LockMode,
@@ -425,9 +421,27 @@ impl LockBackend for RedisBackend {
         }
     }
 
-    fn release_hint(&self, key: &str) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let names = RedisLockKeys::lock(&self.inner.prefix, key);
-        self.inner.releases.hint(names.released)
+    /// Plain locks and readers: the key's `released` channel, on which every release of the
+    /// lock or of a reader is published (see `watch`). Semaphore releases publish nothing, so
+    /// their waiters poll.
+    fn release_hint(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let hint = match mode {
+            LockMode::Semaphore { .. } => None,
+            _ => {
+                let names = RedisLockKeys::lock(&self.inner.prefix, key);
+                Some(self.inner.releases.hint(names.released))
+            }
+        };
+        async move {
+            match hint {
+                Some(hint) => hint.await,
+                None => std::future::pending().await,
+            }
+        }
     }
 }
 
@@ -518,7 +532,7 @@ mod tests {
         };
         let before = tasks();
         for _ in 0..3 {
-            let Err(error) = backend.try_acquire("k").await else {
+            let Err(error) = backend.try_acquire("k", LockMode::Exclusive).await else {
                 panic!("nothing listens")
             };
             assert_eq!(

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Makes sure the Redis server binaries (redis-server, redis-cli) exist for the test fixture
+# Makes sure the Redis server binaries (redis-server, redis-cli) and openssl exist for the test fixture
 # (tests/support/redis.rs), which starts throwaway servers and a three-master Redis Cluster
 # from them on loopback ports. Idempotent; installs Debian's redis-server when a binary is
 # missing, and keeps the package's own service (port 6379) from running: the fixture needs no
 # shared server, and one left running would only use memory. No server is started here.
 set -euo pipefail
 
+# openssl makes the throwaway certificates of the TLS tests.
 found_binaries() {
-  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1
+  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
+    && command -v openssl >/dev/null 2>&1
 }
 
 if ! found_binaries; then
@@ -26,7 +28,7 @@ if ! found_binaries; then
     trap 'rm -f "$policy"' EXIT
   fi
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
+  apt-get install -y -qq --no-install-recommends redis-server redis-tools openssl >/dev/null
   if [ -d /run/systemd/system ]; then
     systemctl disable --now redis-server >/dev/null 2>&1 || true
   fi

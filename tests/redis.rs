@@ -15,7 +15,7 @@ use lockingkit::{
 };
 use lockingkit_tests::field_log::FieldLog;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
-use lockingkit_tests::redis::{RedisCluster, RedisServer};
+use lockingkit_tests::redis::{RedisCluster, RedisServer, TlsRedisServer};
 use redis::AsyncCommands;
 use tokio::time::Instant;
 
@@ -1672,4 +1672,246 @@ async fn ended_waits_leave_no_subscription_and_the_wait_connection_closes_when_i
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+// ----------------------------------------------------------------------------------------------
+// TLS (rediss://) on one server
+// ----------------------------------------------------------------------------------------------
+
+/// Options for the TLS port of `server`, trusting the authority that signed its certificate.
+fn tls_options(server: &TlsRedisServer) -> RedisOptions {
+    RedisOptions {
+        tls_root_cert: Some(server.ca()),
+        ..options(server.tls_url(), false)
+    }
+}
+
+/// The connections on `port` of `node`, as its `CLIENT LIST` says (`laddr`), not counting
+/// the listing's own.
+fn clients_on_port(node: &RedisServer, port: u16) -> usize {
+    let laddr = format!("laddr=127.0.0.1:{port} ");
+    node.cli(&["CLIENT", "LIST"])
+        .lines()
+        .filter(|line| !line.contains("cmd=client") && line.contains(&laddr))
+        .count()
+}
+
+mod tls_contract {
+    use super::*;
+
+    /// Each "process" has its own backend on the TLS port of one server.
+    pub(super) struct TlsContract {
+        server: TlsRedisServer,
+    }
+
+    impl ContractBackend for TlsContract {
+        async fn new_process(&self, options: LockOptions) -> DistributedLock {
+            DistributedLock::builder(
+                RedisBackend::new(tls_options(&self.server)).expect("valid TLS options"),
+            )
+            .options(options)
+            .build()
+            .expect("lock options")
+        }
+
+        fn lease_period(&self) -> Duration {
+            LEASE
+        }
+    }
+
+    lockingkit::contract_tests!(async {
+        TlsContract {
+            server: TlsRedisServer::start().await,
+        }
+    });
+}
+
+/// Locks, waiting and the startup check over TLS: the lock connection and the pub/sub
+/// connection are both on the TLS port (the plain port carries only this test's inspection), a
+/// password in the URL logs in over TLS, and a release wakes a waiter in another process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rediss_url_takes_locks_and_wakes_waiters_over_tls() {
+    let tls = TlsRedisServer::start().await;
+    let server = tls.server();
+    let rules = ["+@all", "~*", "&*"];
+    let mut args = vec!["ACL", "SETUSER", "locker", "reset", "on", ">tls-secret"];
+    args.extend_from_slice(&rules);
+    assert_eq!(server.cli(&args), "OK");
+    let url = format!("rediss://locker:tls-secret@127.0.0.1:{}", tls.tls_port());
+    let process = || {
+        let backend = RedisBackend::new(RedisOptions {
+            url: url.clone().into(),
+            ..tls_options(&tls)
+        })
+        .expect("TLS options");
+        assert!(!format!("{backend:?}").contains("tls-secret"));
+        DistributedLock::builder(backend)
+            .options(LockOptions {
+                min_retry_delay: Duration::from_secs(5),
+                max_retry_delay: Duration::from_secs(5),
+                ..LockOptions::default()
+            })
+            .build()
+            .expect("lock options")
+    };
+    let (holder, waiter) = (process(), process());
+    holder
+        .backend::<RedisBackend>()
+        .expect("Redis")
+        .verify()
+        .await
+        .expect("the startup check over TLS");
+    let key = unique_prefix("tls/wake");
+    let names = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let held = holder.try_acquire(&key).await.expect("a lock over TLS");
+    let first_token = held.fencing_token();
+    assert_eq!(
+        server.cli(&["GET", &names.fence]),
+        held.fencing_token().to_string()
+    );
+    let waiting = {
+        let (waiter, key) = (waiter.clone(), key.clone());
+        tokio::spawn(async move {
+            let handle = waiter.acquire(&key, Duration::from_secs(30)).await;
+            (Instant::now(), handle)
+        })
+    };
+    let started = Instant::now();
+    while !server
+        .cli(&["PUBSUB", "NUMSUB", &names.released])
+        .ends_with('1')
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Two lock connections and the waiter's pub/sub connection, all on the TLS port.
+    assert_eq!(clients_on_port(server, tls.tls_port()), 3);
+    assert_eq!(clients_on_port(server, server.port()), 0);
+    let released = Instant::now();
+    held.release().await.expect("release over TLS");
+    let (got_at, handle) = waiting.await.expect("the waiter task");
+    let handle = handle.expect("the waiter's lock");
+    assert!(
+        got_at - released < Duration::from_secs(1),
+        "woken {:?} after the release: its retry was 5 s away",
+        got_at - released
+    );
+    assert!(handle.fencing_token() > first_token);
+    handle.release().await.expect("release");
+    assert_eq!(server.cli(&["EXISTS", &names.lock]), "0");
+}
+
+/// A certificate the client does not trust is a misconfiguration (no retry fixes it) found by
+/// the startup check and by every attempt; a plain port leaves the handshake unanswered, which
+/// is transient like any connect that times out, but says what to check. No message carries
+/// the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untrusted_certificate_or_a_plain_port_is_misconfigured() {
+    let tls = TlsRedisServer::start().await;
+    let other = TlsRedisServer::start().await;
+    let secret_url = |port: u16| format!("rediss://:hunter2@127.0.0.1:{port}");
+    let cases = [
+        (
+            "the platform's trust store",
+            RedisOptions {
+                tls_root_cert: None,
+                ..options(secret_url(tls.tls_port()), false)
+            },
+            "not trusted",
+            BackendErrorKind::Misconfigured,
+        ),
+        (
+            "another authority",
+            RedisOptions {
+                tls_root_cert: Some(other.ca()),
+                ..options(secret_url(tls.tls_port()), false)
+            },
+            "not trusted",
+            BackendErrorKind::Misconfigured,
+        ),
+        (
+            "a host the certificate does not name",
+            RedisOptions {
+                tls_root_cert: Some(tls.ca()),
+                ..options(
+                    format!("rediss://:hunter2@localhost:{}", tls.tls_port()),
+                    false,
+                )
+            },
+            "not trusted",
+            BackendErrorKind::Misconfigured,
+        ),
+        (
+            "the plain port",
+            RedisOptions {
+                tls_root_cert: Some(tls.ca()),
+                ..options(secret_url(tls.server().port()), false)
+            },
+            "serve TLS on this port",
+            BackendErrorKind::Transient { reached: false },
+        ),
+    ];
+    for (case, options, expected, kind) in cases {
+        let backend = RedisBackend::new(options).expect("valid options");
+        let error = backend.verify().await.expect_err(case);
+        let reported = match kind {
+            BackendErrorKind::Misconfigured => ErrorKind::Misconfigured,
+            _ => ErrorKind::Unavailable,
+        };
+        assert_eq!(error.kind(), reported, "{case}: {error}");
+        let text = format!("{error} {error:?}");
+        assert!(text.contains(expected), "{case}: {text}");
+        assert!(!text.contains("hunter2"), "{case}: {text}");
+        let error = backend
+            .try_acquire("k", LockMode::Exclusive)
+            .await
+            .expect_err(case);
+        assert_eq!(error.kind(), kind, "{case}: {error}");
+    }
+}
+
+/// A `tls_root_cert` that cannot be used, or one without `rediss://`, and TLS on a cluster are
+/// refused when the backend is built, each naming its setting.
+#[test]
+fn unusable_tls_settings_are_refused_at_construction() {
+    let dir = std::env::temp_dir().join(unique_prefix("tls-settings"));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let not_pem = dir.join("not-a-certificate.pem");
+    std::fs::write(&not_pem, "hello").expect("a file");
+    let cases = [
+        (
+            "rediss://127.0.0.1:6380",
+            false,
+            Some(not_pem.clone()),
+            "tls_root_cert",
+        ),
+        (
+            "rediss://127.0.0.1:6380",
+            false,
+            Some(dir.join("missing.pem")),
+            "tls_root_cert",
+        ),
+        (
+            "redis://127.0.0.1:6379",
+            false,
+            Some(not_pem.clone()),
+            "does not use TLS",
+        ),
+        ("rediss://127.0.0.1:7000", true, None, "one server only"),
+    ];
+    for (url, cluster, root, expected) in cases {
+        let error = match RedisBackend::new(RedisOptions {
+            tls_root_cert: root,
+            ..options(url.to_owned(), cluster)
+        }) {
+            Ok(_) => panic!("{url} with {expected:?} was accepted"),
+            Err(error) => error,
+        };
+        assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+        assert!(error.to_string().contains(expected), "{url}: {error}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -46,6 +46,8 @@ mod semaphore;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+mod tls;
 
 pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode};
 pub use engine::LockOptions;

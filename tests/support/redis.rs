@@ -6,6 +6,8 @@
 //! A server can be killed (SIGKILL), frozen (SIGSTOP) and thawed, and started again on its port
 //! — empty, as a server without persistence comes back. [`RedisServer::replica_of`] starts a
 //! replica, and [`RedisServer::promote`] makes it a primary, for failover cases.
+//! [`TlsRedisServer`] serves TLS too, with a certificate from a throwaway authority made with
+//! `openssl`.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -481,4 +483,136 @@ fn signal(pid: u32, signal: i32) {
     unsafe {
         libc::kill(pid, signal);
     }
+}
+
+/// A server that also serves TLS, on a port of its own, with a certificate for `127.0.0.1`
+/// signed by a throwaway certificate authority (made with `openssl`, removed on drop); its plain
+/// port stays open for `redis-cli`.
+pub struct TlsRedisServer {
+    server: RedisServer,
+    tls_port: u16,
+    certs: PathBuf,
+}
+
+impl TlsRedisServer {
+    pub async fn start() -> TlsRedisServer {
+        let (certs, tls_port) = tokio::task::spawn_blocking(|| {
+            let certs = scratch_dir().expect("a scratch directory");
+            make_certificates(&certs).unwrap_or_else(|e| panic!("cannot make certificates: {e}"));
+            (certs, free_port(false).expect("a free port"))
+        })
+        .await
+        .expect("the certificate task");
+        let file = |name: &str| certs.join(name).to_string_lossy().into_owned();
+        let server = RedisServer::start_with(vec![
+            "--tls-port".into(),
+            tls_port.to_string(),
+            "--tls-cert-file".into(),
+            file("server.pem"),
+            "--tls-key-file".into(),
+            file("server.key"),
+            "--tls-ca-cert-file".into(),
+            file("ca.pem"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ])
+        .await;
+        TlsRedisServer {
+            server,
+            tls_port,
+            certs,
+        }
+    }
+
+    /// `rediss://127.0.0.1:{tls port}`.
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}", self.tls_port)
+    }
+
+    pub fn tls_port(&self) -> u16 {
+        self.tls_port
+    }
+
+    /// The PEM file of the authority that signed the server's certificate.
+    pub fn ca(&self) -> PathBuf {
+        self.certs.join("ca.pem")
+    }
+
+    /// The server, for its plain port and process control.
+    pub fn server(&self) -> &RedisServer {
+        &self.server
+    }
+}
+
+impl Drop for TlsRedisServer {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.certs);
+    }
+}
+
+/// `ca.pem` (a certificate authority) and `server.pem`/`server.key` (signed by it, for the IP
+/// address 127.0.0.1 only, so `localhost` is a name it does not carry) in `dir`.
+fn make_certificates(dir: &std::path::Path) -> io::Result<()> {
+    let openssl = |args: &[&str]| -> io::Result<()> {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "openssl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stderr)
+            )))
+        }
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec![
+        "req",
+        "-x509",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=LockingKit test CA",
+    ];
+    ca.extend(ec);
+    ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+    ca.extend(["-addext", "basicConstraints=critical,CA:TRUE"]);
+    ca.extend(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]);
+    openssl(&ca)?;
+    let mut request = vec!["req", "-subj", "/CN=127.0.0.1"];
+    request.extend(ec);
+    request.extend(["-keyout", "server.key", "-out", "server.csr"]);
+    openssl(&request)?;
+    fs::write(
+        dir.join("server.ext"),
+        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n\
+         subjectAltName=IP:127.0.0.1\n",
+    )?;
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+        "-out",
+        "server.pem",
+    ])
 }

@@ -23,25 +23,57 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::{socket2, TcpSettings};
 use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
+use rustls::ClientConfig;
 use tokio::time::Instant;
 
 use super::errors::{self, Stage};
 use super::locked;
 use super::options::RedisOptions;
+use super::tls::Tls;
 use crate::backend::{BackendError, BackendErrorKind};
 use crate::health::{Admission, Health, Refusal};
 
 /// Where the backend connects: parsed once from the options.
 #[derive(Clone)]
 pub(super) enum Target {
-    Server(ConnectionInfo),
+    Server(Server),
     Cluster(Vec<ConnectionInfo>),
 }
 
+/// One server, and TLS to it when its URL says `rediss://`.
+#[derive(Clone)]
+pub(super) struct Server {
+    pub(super) info: ConnectionInfo,
+    pub(super) tls: Option<Tls>,
+}
+
 impl Target {
-    /// The target of `options`, or every problem with its URL, worded to follow the field's
-    /// name. No problem quotes the URL: it may carry the password.
-    pub(super) fn parse(options: &RedisOptions) -> Result<Target, Vec<String>> {
+    /// Whether `options` name a server over TLS (`rediss://`), which needs a client
+    /// configuration to connect.
+    pub(super) fn uses_tls(options: &RedisOptions) -> bool {
+        let scheme = options
+            .url
+            .expose()
+            .trim()
+            .split_once("://")
+            .map(|(s, _)| s);
+        matches!(scheme, Some("rediss" | "valkeys"))
+    }
+
+    /// The problems with the URL of `options`, worded to follow the field's name (checking only:
+    /// no TLS is set up).
+    pub(super) fn problems(options: &RedisOptions) -> Vec<String> {
+        Self::parse(options, None).err().unwrap_or_default()
+    }
+
+    /// The target of `options`, with `tls` for a `rediss://` server (without it, which only
+    /// checking the URL does, such a server is parsed but cannot be reached over TLS), or every
+    /// problem with its URL, worded to follow the field's name. No problem quotes the URL: it
+    /// may carry the password.
+    pub(super) fn parse(
+        options: &RedisOptions,
+        tls: Option<&Arc<ClientConfig>>,
+    ) -> Result<Target, Vec<String>> {
         let text = options.url.expose().trim();
         if text.is_empty() {
             return Err(vec!["is required".to_owned()]);
@@ -70,27 +102,46 @@ impl Target {
         if !problems.is_empty() {
             return Err(problems);
         }
-        Ok(if options.cluster {
-            Target::Cluster(infos)
-        } else {
-            Target::Server(infos.remove(0))
-        })
+        if options.cluster {
+            return Ok(Target::Cluster(infos));
+        }
+        let info = infos.remove(0);
+        let tls = match (Self::uses_tls(options), tls) {
+            (true, Some(config)) => Some(Tls::new(config.clone(), &info).map_err(|p| vec![p])?),
+            _ => None,
+        };
+        Ok(Target::Server(Server { info, tls }))
     }
 }
 
 /// One node's connection settings, with the TCP settings a lock client needs.
 fn parse_one(url: &str, cluster: bool) -> Result<ConnectionInfo, String> {
-    const FORM: &str = "must be redis://[user[:password]@]host[:port][/db] or unix:///path";
-    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
-    match scheme {
-        Some("rediss" | "valkeys") => {
-            return Err("uses TLS, which the redis provider does not support yet".to_owned())
+    const FORM: &str =
+        "must be redis://[user[:password]@]host[:port][/db], rediss://… (TLS) or unix:///path";
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let plain = match scheme {
+        "rediss" | "valkeys" if cluster => {
+            return Err(
+                "uses TLS, which the redis provider supports on one server only, not on \
+                        a Redis Cluster"
+                    .to_owned(),
+            )
         }
-        Some("redis" | "valkey" | "unix" | "redis+unix" | "valkey+unix") => {}
+        "rediss" | "valkeys" if rest.contains('#') => {
+            return Err(
+                "asks for TLS without checking the certificate (#insecure), which the \
+                        redis provider does not do: trust a private CA with tls_root_cert"
+                    .to_owned(),
+            )
+        }
+        // The library parses the rest; the TLS session is ours (see `tls`).
+        "rediss" | "valkeys" => format!("redis://{rest}"),
+        "redis" | "valkey" | "unix" | "redis+unix" | "valkey+unix" => url.to_owned(),
         _ => return Err(FORM.to_owned()),
-    }
+    };
     // The library's own messages are fixed texts that never repeat the URL.
-    let info = url
+    let info = plain
+        .as_str()
         .into_connection_info()
         .map_err(|error| format!("{FORM} ({})", errors::library_text(&error)))?;
     // `CLIENT SETINFO` (Redis 7.2 and later) would be answered with an error by older servers
@@ -106,16 +157,21 @@ fn parse_one(url: &str, cluster: bool) -> Result<ConnectionInfo, String> {
     Ok(info.set_tcp_settings(tcp_settings()))
 }
 
-/// No Nagle delay (requests are small and answered at once), and keepalive probes so a
-/// vanished server is noticed within about a minute rather than the kernel's two hours.
+/// No Nagle delay (requests are small and answered at once), and keepalive probes (see
+/// [`keepalive`]).
 fn tcp_settings() -> TcpSettings {
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(Duration::from_secs(30))
-        .with_interval(Duration::from_secs(10))
-        .with_retries(3);
     TcpSettings::default()
         .set_nodelay(true)
-        .set_keepalive(keepalive)
+        .set_keepalive(keepalive())
+}
+
+/// Keepalive probes, so a vanished server is noticed within about a minute rather than the
+/// kernel's two hours.
+pub(super) fn keepalive() -> socket2::TcpKeepalive {
+    socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3)
 }
 
 /// How long after a failure the first probe may go out.
@@ -306,7 +362,11 @@ impl Connection {
 
     async fn open(&self) -> Result<Link, BackendError> {
         match &self.target {
-            Target::Server(info) => {
+            Target::Server(Server {
+                info,
+                tls: Some(tls),
+            }) => tls.multiplexed(info, self.timeout).await.map(Link::Server),
+            Target::Server(Server { info, tls: None }) => {
                 let client = redis::Client::open(info.clone())
                     .map_err(|e| errors::request_error(&e, Stage::Connect))?;
                 let config = AsyncConnectionConfig::new()

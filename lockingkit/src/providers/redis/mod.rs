@@ -41,6 +41,7 @@ mod errors;
 mod eval;
 pub mod lua;
 mod options;
+mod tls;
 mod watch;
 
 use std::fmt;
@@ -124,7 +125,18 @@ impl RedisBackend {
         if !problems.is_empty() {
             return Err(problems);
         }
-        let target = Target::parse(&options).map_err(|found| {
+        let tls = match Target::uses_tls(&options) {
+            true => Some(
+                tls::client_config(options.tls_root_cert.as_deref()).map_err(|problem| {
+                    vec![match options.tls_root_cert {
+                        Some(_) => format!("{section}.{problem}"),
+                        None => format!("{section}.url uses TLS, but {problem}"),
+                    }]
+                })?,
+            ),
+            false => None,
+        };
+        let target = Target::parse(&options, tls.as_ref()).map_err(|found| {
             found
                 .into_iter()
                 .map(|p| format!("{section}.url {p}"))

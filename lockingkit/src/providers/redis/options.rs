@@ -1,5 +1,6 @@
 //! Options of the Redis provider, bound from configuration and checked at startup.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -38,9 +39,10 @@ pub const MAX_KEY_PREFIX_LEN: usize = 128;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisOptions {
-    /// The server: `redis://[user[:password]@]host[:port][/db]`, or `unix:///path?db=0&pass=…`.
-    /// With `cluster`, one or more nodes of the cluster separated by commas (the others are
-    /// discovered). Secret: it may carry the password.
+    /// The server: `redis://[user[:password]@]host[:port][/db]`, `rediss://…` for TLS (one
+    /// server only; see `tls_root_cert`), or `unix:///path?db=0&pass=…`. With `cluster`, one or
+    /// more nodes of the cluster separated by commas (the others are discovered). Secret: it
+    /// may carry the password.
     pub url: SecretString,
     /// Whether `url` names nodes of a Redis Cluster (database 0 only).
     pub cluster: bool,
@@ -65,6 +67,10 @@ pub struct RedisOptions {
     /// shorter than `request_timeout`.
     #[serde(with = "crate::config::duration")]
     pub replica_timeout: Duration,
+    /// For a `rediss://` URL (TLS), a PEM file of the certificate authorities to trust instead
+    /// of the platform's trust store (a private CA, say). Unset by default: the platform's
+    /// store checks the server's certificate, and its name must match the URL's host either way.
+    pub tls_root_cert: Option<PathBuf>,
     /// How long a writer that found the key read holds new readers back after each of its
     /// attempts (its *intent*). Default 2 s; it must be longer than the engine's
     /// `max_retry_delay` (1 s by default), so the intent stands for as long as the writer waits:
@@ -90,6 +96,7 @@ impl Default for RedisOptions {
             replicas: 0,
             replica_timeout: Duration::from_millis(500),
             writer_intent: Duration::from_secs(2),
+            tls_root_cert: None,
         }
     }
 }
@@ -133,13 +140,15 @@ impl RedisOptions {
     /// `Locking.Default`). An empty list means the options are valid. No message quotes the
     /// URL.
     pub fn problems(&self, section: &str) -> Vec<String> {
-        let mut problems = match Target::parse(self) {
-            Ok(_) => Vec::new(),
-            Err(found) => found
-                .into_iter()
-                .map(|problem| format!("{section}.url {problem}"))
-                .collect(),
-        };
+        let mut problems: Vec<String> = Target::problems(self)
+            .into_iter()
+            .map(|problem| format!("{section}.url {problem}"))
+            .collect();
+        if self.tls_root_cert.is_some() && !Target::uses_tls(self) {
+            problems.push(format!(
+                "{section}.tls_root_cert is set, but url does not use TLS (rediss://)"
+            ));
+        }
         if self.key_prefix.is_empty() || self.key_prefix.len() > MAX_KEY_PREFIX_LEN {
             problems.push(format!(
                 "{section}.key_prefix must be 1 to {MAX_KEY_PREFIX_LEN} bytes"
@@ -229,6 +238,9 @@ mod tests {
         assert!(RedisOptions::new("unix:///run/redis.sock?db=2")
             .problems("S")
             .is_empty());
+        assert!(RedisOptions::new("rediss://:secret@cache.internal:6380/0")
+            .problems("S")
+            .is_empty());
     }
 
     #[test]
@@ -242,9 +254,10 @@ mod tests {
             replicas: 1,
             replica_timeout: Duration::ZERO,
             writer_intent: Duration::ZERO,
+            tls_root_cert: Some("/etc/ssl/private-ca.pem".into()),
         };
         let problems = options.problems("Locking.Jobs");
-        assert_eq!(problems.len(), 6, "{problems:#?}");
+        assert_eq!(problems.len(), 7, "{problems:#?}");
         assert!(problems.iter().all(|p| p.starts_with("Locking.Jobs.")));
         assert!(
             problems.iter().all(|p| !p.contains("hunter2")),
@@ -258,7 +271,16 @@ mod tests {
         for (url, cluster, expected) in [
             ("cache.internal:6379", false, "redis://"),
             ("redis://a:1,redis://b:2", false, "one server"),
-            ("rediss://cache:6380", false, "TLS"),
+            (
+                "rediss://cache:6380,rediss://other:6380",
+                true,
+                "one server only",
+            ),
+            (
+                "rediss://:hunter2@cache:6380/#insecure",
+                false,
+                "tls_root_cert",
+            ),
             ("redis://cache/1", true, "other than 0"),
             ("redis://:hunter2@", false, "redis://"),
         ] {

@@ -36,13 +36,13 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::aio::{PubSubSink, PubSubStream};
+use redis::aio::{PubSub, PubSubSink, PubSubStream};
 use redis::ConnectionInfo;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::connection::{Target, FIRST_DELAY, MOST_DELAY};
+use super::connection::{Server, Target, FIRST_DELAY, MOST_DELAY};
 use super::errors::{self, Stage};
 use crate::backend::{BackendError, BackendErrorKind};
 use crate::backoff::Backoff;
@@ -395,7 +395,11 @@ pub(super) async fn open(
     timeout: Duration,
 ) -> Result<(PubSubSink, PubSubStream), BackendError> {
     let nodes: Vec<&ConnectionInfo> = match target {
-        Target::Server(info) => vec![info],
+        Target::Server(Server {
+            info,
+            tls: Some(tls),
+        }) => return tls.pubsub(info, timeout).await.map(PubSub::split),
+        Target::Server(Server { info, tls: None }) => vec![info],
         Target::Cluster(nodes) => nodes.iter().collect(),
     };
     let mut last = errors::timed_out(Stage::Connect, timeout);

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use lockingkit::config::Problem;
 use lockingkit::registry::ProviderSection;
 use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError, LockMode};
 use serde::Deserialize;
@@ -53,14 +54,14 @@ fn default_lease() -> Duration {
 }
 
 impl FileLockOptions {
-    /// Lists every problem with these options, prefixed with `section`.
-    pub fn problems(&self, section: &str) -> Vec<String> {
+    /// Lists every problem with these options, each about one of their settings.
+    pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.directory.as_os_str().is_empty() {
-            problems.push(format!("{section}.directory must not be empty"));
+            problems.push(Problem::new("directory", "must not be empty"));
         }
         if self.lease_duration < Duration::from_millis(100) {
-            problems.push(format!("{section}.lease_duration must be at least 100ms"));
+            problems.push(Problem::new("lease_duration", "must be at least 100ms"));
         }
         problems
     }
@@ -149,11 +150,8 @@ impl FileLockBackend {
     /// The factory to register under [`PROVIDER`]: binds [`FileLockOptions`] from the
     /// section, checks them and opens the directory.
     pub fn from_section(section: &ProviderSection) -> Result<Self, LockError> {
-        let options: FileLockOptions = section.bind()?;
-        let problems = options.problems(section.path());
-        if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
-        }
+        // Binding and the options' own checks report together, placed in the section.
+        let options: FileLockOptions = section.bind_checked(FileLockOptions::problems)?;
         Self::open(&options)
     }
 

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use config::{Config, Environment, File};
-use lockingkit::registry::{MemoryOptions, ProviderSection};
+use lockingkit::registry::ProviderSection;
+use lockingkit::MemoryOptions;
 use lockingkit::{
     AzureBlobOptions, ErrorKind, LeaseTiming, LockBackend, LockError, LockOptions, Locking,
     LockingConfig, MemoryBackend, MemoryStore, PostgresOptions,
@@ -80,7 +81,7 @@ port = 8080
 [Locking.Default]
 provider = "postgres"
 connection_string = "host=127.0.0.1 port=5432 user=app password={PG_PASSWORD} dbname=app"
-pool_size = 8
+max_sessions = 8
 check_interval = "2s"
 max_retry_delay = "2s"
 
@@ -178,13 +179,18 @@ async fn a_provider_binds_from_environment_variables_alone() {
             &format!("postgres://app:{ENV_PASSWORD}@127.0.0.1:5432/app"),
         ),
         // Environment variables are strings; numbers and durations still bind.
-        ("LOCKING__DEFAULT__POOL_SIZE", "4"),
+        ("LOCKING__DEFAULT__MAX_SESSIONS", "3"),
         ("LOCKING__DEFAULT__QUERY_TIMEOUT", "750ms"),
         ("LOCKING__DEFAULT__MIN_RETRY_DELAY", "20ms"),
     ]);
     let locking = Locking::from_config(env).unwrap();
     assert_eq!(locking.default_lock().name(), "Default");
     assert_eq!(locking.default_lock().provider(), "postgres");
+    let backend = locking
+        .default_lock()
+        .backend::<lockingkit::PostgresBackend>();
+    let shown = format!("{backend:?}");
+    assert!(shown.contains("max_sessions: 3"), "{shown}");
     assert!(!format!("{locking:?}").contains(ENV_PASSWORD));
 }
 
@@ -195,7 +201,7 @@ async fn a_secret_kept_out_of_the_file_comes_from_the_environment() {
         r#"
 [Locking.Default]
 provider = "postgres"
-pool_size = 4
+max_sessions = 4
 "#,
     );
     let shown = misconfigured(Locking::from_config(file.locking()));
@@ -225,7 +231,7 @@ fn every_problem_across_file_and_environment_is_listed_in_one_startup_error() {
 [Locking.Default]
 provider = "postgres"
 connection_string = "postgres://app:{PG_PASSWORD}@db/app?sslmode=sometimes"
-pool_size = 0
+max_sessions = 0
 
 [Locking.Jobs]
 provider = "azure_blob"
@@ -256,7 +262,7 @@ lease = "30s"
     );
     let expected = [
         "Locking.Default.connection_string:",
-        "Locking.Default.pool_size must be at least 1",
+        "Locking.Default.max_sessions must be a whole number from 1 to 1024",
         "Locking.Jobs.lease_duration must be between 15s and 60s",
         "Locking.Jobs.min_retry_delay (5s) must not exceed max_retry_delay (1s)",
         "Locking.Reports.provider carrier_pigeon is not a known provider",
@@ -351,7 +357,7 @@ fn a_setting_that_does_not_parse_hides_no_other_problem_of_its_section() {
 [Locking.Default]
 provider = "postgres"
 connection_string = "host=127.0.0.1 user=app"
-pool_size = -1
+max_sessions = -1
 check_interval = "0s"
 
 [Locking.Jobs]
@@ -369,7 +375,7 @@ renew_every = "40s"
     );
     let shown = misconfigured(Locking::from_config(file.locking()));
     for expected in [
-        "Locking.Default.pool_size: expected a whole number from 0 to",
+        "Locking.Default.max_sessions: expected a whole number from 1 to 1024",
         "Locking.Default.check_interval must be greater than zero",
         "Locking.Jobs.lease_duraton is not a setting of the in_memory provider",
         "Locking.Jobs.renew_every (9s) must be shorter than 90% of the lease (10s)",

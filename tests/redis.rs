@@ -1454,6 +1454,21 @@ async fn a_redis_section_binds_from_configuration_and_lists_every_problem_withou
         assert!(text.contains(expected), "{expected} missing from: {text}");
     }
     assert!(!text.contains("hunter2"), "{text}");
+
+    // A comparison with a setting that did not parse is left out: it would judge the default.
+    let unparsed = LockingConfig::new().with_section(
+        "Default",
+        serde_json::json!({
+            "provider": "redis",
+            "url": server.url(),
+            "lease_duration": "soon",
+            "request_timeout": "20s",
+        }),
+    );
+    let error = Locking::from_config(unparsed).expect_err("an unparsed lease");
+    let text = error.to_string();
+    assert!(text.contains("Locking.Default.lease_duration"), "{text}");
+    assert!(!text.contains("request_timeout"), "{text}");
 }
 
 /// A writer's intent that could lapse between two of its attempts is refused where the registry

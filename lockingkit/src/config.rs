@@ -1,6 +1,12 @@
-//! Serde helpers shared by option structs: durations written as `"250ms"`, `"30s"`, `"2m"`.
+//! What option structs share: durations written as `"250ms"`, `"30s"`, `"2m"`, secret strings,
+//! and [`Problem`], the one way a configuration's problems are told.
 
 use std::time::Duration;
+
+mod problem;
+
+pub use problem::Problem;
+pub(crate) use problem::{into_error, misconfigured_at};
 
 /// What a duration setting expects, for messages about one that did not parse.
 pub(crate) const EXPECTED_DURATION: &str =
@@ -52,10 +58,14 @@ impl WholeNumbers {
         format!("a whole number from {} to {}", self.min, self.max)
     }
 
-    /// The problem with `value` of this setting in `section`, if it is out of range.
-    pub(crate) fn check(&self, section: &str, value: u64) -> Option<String> {
+    /// The problem with `value` of this setting, if it is out of range.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "azure", feature = "redis")),
+        allow(dead_code)
+    )]
+    pub(crate) fn check(&self, value: u64) -> Option<Problem> {
         (!(self.min..=self.max).contains(&value))
-            .then(|| format!("{section}.{} must be {}", self.setting, self.describe()))
+            .then(|| Problem::new(self.setting, format!("must be {}", self.describe())))
     }
 
     /// The range stated for `setting` among `ranges`, if any.

@@ -56,7 +56,7 @@ pub use handle::{LockHandle, LockView};
 pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
-pub use providers::memory::{MemoryBackend, MemoryStore};
+pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "redis")]

@@ -18,27 +18,26 @@ pub(crate) fn provider() -> Arc<CryptoProvider> {
 }
 
 /// A verifier of the chain and the host name: against the roots in `root_cert` when given,
-/// otherwise against the platform's trust store. Problems name the setting `root_setting` (the
-/// one that names the file) and never quote more than the library says.
+/// otherwise against the platform's trust store. A problem reads as the rest of a sentence about
+/// the setting that names the file (`cannot be read (…)`), or, without a file, about the
+/// platform (`the platform has no usable trust store (…)`); it never quotes more than the library
+/// says.
 pub(crate) fn verifier(
     provider: &Arc<CryptoProvider>,
     root_cert: Option<&Path>,
-    root_setting: &str,
 ) -> Result<Arc<dyn ServerCertVerifier>, String> {
     match root_cert {
         Some(path) => {
-            let roots = load_roots(path, root_setting)?;
+            let roots = load_roots(path)?;
             let verifier =
                 WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                     .build()
-                    .map_err(|e| format!("{root_setting} cannot be used ({e})"))?;
+                    .map_err(|e| format!("cannot be used ({e})"))?;
             Ok(verifier)
         }
         None => {
-            let verifier =
-                rustls_platform_verifier::Verifier::new(provider.clone()).map_err(|e| {
-                    format!("the platform has no usable trust store ({e}); set {root_setting}")
-                })?;
+            let verifier = rustls_platform_verifier::Verifier::new(provider.clone())
+                .map_err(|e| format!("the platform has no usable trust store ({e})"))?;
             Ok(Arc::new(verifier))
         }
     }
@@ -59,19 +58,19 @@ pub(crate) fn client_config(
 }
 
 /// The certificates of the PEM file at `path`, as trust roots.
-fn load_roots(path: &Path, setting: &str) -> Result<rustls::RootCertStore, String> {
+fn load_roots(path: &Path) -> Result<rustls::RootCertStore, String> {
     let mut roots = rustls::RootCertStore::empty();
-    let certificates = CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("{setting} cannot be read ({e})"))?;
+    let certificates =
+        CertificateDer::pem_file_iter(path).map_err(|e| format!("cannot be read ({e})"))?;
     for certificate in certificates {
         let certificate =
-            certificate.map_err(|e| format!("{setting} is not a PEM certificate file ({e})"))?;
+            certificate.map_err(|e| format!("is not a PEM certificate file ({e})"))?;
         roots
             .add(certificate)
-            .map_err(|e| format!("{setting} holds an unusable certificate ({e})"))?;
+            .map_err(|e| format!("holds an unusable certificate ({e})"))?;
     }
     if roots.is_empty() {
-        return Err(format!("{setting} holds no certificate"));
+        return Err("holds no certificate".to_owned());
     }
     Ok(roots)
 }

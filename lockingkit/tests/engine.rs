@@ -1215,11 +1215,15 @@ async fn an_expiring_lease_the_backend_sees_taken_away_is_lost_at_once() {
 async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs() {
     let store = MemoryStore::new();
     let recording = Recording::new(MemoryBackend::new(store.clone()));
-    // Retries at most 100 ms apart, so an attempt starts between the gate closing (500 ms)
-    // and the deadline (1 s) whatever the jitter draws.
+    // Retries, and the outage gate's probes, at most 100 ms apart, so an attempt starts
+    // between the gate closing (500 ms) and the deadline (1 s) whatever the jitter draws.
     let locks = DistributedLock::builder(recording.clone())
-        .min_retry_delay(Duration::from_millis(100))
-        .max_retry_delay(Duration::from_millis(100))
+        .options(lockingkit::LockOptions {
+            min_retry_delay: Duration::from_millis(100),
+            max_retry_delay: Duration::from_millis(100),
+            max_outage_retry_delay: Duration::from_millis(100),
+            ..lockingkit::LockOptions::default()
+        })
         .build()
         .unwrap();
     store.set_unavailable(true);

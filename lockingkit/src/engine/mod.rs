@@ -25,6 +25,7 @@ pub use options::LockOptions;
 
 use crate::backend::{BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::background::BoxFuture;
+use crate::config::Problem;
 use crate::error::{ErrorKind, LockError};
 use crate::handle::LockHandle;
 use crate::health::Health;
@@ -98,6 +99,67 @@ impl<B: LockBackend> Drop for Engine<B> {
     }
 }
 
+/// Every problem with engine `options` for a backend of `timing`, named `provider`: the
+/// options' own, and those of their renewal cadence against the backend's leases. The one
+/// place these rules live; the registry asks here too.
+pub(crate) fn problems_with(
+    options: &LockOptions,
+    timing: LeaseTiming,
+    provider: &str,
+) -> Vec<Problem> {
+    let mut problems = options.problems();
+    match timing {
+        // Below a millisecond the keeper would renew or check in a loop that never sleeps
+        // (tokio's timers count in milliseconds), and no backend answers that fast anyway.
+        LeaseTiming::Expiring(d) if d < SHORTEST_INTERVAL => problems.push(Problem::of_section(
+            format!("the backend's lease duration ({d:?}) must be at least {SHORTEST_INTERVAL:?}"),
+        )),
+        LeaseTiming::ConnectionHeld(d) if d < SHORTEST_INTERVAL => {
+            problems.push(Problem::of_section(format!(
+                "the backend's check interval ({d:?}) must be at least {SHORTEST_INTERVAL:?}"
+            )))
+        }
+        LeaseTiming::Expiring(d) => {
+            if let Some(every) = options.renew_every.filter(|e| *e < SHORTEST_INTERVAL) {
+                problems.push(Problem::new(
+                    "renew_every",
+                    format!("({every:?}) must be at least {SHORTEST_INTERVAL:?}"),
+                ));
+            }
+            if let Some(every) = options.renew_every {
+                if every >= crate::clock::nine_tenths(d) {
+                    problems.push(
+                        Problem::new(
+                            "renew_every",
+                            format!("({every:?}) must be shorter than 90% of the lease ({d:?})"),
+                        )
+                        .involving("lease_duration"),
+                    );
+                }
+            }
+        }
+        LeaseTiming::ConnectionHeld(_) => {
+            // The engine would have nothing to do with it, and a setting that silently does
+            // nothing misleads whoever tunes it.
+            if options.renew_every.is_some() {
+                problems.push(renew_every_does_not_apply(provider));
+            }
+        }
+    }
+    problems
+}
+
+/// The problem of a renewal cadence set on a provider whose locks are not leases.
+pub(crate) fn renew_every_does_not_apply(provider: &str) -> Problem {
+    Problem::new(
+        "renew_every",
+        format!(
+            "does not apply to the {provider} provider: its locks are held by a connection, \
+             which the provider checks on its own interval, not renewed as leases (remove it)"
+        ),
+    )
+}
+
 impl<B: LockBackend> Engine<B> {
     pub(crate) fn new(
         name: &str,
@@ -106,42 +168,12 @@ impl<B: LockBackend> Engine<B> {
         meter: &opentelemetry::metrics::Meter,
         key_digest: Option<KeyDigest>,
     ) -> Result<Self, LockError> {
-        options.validate(&format!("Locking.{name}"))?;
-        let timing = backend.timing();
-        let mut problems = Vec::new();
-        match timing {
-            // Below a millisecond the keeper would renew or check in a loop that never sleeps
-            // (tokio's timers count in milliseconds), and no backend answers that fast anyway.
-            LeaseTiming::Expiring(d) if d < SHORTEST_INTERVAL => problems.push(format!(
-                "the backend's lease duration ({d:?}) must be at least {SHORTEST_INTERVAL:?}"
-            )),
-            LeaseTiming::ConnectionHeld(d) if d < SHORTEST_INTERVAL => problems.push(format!(
-                "the backend's check interval ({d:?}) must be at least {SHORTEST_INTERVAL:?}"
-            )),
-            LeaseTiming::Expiring(d) => {
-                if let Some(every) = options.renew_every.filter(|e| *e < SHORTEST_INTERVAL) {
-                    problems.push(format!(
-                        "Locking.{name}.renew_every ({every:?}) must be at least {SHORTEST_INTERVAL:?}"
-                    ));
-                }
-                if let Some(every) = options.renew_every {
-                    if every >= crate::clock::nine_tenths(d) {
-                        problems.push(format!(
-                            "Locking.{name}.renew_every ({every:?}) must be shorter than 90% of the lease ({d:?})"
-                        ));
-                    }
-                }
-            }
-            LeaseTiming::ConnectionHeld(_) => {
-                if options.renew_every.is_some() {
-                    problems.push(format!(
-                        "Locking.{name}.renew_every does not apply to this provider: its locks live as long as a connection, which it checks on its own interval"
-                    ));
-                }
-            }
-        }
+        let problems = problems_with(&options, backend.timing(), backend.provider());
         if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
+            return Err(crate::config::misconfigured_at(
+                &format!("Locking.{name}"),
+                problems,
+            ));
         }
         Ok(Self::new_unchecked(
             name, backend, options, meter, key_digest,

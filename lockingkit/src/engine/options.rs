@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::LockError;
+use crate::config::Problem;
 
 /// Engine options shared by every provider.
 ///
@@ -51,39 +51,31 @@ impl Default for LockOptions {
 }
 
 impl LockOptions {
-    /// Lists every problem with these options, prefixed with `section` (such as
-    /// `Locking.Default`). An empty list means the options are valid.
-    pub fn problems(&self, section: &str) -> Vec<String> {
+    /// Lists every problem with these options, each about one of their settings. An empty
+    /// list means the options are valid; [`Problem::at`] places them in a section.
+    pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.min_retry_delay.is_zero() {
-            problems.push(format!(
-                "{section}.min_retry_delay must be greater than zero"
-            ));
+            problems.push(Problem::new("min_retry_delay", "must be greater than zero"));
         }
         if self.min_retry_delay > self.max_retry_delay {
-            problems.push(format!(
-                "{section}.min_retry_delay ({:?}) must not exceed max_retry_delay ({:?})",
-                self.min_retry_delay, self.max_retry_delay
-            ));
+            problems.push(
+                Problem::new(
+                    "min_retry_delay",
+                    format!(
+                        "({:?}) must not exceed max_retry_delay ({:?})",
+                        self.min_retry_delay, self.max_retry_delay
+                    ),
+                )
+                .involving("max_retry_delay"),
+            );
         }
         if self.renew_every.is_some_and(|d| d.is_zero()) {
-            problems.push(format!("{section}.renew_every must be greater than zero"));
+            problems.push(Problem::new("renew_every", "must be greater than zero"));
         }
         if self.release_timeout.is_zero() {
-            problems.push(format!(
-                "{section}.release_timeout must be greater than zero"
-            ));
+            problems.push(Problem::new("release_timeout", "must be greater than zero"));
         }
         problems
-    }
-
-    /// Checks the options, with every problem in one `Misconfigured` error.
-    pub fn validate(&self, section: &str) -> Result<(), LockError> {
-        let problems = self.problems(section);
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(LockError::misconfigured(problems))
-        }
     }
 }

@@ -13,7 +13,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use serde::{Deserialize, Serialize};
+
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
 
 /// The default in-memory lease, as for Azure.
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -213,6 +216,38 @@ impl std::fmt::Debug for MemoryStore {
         f.debug_struct("MemoryStore")
             .field("locked", &self.locked_count())
             .finish_non_exhaustive()
+    }
+}
+
+/// Options of the in-memory provider (`provider = "in_memory"` in a configuration section).
+///
+/// Each in-memory provider built from configuration has its own store, so it only excludes
+/// callers in this process: use it for tests and local development, not to coordinate
+/// several instances of a service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryOptions {
+    /// How long a lease lasts unless renewed (30 s by default, as for Azure).
+    #[serde(with = "crate::config::duration")]
+    pub lease_duration: Duration,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        MemoryOptions {
+            lease_duration: DEFAULT_LEASE,
+        }
+    }
+}
+
+impl MemoryOptions {
+    /// Lists every problem with these options, each about one of their settings.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        if self.lease_duration < Duration::from_millis(1) {
+            problems.push(Problem::new("lease_duration", "must be at least 1ms"));
+        }
+        problems
     }
 }
 

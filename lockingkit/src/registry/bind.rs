@@ -13,10 +13,9 @@ use serde_json::{Map, Value};
 
 use crate::config::WholeNumbers;
 
-use super::lenient::{
-    canonical, expected, missing_fields, struct_fields, BindError, Expected, Lenient,
-};
-use super::problem::Problem;
+use super::lenient::{canonical, BindError, Lenient};
+use super::probe::{expected, missing_fields, struct_fields, Expected};
+use crate::config::Problem;
 use crate::engine::LockOptions;
 
 /// A setting whose value must never be shown: a secret field, or a setting no field takes.
@@ -64,19 +63,20 @@ pub(crate) struct Bound<T> {
 }
 
 impl<T> Bound<T> {
-    /// `checks` of the bound value (problems worded whole, each starting with `section`),
-    /// leaving out those about a setting that did not parse.
+    /// `checks` of the bound value, placed in `section`, leaving out those about a setting
+    /// that did not parse.
     pub(crate) fn checked(
         &self,
         section: &str,
-        checks: impl FnOnce(&T) -> Vec<String>,
+        checks: impl FnOnce(&T) -> Vec<Problem>,
     ) -> Vec<Problem> {
         let Some(value) = &self.value else {
             return Vec::new();
         };
-        Problem::checked(section, checks(value))
+        checks(value)
             .into_iter()
-            .filter(|problem| !self.unparsed.iter().any(|field| problem.mentions(field)))
+            .filter(|problem| !self.unparsed.iter().any(|field| problem.is_about(field)))
+            .map(|problem| problem.at(section))
             .collect()
     }
 }
@@ -135,7 +135,7 @@ pub(crate) fn bind_section<T: DeserializeOwned>(
     for field in missing_fields::<T>(&present) {
         bound
             .problems
-            .push(Problem::sentence(format!("{path}.{field}"), "is required"));
+            .push(Problem::new(format!("{path}.{field}"), "is required"));
     }
     bound.value = T::deserialize(Lenient(Value::Object(parsed))).ok();
     bound
@@ -157,7 +157,7 @@ fn bind_whole<T: DeserializeOwned>(
     );
     match T::deserialize(Lenient(Value::Object(settings.clone()))) {
         Ok(value) => bound.value = Some(value),
-        Err(_) => bound.problems.push(Problem::sentence(
+        Err(_) => bound.problems.push(Problem::new(
             path,
             format!("does not match the settings of the {provider} provider"),
         )),
@@ -177,7 +177,7 @@ fn binds_alone<T: DeserializeOwned>(key: &str, value: &Value) -> bool {
 /// The problem of a setting no field of the options takes, listing those that exist.
 fn unknown_setting(path: &str, provider: &str, key: &str, fields: &[&str]) -> Problem {
     let shared = struct_fields::<LockOptions>().unwrap_or(&[]);
-    Problem::sentence(
+    Problem::new(
         format!("{path}.{key}"),
         format!(
             "is not a setting of the {provider} provider (its settings: {}, plus the engine \
@@ -293,12 +293,16 @@ pub(super) mod tests {
         assert_eq!(pool.size, 4, "the unparsed one keeps its default");
         let checks = bound.checked("Locking.Default", |pool| {
             vec![
-                format!("check must be positive (was {:?})", pool.check),
-                "size must not exceed 2 (a check of a default nobody wrote)".to_owned(),
+                Problem::new("check", format!("must be positive (was {:?})", pool.check)),
+                Problem::new(
+                    "size",
+                    "must not exceed 2 (a check of a default nobody wrote)",
+                ),
+                Problem::new("check", "must be shorter than a tenth of size").involving("size"),
             ]
         });
         let checks: Vec<String> = checks.iter().map(ToString::to_string).collect();
-        assert_eq!(checks, ["check must be positive (was 0ns)"]);
+        assert_eq!(checks, ["Locking.Default.check must be positive (was 0ns)"]);
     }
 
     #[test]

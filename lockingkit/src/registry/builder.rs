@@ -8,11 +8,11 @@ use opentelemetry::metrics::Meter;
 
 use super::draft::Draft;
 use super::from_config::{CustomProvider, Factory};
-use super::problem::Problem;
 use super::section::{LockingConfig, ProviderSection};
 use super::setup::{HostResources, ProviderSetup, Registration};
 use super::Locking;
 use crate::backend::LockBackend;
+use crate::config::Problem;
 use crate::engine::LockOptions;
 use crate::error::LockError;
 use crate::providers::memory::{MemoryBackend, MemoryStore};
@@ -50,10 +50,6 @@ impl LockingBuilder {
         options: LockOptions,
     ) -> Self {
         self.deferred(name, options, move |path, _| {
-            let problems = Problem::checked(path, postgres.problems(path));
-            if !problems.is_empty() {
-                return Err(problems);
-            }
             super::builtin::open_postgres(postgres, path)
         })
     }
@@ -84,7 +80,11 @@ impl LockingBuilder {
     ) -> Self {
         let engine = options.clone();
         self.deferred(name, options, move |path, _| {
-            let mut problems = Problem::checked(path, redis.problems_with(path, &engine));
+            let mut problems: Vec<Problem> = redis
+                .problems_with(&engine)
+                .into_iter()
+                .map(|p| p.at(path))
+                .collect();
             match super::builtin::open_redis(redis, path) {
                 Ok(backend) if problems.is_empty() => Ok(backend),
                 Ok(_) => Err(problems),
@@ -118,7 +118,11 @@ impl LockingBuilder {
     ) -> Self {
         let register: Registration = Box::new(move |setup: ProviderSetup<'_>| {
             let path = setup.path();
-            let mut problems = Problem::checked(&path, options.problems(&path));
+            let mut problems: Vec<Problem> = options
+                .problems()
+                .into_iter()
+                .map(|p| p.at(&path))
+                .collect();
             match make(&path, setup.host) {
                 Ok(backend) if problems.is_empty() => {
                     ProviderSetup { options, ..setup }.assemble(backend)

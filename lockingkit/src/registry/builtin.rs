@@ -1,46 +1,10 @@
 //! The providers a configuration file can name without registering anything.
 
-use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
-
-use super::problem::Problem;
 use super::section::ProviderSection;
 use super::setup::{ProviderResult, ProviderSetup};
 use crate::backend::LockBackend;
-use crate::providers::memory::{MemoryBackend, MemoryStore, DEFAULT_LEASE};
-
-/// Options of the in-memory provider (`provider = "in_memory"`).
-///
-/// Each in-memory provider built from configuration has its own store, so it only excludes
-/// callers in this process: use it for tests and local development, not to coordinate
-/// several instances of a service.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct MemoryOptions {
-    /// How long a lease lasts unless renewed (30 s by default, as for Azure).
-    #[serde(with = "crate::config::duration")]
-    pub lease_duration: Duration,
-}
-
-impl Default for MemoryOptions {
-    fn default() -> Self {
-        MemoryOptions {
-            lease_duration: DEFAULT_LEASE,
-        }
-    }
-}
-
-impl MemoryOptions {
-    /// Lists every problem with these options, prefixed with `section`.
-    pub fn problems(&self, section: &str) -> Vec<String> {
-        let mut problems = Vec::new();
-        if self.lease_duration < Duration::from_millis(1) {
-            problems.push(format!("{section}.lease_duration must be at least 1ms"));
-        }
-        problems
-    }
-}
+use crate::config::Problem;
+use crate::providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 
 /// A built-in provider: its configuration name and how to build it from a section.
 pub(super) struct BuiltIn {
@@ -74,13 +38,11 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
 /// parsed and passed its checks; unknown settings aside), and every problem.
 fn bind_checked<T: serde::de::DeserializeOwned>(
     section: &ProviderSection,
-    problems_of: impl Fn(&T, &str) -> Vec<String>,
+    problems_of: impl FnOnce(&T) -> Vec<Problem>,
     ranges: &[crate::config::WholeNumbers],
 ) -> (Option<T>, Vec<Problem>) {
     let bound = section.bind_recorded::<T>(ranges);
-    let own = bound.checked(section.path(), |options| {
-        problems_of(options, section.path())
-    });
+    let own = bound.checked(section.path(), problems_of);
     let usable = own.is_empty() && bound.unparsed.is_empty();
     let mut problems = bound.problems;
     problems.extend(own);
@@ -104,7 +66,7 @@ fn finish<B: LockBackend>(
     if problems.is_empty() {
         // Options that bound without a problem always make a backend; this only keeps a
         // failure from ever being silent.
-        problems.push(Problem::sentence(path, "could not be built"));
+        problems.push(Problem::new(path, "could not be built"));
     }
     Err(problems)
 }
@@ -123,7 +85,7 @@ fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderRes
 /// The problem of a provider whose cargo feature is off.
 #[cfg(not(all(feature = "postgres", feature = "azure", feature = "redis")))]
 fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
-    vec![Problem::sentence(
+    vec![Problem::new(
         format!("{}.provider", section.path()),
         format!("is {provider}, which needs lockingkit's `{feature}` feature"),
     )]
@@ -142,6 +104,14 @@ fn postgres(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResu
         PostgresOptions::problems,
         PostgresOptions::WHOLE_NUMBERS,
     );
+    let mut problems = problems;
+    if options.is_none() {
+        // Its locks are connection-held whatever the options say: the engine's renewal rules
+        // for such a backend apply even when its options are bad, so they join this error.
+        let timing = crate::LeaseTiming::ConnectionHeld(PostgresOptions::default().check_interval);
+        let rules = crate::engine::problems_with(&setup.options, timing, "postgres");
+        problems.extend(rules.into_iter().map(|problem| problem.at(section.path())));
+    }
     let backend = options.map(|options| open_postgres(options, section.path()));
     finish(backend, setup, problems)
 }
@@ -152,10 +122,8 @@ pub(super) fn open_postgres(
     options: crate::providers::postgres::PostgresOptions,
     path: &str,
 ) -> Result<crate::providers::postgres::PostgresBackend, Vec<Problem>> {
-    // The constructor finds what the options cannot say alone (TLS settings it cannot
-    // honour) and words it for a section it calls `PostgresOptions`.
-    crate::providers::postgres::PostgresBackend::new(options)
-        .map_err(|error| vec![Problem::from_constructor("PostgresOptions", path, &error)])
+    crate::providers::postgres::PostgresBackend::open(options)
+        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
 }
 
 #[cfg(not(feature = "azure"))]
@@ -188,8 +156,8 @@ pub(super) fn open_azure(
         .service_url
         .as_ref()
         .and(host.azure_credential.cloned());
-    crate::providers::azure::AzureBlobBackend::open(options, credential, path)
-        .map_err(|problems| Problem::checked(path, problems))
+    crate::providers::azure::AzureBlobBackend::open(options, credential)
+        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
 }
 
 #[cfg(not(feature = "redis"))]
@@ -203,8 +171,8 @@ fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult 
     let (options, mut problems) =
         bind_checked(section, RedisOptions::problems, RedisOptions::WHOLE_NUMBERS);
     if let Some(options) = &options {
-        let together = options.problems_with(section.path(), &setup.options);
-        problems.extend(Problem::checked(section.path(), together));
+        let together = options.problems_with(&setup.options);
+        problems.extend(together.into_iter().map(|p| p.at(section.path())));
     }
     let backend = options.map(|options| open_redis(options, section.path()));
     finish(backend, setup, problems)
@@ -216,6 +184,6 @@ pub(super) fn open_redis(
     options: crate::providers::redis::RedisOptions,
     path: &str,
 ) -> Result<crate::providers::redis::RedisBackend, Vec<Problem>> {
-    crate::providers::redis::RedisBackend::open(options, path)
-        .map_err(|problems| Problem::checked(path, problems))
+    crate::providers::redis::RedisBackend::open(options)
+        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
 }

@@ -6,9 +6,9 @@ use serde_json::Value;
 use super::builtin::BUILT_IN;
 use super::from_config::{build_section, CustomProvider};
 use super::lenient::canonical;
-use super::problem::{self, Problem};
 use super::setup::{HostResources, ProviderResult, ProviderSetup, Registration};
 use super::Locking;
+use crate::config::{self, Problem};
 use crate::engine::LockOptions;
 use crate::error::LockError;
 use crate::lock::{DistributedLock, DEFAULT_NAME};
@@ -38,12 +38,10 @@ impl<'a> Draft<'a> {
         for provider in custom {
             let wanted = canonical(&provider.name);
             if wanted.is_empty() {
-                self.problems.push(Problem::sentence(
-                    "a custom provider",
-                    "needs a non-empty name",
-                ));
+                self.problems
+                    .push(Problem::new("a custom provider", "needs a non-empty name"));
             } else if BUILT_IN.iter().any(|b| canonical(b.name) == wanted) {
-                self.problems.push(Problem::sentence(
+                self.problems.push(Problem::new(
                     format!("the custom provider {}", provider.name),
                     "has the name of a built-in provider",
                 ));
@@ -70,7 +68,7 @@ impl<'a> Draft<'a> {
             return;
         };
         let Value::Object(settings) = section else {
-            self.problems.push(Problem::sentence(
+            self.problems.push(Problem::new(
                 format!("Locking.{name}"),
                 "must be a table of settings",
             ));
@@ -84,14 +82,14 @@ impl<'a> Draft<'a> {
     pub(super) fn check_present(&mut self, required: &[String]) {
         // Exactly: only the name shown as `Default` is put first, where `default_lock` looks.
         if !self.names.iter().any(|name| name == DEFAULT_NAME) {
-            self.problems.push(Problem::sentence(
+            self.problems.push(Problem::new(
                 format!("Locking.{DEFAULT_NAME}"),
                 format!("is missing: every registry needs a {DEFAULT_NAME} provider"),
             ));
         }
         for name in required {
             if !self.is_taken(name) {
-                self.problems.push(Problem::sentence(
+                self.problems.push(Problem::new(
                     format!("Locking.{name}"),
                     "is missing, and this application requires it",
                 ));
@@ -102,7 +100,7 @@ impl<'a> Draft<'a> {
     /// The registry, or the one error that lists every problem found.
     pub(super) fn finish(mut self) -> Result<Locking, LockError> {
         if !self.problems.is_empty() {
-            return Err(problem::into_error(self.problems));
+            return Err(config::into_error(self.problems));
         }
         // Default first, so `Locking::default_lock` is an index, then in registration order.
         self.providers
@@ -130,15 +128,13 @@ impl<'a> Draft<'a> {
     fn take_name(&mut self, written: &str) -> Option<String> {
         let written = written.trim();
         if written.is_empty() {
-            self.problems.push(Problem::sentence(
-                "a lock provider",
-                "needs a non-empty name",
-            ));
+            self.problems
+                .push(Problem::new("a lock provider", "needs a non-empty name"));
             return None;
         }
         let name = display_name(written);
         if let Some(earlier) = self.names.iter().find(|n| n.eq_ignore_ascii_case(&name)) {
-            self.problems.push(Problem::sentence(
+            self.problems.push(Problem::new(
                 format!("Locking.{written}"),
                 format!("is defined twice (as {earlier} too; names ignore case)"),
             ));

@@ -7,10 +7,11 @@ use serde_json::{Map, Value};
 
 use super::bind::bind_section;
 use super::builtin::BUILT_IN;
-use super::lenient::{canonical, struct_fields};
-use super::problem::Problem;
+use super::lenient::canonical;
+use super::probe::struct_fields;
 use super::section::ProviderSection;
-use super::setup::{renew_every_does_not_apply, HostResources, ProviderResult, ProviderSetup};
+use super::setup::{HostResources, ProviderResult, ProviderSetup};
+use crate::config::Problem;
 use crate::engine::LockOptions;
 use crate::lock::DistributedLock;
 
@@ -78,12 +79,6 @@ pub(super) fn build_section(
             return None;
         }
     };
-    let wanted = canonical(&provider);
-    // Known without building anything, so it is reported even when the section has other
-    // problems (building the provider would find it too: duplicates are dropped).
-    if wanted == "postgres" && options.renew_every.is_some() {
-        problems.push(renew_every_does_not_apply(&path, "postgres"));
-    }
     let section = ProviderSection::new(name.to_owned(), path.clone(), provider, settings.own);
     // When the engine options are bad the provider still checks its own settings, so the one
     // error lists both; what it builds is dropped.
@@ -123,7 +118,7 @@ fn build_provider(
     if let Some(custom) = custom.iter().find(|c| canonical(&c.name) == wanted) {
         return Ok((custom.factory)(section, setup));
     }
-    Err(Problem::sentence(
+    Err(Problem::new(
         format!("{}.provider", section.path()),
         format!(
             "{} is not a known provider (one of: {})",
@@ -145,7 +140,7 @@ fn bind_engine_options(
     problems: &mut Vec<Problem>,
 ) -> (LockOptions, bool) {
     let bound = bind_section::<LockOptions>(path, "shared", settings, &[]);
-    let checked = bound.checked(path, |options| options.problems(path));
+    let checked = bound.checked(path, LockOptions::problems);
     let ok = bound.problems.is_empty() && checked.is_empty();
     problems.extend(bound.problems);
     problems.extend(checked);
@@ -173,14 +168,14 @@ fn provider_name(
 ) -> Result<String, Problem> {
     match provider {
         Some(Value::String(provider)) if !provider.trim().is_empty() => Ok(provider),
-        Some(_) => Err(Problem::sentence(
+        Some(_) => Err(Problem::new(
             format!("{path}.provider"),
             format!(
                 "must be a provider name (one of: {})",
                 known_providers(custom)
             ),
         )),
-        None => Err(Problem::sentence(
+        None => Err(Problem::new(
             format!("{path}.provider"),
             format!("is missing (one of: {})", known_providers(custom)),
         )),

@@ -40,7 +40,7 @@ mod builtin;
 mod draft;
 mod from_config;
 mod lenient;
-mod problem;
+mod probe;
 mod section;
 mod setup;
 
@@ -49,12 +49,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use builder::LockingBuilder;
-pub use builtin::MemoryOptions;
+
 pub use section::{LockingConfig, ProviderSection};
 
+use crate::config::{self, Problem};
 use crate::error::{ErrorKind, LockError};
 use crate::lock::DistributedLock;
-use problem::Problem;
 
 /// Named lock providers, built once at startup.
 ///
@@ -152,7 +152,7 @@ impl Locking {
             }
         }
         match other {
-            _ if !misconfigured.is_empty() => Err(problem::into_error(misconfigured)),
+            _ if !misconfigured.is_empty() => Err(config::into_error(misconfigured)),
             Some(error) => Err(error),
             None => Ok(()),
         }

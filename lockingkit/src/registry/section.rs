@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use super::bind::{bind_section, Bound, SecretSetting};
 use super::lenient::canonical;
-use super::problem::{self, Problem};
+use crate::config::{self, Problem};
 use crate::error::{ErrorKind, LockError};
 
 /// The `Locking` section of the host's configuration: one sub-section per named provider.
@@ -227,13 +227,47 @@ impl ProviderSection {
     /// if one of the factory's own errors quotes such a value, the registry withholds that
     /// message and names the setting instead.
     pub fn bind<T: DeserializeOwned>(&self) -> Result<T, LockError> {
+        self.bind_checked(|_: &T| Vec::new())
+    }
+
+    /// Binds like [`bind`](Self::bind), then runs `checks` (usually the options' own
+    /// `problems` method) on what bound; their problems, about settings of this section, join
+    /// the binding's in the one error, and so does nothing about a setting that did not parse.
+    ///
+    /// A factory that passes the error on with `?` has its problems reported by the registry
+    /// as the data they are, next to every other section's.
+    ///
+    /// ```
+    /// use lockingkit::config::Problem;
+    /// use lockingkit::registry::ProviderSection;
+    /// # use lockingkit::LockError;
+    ///
+    /// #[derive(serde::Deserialize)]
+    /// struct Shelf {
+    ///     slots: u32,
+    /// }
+    ///
+    /// fn shelf(section: &ProviderSection) -> Result<Shelf, LockError> {
+    ///     section.bind_checked(|shelf: &Shelf| match shelf.slots {
+    ///         0 => vec![Problem::new("slots", "must be at least 1")],
+    ///         _ => Vec::new(),
+    ///     })
+    /// }
+    /// # let _ = shelf;
+    /// ```
+    pub fn bind_checked<T: DeserializeOwned>(
+        &self,
+        checks: impl FnOnce(&T) -> Vec<Problem>,
+    ) -> Result<T, LockError> {
         let bound = self.bind_recorded::<T>(&[]);
+        let mut problems = bound.checked(&self.path, checks);
+        problems.splice(0..0, bound.problems);
         match bound.value {
-            Some(value) if bound.problems.is_empty() => Ok(value),
+            Some(value) if problems.is_empty() => Ok(value),
             _ => {
-                let error = problem::into_error(bound.problems.clone());
+                let error = config::into_error(problems.clone());
                 self.binding().get_or_insert_with(Binding::default).refused =
-                    Some((bound.problems, error.message().to_owned()));
+                    Some((problems, error.message().to_owned()));
                 Err(error)
             }
         }
@@ -255,8 +289,8 @@ impl ProviderSection {
 
     /// The problems an error of this section's factory reports.
     ///
-    /// The error of a failed [`bind`](Self::bind) passed on unchanged gives back that bind's
-    /// problems. Any other error is the factory's own text, which the registry does not
+    /// The error of a failed [`bind`](Self::bind) or [`bind_checked`](Self::bind_checked)
+    /// passed on unchanged gives back its problems. Any other error is the factory's own text, which the registry does not
     /// control: a message that quotes the value of a secret setting is withheld whole, naming
     /// the setting instead. Secret settings are those [`bind`](Self::bind) learnt (secret
     /// fields and unknown settings), or every setting if the factory never bound its section,
@@ -272,7 +306,12 @@ impl ProviderSection {
                 return problems.clone();
             }
         }
-        let problem = Problem::from_error(&self.path, error);
+        // A message that names its section already is shown as written; any other is placed
+        // in the section.
+        let problem = match error.message() {
+            message if message.starts_with(self.path.as_str()) => Problem::of_section(message),
+            message => Problem::detail(&self.path, message),
+        };
         let shown = problem.to_string();
         let every_setting;
         let secrets = match &*binding {

@@ -3,8 +3,8 @@
 
 use opentelemetry::metrics::Meter;
 
-use super::problem::Problem;
-use crate::backend::{LeaseTiming, LockBackend};
+use crate::backend::LockBackend;
+use crate::config::Problem;
 use crate::engine::LockOptions;
 use crate::lock::DistributedLock;
 
@@ -47,12 +47,11 @@ impl ProviderSetup<'_> {
     /// Wraps `backend` in the engine, as every provider is.
     pub(super) fn assemble<B: LockBackend>(self, backend: B) -> ProviderResult {
         let path = self.path();
-        // The engine would ignore it: a connection-held lock has no lease to renew, and a
-        // setting that silently does nothing misleads whoever tunes it.
-        if let (LeaseTiming::ConnectionHeld(_), Some(_)) =
-            (backend.timing(), self.options.renew_every)
-        {
-            return Err(vec![renew_every_does_not_apply(&path, backend.provider())]);
+        // The engine's rules, asked as data so that each problem keeps its setting.
+        let problems =
+            crate::engine::problems_with(&self.options, backend.timing(), backend.provider());
+        if !problems.is_empty() {
+            return Err(problems.into_iter().map(|p| p.at(&path)).collect());
         }
         let builder = DistributedLock::builder(backend)
             .name(self.name)
@@ -63,18 +62,7 @@ impl ProviderSetup<'_> {
             None => builder,
         }
         .build()
-        .map_err(|error| vec![Problem::from_error(&path, &error)])
+        // The engine's rules passed, so this is not expected to fail; its message is kept.
+        .map_err(|error| vec![Problem::detail(path, error.message())])
     }
-}
-
-/// The problem of a renewal cadence set on a provider whose locks are not leases.
-pub(super) fn renew_every_does_not_apply(path: &str, provider: &str) -> Problem {
-    Problem::sentence(
-        format!("{path}.renew_every"),
-        format!(
-            "does not apply to the {provider} provider: its locks are held by a connection, not \
-             renewed as leases (remove it; how often the connection is checked is the \
-             provider's own setting, check_interval for postgres)"
-        ),
-    )
 }

@@ -6,7 +6,7 @@ use super::*;
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::SecretString;
 use crate::engine::LockOptions;
-use crate::providers::memory::{MemoryBackend, MemoryStore};
+use crate::providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 
 fn config(sections: Value) -> LockingConfig {
     serde_json::from_value(sections).unwrap()
@@ -373,7 +373,7 @@ fn a_custom_provider_cannot_take_a_built_in_name() {
 fn memory_options_bind_and_check() {
     let options: MemoryOptions = serde_json::from_value(json!({"lease_duration": "15s"})).unwrap();
     assert_eq!(options.lease_duration, Duration::from_secs(15));
-    assert!(options.problems("Locking.Default").is_empty());
+    assert!(options.problems().is_empty());
     assert_eq!(
         MemoryOptions::default().lease_duration,
         Duration::from_secs(30)
@@ -416,12 +416,6 @@ mod postgres {
                 "MAX_WAIT_SESSIONS": "8",
                 "CHECK_INTERVAL": "2s",
             },
-            // The deprecated name still binds, as a cap on the sessions.
-            "Legacy": {
-                "provider": "postgres",
-                "connection_string": "host=127.0.0.1 user=app dbname=app",
-                "pool_size": 4,
-            },
         })))
         .unwrap();
         assert_eq!(locking.default_lock().provider(), "postgres");
@@ -430,13 +424,10 @@ mod postgres {
             locking.default_lock().backend::<crate::PostgresBackend>()
         );
         assert!(shown.contains("max_sessions: 2"), "{shown}");
-        let legacy = locking.get("Legacy").unwrap();
-        let shown = format!("{:?}", legacy.backend::<crate::PostgresBackend>());
-        assert!(shown.contains("max_sessions: 4"), "{shown}");
         assert!(!format!("{locking:?}").contains("hunter2"));
 
         let shown = misconfigured(Locking::from_config(config(json!({
-            "Default": {"provider": "postgres", "pool_size": 0, "max_sessions": 0},
+            "Default": {"provider": "postgres", "max_sessions": 0},
             "Jobs": {
                 "provider": "postgres",
                 "connection_string": "postgres://app:hunter2@db/app?sslmode=sometimes",
@@ -445,10 +436,6 @@ mod postgres {
         }))));
         assert!(
             shown.contains("Locking.Default.connection_string is required"),
-            "{shown}"
-        );
-        assert!(
-            shown.contains("Locking.Default.pool_size must be at least 1"),
             "{shown}"
         );
         assert!(

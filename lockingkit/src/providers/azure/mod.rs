@@ -39,6 +39,7 @@ use azure_storage_blob::models::{BlobClientSetMetadataOptions, BlobClientUploadO
 use azure_storage_blob::{BlobClient, BlobContainerClient};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
 use crate::error::LockError;
 
 mod client;
@@ -99,7 +100,8 @@ impl AzureBlobBackend {
     /// [`verify`](Self::verify) at startup so that a wrong key, account or missing container
     /// stops the service there, rather than failing its first lock.
     pub fn new(options: AzureBlobOptions) -> Result<Self, LockError> {
-        Self::open(options, None, SECTION).map_err(LockError::misconfigured)
+        Self::open(options, None)
+            .map_err(|problems| crate::config::misconfigured_at(SECTION, problems))
     }
 
     /// A backend for the blob service at `options.service_url`, authenticated with a Microsoft
@@ -111,31 +113,31 @@ impl AzureBlobBackend {
         options: AzureBlobOptions,
         credential: Arc<dyn TokenCredential>,
     ) -> Result<Self, LockError> {
-        Self::open(options, Some(credential), SECTION).map_err(LockError::misconfigured)
+        Self::open(options, Some(credential))
+            .map_err(|problems| crate::config::misconfigured_at(SECTION, problems))
     }
 
-    /// A backend for `options`, whose problems are worded for the configuration section
-    /// `section` (such as `Locking.Jobs`): with a `credential` the options must name a
-    /// `service_url`, without one a `connection_string`. Lists every problem found.
+    /// A backend for `options`: with a `credential` the options must name a `service_url`,
+    /// without one a `connection_string`. Lists every problem found, for the caller to place
+    /// in the section the options came from.
     pub(crate) fn open(
         options: AzureBlobOptions,
         credential: Option<Arc<dyn TokenCredential>>,
-        section: &str,
-    ) -> Result<Self, Vec<String>> {
-        let mut problems = options.problems(section);
+    ) -> Result<Self, Vec<Problem>> {
+        let mut problems = options.problems();
         match (
             &credential,
             &options.connection_string,
             &options.service_url,
         ) {
-            (None, None, Some(_)) => problems.push(format!(
-                "{section}.service_url needs a token credential: give one to \
-                 AzureBlobBackend::with_credential (in a registry, to \
-                 LockingBuilder::azure_credential), or use connection_string"
+            (None, None, Some(_)) => problems.push(Problem::new(
+                "service_url",
+                "needs a token credential: give one to AzureBlobBackend::with_credential (in \
+                 a registry, to LockingBuilder::azure_credential), or use connection_string",
             )),
-            (Some(_), Some(_), None) => problems.push(format!(
-                "{section}.connection_string carries its own credential: give service_url \
-                 with a token credential"
+            (Some(_), Some(_), None) => problems.push(Problem::new(
+                "connection_string",
+                "carries its own credential: give service_url with a token credential",
             )),
             _ => {}
         }
@@ -143,8 +145,8 @@ impl AzureBlobBackend {
             return Err(problems);
         }
         let container = match credential {
-            None => container_from_connection_string(&options, section),
-            Some(credential) => container_with_token(&options, credential, section),
+            None => container_from_connection_string(&options),
+            Some(credential) => container_with_token(&options, credential),
         }
         .map_err(|problem| vec![problem])?;
         Ok(Self::from_container(container, &options))

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{SecretString, WholeNumbers};
+use crate::config::{Problem, SecretString, WholeNumbers};
 
 use super::client::connection_string::ConnectionString;
 
@@ -33,7 +33,7 @@ pub const MAX_RETRIES_LIMIT: u32 = 10;
 ///     "container": "locks",
 ///     "lease_duration": "30s"
 /// }"#).unwrap();
-/// assert!(options.problems("Locking.Default").is_empty());
+/// assert!(options.problems().is_empty());
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -125,67 +125,80 @@ impl AzureBlobOptions {
         self
     }
 
-    /// Lists every problem with these options, each prefixed with `section` (such as
-    /// `Locking.Default`). An empty list means the options are valid. Secrets are never
+    /// Lists every problem with these options, each about one of their settings (or the
+    /// options as a whole). An empty list means the options are valid. Secrets are never
     /// repeated in the messages.
-    pub fn problems(&self, section: &str) -> Vec<String> {
+    pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         match (&self.connection_string, &self.service_url) {
-            (None, None) => problems.push(format!(
-                "{section}: set connection_string, or service_url with a token credential"
+            (None, None) => problems.push(Problem::of_section(
+                "set connection_string, or service_url with a token credential",
             )),
-            (Some(_), Some(_)) => problems.push(format!(
-                "{section}: set either connection_string or service_url, not both"
+            (Some(_), Some(_)) => problems.push(Problem::of_section(
+                "set either connection_string or service_url, not both",
             )),
             (Some(connection_string), None) => {
                 if let Err(errors) = ConnectionString::parse(connection_string.expose()) {
                     problems.extend(
                         errors
                             .into_iter()
-                            .map(|e| format!("{section}.connection_string: {e}")),
+                            .map(|e| Problem::detail("connection_string", e)),
                     );
                 }
             }
             (None, Some(url)) => {
                 if let Err(problem) = super::client::parse_service_url(url) {
-                    problems.push(format!("{section}.service_url: {problem}"));
+                    problems.push(Problem::detail("service_url", problem));
                 }
             }
         }
         if let Err(problem) = check_container_name(&self.container) {
-            problems.push(format!("{section}.container: {problem}"));
+            problems.push(Problem::detail("container", problem));
         }
         let lease = self.lease_duration;
         if lease < MIN_LEASE_DURATION || lease > MAX_LEASE_DURATION {
-            problems.push(format!(
-                "{section}.lease_duration must be between 15s and 60s (was {lease:?}); \
-                 infinite leases are not supported"
+            problems.push(Problem::new(
+                "lease_duration",
+                format!(
+                    "must be between 15s and 60s (was {lease:?}); infinite leases are not \
+                     supported"
+                ),
             ));
         } else if lease.subsec_nanos() != 0 {
-            problems.push(format!(
-                "{section}.lease_duration must be whole seconds (was {lease:?})"
+            problems.push(Problem::new(
+                "lease_duration",
+                format!("must be whole seconds (was {lease:?})"),
             ));
         }
         if self.request_timeout.is_zero() {
-            problems.push(format!(
-                "{section}.request_timeout must be greater than zero"
-            ));
+            problems.push(Problem::new("request_timeout", "must be greater than zero"));
         } else if self.request_timeout > lease / 3 {
-            problems.push(format!(
-                "{section}.request_timeout ({:?}) must be at most a third of lease_duration \
-                 ({lease:?}), so a failed renewal can be retried before the lease runs out",
-                self.request_timeout
-            ));
+            problems.push(
+                Problem::new(
+                    "request_timeout",
+                    format!(
+                        "({:?}) must be at most a third of lease_duration ({lease:?}), so a \
+                         failed renewal can be retried before the lease runs out",
+                        self.request_timeout
+                    ),
+                )
+                .involving("lease_duration"),
+            );
         }
         for range in Self::WHOLE_NUMBERS {
-            problems.extend(range.check(section, u64::from(self.max_retries)));
+            problems.extend(range.check(u64::from(self.max_retries)));
         }
         if self.retry_delay.is_zero() || self.retry_delay > self.request_timeout {
-            problems.push(format!(
-                "{section}.retry_delay must be greater than zero and at most request_timeout \
-                 (was {:?})",
-                self.retry_delay
-            ));
+            problems.push(
+                Problem::new(
+                    "retry_delay",
+                    format!(
+                        "must be greater than zero and at most request_timeout (was {:?})",
+                        self.retry_delay
+                    ),
+                )
+                .involving("request_timeout"),
+            );
         }
         problems
     }
@@ -218,13 +231,25 @@ fn check_container_name(name: &str) -> Result<(), String> {
 mod tests {
     use super::*;
 
+    /// The problems as the registry shows them for a section.
+    trait Shown {
+        fn shown(&self, section: &str) -> Vec<String>;
+    }
+
+    impl Shown for AzureBlobOptions {
+        fn shown(&self, section: &str) -> Vec<String> {
+            let problems = self.problems().into_iter();
+            problems.map(|p| p.at(section).to_string()).collect()
+        }
+    }
+
     fn valid() -> AzureBlobOptions {
         AzureBlobOptions::from_connection_string("UseDevelopmentStorage=true")
     }
 
     #[test]
     fn defaults_with_an_account_are_valid() {
-        assert_eq!(valid().problems("Locking.Default"), Vec::<String>::new());
+        assert_eq!(valid().shown("Locking.Default"), Vec::<String>::new());
         assert_eq!(valid().container, "locks");
         assert_eq!(valid().lease_duration, Duration::from_secs(30));
     }
@@ -232,9 +257,7 @@ mod tests {
     #[test]
     fn leases_outside_15_to_60_seconds_are_refused() {
         for secs in [0, 14, 61, 3600] {
-            let problems = valid()
-                .lease_duration(Duration::from_secs(secs))
-                .problems("S");
+            let problems = valid().lease_duration(Duration::from_secs(secs)).shown("S");
             assert!(
                 problems.iter().any(|p| p.starts_with("S.lease_duration")),
                 "{secs}s: {problems:?}"
@@ -244,7 +267,7 @@ mod tests {
             let options = valid()
                 .lease_duration(Duration::from_secs(secs))
                 .request_timeout(Duration::from_secs(5));
-            assert!(options.problems("S").is_empty(), "{secs}s");
+            assert!(options.shown("S").is_empty(), "{secs}s");
         }
     }
 
@@ -252,7 +275,7 @@ mod tests {
     fn fractional_leases_are_refused() {
         let problems = valid()
             .lease_duration(Duration::from_millis(20_500))
-            .problems("S");
+            .shown("S");
         assert!(problems.iter().any(|p| p.contains("whole seconds")));
     }
 
@@ -267,7 +290,7 @@ mod tests {
             max_retries: 99,
             retry_delay: Duration::ZERO,
         };
-        let problems = options.problems("Locking.Jobs");
+        let problems = options.shown("Locking.Jobs");
         assert_eq!(problems.len(), 6, "{problems:?}");
         assert!(problems.iter().all(|p| p.starts_with("Locking.Jobs")));
     }
@@ -277,7 +300,7 @@ mod tests {
         let problems = valid()
             .lease_duration(Duration::from_secs(15))
             .request_timeout(Duration::from_secs(6))
-            .problems("S");
+            .shown("S");
         assert!(problems.iter().any(|p| p.starts_with("S.request_timeout")));
     }
 
@@ -304,9 +327,9 @@ mod tests {
     fn both_or_neither_account_settings_are_refused() {
         let mut both = valid();
         both.service_url = Some("https://acct.blob.core.windows.net".into());
-        assert!(both.problems("S")[0].contains("not both"));
+        assert!(both.shown("S")[0].contains("not both"));
         let neither = AzureBlobOptions::default();
-        assert!(neither.problems("S")[0].contains("connection_string"));
+        assert!(neither.shown("S")[0].contains("connection_string"));
     }
 
     #[test]
@@ -314,7 +337,7 @@ mod tests {
         let options = AzureBlobOptions::from_connection_string(
             "AccountName=acct;AccountKey=not base64 hunter2;Bogus=1",
         );
-        let problems = options.problems("S").join("\n");
+        let problems = options.shown("S").join("\n");
         assert!(!problems.contains("hunter2"), "{problems}");
         assert!(problems.contains("AccountKey"), "{problems}");
         assert!(!format!("{options:?}").contains("hunter2"));

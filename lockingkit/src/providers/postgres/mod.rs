@@ -75,6 +75,7 @@ pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUE
 pub use schema::setup_sql;
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use crate::MAX_SEMAPHORE_COUNT;
@@ -187,23 +188,22 @@ impl PostgresBackend {
     /// problem, when the options are invalid or the TLS settings cannot be honoured (an
     /// unreadable `sslrootcert`, no trust store for `verify-full`).
     pub fn new(options: PostgresOptions) -> Result<Self, LockError> {
-        let section = "PostgresOptions";
-        let mut problems = options.problems(section);
+        Self::open(options)
+            .map_err(|problems| crate::config::misconfigured_at("PostgresOptions", problems))
+    }
+
+    /// [`new`](Self::new), with the problems as data, for the registry to place in the
+    /// section the options came from.
+    pub(crate) fn open(options: PostgresOptions) -> Result<Self, Vec<Problem>> {
+        let problems = options.problems();
         if !problems.is_empty() {
-            return Err(LockError::misconfigured(problems));
+            return Err(problems);
         }
         let mut settings = connection::parse(options.connection_string.expose())
-            .map_err(|p| LockError::misconfigured([format!("{section}.connection_string: {p}")]))?;
-        let tls = match tls::connector(&settings) {
-            Ok(tls) => Some(tls),
-            Err(problem) => {
-                problems.push(format!("{section}.connection_string: {problem}"));
-                None
-            }
-        };
-        let (Some(tls), true) = (tls, problems.is_empty()) else {
-            return Err(LockError::misconfigured(problems));
-        };
+            .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
+        // What the options cannot say alone: TLS settings this machine cannot honour.
+        let tls = tls::connector(&settings)
+            .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
         tune_connection(&mut settings.config, options.query_timeout);
         // Lock sessions and watchers back off together when the server refuses connections.
         let reconnect = Arc::new(reconnect::Reconnect::new());
@@ -216,7 +216,7 @@ impl PostgresBackend {
             schema.clone(),
         );
         let timeout = options.query_timeout;
-        let max_sessions = options.session_budget();
+        let max_sessions = options.max_sessions;
         let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout, reconnect);
         let sequence = schema.sequence.clone();
         Ok(PostgresBackend {

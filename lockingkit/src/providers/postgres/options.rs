@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::connection;
-use crate::config::{SecretString, WholeNumbers};
+use crate::config::{Problem, SecretString, WholeNumbers};
 
 /// Options of the PostgreSQL provider, bindable from a `Locking.{name}` configuration section.
 ///
@@ -18,7 +18,7 @@ use crate::config::{SecretString, WholeNumbers};
 ///     check_interval: Duration::from_secs(2),
 ///     ..PostgresOptions::new("postgres://app:secret@db.internal/app?sslmode=verify-full")
 /// };
-/// assert!(options.problems("Locking.Default").is_empty());
+/// assert!(options.problems().is_empty());
 /// assert!(!format!("{options:?}").contains("secret"));
 /// ```
 ///
@@ -27,7 +27,6 @@ use crate::config::{SecretString, WholeNumbers};
 /// other processes (see the connection budget in the PostgreSQL guide).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-#[allow(deprecated)]
 pub struct PostgresOptions {
     /// A libpq connection string, as a URL (`postgres://user:pass@host:5432/db?sslmode=require`)
     /// or as `key=value` pairs. `sslmode` is one of `disable`, `prefer` (the default),
@@ -43,14 +42,6 @@ pub struct PostgresOptions {
     /// another process (one per key waited for; waits beyond this poll). Open only while
     /// someone waits.
     pub max_wait_sessions: usize,
-    /// Deprecated: before sessions were shared, each held lock kept a connection of its own and
-    /// this capped them. It is still read as a cap on `max_sessions`, so a configuration that
-    /// sets it never opens more connections than before.
-    #[deprecated(
-        since = "0.1.0",
-        note = "held locks share sessions now; set `max_sessions` (default 4) instead"
-    )]
-    pub pool_size: usize,
     /// How often a held lock's connection is checked; a check that fails or does not answer
     /// within this interval is loss.
     #[serde(with = "crate::config::duration")]
@@ -69,9 +60,6 @@ pub struct PostgresOptions {
 pub(crate) const DEFAULT_MAX_SESSIONS: usize = 4;
 /// The default budget of sessions that wait for keys held by other processes.
 pub(crate) const DEFAULT_MAX_WAIT_SESSIONS: usize = 16;
-/// The former default pool size, now only a cap on `max_sessions` that never binds.
-#[deprecated(since = "0.1.0", note = "see `PostgresOptions::pool_size`")]
-pub(crate) const DEFAULT_POOL_SIZE: usize = 16;
 /// The default connection check interval.
 pub(crate) const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 /// The default statement timeout.
@@ -82,13 +70,11 @@ pub const DEFAULT_FENCING_SCHEMA: &str = "lockingkit";
 pub const DEFAULT_FENCING_SEQUENCE: &str = "fencing_tokens";
 
 impl Default for PostgresOptions {
-    #[allow(deprecated)]
     fn default() -> Self {
         PostgresOptions {
             connection_string: SecretString::default(),
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_wait_sessions: DEFAULT_MAX_WAIT_SESSIONS,
-            pool_size: DEFAULT_POOL_SIZE,
             check_interval: DEFAULT_CHECK_INTERVAL,
             query_timeout: DEFAULT_QUERY_TIMEOUT,
             fencing_schema: DEFAULT_FENCING_SCHEMA.to_owned(),
@@ -121,51 +107,36 @@ impl PostgresOptions {
         }
     }
 
-    /// The sessions for locks the backend may open: `max_sessions`, capped by the deprecated
-    /// `pool_size`.
-    #[allow(deprecated)]
-    pub(super) fn session_budget(&self) -> usize {
-        self.max_sessions.min(self.pool_size)
-    }
-
-    /// Lists every problem with these options, prefixed with `section` (such as
-    /// `Locking.Default`). An empty list means the options are valid. No message quotes the
-    /// connection string.
-    pub fn problems(&self, section: &str) -> Vec<String> {
+    /// Lists every problem with these options, each about one of their settings. An empty
+    /// list means the options are valid. No problem quotes the connection string.
+    pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.connection_string.is_blank() {
-            problems.push(format!("{section}.connection_string is required"));
+            problems.push(Problem::new("connection_string", "is required"));
         } else if let Err(problem) = connection::parse(self.connection_string.expose()) {
-            problems.push(format!("{section}.connection_string: {problem}"));
+            problems.push(Problem::detail("connection_string", problem));
         }
         for (range, value) in Self::WHOLE_NUMBERS
             .iter()
             .zip([self.max_sessions, self.max_wait_sessions])
         {
-            let value = u64::try_from(value).unwrap_or(u64::MAX);
-            problems.extend(range.check(section, value));
-        }
-        #[allow(deprecated)]
-        if self.pool_size == 0 {
-            problems.push(format!(
-                "{section}.pool_size must be at least 1 (it is deprecated: set max_sessions instead)"
-            ));
+            problems.extend(range.check(u64::try_from(value).unwrap_or(u64::MAX)));
         }
         if self.check_interval.is_zero() {
-            problems.push(format!(
-                "{section}.check_interval must be greater than zero"
-            ));
+            problems.push(Problem::new("check_interval", "must be greater than zero"));
         }
         if self.query_timeout.is_zero() {
-            problems.push(format!("{section}.query_timeout must be greater than zero"));
+            problems.push(Problem::new("query_timeout", "must be greater than zero"));
         }
         for (field, value) in [
             ("fencing_schema", &self.fencing_schema),
             ("fencing_sequence", &self.fencing_sequence),
         ] {
             if !is_plain_identifier(value) {
-                problems.push(format!(
-                    "{section}.{field} must be a lowercase SQL identifier of at most 63 characters (letters, digits, _; not starting with a digit)"
+                problems.push(Problem::new(
+                    field,
+                    "must be a lowercase SQL identifier of at most 63 characters (letters, \
+                     digits, _; not starting with a digit)",
                 ));
             }
         }
@@ -189,49 +160,34 @@ mod tests {
     #[test]
     fn defaults_need_only_a_connection_string() {
         assert_eq!(
-            PostgresOptions::default().problems("Locking.Default"),
-            vec!["Locking.Default.connection_string is required".to_owned()]
+            PostgresOptions::default().problems(),
+            vec![Problem::new("connection_string", "is required")]
         );
         assert!(PostgresOptions::new("host=localhost user=app")
-            .problems("Locking.Default")
+            .problems()
             .is_empty());
     }
 
     #[test]
-    #[allow(deprecated)]
     fn every_problem_is_listed_without_the_secret() {
         let options = PostgresOptions {
             connection_string: "postgres://app:hunter2@db/app?sslmode=hunter2".into(),
             max_sessions: 0,
             max_wait_sessions: 0,
-            pool_size: 0,
             check_interval: Duration::ZERO,
             query_timeout: Duration::ZERO,
             fencing_schema: "Locks; DROP TABLE x".into(),
             fencing_sequence: String::new(),
         };
-        let problems = options.problems("Locking.Jobs");
-        assert_eq!(problems.len(), 7, "{problems:#?}");
-        assert!(problems.iter().all(|p| p.starts_with("Locking.Jobs.")));
-        assert!(problems.iter().all(|p| !p.contains("hunter2")));
+        let problems = options.problems();
+        assert_eq!(problems.len(), 6, "{problems:#?}");
+        let shown: Vec<String> = problems
+            .into_iter()
+            .map(|p| p.at("Locking.Jobs").to_string())
+            .collect();
+        assert!(shown.iter().all(|p| p.starts_with("Locking.Jobs.")));
+        assert!(shown.iter().all(|p| !p.contains("hunter2")));
         assert!(!format!("{options:?}").contains("hunter2"));
-    }
-
-    #[test]
-    #[allow(deprecated)]
-    fn the_deprecated_pool_size_caps_the_sessions_and_never_raises_them() {
-        let options = PostgresOptions::new("host=localhost");
-        assert_eq!(options.session_budget(), DEFAULT_MAX_SESSIONS);
-        let tight = PostgresOptions {
-            pool_size: 2,
-            ..options.clone()
-        };
-        assert_eq!(tight.session_budget(), 2);
-        let generous = PostgresOptions {
-            pool_size: 64,
-            ..options
-        };
-        assert_eq!(generous.session_budget(), DEFAULT_MAX_SESSIONS);
     }
 
     #[test]

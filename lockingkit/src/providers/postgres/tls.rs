@@ -21,11 +21,13 @@ use super::connection::{ConnectionSettings, SslMode};
 pub(super) fn connector(settings: &ConnectionSettings) -> Result<MakeRustlsConnect, String> {
     let provider = crate::tls::provider();
     let verifier: Arc<dyn ServerCertVerifier> = if settings.ssl_mode.verifies() {
-        let chain = crate::tls::verifier(&provider, settings.root_cert.as_deref(), "sslrootcert")
-            .map_err(|problem| match settings.root_cert {
-            Some(_) => problem,
-            None => format!("sslmode verifies certificates but {problem}"),
-        })?;
+        let chain =
+            crate::tls::verifier(&provider, settings.root_cert.as_deref()).map_err(|problem| {
+                match settings.root_cert {
+                    Some(_) => format!("sslrootcert {problem}"),
+                    None => format!("sslmode verifies certificates but {problem}; set sslrootcert"),
+                }
+            })?;
         if settings.ssl_mode == SslMode::VerifyCa {
             Arc::new(AnyHostName(chain))
         } else {

@@ -55,6 +55,7 @@ pub use options::{RedisOptions, MAX_KEY_PREFIX_LEN, MAX_LEASE_DURATION, MIN_LEAS
 use crate::backend::{
     Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode,
 };
+use crate::config::Problem;
 use crate::error::LockError;
 use crate::health::Health;
 use crate::keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
@@ -115,31 +116,28 @@ impl RedisBackend {
     /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured), listing every
     /// problem, when the options are invalid.
     pub fn new(options: RedisOptions) -> Result<Self, LockError> {
-        Self::open(options, SECTION).map_err(LockError::misconfigured)
+        Self::open(options).map_err(|problems| crate::config::misconfigured_at(SECTION, problems))
     }
 
-    /// A backend for `options`, whose problems are worded for the configuration section
-    /// `section` (such as `Locking.Jobs`).
-    pub(crate) fn open(options: RedisOptions, section: &str) -> Result<Self, Vec<String>> {
-        let problems = options.problems(section);
+    /// [`new`](Self::new), with the problems as data, for the registry to place in the
+    /// section the options came from.
+    pub(crate) fn open(options: RedisOptions) -> Result<Self, Vec<Problem>> {
+        let problems = options.problems();
         if !problems.is_empty() {
             return Err(problems);
         }
+        // What the options cannot say alone: TLS settings this machine cannot honour.
         let tls = match Target::uses_tls(&options) {
             true => Some(
-                tls::client_config(options.tls_root_cert.as_deref()).map_err(|problem| {
-                    vec![match options.tls_root_cert {
-                        Some(_) => format!("{section}.{problem}"),
-                        None => format!("{section}.url uses TLS, but {problem}"),
-                    }]
-                })?,
+                tls::client_config(options.tls_root_cert.as_deref())
+                    .map_err(|problem| vec![problem])?,
             ),
             false => None,
         };
         let target = Target::parse(&options, tls.as_ref()).map_err(|found| {
             found
                 .into_iter()
-                .map(|p| format!("{section}.url {p}"))
+                .map(|problem| Problem::new("url", problem))
                 .collect::<Vec<_>>()
         })?;
         let timeout = options.request_timeout;

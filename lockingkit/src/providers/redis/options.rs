@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::connection::Target;
-use crate::config::{SecretString, WholeNumbers};
+use crate::config::{Problem, SecretString, WholeNumbers};
 use crate::keys::RedisLockKeys;
 
 /// The shortest lease: a renewal every third of it must still fit a round trip.
@@ -33,7 +33,7 @@ pub const MAX_KEY_PREFIX_LEN: usize = 128;
 ///     lease_duration: Duration::from_secs(15),
 ///     ..RedisOptions::new("redis://app:secret@cache.internal:6379/0")
 /// };
-/// assert!(options.problems("Locking.Default").is_empty());
+/// assert!(options.problems().is_empty());
 /// assert!(!format!("{options:?}").contains("secret"));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,83 +136,118 @@ impl RedisOptions {
         }
     }
 
-    /// Lists every problem with these options, each prefixed with `section` (such as
-    /// `Locking.Default`). An empty list means the options are valid. No message quotes the
-    /// URL.
-    pub fn problems(&self, section: &str) -> Vec<String> {
-        let mut problems: Vec<String> = Target::problems(self)
+    /// Every problem with these options, each about the setting it names (place them in a
+    /// section with [`Problem::at`]). An empty list means the options are valid. No message
+    /// quotes the URL.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut problems: Vec<Problem> = Target::problems(self)
             .into_iter()
-            .map(|problem| format!("{section}.url {problem}"))
+            .map(|problem| Problem::new("url", problem))
             .collect();
         if self.tls_root_cert.is_some() && !Target::uses_tls(self) {
-            problems.push(format!(
-                "{section}.tls_root_cert is set, but url does not use TLS (rediss://)"
-            ));
+            problems.push(
+                Problem::new(
+                    "tls_root_cert",
+                    "is set, but url does not use TLS (rediss://)",
+                )
+                .involving("url"),
+            );
         }
         if self.key_prefix.is_empty() || self.key_prefix.len() > MAX_KEY_PREFIX_LEN {
-            problems.push(format!(
-                "{section}.key_prefix must be 1 to {MAX_KEY_PREFIX_LEN} bytes"
+            problems.push(Problem::new(
+                "key_prefix",
+                format!("must be 1 to {MAX_KEY_PREFIX_LEN} bytes"),
             ));
         }
+        problems.extend(self.duration_problems());
+        for range in Self::WHOLE_NUMBERS {
+            problems.extend(range.check(u64::from(self.replicas)));
+        }
+        problems
+    }
+
+    /// The problems of the durations, alone and against each other.
+    fn duration_problems(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
         let lease = self.lease_duration;
         if !(MIN_LEASE_DURATION..=MAX_LEASE_DURATION).contains(&lease) {
-            problems.push(format!(
-                "{section}.lease_duration must be between 300ms and 1h (was {lease:?})"
+            problems.push(Problem::new(
+                "lease_duration",
+                format!("must be between 300ms and 1h (was {lease:?})"),
             ));
         } else if !lease.subsec_nanos().is_multiple_of(1_000_000) {
-            problems.push(format!(
-                "{section}.lease_duration must be whole milliseconds (was {lease:?})"
+            problems.push(Problem::new(
+                "lease_duration",
+                format!("must be whole milliseconds (was {lease:?})"),
             ));
         }
         let timeout = self.request_timeout;
         if timeout.is_zero() {
-            problems.push(format!(
-                "{section}.request_timeout must be greater than zero"
-            ));
+            problems.push(Problem::new("request_timeout", "must be greater than zero"));
         } else if timeout > lease / 3 {
-            problems.push(format!(
-                "{section}.request_timeout ({timeout:?}) must be at most a third of \
-                 lease_duration ({lease:?}), so a failed renewal can be retried before the lease \
-                 runs out"
-            ));
-        }
-        for (range, value) in Self::WHOLE_NUMBERS.iter().zip([self.replicas]) {
-            problems.extend(range.check(section, u64::from(value)));
+            problems.push(
+                Problem::new(
+                    "request_timeout",
+                    format!(
+                        "({timeout:?}) must be at most a third of lease_duration ({lease:?}), so \
+                         a failed renewal can be retried before the lease runs out"
+                    ),
+                )
+                .involving("lease_duration"),
+            );
         }
         if self.replicas > 0
             && (self.replica_timeout < Duration::from_millis(1) || self.replica_timeout >= timeout)
         {
-            problems.push(format!(
-                "{section}.replica_timeout ({:?}) must be at least 1ms and shorter than \
-                 request_timeout ({timeout:?})",
-                self.replica_timeout
-            ));
+            problems.push(
+                Problem::new(
+                    "replica_timeout",
+                    format!(
+                        "({:?}) must be at least 1ms and shorter than request_timeout \
+                         ({timeout:?})",
+                        self.replica_timeout
+                    ),
+                )
+                .involving("request_timeout")
+                .involving("replicas"),
+            );
         }
         if self.writer_intent < Duration::from_millis(1) || self.writer_intent > lease {
-            problems.push(format!(
-                "{section}.writer_intent ({:?}) must be at least 1ms and at most lease_duration",
-                self.writer_intent
-            ));
+            problems.push(
+                Problem::new(
+                    "writer_intent",
+                    format!(
+                        "({:?}) must be at least 1ms and at most lease_duration",
+                        self.writer_intent
+                    ),
+                )
+                .involving("lease_duration"),
+            );
         }
         problems
     }
 }
 
 impl RedisOptions {
-    /// The problems of these options together with the engine options of the same provider,
-    /// each prefixed with `section`: a waiting writer sets its intent again at each attempt, so
-    /// an intent no longer than the longest pause between two attempts (`max_retry_delay`)
-    /// lapses between them and lets new readers in. The registry checks this for every Redis
-    /// provider it builds.
-    pub(crate) fn problems_with(&self, section: &str, engine: &crate::LockOptions) -> Vec<String> {
+    /// The problems of these options together with the engine options of the same provider: a
+    /// waiting writer sets its intent again at each attempt, so an intent no longer than the
+    /// longest pause between two attempts (`max_retry_delay`) lapses between them and lets new
+    /// readers in. The registry checks this for every Redis provider it builds.
+    pub(crate) fn problems_with(&self, engine: &crate::LockOptions) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.writer_intent <= engine.max_retry_delay {
-            problems.push(format!(
-                "{section}.writer_intent ({:?}) must be longer than max_retry_delay ({:?}): a \
-                 waiting writer sets its intent again at each attempt, and one that lapses \
-                 between two attempts lets new readers in",
-                self.writer_intent, engine.max_retry_delay
-            ));
+            problems.push(
+                Problem::new(
+                    "writer_intent",
+                    format!(
+                        "({:?}) must be longer than max_retry_delay ({:?}): a waiting writer \
+                         sets its intent again at each attempt, and one that lapses between two \
+                         attempts lets new readers in",
+                        self.writer_intent, engine.max_retry_delay
+                    ),
+                )
+                .involving("max_retry_delay"),
+            );
         }
         problems
     }
@@ -224,22 +259,24 @@ mod tests {
 
     #[test]
     fn defaults_need_only_a_url() {
+        let problems = RedisOptions::default().problems();
+        assert_eq!(problems, vec![Problem::new("url", "is required")]);
         assert_eq!(
-            RedisOptions::default().problems("Locking.Default"),
-            vec!["Locking.Default.url is required".to_owned()]
+            problems[0].clone().at("Locking.Default").to_string(),
+            "Locking.Default.url is required"
         );
         let options = RedisOptions::new("redis://127.0.0.1:6379");
-        assert!(options.problems("S").is_empty());
+        assert!(options.problems().is_empty());
         assert_eq!(options.lease_duration, Duration::from_secs(30));
         assert_eq!(options.key_prefix, "lockingkit");
         assert!(RedisOptions::cluster(["redis://a:7000", "redis://b:7001"])
-            .problems("S")
+            .problems()
             .is_empty());
         assert!(RedisOptions::new("unix:///run/redis.sock?db=2")
-            .problems("S")
+            .problems()
             .is_empty());
         assert!(RedisOptions::new("rediss://:secret@cache.internal:6380/0")
-            .problems("S")
+            .problems()
             .is_empty());
     }
 
@@ -256,13 +293,27 @@ mod tests {
             writer_intent: Duration::ZERO,
             tls_root_cert: Some("/etc/ssl/private-ca.pem".into()),
         };
-        let problems = options.problems("Locking.Jobs");
+        let problems = options.problems();
         assert_eq!(problems.len(), 7, "{problems:#?}");
-        assert!(problems.iter().all(|p| p.starts_with("Locking.Jobs.")));
-        assert!(
-            problems.iter().all(|p| !p.contains("hunter2")),
-            "{problems:#?}"
+        let settings: Vec<&str> = problems.iter().map(Problem::setting).collect();
+        assert_eq!(
+            settings,
+            [
+                "url",
+                "tls_root_cert",
+                "key_prefix",
+                "lease_duration",
+                "request_timeout",
+                "replica_timeout",
+                "writer_intent",
+            ]
         );
+        let placed: Vec<String> = problems
+            .into_iter()
+            .map(|p| p.at("Locking.Jobs").to_string())
+            .collect();
+        assert!(placed.iter().all(|p| p.starts_with("Locking.Jobs.")));
+        assert!(placed.iter().all(|p| !p.contains("hunter2")), "{placed:#?}");
         assert!(!format!("{options:?}").contains("hunter2"));
     }
 
@@ -288,7 +339,8 @@ mod tests {
                 cluster,
                 ..RedisOptions::new(url)
             };
-            let problems = options.problems("S").join("\n");
+            let problems: Vec<String> = options.problems().iter().map(|p| p.to_string()).collect();
+            let problems = problems.join("\n");
             assert!(problems.contains(expected), "{url}: {problems}");
             assert!(!problems.contains("hunter2"), "{problems}");
         }
@@ -301,12 +353,14 @@ mod tests {
             request_timeout: Duration::from_millis(1001),
             ..RedisOptions::new("redis://127.0.0.1")
         };
-        assert!(options.problems("S")[0].starts_with("S.request_timeout"));
+        assert_eq!(options.problems()[0].setting(), "request_timeout");
         let fractional = RedisOptions {
             lease_duration: Duration::from_micros(30_000_500),
             ..RedisOptions::new("redis://127.0.0.1")
         };
-        assert!(fractional.problems("S")[0].contains("whole milliseconds"));
+        assert!(fractional.problems()[0]
+            .to_string()
+            .contains("whole milliseconds"));
     }
 
     #[test]
@@ -319,7 +373,7 @@ mod tests {
         assert_eq!(options.lease_duration, Duration::from_secs(20));
         assert_eq!(options.replica_timeout, Duration::from_millis(250));
         assert_eq!(options.key_prefix, "jobs");
-        assert!(options.problems("S").is_empty());
+        assert!(options.problems().is_empty());
         assert!(serde_json::from_str::<RedisOptions>(r#"{"lease":"20s"}"#).is_err());
     }
 }

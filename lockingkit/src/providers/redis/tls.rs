@@ -19,13 +19,20 @@ use tokio_rustls::TlsConnector;
 
 use super::errors::{self, Stage};
 use crate::backend::BackendError;
+use crate::config::Problem;
 
 /// The client configuration for every `rediss://` connection of a backend, checking servers
 /// against the roots in `root_cert` (a PEM file) or, without one, the platform's trust store.
-pub(super) fn client_config(root_cert: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
+pub(super) fn client_config(root_cert: Option<&Path>) -> Result<Arc<ClientConfig>, Problem> {
     let provider = crate::tls::provider();
-    let verifier = crate::tls::verifier(&provider, root_cert, "tls_root_cert")?;
-    crate::tls::client_config(provider, verifier).map(Arc::new)
+    let verifier =
+        crate::tls::verifier(&provider, root_cert).map_err(|problem| match root_cert {
+            Some(_) => Problem::new("tls_root_cert", problem),
+            None => Problem::new("url", format!("uses TLS, but {problem}; set tls_root_cert")),
+        })?;
+    crate::tls::client_config(provider, verifier)
+        .map(Arc::new)
+        .map_err(|problem| Problem::detail("url", problem))
 }
 
 /// TLS to one server: the configuration, and the name its certificate must carry (the URL's

@@ -14,6 +14,7 @@ use azure_core::http::{ClientOptions, Url};
 use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 
 use super::options::AzureBlobOptions;
+use crate::config::Problem;
 
 pub(crate) mod connection_string;
 pub(crate) mod shared_key;
@@ -54,8 +55,7 @@ fn container_url(service: &Url, container: &str) -> Url {
 /// checks, or the problem that prevents it.
 pub(crate) fn container_from_connection_string(
     options: &AzureBlobOptions,
-    section: &str,
-) -> Result<BlobContainerClient, String> {
+) -> Result<BlobContainerClient, Problem> {
     let text = options
         .connection_string
         .as_ref()
@@ -63,9 +63,9 @@ pub(crate) fn container_from_connection_string(
     // Parsed by the options' checks already, so this does not fail; the problem only keeps
     // the code free of panics.
     let connection = ConnectionString::parse(text)
-        .map_err(|_| format!("{section}.connection_string is not usable"))?;
+        .map_err(|_| Problem::new("connection_string", "is not usable"))?;
     let mut container_url = container_url(&connection.blob_endpoint, &options.container);
-    let mut client_options = client_options(options, section)?;
+    let mut client_options = client_options(options)?;
     match connection.credential {
         Credential::SharedKey { account, key } => client_options
             .per_try_policies
@@ -73,7 +73,7 @@ pub(crate) fn container_from_connection_string(
         Credential::Sas(sas) => container_url.set_query(Some(&sas)),
     }
     BlobContainerClient::new(container_url, None, Some(container_options(client_options)))
-        .map_err(|_| format!("{section}: the blob endpoint is not usable"))
+        .map_err(|_| Problem::of_section("the blob endpoint is not usable"))
 }
 
 /// The container client at a `service_url` whose options passed their checks, authenticated
@@ -81,28 +81,28 @@ pub(crate) fn container_from_connection_string(
 pub(crate) fn container_with_token(
     options: &AzureBlobOptions,
     credential: Arc<dyn TokenCredential>,
-    section: &str,
-) -> Result<BlobContainerClient, String> {
+) -> Result<BlobContainerClient, Problem> {
     let url = options.service_url.as_deref().unwrap_or_default();
     let service_url =
-        parse_service_url(url).map_err(|problem| format!("{section}.service_url: {problem}"))?;
+        parse_service_url(url).map_err(|problem| Problem::detail("service_url", problem))?;
     if service_url.scheme() != "https" {
-        return Err(format!(
-            "{section}.service_url must use https with a token credential"
+        return Err(Problem::new(
+            "service_url",
+            "must use https with a token credential",
         ));
     }
     let container_url = container_url(&service_url, &options.container);
     BlobContainerClient::new(
         container_url,
         Some(credential),
-        Some(container_options(client_options(options, section)?)),
+        Some(container_options(client_options(options)?)),
     )
-    .map_err(|_| format!("{section}: the blob endpoint is not usable"))
+    .map_err(|_| Problem::of_section("the blob endpoint is not usable"))
 }
 
-fn client_options(options: &AzureBlobOptions, section: &str) -> Result<ClientOptions, String> {
+fn client_options(options: &AzureBlobOptions) -> Result<ClientOptions, Problem> {
     let transport = transport::transport(options.request_timeout)
-        .map_err(|e| format!("{section}: {}", e.message()))?;
+        .map_err(|e| Problem::of_section(e.message()))?;
     Ok(ClientOptions {
         transport: Some(transport),
         retry: transport::QuickRetry::options(options.max_retries, options.retry_delay),

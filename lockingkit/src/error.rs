@@ -136,6 +136,15 @@ impl LockError {
         LockError::new(ErrorKind::Busy, "the lock is held by someone else")
     }
 
+    /// The [`ErrorKind::Timeout`] error: the backend answered "busy" until the wait of
+    /// `timeout` ended. The engine's waits and the transaction-scoped locks' end this way.
+    pub(crate) fn timed_out(timeout: std::time::Duration) -> Self {
+        LockError::new(
+            ErrorKind::Timeout,
+            format!("the lock stayed busy for the whole timeout of {timeout:?}"),
+        )
+    }
+
     /// The [`ErrorKind::Lost`] error every layer reports once a lock is gone: `reason` says why
     /// it was lost, or is `None` when it was released (or the reason is not known).
     pub fn lost(reason: Option<LossReason>) -> Self {

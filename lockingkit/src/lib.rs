@@ -58,7 +58,10 @@ pub use lock::{DistributedLock, DistributedLockBuilder};
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 #[cfg(feature = "postgres")]
-pub use providers::postgres::{PostgresBackend, PostgresOptions};
+pub use providers::postgres::{
+    LockableTransaction, PostgresBackend, PostgresOptions, PostgresTransactionLock,
+    PostgresTransactionLocks, PostgresTransactionOptions,
+};
 #[cfg(feature = "redis")]
 pub use providers::redis::{RedisBackend, RedisOptions};
 pub use reader_writer::ReaderWriterLock;
@@ -72,8 +75,9 @@ pub use tokio_util::sync::CancellationToken;
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
 
-/// The guides' examples, compiled as doc tests with the features they need.
-#[cfg(all(doctest, feature = "postgres"))]
+/// The guides' examples, compiled as doc tests with the features they need (the PostgreSQL
+/// guide's include a deadpool-postgres transaction).
+#[cfg(all(doctest, feature = "deadpool"))]
 #[doc = include_str!("../../docs/postgres.md")]
 pub struct PostgresGuideDoctests;
 

@@ -12,14 +12,16 @@
 //!
 //! `cargo bench -p lockingkit-tests --bench lockingkit -- memory` runs only row 3 (in-memory
 //! pairs), `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` only the row of
-//! the HTTP layer's own cost (in-memory lock, no servers to start), and `-- redis` only the
-//! Redis rows 11–13 (it starts a Redis server; `scripts/setup-redis.sh` installs it).
+//! the HTTP layer's own cost (in-memory lock, no servers to start), `… -- transaction` only
+//! row 11 (transaction-scoped try-lock, on a PostgreSQL server of its own), and `-- redis`
+//! only the Redis rows 12–14 (it starts a Redis server; `scripts/setup-redis.sh` installs it).
 
 use std::time::Duration;
 
 use lockingkit::{DistributedLock, PostgresBackend};
 use lockingkit_tests::azurite::Azurite;
 use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, PollingOnly};
+use lockingkit_tests::bench_transaction::{self, TransactionBenchReport};
 use lockingkit_tests::http::{in_memory_layer_cost, LayerCost};
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::redis::RedisServer;
@@ -123,6 +125,66 @@ fn print_http_layer_cost(cost: &LayerCost) {
     );
 }
 
+/// Row 11: the transaction-scoped try-lock against the raw statement, on a server of its own.
+fn transaction_locks(runtime: &tokio::runtime::Runtime, sizes: Sizes) -> TransactionBenchReport {
+    runtime.block_on(async {
+        tokio::spawn(async move {
+            let server = PostgresServer::start().await;
+            bench_transaction::measure_transaction(&server, sizes.postgres_pairs).await
+        })
+        .await
+        .expect("the transaction benchmark task panicked")
+    })
+}
+
+fn print_transaction_locks(report: &TransactionBenchReport) {
+    let row = |name: &str,
+               ours: bench_postgres::Latency,
+               baseline: bench_postgres::Latency,
+               ratio: f64,
+               goal: bool| {
+        println!(
+            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<10} |",
+            ms(ours.median),
+            ms(baseline.median),
+            format!("ratio {ratio:.3}"),
+            if goal {
+                pass(ratio <= 1.10)
+            } else {
+                "diagnostic"
+            }
+        );
+    };
+    row(
+        "11. PostgreSQL transaction try-lock, unnamed vs raw",
+        report.lockingkit_unnamed,
+        report.raw_unnamed,
+        report.unnamed_ratio(),
+        true,
+    );
+    row(
+        "11. same, deadpool (prepared) vs raw prepare_cached",
+        report.lockingkit_prepared,
+        report.raw_prepared,
+        report.prepared_ratio(),
+        true,
+    );
+    row(
+        "   unnamed vs its own statement sent by hand",
+        report.lockingkit_unnamed,
+        report.same_unnamed,
+        report.unnamed_library_ratio(),
+        false,
+    );
+    row(
+        "   prepared vs its own statement prepared by hand",
+        report.lockingkit_prepared,
+        report.same_prepared,
+        report.prepared_library_ratio(),
+        false,
+    );
+}
+
 /// The Redis rows, on a server of their own.
 struct RedisRows {
     pairs: bench_redis::RedisPairs,
@@ -172,7 +234,7 @@ fn print_redis_rows(rows: &RedisRows) {
     let pairs = &rows.pairs;
     println!(
         "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
-        "11. Redis try_acquire+release vs same scripts raw",
+        "12. Redis try_acquire+release vs same scripts raw",
         ms(pairs.lockingkit.p50),
         ms(pairs.raw.p50),
         format!("ratio {:.3}", pairs.ratio()),
@@ -197,7 +259,7 @@ fn print_redis_rows(rows: &RedisRows) {
     let throughput = &rows.throughput;
     println!(
         "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
-        "12. Redis pairs, 256 tasks on distinct keys",
+        "13. Redis pairs, 256 tasks on distinct keys",
         throughput.lockingkit_pairs_per_s,
         throughput.raw_pairs_per_s,
         format!("ratio {:.3}", throughput.ratio()),
@@ -213,13 +275,13 @@ fn print_redis_rows(rows: &RedisRows) {
     );
     for (name, p, goal, ok) in [
         (
-            "13. cross-process, Redis, polling only",
+            "14. cross-process, Redis, polling only",
             rows.polling,
             "baseline",
             None,
         ),
         (
-            "13. cross-process, Redis, release published",
+            "14. cross-process, Redis, release published",
             rows.published,
             "p50 <= 2 ms",
             Some(rows.published.p50 <= Duration::from_millis(2)),
@@ -273,6 +335,12 @@ fn main() {
         let rows = redis_rows(sizes);
         print_redis_rows(&rows);
         println!("{{{}}}", redis_json(&rows));
+        return;
+    }
+    if only.as_deref() == Some("transaction") {
+        let report = transaction_locks(&two_worker_runtime(), sizes);
+        println!("{}\n", report.render());
+        print_transaction_locks(&report);
         return;
     }
     if only.as_deref() == Some("http-memory") {
@@ -563,11 +631,14 @@ fn main() {
         "1",
         pass(modes.semaphore_round_trips <= 1.0)
     );
+    let transactions = transaction_locks(&runtime, sizes);
+    print_transaction_locks(&transactions);
     print_http_layer_cost(&layer_cost);
     // Redis on a server of its own, after the rows above.
     let redis = redis_rows(sizes);
     print_redis_rows(&redis);
     println!();
+    println!("{}", transactions.render());
     println!(
         "{{\"postgres_pairs\":{},\"postgres_lockingkit_median_us\":{:.1},\"postgres_lockingkit_p99_us\":{:.1},\"postgres_raw_median_us\":{:.1},\"postgres_raw_p99_us\":{:.1},\"postgres_ratio\":{:.3},\
 \"azure_pairs\":{},\"azure_lockingkit_median_ms\":{:.3},\"azure_raw_median_ms\":{:.3},\"azure_ratio\":{:.3},\
@@ -578,6 +649,7 @@ fn main() {
 \"throughput_lockingkit_pairs_per_s\":{:.0},\"throughput_raw_pairs_per_s\":{:.0},\"throughput_lockingkit_connections\":{},\"throughput_raw_connections\":{},\
 \"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1},\
 \"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3},\
+\"transaction_unnamed_median_us\":{:.1},\"transaction_raw_unnamed_median_us\":{:.1},\"transaction_unnamed_ratio\":{:.3},\"transaction_prepared_median_us\":{:.1},\"transaction_raw_prepared_median_us\":{:.1},\"transaction_prepared_ratio\":{:.3},\
 \"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{},{}}}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
@@ -613,6 +685,12 @@ fn main() {
         layer_cost.locked_per_s,
         layer_cost.plain_per_s,
         layer_cost.ratio(),
+        transactions.lockingkit_unnamed.median.as_secs_f64() * 1e6,
+        transactions.raw_unnamed.median.as_secs_f64() * 1e6,
+        transactions.unnamed_ratio(),
+        transactions.lockingkit_prepared.median.as_secs_f64() * 1e6,
+        transactions.raw_prepared.median.as_secs_f64() * 1e6,
+        transactions.prepared_ratio(),
         ms(remote_polling.p50),
         ms(remote_polling.p99),
         ms(remote_hint.p50),

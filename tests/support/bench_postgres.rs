@@ -103,7 +103,8 @@ fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-fn latency(mut samples: Vec<Duration>) -> Latency {
+/// The median and 99th percentile of `samples`.
+pub fn latency(mut samples: Vec<Duration>) -> Latency {
     samples.sort_unstable();
     let at = |q: f64| {
         let index = ((samples.len() as f64 - 1.0) * q).round() as usize;

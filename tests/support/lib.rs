@@ -7,11 +7,13 @@ pub mod bench_azure;
 pub mod bench_postgres;
 pub mod bench_redis;
 pub mod bench_sessions;
+pub mod bench_transaction;
 pub mod chaos;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.
 #[path = "../../lockingkit/tests/support/field_log.rs"]
 pub mod field_log;
 pub mod http;
+pub mod pgbouncer;
 pub mod postgres;
 pub mod proxy;
 pub mod redis;

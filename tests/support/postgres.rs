@@ -260,6 +260,66 @@ impl PostgresServer {
         self.local_mut().resume();
     }
 
+    /// Turns TLS on for a local server with a fresh self-signed certificate (made by the
+    /// `openssl` command), by configuration reload: plain connections keep working, and
+    /// `sslmode=require` (which encrypts without verifying) connects encrypted.
+    pub async fn enable_tls(&self) {
+        let local = self.local();
+        let (cert, key) = (local.data.join("server.crt"), local.data.join("server.key"));
+        let made = Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            ])
+            .args(["-subj", "/CN=127.0.0.1", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .stdin(Stdio::null())
+            .output()
+            .expect("openssl runs");
+        assert!(
+            made.status.success(),
+            "openssl: {}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        // The server refuses a key that others may read.
+        fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .expect("chmod the key");
+        if let Some((uid, gid)) = local.owner {
+            for file in [&cert, &key] {
+                std::os::unix::fs::chown(file, Some(uid), Some(gid)).expect("chown");
+            }
+        }
+        let client = self.connect().await;
+        // One statement each: ALTER SYSTEM refuses to run in the implicit transaction of a
+        // multi-statement query.
+        for setting in [
+            format!("ssl_cert_file = '{}'", cert.display()),
+            format!("ssl_key_file = '{}'", key.display()),
+            "ssl = on".to_owned(),
+        ] {
+            client
+                .batch_execute(&format!("ALTER SYSTEM SET {setting}"))
+                .await
+                .expect("ALTER SYSTEM");
+        }
+        client
+            .batch_execute("SELECT pg_reload_conf()")
+            .await
+            .expect("reload");
+        // The postmaster rereads its configuration when it gets to the signal; sessions
+        // started after that offer TLS.
+        let give_up = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let row = self.connect().await.query_one("SHOW ssl", &[]).await;
+            if row.expect("SHOW ssl").get::<_, String>(0) == "on" {
+                return;
+            }
+            assert!(std::time::Instant::now() < give_up, "TLS never came on");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn local(&self) -> &LocalCluster {
         self.local.as_ref().unwrap_or_else(|| {
             panic!("an external server ({EXTERNAL_ENV}) cannot be controlled or inspected")

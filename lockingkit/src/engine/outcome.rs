@@ -51,7 +51,7 @@ pub(super) fn failing_error(refusal: Refusal) -> LockError {
 /// How a queued waiter's wait ends at its deadline, from what it knows about the key.
 pub(super) fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError {
     match evidence {
-        WaitEvidence::Contended => timeout_error(timeout),
+        WaitEvidence::Contended => LockError::timed_out(timeout),
         WaitEvidence::Failing(cause) if cause.is_transient() => {
             let what = if cause.reached() {
                 "the backend answered the latest attempt for this key with a failure"
@@ -75,13 +75,6 @@ pub(super) fn wait_error(evidence: WaitEvidence, timeout: Duration) -> LockError
 /// What a caller of an engine that was shut down is told.
 pub(super) fn shut_down_error() -> LockError {
     LockError::new(ErrorKind::Unavailable, "the lock provider was shut down")
-}
-
-pub(super) fn timeout_error(timeout: Duration) -> LockError {
-    LockError::new(
-        ErrorKind::Timeout,
-        format!("the lock stayed busy for the whole timeout of {timeout:?}"),
-    )
 }
 
 fn unreachable_error(timeout: Duration) -> LockError {
@@ -149,7 +142,7 @@ pub(super) fn wait_outcome(
         }
     }
     match latest {
-        Latest::Busy => timeout_error(timeout),
+        Latest::Busy => LockError::timed_out(timeout),
         Latest::Failed(cause) if cause.reached() => LockError::new(
             ErrorKind::Unavailable,
             format!(

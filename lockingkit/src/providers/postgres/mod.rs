@@ -47,18 +47,25 @@
 //!   up after half a second (`lock_timeout`) and are sent again, so no snapshot is held for
 //!   longer (see `watch`). Queued exclusively, it is also the waiting writer's intent, which
 //!   new readers respect. Polling stays the fallback.
+//! - **Locks inside the caller's own transaction** are the other shape:
+//!   [`PostgresTransactionLocks`] takes `pg_try_advisory_xact_lock` on a transaction the caller
+//!   owns, with the same keys and fencing sequence, held until COMMIT or ROLLBACK.
 //! - **Not replicated**: advisory locks live in one server's memory. After a failover every
-//!   lock is gone and every holder sees loss. Locks are per database. PgBouncer in transaction
-//!   or statement pooling mode breaks session locks; use session pooling or connect directly.
+//!   lock is gone and every holder sees loss. Locks are per database.
+//! - **Session pooling only**: a pooler in transaction or statement mode (PgBouncer's
+//!   `pool_mode`) would lend a lock's server session to other clients. It is looked for when a
+//!   session opens and in every check, and refused with `Misconfigured` (see `pooler`).
 
 mod connection;
 mod errors;
 mod options;
+mod pooler;
 mod reconnect;
 mod schema;
 mod session;
 mod sessions;
 mod tls;
+mod transaction;
 mod watch;
 
 use std::fmt;
@@ -73,6 +80,10 @@ use tokio_postgres::types::ToSql;
 
 pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
 pub use schema::setup_sql;
+pub use transaction::{
+    LockableTransaction, PostgresTransactionLock, PostgresTransactionLocks,
+    PostgresTransactionOptions,
+};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::Problem;
@@ -98,8 +109,8 @@ const UNLOCK_STRAY_SLOTS: &str =
     "SELECT pg_advisory_unlock($1, objid::bigint::int4) FROM pg_locks \
      WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid() \
      AND classid = $1::oid AND NOT objid::bigint::int4 = ANY($2)";
-/// The session check.
-const CHECK: &str = "SELECT 1";
+/// The session check; its answer also shows a session that a pooler moved (see `pooler`).
+const CHECK: &str = pooler::SERVER_PROCESS;
 
 /// The rows of `pg_locks` for a `bigint` advisory key `$1` this session holds, in `mode`.
 macro_rules! held_key_rows {
@@ -159,6 +170,8 @@ pub struct PostgresBackend {
 /// What the clones of one [`PostgresBackend`] share.
 struct Backend {
     sessions: SessionSet,
+    /// Whether a transaction- or statement-mode pooler was found in front of the server.
+    pooling: Arc<pooler::Pooling>,
     max_sessions: usize,
     timeout: Duration,
     check_interval: Duration,
@@ -217,11 +230,22 @@ impl PostgresBackend {
         );
         let timeout = options.query_timeout;
         let max_sessions = options.max_sessions;
-        let sessions = SessionSet::new(max_sessions, settings.config, tls, timeout, reconnect);
+        // Shared by the sessions, which verify at open and in every check that no pooler
+        // hands their server session to others (see `pooler`).
+        let pooling = Arc::new(pooler::Pooling::default());
+        let sessions = SessionSet::new(
+            max_sessions,
+            settings.config,
+            tls,
+            timeout,
+            reconnect,
+            &pooling,
+        );
         let sequence = schema.sequence.clone();
         Ok(PostgresBackend {
             inner: Arc::new(Backend {
                 sessions,
+                pooling,
                 max_sessions,
                 timeout,
                 check_interval: options.check_interval,
@@ -368,6 +392,7 @@ impl PostgresBackend {
         attempt: Attempt,
         advisory_key: i64,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
+        self.inner.pooling.refuse_if_found()?;
         let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
             // This process holds the key, or may still: on every session it could try.
             self.busy(attempt);
@@ -515,6 +540,10 @@ impl LockBackend for PostgresBackend {
         let timeout = self.inner.timeout.min(self.inner.check_interval);
         if session.check(self.inner.check_interval, timeout).await {
             Ok(())
+        } else if self.inner.pooling.found() {
+            Err(BackendError::lease_gone(
+                "the lock's PostgreSQL session moved to another server process: a transaction- or statement-mode pooler hands it to other clients",
+            ))
         } else {
             Err(BackendError::lease_gone(
                 "the lock's PostgreSQL session failed its check",
@@ -615,6 +644,7 @@ impl LockBackend for PostgresBackend {
             self.inner.sessions.tls(),
             self.inner.timeout,
             Arc::new(tokio::sync::Notify::new()),
+            &self.inner.pooling,
         ))
         .await?;
         let checked = Box::pin(self.ensure_fencing(&session)).await;

@@ -128,20 +128,28 @@ impl PostgresOptions {
         if self.query_timeout.is_zero() {
             problems.push(Problem::new("query_timeout", "must be greater than zero"));
         }
-        for (field, value) in [
-            ("fencing_schema", &self.fencing_schema),
-            ("fencing_sequence", &self.fencing_sequence),
-        ] {
-            if !is_plain_identifier(value) {
-                problems.push(Problem::new(
-                    field,
-                    "must be a lowercase SQL identifier of at most 63 characters (letters, \
-                     digits, _; not starting with a digit)",
-                ));
-            }
-        }
+        problems.extend(fencing_problems(
+            &self.fencing_schema,
+            &self.fencing_sequence,
+        ));
         problems
     }
+}
+
+/// The problems with a fencing schema and sequence name, for every option struct that names
+/// them: they are spliced into SQL, so only plain identifiers pass.
+pub(super) fn fencing_problems(schema: &str, sequence: &str) -> Vec<Problem> {
+    [("fencing_schema", schema), ("fencing_sequence", sequence)]
+        .into_iter()
+        .filter(|(_, value)| !is_plain_identifier(value))
+        .map(|(field, _)| {
+            Problem::new(
+                field,
+                "must be a lowercase SQL identifier of at most 63 characters (letters, digits, \
+                 _; not starting with a digit)",
+            )
+        })
+        .collect()
 }
 
 /// An identifier PostgreSQL keeps as written without quotes, so it can be spliced into SQL

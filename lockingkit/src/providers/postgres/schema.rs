@@ -42,8 +42,12 @@ pub(super) struct Schema {
 
 impl Schema {
     pub(super) fn new(options: &PostgresOptions) -> Self {
-        let schema = &options.fencing_schema;
-        let sequence = format!("{schema}.{}", options.fencing_sequence);
+        Schema::named(&options.fencing_schema, &options.fencing_sequence)
+    }
+
+    /// The objects of the fencing schema `schema` with the sequence `sequence` in it.
+    pub(super) fn named(schema: &str, sequence: &str) -> Self {
+        let sequence = format!("{schema}.{sequence}");
         let watch_function = format!("{schema}.{WATCH_FUNCTION}");
         let lock = format!(
             "SELECT pg_advisory_xact_lock({}, {});",

@@ -35,6 +35,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
 use super::errors::{self, Stage};
+use super::pooler::{Pooling, ServerProcess};
 use crate::backend::BackendError;
 
 /// The statements of the lock protocol, prepared once per session on first use.
@@ -44,8 +45,6 @@ pub(super) enum Prepared {
     Lock,
     /// `pg_advisory_unlock($1)`.
     Unlock,
-    /// `SELECT 1`, the session check.
-    Check,
     /// Shared try-lock with the fencing token.
     LockShared,
     /// Shared try-lock on a session that already holds the key shared, which the server
@@ -75,7 +74,7 @@ impl Prepared {
         match self {
             Prepared::Lock => (0, KEY),
             Prepared::Unlock => (1, KEY),
-            Prepared::Check => (2, &[]),
+            // 2 was the session check's, which is sent unnamed now (see `run_check`).
             Prepared::LockShared => (3, KEY),
             Prepared::LockSharedAgain => (4, KEY),
             Prepared::UnlockShared => (5, KEY),
@@ -205,6 +204,9 @@ pub(super) struct Session {
     solo_timer: Mutex<Pin<Box<Sleep>>>,
     solo_taken: AtomicBool,
     driver: JoinHandle<()>,
+    /// The server process the session was opened on, which every check's answer must name.
+    server_process: ServerProcess,
+    pooling: Arc<Pooling>,
 }
 
 #[derive(Default)]
@@ -231,6 +233,7 @@ impl Session {
         tls: &MakeRustlsConnect,
         timeout: Duration,
         changed: Arc<Notify>,
+        pooling: &Arc<Pooling>,
     ) -> Result<Session, BackendError> {
         let connecting = config.connect(tls.clone());
         let (client, connection) = match within(timeout, connecting).await {
@@ -249,6 +252,14 @@ impl Session {
             let _signal = signal;
             let _ = connection.await;
         });
+        let verified = pooling.verify_new_session(&client, config, tls, timeout);
+        let server_process = match verified.await {
+            Ok(process) => process,
+            Err(error) => {
+                driver.abort();
+                return Err(error);
+            }
+        };
         Ok(Session {
             client,
             ended,
@@ -261,6 +272,8 @@ impl Session {
             solo_timer: Mutex::new(Box::pin(tokio::time::sleep(Duration::from_secs(3600)))),
             solo_taken: AtomicBool::new(false),
             driver,
+            server_process,
+            pooling: pooling.clone(),
         })
     }
 
@@ -561,11 +574,13 @@ async fn run_check(
     sent: Instant,
     timeout: Duration,
 ) {
-    let checked = async {
-        let statement = session.statement(Prepared::Check, super::CHECK).await?;
-        session.client.query_one(&statement, &[]).await
+    // Unnamed: its answer must come from whichever server process runs it, even behind a
+    // pooler that would fail a prepared statement there (see `pooler`).
+    let checked = session.client.query_typed_one(super::CHECK, &[]);
+    let alive = match session.bounded(timeout, checked).await {
+        Ok(Ok(row)) => session.pooling.same_process(session.server_process, &row),
+        _ => false,
     };
-    let alive = matches!(session.bounded(timeout, checked).await, Ok(Ok(_)));
     {
         let mut state = session.check.lock().unwrap_or_else(PoisonError::into_inner);
         state.running = None;

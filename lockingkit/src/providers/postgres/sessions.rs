@@ -16,6 +16,7 @@ use tokio::sync::Notify;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::pooler::Pooling;
 use super::reconnect::Reconnect;
 use super::session::{Advisory, Attempt, Availability, Session};
 use crate::backend::BackendError;
@@ -36,6 +37,7 @@ pub(super) struct SessionSet {
     tls: MakeRustlsConnect,
     timeout: Duration,
     reconnect: Arc<Reconnect>,
+    pooling: Arc<Pooling>,
 }
 
 #[derive(Default)]
@@ -62,6 +64,7 @@ impl SessionSet {
         tls: MakeRustlsConnect,
         timeout: Duration,
         reconnect: Arc<Reconnect>,
+        pooling: &Arc<Pooling>,
     ) -> Self {
         SessionSet {
             slots: Mutex::new(Slots::default()),
@@ -71,6 +74,7 @@ impl SessionSet {
             tls,
             timeout,
             reconnect,
+            pooling: pooling.clone(),
         }
     }
 
@@ -187,6 +191,7 @@ impl SessionSet {
             &self.tls,
             self.timeout,
             self.changed.clone(),
+            &self.pooling,
         )))
         .await?;
         let session = Arc::new(session);

@@ -76,7 +76,8 @@ impl ContractBackend for FileLocks {
     }
 }
 
-lockingkit::contract_tests!(async { FileLocks::new() });
+// File locks here are exclusive only: the suite checks that readers and semaphores are refused.
+lockingkit::contract_tests!(async { FileLocks::new() }, without: [readers, semaphores]);
 
 /// A holder that stops renewing (a crashed process) loses the lock when its lease runs out,
 /// not before, and the next holder's token is higher.

@@ -280,7 +280,7 @@ async fn usable_again(process: &Process, key: &str, checker: &IntervalChecker, p
 /// Checks the hand-over after a PostgreSQL session ended under its holder (terminated, or its
 /// connection reset). The server frees the lock the instant the session ends, and the holder
 /// can only learn of it by asking: the engine's next check, at most one interval later
-/// (SPEC §5). So a contender may take the lock before the holder declares loss — no client
+/// (`check_interval`, docs/postgres.md). So a contender may take the lock before the holder declares loss — no client
 /// design can close that window, only shorten it — and the fencing token is what protects the
 /// resource inside it. What must hold: the contender got the lock only after the session
 /// ended, and the window stays within one check interval (plus scheduling slack).

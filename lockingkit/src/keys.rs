@@ -467,7 +467,7 @@ mod tests {
     }
 
     #[test]
-    fn reference_vectors_map_as_the_spec_says() {
+    fn reference_vectors_keep_their_names_and_numbers() {
         for (key, blob, advisory) in reference_vectors() {
             assert_eq!(
                 azure_blob_name(&key),

@@ -1,4 +1,4 @@
-//! Telemetry as SPEC §8 lists it, read back through the OpenTelemetry SDK: spans bridged by
+//! Telemetry as docs/telemetry.md lists it, read back through the OpenTelemetry SDK: spans bridged by
 //! `tracing-opentelemetry` into the in-memory span exporter, metrics through a manual reader.
 //!
 //! Every test runs on a current-thread runtime with its own thread-local subscriber and its own
@@ -262,7 +262,7 @@ fn points_of<T: Copy + std::fmt::Debug>(
     }
 }
 
-/// The kinds of instrument SPEC §8 names.
+/// The kinds of instrument docs/telemetry.md names.
 #[derive(Debug, PartialEq)]
 enum Shape {
     F64Histogram,

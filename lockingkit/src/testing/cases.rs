@@ -1,4 +1,5 @@
-//! The contract cases of SPEC §10, each a function over a [`ContractBackend`].
+//! The contract cases every provider must pass (`contract_tests!` runs them all), each a
+//! function over a [`ContractBackend`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,7 +12,7 @@ use super::{
     IntervalChecker,
 };
 use crate::{
-    DistributedLock, DistributedSemaphore, ErrorKind, LockError, LockHandle, LockOptions,
+    DistributedLock, DistributedSemaphore, ErrorKind, LockError, LockHandle, LockMode, LockOptions,
     ReaderWriterLock,
 };
 
@@ -552,41 +553,55 @@ pub async fn local_waiters_are_served_in_arrival_order<B: ContractBackend>(backe
     );
 }
 
-/// The reader-writer lock of the backend, or `None` after checking that the provider refuses
-/// it as `Misconfigured` (a provider whose locks are exclusive only must say so, never hand out
-/// an exclusive lock as a shared one).
-fn reader_writer_or_refused(lock: &DistributedLock, key: &str) -> Option<ReaderWriterLock> {
-    match lock.reader_writer(key) {
-        Ok(rw) => Some(rw),
-        Err(error) => {
-            assert_eq!(
-                error.kind(),
-                ErrorKind::Misconfigured,
-                "contract broken: a provider without shared locks must refuse them: {error}"
-            );
-            None
-        }
-    }
+/// The reader-writer lock `key` of a provider declared to have reader-writer locks.
+fn reader_writer(lock: &DistributedLock, key: &str) -> ReaderWriterLock {
+    required(
+        lock.reader_writer(key),
+        "the suite was told the provider has reader-writer locks",
+    )
 }
 
-/// The semaphore `key` of `max_count` on the backend, or `None` after checking that the
-/// provider refuses semaphores as `Misconfigured`.
-fn semaphore_or_refused(
-    lock: &DistributedLock,
-    key: &str,
-    max_count: u32,
-) -> Option<DistributedSemaphore> {
-    match lock.semaphore(key, max_count) {
-        Ok(semaphore) => Some(semaphore),
-        Err(error) => {
-            assert_eq!(
-                error.kind(),
-                ErrorKind::Misconfigured,
-                "contract broken: a provider without semaphores must refuse them: {error}"
-            );
-            None
-        }
-    }
+/// The semaphore `key` of `max_count` of a provider declared to have semaphores.
+fn semaphore(lock: &DistributedLock, key: &str, max_count: u32) -> DistributedSemaphore {
+    required(
+        lock.semaphore(key, max_count),
+        "the suite was told the provider has semaphores",
+    )
+}
+
+/// Checks that a provider declared to have no lock of `mode` says so: `supports` answers
+/// `false` and asking for such a lock is refused as `Misconfigured`. A provider whose locks are
+/// exclusive only must never hand out an exclusive lock as a shared one.
+async fn refuses<B: ContractBackend>(backend: &B, mode: LockMode) {
+    let process = backend.new_process(quick_polling()).await;
+    let key = unique_prefix("refused-mode");
+    assert!(
+        !process.supports(mode),
+        "contract broken: the suite was told the provider has no {} locks, but it supports them",
+        mode.as_str()
+    );
+    let refusal = match mode {
+        LockMode::Shared => process.reader_writer(&key).map(drop),
+        LockMode::Semaphore { max_count } => process.semaphore(&key, max_count).map(drop),
+        LockMode::Exclusive => process.ensure_supports(mode),
+    };
+    expect_kind(
+        refusal,
+        ErrorKind::Misconfigured,
+        "a lock of a mode the provider does not support",
+    );
+}
+
+/// The check `contract_tests!` runs in place of the reader-writer cases for a provider
+/// declared `without: [readers]`: it refuses reader-writer locks as `Misconfigured`.
+pub async fn a_provider_without_readers_refuses_them<B: ContractBackend>(backend: &B) {
+    refuses(backend, LockMode::Shared).await;
+}
+
+/// The check `contract_tests!` runs in place of the semaphore cases for a provider declared
+/// `without: [semaphores]`: it refuses semaphores (of two holders) as `Misconfigured`.
+pub async fn a_provider_without_semaphores_refuses_them<B: ContractBackend>(backend: &B) {
+    refuses(backend, LockMode::Semaphore { max_count: 2 }).await;
 }
 
 /// Readers in several processes hold a key together; a writer excludes readers and writers, in
@@ -594,14 +609,7 @@ fn semaphore_or_refused(
 pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(backend: &B) {
     let procs = processes(backend, 3, quick_polling()).await;
     let key = unique_prefix("rw");
-    let rws: Vec<ReaderWriterLock> = match procs
-        .iter()
-        .map(|lock| reader_writer_or_refused(lock, &key))
-        .collect()
-    {
-        Some(rws) => rws,
-        None => return,
-    };
+    let rws: Vec<ReaderWriterLock> = procs.iter().map(|lock| reader_writer(lock, &key)).collect();
     let mut readers = Vec::new();
     for (index, rw) in rws.iter().enumerate() {
         readers.push(required(rw.try_read().await, "a reader beside readers"));
@@ -675,18 +683,14 @@ pub async fn readers_hold_together_and_a_writer_holds_alone<B: ContractBackend>(
 pub async fn a_writer_waiting_behind_overlapping_readers_gets_in<B: ContractBackend>(backend: &B) {
     let procs = processes(backend, 3, quick_polling()).await;
     let key = unique_prefix("writer-starvation");
-    let Some(writer_rw) = reader_writer_or_refused(&procs[0], &key) else {
-        return;
-    };
+    let writer_rw = reader_writer(&procs[0], &key);
     let reader_hold = Duration::from_millis(100);
     let writer_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Two reader processes take turns so that some reader always holds the key: each reader
     // starts before the other's ends.
     let mut streams = Vec::new();
     for (process, lock) in procs.iter().enumerate().skip(1) {
-        let Some(rw) = reader_writer_or_refused(lock, &key) else {
-            return;
-        };
+        let rw = reader_writer(lock, &key);
         let done = writer_done.clone();
         streams.push(tokio::spawn(async move {
             tokio::time::sleep(reader_hold / 2 * (process as u32 - 1)).await;
@@ -748,10 +752,7 @@ pub async fn a_semaphore_never_has_more_than_its_count_of_holders<B: ContractBac
     let key = unique_prefix("semaphore");
     let mut semaphores = Vec::new();
     for process in &procs {
-        let Some(semaphore) = semaphore_or_refused(process, &key, COUNT) else {
-            return;
-        };
-        semaphores.push(semaphore);
+        semaphores.push(semaphore(process, &key, COUNT));
     }
     let checker = Arc::new(IntervalChecker::new());
     let most = Arc::new(AtomicUsize::new(0));
@@ -828,10 +829,7 @@ pub async fn a_semaphore_of_one_hands_out_growing_tokens<B: ContractBackend>(bac
     let key = unique_prefix("semaphore-of-one");
     let mut semaphores = Vec::new();
     for process in &procs {
-        let Some(semaphore) = semaphore_or_refused(process, &key, 1) else {
-            return;
-        };
-        semaphores.push(semaphore);
+        semaphores.push(semaphore(process, &key, 1));
     }
     let mut last = 0u64;
     for round in 0..6 {
@@ -858,18 +856,17 @@ pub async fn a_semaphore_of_one_hands_out_growing_tokens<B: ContractBackend>(bac
     }
 }
 
-/// Dropping a reader's or a semaphore holder's acquire before (while it waits), during or after
-/// its attempt leaks nothing, and both kinds of hold are renewed over three lease periods.
+/// Dropping a semaphore holder's acquire before (while it waits), during or after its attempt
+/// leaks nothing, and a slot is renewed over three lease periods; the same for a reader, on a
+/// provider that also has reader-writer locks (it says so through `supports`, which the
+/// readers' own cases or their refusal check hold to the declaration).
 pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(backend: &B) {
     let procs = processes(backend, 2, quick_polling()).await;
     let key = unique_prefix("shared-holds");
-    let (Some(semaphore), Some(other)) = (
-        semaphore_or_refused(&procs[0], &key, 2),
-        semaphore_or_refused(&procs[1], &key, 2),
-    ) else {
-        return;
-    };
-    let rw = reader_writer_or_refused(&procs[0], &key);
+    let (semaphore, other) = (semaphore(&procs[0], &key, 2), semaphore(&procs[1], &key, 2));
+    let rw = procs[0]
+        .supports(LockMode::Shared)
+        .then(|| reader_writer(&procs[0], &key));
     for polls in 1..=6 {
         drop(abandon_after_polls(semaphore.try_acquire(), polls).await);
         if let Some(rw) = &rw {
@@ -939,9 +936,18 @@ pub async fn shared_holds_leak_nothing_and_stay_renewed<B: ContractBackend>(back
     );
     required(writer.release().await, "release");
 
-    let period = backend.lease_period();
+    stay_renewed(&semaphore, rw.as_ref(), backend.lease_period()).await;
+}
+
+/// A slot of `semaphore`, and a reader of `rw` if given, held over three and a half lease
+/// periods: renewed, never lost.
+async fn stay_renewed(
+    semaphore: &DistributedSemaphore,
+    rw: Option<&ReaderWriterLock>,
+    period: Duration,
+) {
     let slot = required(semaphore.try_acquire().await, "a slot");
-    let reader = match &rw {
+    let reader = match rw {
         Some(rw) => Some(required(rw.try_read().await, "a reader")),
         None => None,
     };

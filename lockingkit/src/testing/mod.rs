@@ -134,9 +134,20 @@ pub fn unique_prefix(case: &str) -> String {
 ///
 /// `$setup` is an expression yielding a future of a [`ContractBackend`]; it runs once per test.
 /// The calling crate needs `tokio` with the `macros` and `rt-multi-thread` features.
+///
+/// A provider without reader-writer locks or without semaphores declares it, and the suite
+/// runs exactly the cases that apply: `contract_tests!(setup, without: [readers])` (or
+/// `[semaphores]`, or both). In place of each case that does not apply it generates
+/// `<case>::not_applicable`, which checks that the provider refuses that kind of lock as
+/// `Misconfigured` and that its `supports` says so, so the test output names every case that
+/// was not applicable. A declared kind the provider refuses fails its cases.
 #[macro_export]
 macro_rules! contract_tests {
-    ($setup:expr) => {
+    ($setup:expr $(,)?) => {
+        $crate::contract_tests!($setup, without: []);
+    };
+    ($setup:expr, without: [$($without:ident),* $(,)?] $(,)?) => {
+        $( $crate::contract_tests!(@known $without); )*
         $crate::contract_tests!(@cases $setup;
             busy_and_not_reentrant,
             release_lets_the_next_holder_in_at_once,
@@ -148,12 +159,55 @@ macro_rules! contract_tests {
             renewal_keeps_the_lock_over_three_lease_periods,
             fencing_tokens_grow,
             local_waiters_are_served_in_arrival_order,
+        );
+        $crate::contract_tests!(@kind readers [$($without)*] $setup;
+            a_provider_without_readers_refuses_them;
             readers_hold_together_and_a_writer_holds_alone,
             a_writer_waiting_behind_overlapping_readers_gets_in,
+        );
+        $crate::contract_tests!(@kind semaphores [$($without)*] $setup;
+            a_provider_without_semaphores_refuses_them;
             a_semaphore_never_has_more_than_its_count_of_holders,
             a_semaphore_of_one_hands_out_growing_tokens,
             shared_holds_leak_nothing_and_stay_renewed,
         );
+    };
+    (@known readers) => {};
+    (@known semaphores) => {};
+    (@known $other:ident) => {
+        compile_error!(concat!(
+            "contract_tests!: `",
+            stringify!($other),
+            "` is not a kind of lock; `without:` takes `readers` and `semaphores`"
+        ));
+    };
+    // The kind was declared missing: each of its cases becomes its refusal check.
+    (@kind readers [readers $($rest:ident)*] $setup:expr; $refusal:ident; $($case:ident),+ $(,)?) => {
+        $crate::contract_tests!(@not_applicable $setup; $refusal; $($case),+);
+    };
+    (@kind semaphores [semaphores $($rest:ident)*] $setup:expr; $refusal:ident; $($case:ident),+ $(,)?) => {
+        $crate::contract_tests!(@not_applicable $setup; $refusal; $($case),+);
+    };
+    (@kind $kind:ident [$other:ident $($rest:ident)*] $setup:expr; $refusal:ident; $($case:ident),+ $(,)?) => {
+        $crate::contract_tests!(@kind $kind [$($rest)*] $setup; $refusal; $($case),+);
+    };
+    (@kind $kind:ident [] $setup:expr; $refusal:ident; $($case:ident),+ $(,)?) => {
+        $crate::contract_tests!(@cases $setup; $($case),+);
+    };
+    (@not_applicable $setup:expr; $refusal:ident; $($case:ident),+) => {
+        $(
+            #[allow(non_snake_case)]
+            mod $case {
+                #[allow(unused_imports)]
+                use super::*;
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn not_applicable() {
+                    let backend = $setup.await;
+                    $crate::testing::$refusal(&backend).await;
+                }
+            }
+        )+
     };
     (@cases $setup:expr; $($case:ident),+ $(,)?) => {
         $(

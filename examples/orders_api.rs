@@ -13,6 +13,8 @@
 //!   cargo run -p lockingkit-examples --features postgres --example orders_api
 //! AZURE_STORAGE_CONNECTION_STRING='UseDevelopmentStorage=true' LOCKINGKIT_CREATE_CONTAINER=1 \
 //!   cargo run -p lockingkit-examples --features azure --example orders_api
+//! LOCKINGKIT_REDIS_URL=redis://127.0.0.1:6379 \
+//!   cargo run -p lockingkit-examples --features redis --example orders_api
 //! ```
 //!
 //! On Azure the example checks at startup that the `locks` container exists and the
@@ -176,7 +178,8 @@ fn log_rejection(rejection: LockRejection) -> Response {
     rejection.into_response()
 }
 
-/// The lock provider: PostgreSQL or Azure when configured (and compiled in), else in-memory.
+/// The lock provider: PostgreSQL, Azure or Redis when configured (and compiled in), else
+/// in-memory.
 async fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
     let postgres = std::env::var("LOCKINGKIT_POSTGRES_URL")
         .ok()
@@ -229,6 +232,22 @@ async fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
         return Err(
             "AZURE_STORAGE_CONNECTION_STRING is set, but this build lacks --features azure".into(),
         );
+    }
+
+    let redis = std::env::var("LOCKINGKIT_REDIS_URL")
+        .ok()
+        .filter(|v| !v.is_empty());
+    #[cfg(feature = "redis")]
+    if let Some(url) = redis {
+        let backend = lockingkit::RedisBackend::new(lockingkit::RedisOptions::new(url))?;
+        // Building sends nothing; a server that is down or refuses the password stops the
+        // example here.
+        backend.verify().await?;
+        return Ok(DistributedLock::builder(backend).build()?);
+    }
+    #[cfg(not(feature = "redis"))]
+    if redis.is_some() {
+        return Err("LOCKINGKIT_REDIS_URL is set, but this build lacks --features redis".into());
     }
 
     Ok(DistributedLock::in_memory())

@@ -21,19 +21,22 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockingkit::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
 use lockingkit::providers::azure::azure_storage_blob::models::BlobClientBreakLeaseOptions;
 use lockingkit::providers::azure::AzureBlobLease;
-use lockingkit::testing::{quick_polling, unique_prefix, HeldInterval, IntervalChecker};
+use lockingkit::testing::{quick_polling, unique_prefix, IntervalChecker};
 use lockingkit::{
     AzureBlobBackend, AzureBlobOptions, BackendErrorKind, DistributedLock, ErrorKind, LockBackend,
     LockError, LockHandle, LockMode, LossReason, PostgresBackend, PostgresOptions,
 };
 use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
+use lockingkit_tests::chaos::{
+    assert_lost, assert_near, contender_lock, record, Loss, Watched, PATIENCE,
+};
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use tokio::task::JoinHandle;
@@ -68,9 +71,6 @@ const AZURE_LATE: Duration = Duration::from_secs(1);
 /// a one-second interval. While a server is paused or a line blackholed nobody else can take the
 /// lock, so this bounds the engine's promptness, not safety.
 const POSTGRES_LATE: Duration = Duration::from_millis(500);
-
-/// Long enough for any wait a case expects to finish; a hang fails the case instead of the run.
-const PATIENCE: Duration = Duration::from_secs(60);
 
 // ----------------------------------------------------------------------------------------------
 // Servers and processes
@@ -263,139 +263,8 @@ impl Process {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Watching a hold for loss
+// After a fault (watching a hold for loss: `lockingkit_tests::chaos`)
 // ----------------------------------------------------------------------------------------------
-
-/// A held lock whose `run` carries work that never finishes by itself, so `run` returns only
-/// when the lock is lost.
-struct Watched {
-    process: usize,
-    token: u64,
-    acquired: Instant,
-    loss: JoinHandle<Loss>,
-}
-
-/// What a watched hold saw when it ended.
-struct Loss {
-    /// When `run` returned.
-    at: Instant,
-    result: Result<(), LockError>,
-    /// Whether the work future was dropped (not merely abandoned).
-    work_dropped: bool,
-    handle: LockHandle,
-}
-
-/// Sets its flag when dropped.
-struct DropFlag(Arc<AtomicBool>);
-
-impl Drop for DropFlag {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
-
-impl Watched {
-    fn new(process: usize, handle: LockHandle, acquired: Instant) -> Watched {
-        let token = handle.fencing_token();
-        let loss = tokio::spawn(async move {
-            let dropped = Arc::new(AtomicBool::new(false));
-            let flag = DropFlag(dropped.clone());
-            let work = async move {
-                let _flag = flag;
-                std::future::pending::<()>().await
-            };
-            let result = handle.run(work).await;
-            Loss {
-                at: Instant::now(),
-                result,
-                work_dropped: dropped.load(Ordering::SeqCst),
-                handle,
-            }
-        });
-        Watched {
-            process,
-            token,
-            acquired,
-            loss,
-        }
-    }
-
-    /// Waits for the loss, failing the case if none comes within `within`.
-    async fn lost_within(self, within: Duration) -> (Loss, HeldInterval) {
-        let loss = tokio::time::timeout(within, self.loss)
-            .await
-            .unwrap_or_else(|_| panic!("no loss declared within {within:?}"))
-            .expect("the watching task");
-        let hold = HeldInterval {
-            key: loss.handle.key().to_owned(),
-            process: self.process,
-            fencing_token: self.token,
-            start: self.acquired,
-            end: loss.at,
-        };
-        (loss, hold)
-    }
-}
-
-/// Asserts everything a lost handle must show.
-#[track_caller]
-fn assert_lost(loss: &Loss, reason: LossReason) {
-    let error = loss
-        .result
-        .as_ref()
-        .expect_err("`run` returned Ok on a lost lock");
-    assert_eq!(error.kind(), ErrorKind::Lost, "{error}");
-    assert!(loss.work_dropped, "`run` must drop its work on loss");
-    assert!(loss.handle.lost_token().is_cancelled(), "lost token fired");
-    assert!(!loss.handle.is_held());
-    assert_eq!(
-        loss.handle.ensure_held().map_err(|e| e.kind()),
-        Err(ErrorKind::Lost)
-    );
-    assert_eq!(loss.handle.loss_reason(), Some(reason));
-}
-
-/// Asserts `at` falls within `[expected - early, expected + late]`.
-#[track_caller]
-fn assert_near(what: &str, at: Instant, expected: Instant, early: Duration, late: Duration) {
-    // Shown with `--no-capture`: how much of each tolerance a run actually used.
-    if at >= expected {
-        eprintln!("{what}: {:?} after the expected instant", at - expected);
-    } else {
-        eprintln!("{what}: {:?} before the expected instant", expected - at);
-    }
-    assert!(
-        at + early >= expected && at <= expected + late,
-        "{what}: {} than expected (allowed {early:?} early, {late:?} late)",
-        if at < expected {
-            format!("{:?} earlier", expected - at)
-        } else {
-            format!("{:?} later", at - expected)
-        }
-    );
-}
-
-/// Records one hold.
-fn record(checker: &IntervalChecker, key: &str, process: usize, token: u64, start: Instant) {
-    checker.record(HeldInterval {
-        key: key.to_owned(),
-        process,
-        fencing_token: token,
-        start,
-        end: Instant::now(),
-    });
-}
-
-/// Waits for a background contender's lock.
-async fn contender_lock(
-    waiter: JoinHandle<Result<(LockHandle, Instant), LockError>>,
-) -> (LockHandle, Instant) {
-    tokio::time::timeout(PATIENCE, waiter)
-        .await
-        .expect("the contender got the lock in time")
-        .expect("the contender task")
-        .expect("the contender acquired")
-}
 
 /// The faulted process takes the lock again once the fault is gone, with a higher token.
 async fn usable_again(process: &Process, key: &str, checker: &IntervalChecker, previous: u64) {

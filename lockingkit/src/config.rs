@@ -59,7 +59,10 @@ impl WholeNumbers {
     }
 
     /// The problem with `value` of this setting, if it is out of range.
-    #[cfg_attr(not(any(feature = "postgres", feature = "azure")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "azure", feature = "redis")),
+        allow(dead_code)
+    )]
     pub(crate) fn check(&self, value: u64) -> Option<Problem> {
         (!(self.min..=self.max).contains(&value))
             .then(|| Problem::new(self.setting, format!("must be {}", self.describe())))

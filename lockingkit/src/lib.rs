@@ -1,7 +1,7 @@
 //! Distributed locks for async Rust.
 //!
 //! One lock type, [`DistributedLock`], runs unchanged on Azure Blob leases, PostgreSQL advisory
-//! locks and an in-memory provider. One engine does the hard parts for every backend: waiting
+//! locks, Redis and an in-memory provider. One engine does the hard parts for every backend: waiting
 //! with capped, jittered backoff behind a local first-come-first-served queue; renewal in the
 //! background; loss detection with a deadline timer that a hung renewal cannot postpone;
 //! release on drop; and telemetry.
@@ -46,6 +46,8 @@ mod semaphore;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+mod tls;
 
 pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode};
 pub use engine::LockOptions;
@@ -62,6 +64,8 @@ pub use providers::postgres::{
     LockableTransaction, PostgresBackend, PostgresOptions, PostgresTransactionLock,
     PostgresTransactionLocks, PostgresTransactionOptions,
 };
+#[cfg(feature = "redis")]
+pub use providers::redis::{RedisBackend, RedisOptions};
 pub use reader_writer::ReaderWriterLock;
 pub use registry::{Locking, LockingConfig};
 pub use semaphore::{DistributedSemaphore, MAX_SEMAPHORE_COUNT};
@@ -86,6 +90,9 @@ pub struct AzureGuideDoctests;
 #[cfg(all(doctest, feature = "etcd"))]
 #[doc = include_str!("../../docs/etcd.md")]
 pub struct EtcdGuideDoctests;
+#[cfg(all(doctest, feature = "redis"))]
+#[doc = include_str!("../../docs/redis.md")]
+pub struct RedisGuideDoctests;
 
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/telemetry.md")]

@@ -259,6 +259,48 @@ proptest! {
     }
 }
 
+#[cfg(feature = "redis")]
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn redis_options_take_any_duration(
+        lease in duration(),
+        request in duration(),
+        replica in duration(),
+        intent in duration(),
+    ) {
+        use lockingkit::{RedisBackend, RedisOptions};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            // Nothing listens on port 1 of loopback: every attempt is refused at once.
+            let built = RedisBackend::new(RedisOptions {
+                lease_duration: lease,
+                request_timeout: request,
+                replicas: 1,
+                replica_timeout: replica,
+                writer_intent: intent,
+                ..RedisOptions::new("redis://127.0.0.1:1")
+            })
+            .and_then(|backend| DistributedLock::builder(backend).build());
+            match built {
+                Ok(locks) => {
+                    let result = locks.try_acquire("k").await;
+                    prop_assert_eq!(
+                        result.err().map(|e| e.kind()),
+                        Some(ErrorKind::Unavailable)
+                    );
+                }
+                Err(error) => prop_assert_eq!(error.kind(), ErrorKind::Misconfigured),
+            }
+            Ok(())
+        })?;
+    }
+}
+
 #[test]
 fn a_lease_of_five_quadrillion_hours_from_a_configuration_file_is_handled() {
     for (field, value) in [

@@ -1,8 +1,9 @@
 //! LockingKit's performance goals, each measured next to its baseline in one run: starts a
-//! throwaway PostgreSQL server and Azurite itself and prints a table, then one JSON line.
+//! throwaway PostgreSQL server, Azurite and Redis servers itself and prints a table, then one
+//! JSON line.
 //!
 //! ```text
-//! scripts/setup-postgres.sh && scripts/setup-azurite.sh
+//! scripts/setup-postgres.sh && scripts/setup-azurite.sh && scripts/setup-redis.sh
 //! cargo bench -p lockingkit-tests --bench lockingkit
 //! ```
 //!
@@ -12,9 +13,10 @@
 //! `cargo bench -p lockingkit-tests --bench lockingkit -- memory` runs only row 3 (in-memory
 //! pairs), `cargo bench -p lockingkit-tests --bench lockingkit -- http-memory` only the row of
 //! the HTTP layer's own cost (in-memory lock, no servers to start), `… -- transaction` only
-//! row 11 (transaction-scoped try-lock, on a PostgreSQL server of its own), and `-- etcd` only
-//! the etcd rows (it starts its own one- and three-member clusters; `scripts/setup-etcd.sh`);
-//! the full run prints them after the table.
+//! row 11 (transaction-scoped try-lock, on a PostgreSQL server of its own), `-- redis` only
+//! the Redis rows 12–14 (it starts a Redis server; `scripts/setup-redis.sh` installs it), and
+//! `-- etcd` only the etcd rows (it starts its own one- and three-member clusters;
+//! `scripts/setup-etcd.sh`); the full run prints the etcd rows after the table.
 
 use std::time::Duration;
 
@@ -24,12 +26,14 @@ use lockingkit_tests::bench::{self, two_worker_runtime, BenchMode, Percentiles, 
 use lockingkit_tests::bench_transaction::{self, TransactionBenchReport};
 use lockingkit_tests::http::{in_memory_layer_cost, LayerCost};
 use lockingkit_tests::postgres::PostgresServer;
-use lockingkit_tests::{bench_azure, bench_etcd, bench_postgres, bench_sessions};
+use lockingkit_tests::redis::RedisServer;
+use lockingkit_tests::{bench_azure, bench_etcd, bench_postgres, bench_redis, bench_sessions};
 
 /// Sample counts: the real run, or a smoke test.
 #[derive(Clone, Copy)]
 struct Sizes {
     postgres_pairs: usize,
+    redis_pairs: usize,
     azure_pairs: usize,
     memory_pairs: u32,
     cold_pairs: u32,
@@ -43,6 +47,7 @@ struct Sizes {
 
 const FULL: Sizes = Sizes {
     postgres_pairs: 5000,
+    redis_pairs: 5000,
     azure_pairs: 400,
     memory_pairs: 300_000,
     cold_pairs: 400,
@@ -55,6 +60,7 @@ const FULL: Sizes = Sizes {
 
 const SMOKE: Sizes = Sizes {
     postgres_pairs: 5,
+    redis_pairs: 5,
     azure_pairs: 5,
     memory_pairs: 1000,
     cold_pairs: 3,
@@ -204,6 +210,140 @@ fn print_etcd(sizes: Sizes) {
     );
 }
 
+/// The Redis rows, on a server of their own.
+struct RedisRows {
+    pairs: bench_redis::RedisPairs,
+    throughput: bench_sessions::Throughput,
+    polling: Percentiles,
+    published: Percentiles,
+}
+
+fn redis_rows(sizes: Sizes) -> RedisRows {
+    two_worker_runtime().block_on(async move {
+        tokio::spawn(async move {
+            let server = RedisServer::start().await;
+            let pairs = bench_redis::measure(&server, sizes.redis_pairs).await;
+            // A server of its own, whose clients are only the two sides being counted.
+            let fresh = RedisServer::start().await;
+            let throughput =
+                bench_redis::throughput(&fresh, 256, sizes.load_rounds, sizes.load_round).await;
+            drop(fresh);
+            let holder = bench_redis::lock(&server);
+            let polling = bench::cross_process_handoff(
+                &holder,
+                &bench_redis::polling_lock(&server),
+                "handoff/redis/polling",
+                sizes.remote_handoffs,
+            )
+            .await;
+            let published = bench::cross_process_handoff(
+                &holder,
+                &bench_redis::lock(&server),
+                "handoff/redis/published",
+                sizes.remote_handoffs,
+            )
+            .await;
+            RedisRows {
+                pairs,
+                throughput,
+                polling,
+                published,
+            }
+        })
+        .await
+        .expect("the Redis benchmark task panicked")
+    })
+}
+
+fn print_redis_rows(rows: &RedisRows) {
+    let pairs = &rows.pairs;
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "12. Redis try_acquire+release vs same scripts raw",
+        ms(pairs.lockingkit.p50),
+        ms(pairs.raw.p50),
+        format!("ratio {:.3}", pairs.ratio()),
+        pass(pairs.ratio() <= 1.10)
+    );
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "   same, p99",
+        ms(pairs.lockingkit.p99),
+        ms(pairs.raw.p99),
+        format!("ratio {:.3}", ms(pairs.lockingkit.p99) / ms(pairs.raw.p99)),
+        ""
+    );
+    println!(
+        "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
+        "   RedisBackend alone (no engine) vs raw, median",
+        ms(pairs.backend_only.p50),
+        ms(pairs.raw.p50),
+        "diagnostic",
+        ""
+    );
+    let throughput = &rows.throughput;
+    println!(
+        "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
+        "13. Redis pairs, 256 tasks on distinct keys",
+        throughput.lockingkit_pairs_per_s,
+        throughput.raw_pairs_per_s,
+        format!("ratio {:.3}", throughput.ratio()),
+        pass(throughput.ratio() >= 1.0)
+    );
+    println!(
+        "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
+        "   connections used (raw: pool of 16)",
+        throughput.lockingkit_connections,
+        throughput.raw_connections,
+        "<= 1/4",
+        pass(throughput.lockingkit_connections * 4 <= throughput.raw_connections)
+    );
+    for (name, p, goal, ok) in [
+        (
+            "14. cross-process, Redis, polling only",
+            rows.polling,
+            "baseline",
+            None,
+        ),
+        (
+            "14. cross-process, Redis, release published",
+            rows.published,
+            "p50 <= 2 ms",
+            Some(rows.published.p50 <= Duration::from_millis(2)),
+        ),
+    ] {
+        println!(
+            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {goal:<14} | {:<6} |",
+            ms(p.p50),
+            ms(p.p99),
+            ok.map_or("", pass)
+        );
+    }
+}
+
+fn redis_json(rows: &RedisRows) -> String {
+    format!(
+        "\"redis_pairs\":{},\"redis_lockingkit_median_us\":{:.1},\"redis_lockingkit_p99_us\":{:.1},\"redis_raw_median_us\":{:.1},\"redis_raw_p99_us\":{:.1},\"redis_backend_median_us\":{:.1},\"redis_ratio\":{:.3},\
+\"redis_throughput_lockingkit_pairs_per_s\":{:.0},\"redis_throughput_raw_pairs_per_s\":{:.0},\"redis_throughput_lockingkit_connections\":{},\"redis_throughput_raw_connections\":{},\
+\"redis_handoff_polling_p50_ms\":{:.3},\"redis_handoff_polling_p99_ms\":{:.3},\"redis_handoff_published_p50_ms\":{:.3},\"redis_handoff_published_p99_ms\":{:.3}",
+        rows.pairs.pairs,
+        rows.pairs.lockingkit.p50.as_secs_f64() * 1e6,
+        rows.pairs.lockingkit.p99.as_secs_f64() * 1e6,
+        rows.pairs.raw.p50.as_secs_f64() * 1e6,
+        rows.pairs.raw.p99.as_secs_f64() * 1e6,
+        rows.pairs.backend_only.p50.as_secs_f64() * 1e6,
+        rows.pairs.ratio(),
+        rows.throughput.lockingkit_pairs_per_s,
+        rows.throughput.raw_pairs_per_s,
+        rows.throughput.lockingkit_connections,
+        rows.throughput.raw_connections,
+        ms(rows.polling.p50),
+        ms(rows.polling.p99),
+        ms(rows.published.p50),
+        ms(rows.published.p99),
+    )
+}
+
 fn main() {
     let Some(mode) = BenchMode::from_args() else {
         return;
@@ -214,6 +354,12 @@ fn main() {
     if only.as_deref() == Some("memory") {
         let (pairs, raw) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
         println!("| 3. in-memory uncontended pairs, one thread | {pairs:.0}/s | raw {raw:.0}/s |");
+        return;
+    }
+    if only.as_deref() == Some("redis") {
+        let rows = redis_rows(sizes);
+        print_redis_rows(&rows);
+        println!("{{{}}}", redis_json(&rows));
         return;
     }
     if only.as_deref() == Some("transaction") {
@@ -517,6 +663,9 @@ fn main() {
     let transactions = transaction_locks(&runtime, sizes);
     print_transaction_locks(&transactions);
     print_http_layer_cost(&layer_cost);
+    // Redis on a server of its own, after the rows above.
+    let redis = redis_rows(sizes);
+    print_redis_rows(&redis);
     println!();
     println!("{}", transactions.render());
     println!(
@@ -530,7 +679,7 @@ fn main() {
 \"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1},\
 \"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3},\
 \"transaction_unnamed_median_us\":{:.1},\"transaction_raw_unnamed_median_us\":{:.1},\"transaction_unnamed_ratio\":{:.3},\"transaction_prepared_median_us\":{:.1},\"transaction_raw_prepared_median_us\":{:.1},\"transaction_prepared_ratio\":{:.3},\
-\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{}}}",
+\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{},{}}}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
         pg.lockingkit.p99.as_secs_f64() * 1e6,
@@ -576,6 +725,7 @@ fn main() {
         ms(remote_hint.p50),
         ms(remote_hint.p99),
         sizes.remote_handoffs,
+        redis_json(&redis),
     );
     print_etcd(sizes);
 }

@@ -54,7 +54,7 @@ impl Throughput {
 }
 
 /// Runs `tasks` tasks doing pairs through `pair` for `length`; returns the pairs done.
-async fn pairs_for<F, Fut>(tasks: usize, length: Duration, pair: F) -> u64
+pub async fn pairs_for<F, Fut>(tasks: usize, length: Duration, pair: F) -> u64
 where
     F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,

@@ -6,8 +6,10 @@ pub mod bench;
 pub mod bench_azure;
 pub mod bench_etcd;
 pub mod bench_postgres;
+pub mod bench_redis;
 pub mod bench_sessions;
 pub mod bench_transaction;
+pub mod chaos;
 pub mod etcd;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.
 #[path = "../../lockingkit/tests/support/field_log.rs"]
@@ -16,3 +18,4 @@ pub mod http;
 pub mod pgbouncer;
 pub mod postgres;
 pub mod proxy;
+pub mod redis;

@@ -56,10 +56,13 @@ struct Settings {
     fault: Fault,
     latency: Duration,
     closed: bool,
+    /// Bumped by [`FaultProxy::reset_open_connections`]: connections opened before are reset.
+    resets: u64,
 }
 
 struct Shared {
-    backend: SocketAddr,
+    /// Where new connections go; see [`FaultProxy::set_backend`].
+    backend: Mutex<SocketAddr>,
     settings: watch::Sender<Settings>,
     accepted: AtomicUsize,
     open: AtomicUsize,
@@ -87,9 +90,10 @@ impl FaultProxy {
             fault: Fault::Pass,
             latency: Duration::ZERO,
             closed: false,
+            resets: 0,
         });
         let shared = Arc::new(Shared {
-            backend,
+            backend: Mutex::new(backend),
             settings,
             accepted: AtomicUsize::new(0),
             open: AtomicUsize::new(0),
@@ -123,6 +127,20 @@ impl FaultProxy {
     /// Switches the fault; open connections follow at once.
     pub fn set_fault(&self, fault: Fault) {
         self.shared.settings.send_modify(|s| s.fault = fault);
+    }
+
+    /// Resets every open connection with a TCP RST, once; new connections pass (unless a
+    /// fault says otherwise). Switching to [`Fault::Reset`] and straight back would not: an open
+    /// connection may never see the brief fault.
+    pub fn reset_open_connections(&self) {
+        self.shared.settings.send_modify(|s| s.resets += 1);
+    }
+
+    /// Sends new connections to `backend` from now on, as a service address does after a
+    /// failover; open connections stay where they are (cut them with
+    /// [`reset_open_connections`](Self::reset_open_connections)).
+    pub fn set_backend(&self, backend: SocketAddr) {
+        *lock(&self.shared.backend) = backend;
     }
 
     /// The current fault.
@@ -206,11 +224,12 @@ fn reset(stream: TcpStream) {
     drop(stream);
 }
 
-/// Waits while the proxy blackholes; `None` once it resets or closes.
-async fn passable(settings: &mut watch::Receiver<Settings>) -> Option<()> {
+/// Waits while the proxy blackholes; `None` once it resets or closes, or this connection (opened
+/// at reset count `born`) was reset.
+async fn passable(settings: &mut watch::Receiver<Settings>, born: u64) -> Option<()> {
     loop {
         let current = *settings.borrow_and_update();
-        if current.closed || current.fault == Fault::Reset {
+        if current.closed || current.fault == Fault::Reset || current.resets != born {
             return None;
         }
         if current.fault == Fault::Pass {
@@ -222,12 +241,14 @@ async fn passable(settings: &mut watch::Receiver<Settings>) -> Option<()> {
 
 async fn serve(id: usize, mut client: TcpStream, shared: &Shared) {
     let mut settings = shared.settings.subscribe();
+    let born = settings.borrow().resets;
     // A new connection in a blackhole is accepted and then left silent.
-    if passable(&mut settings).await.is_none() {
+    if passable(&mut settings, born).await.is_none() {
         reset(client);
         return;
     }
-    let Ok(mut server) = TcpStream::connect(shared.backend).await else {
+    let backend = *lock(&shared.backend);
+    let Ok(mut server) = TcpStream::connect(backend).await else {
         // The backend refuses: pass that on as closely as TCP allows.
         reset(client);
         return;
@@ -241,7 +262,7 @@ async fn serve(id: usize, mut client: TcpStream, shared: &Shared) {
         if !client_open && !server_open {
             break Some(());
         }
-        if passable(&mut settings).await.is_none() {
+        if passable(&mut settings, born).await.is_none() {
             break None;
         }
         let (mut client_read, mut client_write) = client.split();

@@ -8,3 +8,5 @@ pub mod azure;
 pub mod etcd;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;

@@ -70,6 +70,32 @@ impl LockingBuilder {
         })
     }
 
+    /// Adds a Redis provider; its options are checked when the registry is built.
+    #[cfg(feature = "redis")]
+    pub fn redis(
+        self,
+        name: impl Into<String>,
+        redis: crate::providers::redis::RedisOptions,
+        options: LockOptions,
+    ) -> Self {
+        let engine = options.clone();
+        self.deferred(name, options, move |path, _| {
+            let mut problems: Vec<Problem> = redis
+                .problems_with(&engine)
+                .into_iter()
+                .map(|p| p.at(path))
+                .collect();
+            match super::builtin::open_redis(redis, path) {
+                Ok(backend) if problems.is_empty() => Ok(backend),
+                Ok(_) => Err(problems),
+                Err(more) => {
+                    problems.extend(more);
+                    Err(problems)
+                }
+            }
+        })
+    }
+
     /// The Microsoft Entra identity (for example a managed identity from `azure_identity`) of
     /// every Azure Blob provider whose options name a `service_url` instead of a connection
     /// string, whether added in code or from configuration.

@@ -31,6 +31,10 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
         name: "etcd",
         build: etcd,
     },
+    BuiltIn {
+        name: "redis",
+        build: redis,
+    },
 ];
 
 /// Binds `T` from the section and runs its own checks on whatever bound, so one bad setting
@@ -83,7 +87,12 @@ fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderRes
 }
 
 /// The problem of a provider whose cargo feature is off.
-#[cfg(not(all(feature = "postgres", feature = "azure", feature = "etcd")))]
+#[cfg(not(all(
+    feature = "postgres",
+    feature = "azure",
+    feature = "etcd",
+    feature = "redis"
+)))]
 fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
     vec![Problem::new(
         format!("{}.provider", section.path()),
@@ -176,4 +185,32 @@ fn etcd(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
             .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
     });
     finish(backend, setup, problems)
+}
+
+#[cfg(not(feature = "redis"))]
+fn redis(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
+    Err(needs_feature(section, "redis", "redis"))
+}
+
+#[cfg(feature = "redis")]
+fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
+    use crate::providers::redis::RedisOptions;
+    let (options, mut problems) =
+        bind_checked(section, RedisOptions::problems, RedisOptions::WHOLE_NUMBERS);
+    if let Some(options) = &options {
+        let together = options.problems_with(&setup.options);
+        problems.extend(together.into_iter().map(|p| p.at(section.path())));
+    }
+    let backend = options.map(|options| open_redis(options, section.path()));
+    finish(backend, setup, problems)
+}
+
+/// The Redis backend for the section at `path`, listing every problem with `options`.
+#[cfg(feature = "redis")]
+pub(super) fn open_redis(
+    options: crate::providers::redis::RedisOptions,
+    path: &str,
+) -> Result<crate::providers::redis::RedisBackend, Vec<Problem>> {
+    crate::providers::redis::RedisBackend::open(options)
+        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
 }

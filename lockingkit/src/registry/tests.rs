@@ -176,7 +176,7 @@ fn every_problem_of_every_section_is_listed_in_one_error() {
     for expected in [
         "Locking.Jobs.min_retry_delay (5s) must not exceed max_retry_delay (1s)",
         "Locking.Jobs.lease_duration must be at least 1ms",
-        "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, azure_blob, etcd)",
+        "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, azure_blob, etcd, redis)",
         "Locking.Exports.provider is missing",
         "Locking.Audit.release_timeout:",
         "Locking.Audit.colour is not a setting of the in_memory provider",

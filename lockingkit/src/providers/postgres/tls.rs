@@ -7,36 +7,27 @@
 //! platform's trust store; `verify-full` also checks the host name.
 
 use std::fmt;
-use std::path::Path;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, SignatureScheme};
+use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::connection::{ConnectionSettings, SslMode};
 
 /// The TLS connector for `settings`; the error is a configuration problem for humans.
 pub(super) fn connector(settings: &ConnectionSettings) -> Result<MakeRustlsConnect, String> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = crate::tls::provider();
     let verifier: Arc<dyn ServerCertVerifier> = if settings.ssl_mode.verifies() {
-        let chain: Arc<dyn ServerCertVerifier> = match &settings.root_cert {
-            Some(path) => {
-                let roots = load_roots(path)?;
-                WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-                    .build()
-                    .map_err(|e| format!("sslrootcert cannot be used ({e})"))?
-            }
-            None => Arc::new(
-                rustls_platform_verifier::Verifier::new(provider.clone()).map_err(|e| {
-                    format!("sslmode verifies certificates but the platform has no usable trust store ({e}); set sslrootcert")
-                })?,
-            ),
-        };
+        let chain =
+            crate::tls::verifier(&provider, settings.root_cert.as_deref()).map_err(|problem| {
+                match settings.root_cert {
+                    Some(_) => format!("sslrootcert {problem}"),
+                    None => format!("sslmode verifies certificates but {problem}; set sslrootcert"),
+                }
+            })?;
         if settings.ssl_mode == SslMode::VerifyCa {
             Arc::new(AnyHostName(chain))
         } else {
@@ -45,30 +36,9 @@ pub(super) fn connector(settings: &ConnectionSettings) -> Result<MakeRustlsConne
     } else {
         Arc::new(EncryptOnly(provider.clone()))
     };
-    let config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS cannot be set up ({e})"))?
-        .dangerous()
-        .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
-    Ok(MakeRustlsConnect::new(config))
-}
-
-fn load_roots(path: &Path) -> Result<rustls::RootCertStore, String> {
-    let mut roots = rustls::RootCertStore::empty();
-    let certificates = CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("sslrootcert cannot be read ({e})"))?;
-    for certificate in certificates {
-        let certificate =
-            certificate.map_err(|e| format!("sslrootcert is not a PEM certificate file ({e})"))?;
-        roots
-            .add(certificate)
-            .map_err(|e| format!("sslrootcert holds an unusable certificate ({e})"))?;
-    }
-    if roots.is_empty() {
-        return Err("sslrootcert holds no certificate".to_owned());
-    }
-    Ok(roots)
+    Ok(MakeRustlsConnect::new(crate::tls::client_config(
+        provider, verifier,
+    )?))
 }
 
 /// Accepts any certificate but still checks the handshake signatures, so the session is

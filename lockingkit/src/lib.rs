@@ -38,6 +38,7 @@ mod error;
 mod handle;
 mod health;
 pub mod keys;
+mod leader;
 mod lock;
 pub mod providers;
 mod reader_writer;
@@ -51,6 +52,7 @@ pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBac
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
 pub use handle::{LockHandle, LockView};
+pub use leader::{Campaign, LeaderState, Leadership, Term};
 pub use lock::{DistributedLock, DistributedLockBuilder};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};

@@ -40,6 +40,7 @@ mod health;
 pub mod keys;
 mod leader;
 mod lock;
+mod multi;
 pub mod providers;
 mod reader_writer;
 pub mod registry;
@@ -54,6 +55,7 @@ pub use error::{ErrorKind, LockError};
 pub use handle::{LockHandle, LockView};
 pub use leader::{Campaign, LeaderState, Leadership, Term};
 pub use lock::{DistributedLock, DistributedLockBuilder};
+pub use multi::MultiLockHandle;
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};

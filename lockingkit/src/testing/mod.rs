@@ -65,7 +65,9 @@
 
 mod cases;
 mod counting;
+mod election;
 mod intervals;
+mod multi_key;
 mod release;
 
 use std::future::Future;
@@ -73,7 +75,9 @@ use std::time::Duration;
 
 pub use cases::*;
 pub use counting::{CountedLease, CountingBackend};
+pub use election::*;
 pub use intervals::{HeldInterval, IntervalChecker};
+pub use multi_key::*;
 pub use release::{
     a_repeated_or_late_release_never_frees_the_next_holder, each_lease_is_released_exactly_once,
 };
@@ -153,6 +157,11 @@ macro_rules! contract_tests {
             a_semaphore_never_has_more_than_its_count_of_holders,
             a_semaphore_of_one_hands_out_growing_tokens,
             shared_holds_leak_nothing_and_stay_renewed,
+            one_leader_at_a_time_among_campaigners_in_three_processes,
+            leadership_passes_on_resign_within_the_bound,
+            multi_key_holds_in_opposite_orders_never_deadlock,
+            multi_key_holds_are_all_or_nothing,
+            multi_key_cancellation_leaks_nothing,
         );
     };
     (@cases $setup:expr; $($case:ident),+ $(,)?) => {

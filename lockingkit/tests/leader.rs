@@ -120,11 +120,43 @@ async fn the_work_stops_within_the_renewal_that_finds_the_lease_gone() {
     drop(leadership);
 }
 
+/// The in-memory backend with releases that take `RELEASE_TRIP` to be answered.
+struct SlowRelease(MemoryBackend);
+
+const RELEASE_TRIP: Duration = Duration::from_millis(50);
+
+impl LockBackend for SlowRelease {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        self.0.provider()
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.0.timing()
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        tokio::time::sleep(RELEASE_TRIP).await;
+        self.0.release(lease).await
+    }
+}
+
 #[tokio::test(start_paused = true)]
-async fn resigning_drops_the_work_and_releases_before_it_returns() {
+async fn resigning_drops_the_work_and_waits_for_the_release_to_be_confirmed() {
     let store = MemoryStore::new();
     let works = Works::default();
-    let locks = locks(&store);
+    let locks =
+        DistributedLock::builder(SlowRelease(MemoryBackend::with_lease(store.clone(), LEASE)))
+            .build()
+            .expect("valid options");
     let leadership = locks
         .leader(KEY)
         .expect("key")
@@ -134,12 +166,15 @@ async fn resigning_drops_the_work_and_releases_before_it_returns() {
     until(&mut state, "leads", LeaderState::is_leading).await;
     let started = tokio::time::Instant::now();
     leadership.resign().await.expect("resigned");
-    assert_eq!(
-        started.elapsed(),
-        Duration::ZERO,
-        "resigning waits for nothing but the release"
+    assert!(
+        !store.is_locked(KEY),
+        "released at the backend before resign returned"
     );
-    assert!(!store.is_locked(KEY), "released at the backend");
+    let took = started.elapsed();
+    assert!(
+        took >= RELEASE_TRIP && took <= RELEASE_TRIP * 2,
+        "resigning took {took:?}"
+    );
     assert_eq!(works.running.load(Ordering::SeqCst), 0);
     assert!(matches!(
         *state.borrow(),

@@ -55,7 +55,7 @@ pub use error::{ErrorKind, LockError};
 pub use handle::{LockHandle, LockView};
 pub use leader::{Campaign, LeaderState, Leadership, Term};
 pub use lock::{DistributedLock, DistributedLockBuilder};
-pub use multi::MultiLockHandle;
+pub use multi::{MultiLockHandle, MultiLockView};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};

@@ -212,10 +212,14 @@ fn take(members: &Members) -> Option<Vec<LockHandle>> {
 /// Several locks held as one: made by [`DistributedLock::acquire_all`] and
 /// [`try_acquire_all`](DistributedLock::try_acquire_all).
 ///
+/// What it tells about the hold — members, fencing tokens, loss signal,
+/// [`run`](MultiLockView::run) — is its [`MultiLockView`]'s, reached through `Deref`; the
+/// handle adds [`release`](Self::release).
+///
 /// # Loss
 /// The hold is lost when any of its members is lost. Then its
-/// [`lost_token`](Self::lost_token) fires, [`is_held`](Self::is_held) turns `false`,
-/// [`run`](Self::run) drops its work, and the members still held are released in the
+/// [`lost_token`](MultiLockView::lost_token) fires, [`is_held`](MultiLockView::is_held) turns
+/// `false`, [`run`](MultiLockView::run) drops its work, and the members still held are released in the
 /// background at once: a hold that lost one key has no use for the others, and keeping them
 /// would only block their next holders.
 ///
@@ -225,8 +229,8 @@ fn take(members: &Members) -> Option<Vec<LockHandle>> {
 /// token fires first.
 ///
 /// # Fencing
-/// Each member keeps its own fencing token ([`members`](Self::members),
-/// [`fencing_token`](Self::fencing_token)): send each resource the token of its own key.
+/// Each member keeps its own fencing token ([`members`](MultiLockView::members),
+/// [`fencing_token`](MultiLockView::fencing_token)): send each resource the token of its own key.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -243,9 +247,8 @@ fn take(members: &Members) -> Option<Vec<LockHandle>> {
 /// # let _ = moved; Ok(()) }
 /// ```
 pub struct MultiLockHandle {
-    views: Vec<LockView>,
+    view: MultiLockView,
     members: Arc<Members>,
-    lost: CancellationToken,
 }
 
 impl MultiLockHandle {
@@ -256,7 +259,7 @@ impl MultiLockHandle {
                 "LockingKit must run inside a tokio runtime",
             )
         })?;
-        let views: Vec<LockView> = held.iter().map(|handle| handle.view()).collect();
+        let views: Arc<[LockView]> = held.iter().map(|handle| handle.view()).collect();
         let tokens = views.iter().map(LockView::lost_token).collect();
         let members = Arc::new(Mutex::new(Some(held)));
         let lost = CancellationToken::new();
@@ -268,25 +271,66 @@ impl MultiLockHandle {
             lost.clone(),
         ));
         Ok(MultiLockHandle {
-            views,
+            view: MultiLockView {
+                members: views,
+                lost,
+            },
             members,
-            lost,
         })
     }
 
+    /// A cloneable view of this hold, for code that must watch it without owning it (a
+    /// spawned task, a request's extensions). The view never releases; the handle does.
+    pub fn view(&self) -> MultiLockView {
+        self.view.clone()
+    }
+
+    /// Releases every member at once and waits for the backend to confirm each.
+    ///
+    /// `Ok` if every release was confirmed; otherwise the first member's error (kind
+    /// [`ErrorKind::Lost`] if the hold had been lost, its members given up already). In every
+    /// case the hold stops holding. If this future is dropped, the releases carry on in the
+    /// background.
+    pub async fn release(self) -> Result<(), LockError> {
+        self.view.lost.cancel();
+        match take(&self.members) {
+            Some(handles) => release_all(handles).await,
+            None => Err(LockError::lost(self.loss_reason())),
+        }
+    }
+}
+
+impl std::ops::Deref for MultiLockHandle {
+    type Target = MultiLockView;
+
+    fn deref(&self) -> &MultiLockView {
+        &self.view
+    }
+}
+
+/// A cloneable, read-only view of a multi-key hold: its members (keys and fencing tokens) and
+/// its loss signal. Made by [`MultiLockHandle::view`]; like [`LockView`], it answers like the
+/// handle but cannot release the hold, and does not keep it alive.
+#[derive(Clone)]
+pub struct MultiLockView {
+    members: Arc<[LockView]>,
+    lost: CancellationToken,
+}
+
+impl MultiLockView {
     /// The members, one per distinct key, in the order they were taken (canonical order).
     pub fn members(&self) -> &[LockView] {
-        &self.views
+        &self.members
     }
 
     /// The keys held, in canonical order.
     pub fn keys(&self) -> impl Iterator<Item = &str> + '_ {
-        self.views.iter().map(LockView::key)
+        self.members.iter().map(LockView::key)
     }
 
     /// The fencing token of `key`'s lock, if `key` is a member.
     pub fn fencing_token(&self, key: &str) -> Option<u64> {
-        self.views
+        self.members
             .iter()
             .find(|view| view.key() == key)
             .map(LockView::fencing_token)
@@ -300,12 +344,12 @@ impl MultiLockHandle {
 
     /// Whether every member is still held.
     pub fn is_held(&self) -> bool {
-        !self.lost.is_cancelled() && self.views.iter().all(LockView::is_held)
+        !self.lost.is_cancelled() && self.members.iter().all(LockView::is_held)
     }
 
     /// Why a member was lost, once one has been.
     pub fn loss_reason(&self) -> Option<LossReason> {
-        self.views.iter().find_map(LockView::loss_reason)
+        self.members.iter().find_map(LockView::loss_reason)
     }
 
     /// `Ok(())` while every member is held, `Err` of kind [`ErrorKind::Lost`] after.
@@ -315,6 +359,11 @@ impl MultiLockHandle {
         } else {
             Err(LockError::lost(self.loss_reason()))
         }
+    }
+
+    /// Whether this hold was taken through `locks` (or a clone of it).
+    pub fn is_from(&self, locks: &DistributedLock) -> bool {
+        self.members.iter().all(|member| member.is_from(locks))
     }
 
     /// Runs `work` while every member is held, dropping it the moment any is lost or the hold
@@ -327,19 +376,16 @@ impl MultiLockHandle {
             output = work => Ok(output),
         }
     }
+}
 
-    /// Releases every member at once and waits for the backend to confirm each.
-    ///
-    /// `Ok` if every release was confirmed; otherwise the first member's error (kind
-    /// [`ErrorKind::Lost`] if the hold had been lost, its members given up already). In every
-    /// case the hold stops holding. If this future is dropped, the releases carry on in the
-    /// background.
-    pub async fn release(self) -> Result<(), LockError> {
-        self.lost.cancel();
-        match take(&self.members) {
-            Some(handles) => release_all(handles).await,
-            None => Err(LockError::lost(self.loss_reason())),
-        }
+impl fmt::Debug for MultiLockView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The keys are left out on purpose: keys routinely carry customer ids.
+        let tokens: Vec<u64> = self.members.iter().map(LockView::fencing_token).collect();
+        f.debug_struct("MultiLockView")
+            .field("fencing_tokens", &tokens)
+            .field("is_held", &self.is_held())
+            .finish_non_exhaustive()
     }
 }
 
@@ -359,7 +405,7 @@ async fn watch_members(
 
 impl Drop for MultiLockHandle {
     fn drop(&mut self) {
-        self.lost.cancel();
+        self.view.lost.cancel();
         drop(take(&self.members));
     }
 }
@@ -367,7 +413,7 @@ impl Drop for MultiLockHandle {
 impl fmt::Debug for MultiLockHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The keys are left out on purpose: keys routinely carry customer ids.
-        let tokens: Vec<u64> = self.views.iter().map(LockView::fencing_token).collect();
+        let tokens: Vec<u64> = self.members().iter().map(LockView::fencing_token).collect();
         f.debug_struct("MultiLockHandle")
             .field("fencing_tokens", &tokens)
             .field("is_held", &self.is_held())

@@ -4,6 +4,7 @@
 pub mod azurite;
 pub mod bench;
 pub mod bench_azure;
+pub mod bench_patterns;
 pub mod bench_postgres;
 pub mod bench_sessions;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.

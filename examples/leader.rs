@@ -26,7 +26,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .start(move |term| async move {
             // The job: one batch a second, fenced by the term number.
             loop {
-                println!("[{pid}] leading in term {}: exporting a batch", term.number());
+                println!(
+                    "[{pid}] leading in term {}: exporting a batch",
+                    term.number()
+                );
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         })?;

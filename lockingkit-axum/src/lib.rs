@@ -111,12 +111,16 @@
 #![warn(unreachable_pub)]
 
 pub mod extract;
+mod key_templates;
 mod route;
 mod template;
 
 pub use extract::rejection::MissingLock;
-pub use extract::HeldLock;
-pub use lockingkit_tower::{LockLayer, LockRejection, OnLoss, Readiness, RequestLock};
+pub use extract::{HeldLock, HeldLocks};
+pub use key_templates::{lock_route_all, KeyTemplates};
+pub use lockingkit_tower::{
+    LockLayer, LockRejection, OnLoss, Readiness, RequestLock, RequestLocks,
+};
 pub use route::{lock_route, lock_route_from_state, lock_route_waiting, ProvidesLocks};
 pub use template::PathTemplate;
 

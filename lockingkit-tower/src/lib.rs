@@ -35,9 +35,9 @@ mod lock;
 mod readiness;
 
 pub use lock::{
-    LockBody, LockKey, LockLayer, LockRejection, LockService, OnLoss, ProblemDetails,
-    ProblemDocument, RejectionResponse, RequestLock, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
+    LockBody, LockKey, LockKeys, LockLayer, LockRejection, LockService, OnLoss, ProblemDetails,
+    ProblemDocument, RejectionResponse, RequestLock, RequestLocks, ResponseFuture,
+    DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
 
 pub use readiness::Readiness;

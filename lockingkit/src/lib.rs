@@ -38,7 +38,9 @@ mod error;
 mod handle;
 mod health;
 pub mod keys;
+mod leader;
 mod lock;
+mod multi;
 pub mod providers;
 mod reader_writer;
 pub mod registry;
@@ -53,7 +55,9 @@ pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBac
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
 pub use handle::{LockHandle, LockView};
+pub use leader::{Campaign, LeaderState, Leadership, Term};
 pub use lock::{DistributedLock, DistributedLockBuilder};
+pub use multi::{MultiLockHandle, MultiLockView};
 #[cfg(feature = "azure")]
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 #[cfg(feature = "etcd")]

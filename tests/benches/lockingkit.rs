@@ -95,6 +95,43 @@ fn polling_postgres_lock(server: &PostgresServer) -> DistributedLock {
         .expect("lock")
 }
 
+/// The patterns' rows: a multi-key hold of two keys vs two single holds in sequence on
+/// PostgreSQL, and election failover (leader resigns → another provider's campaign leads) on
+/// PostgreSQL and in memory, p50 over repeated runs.
+fn patterns_rows(sizes: Sizes) {
+    use lockingkit_tests::bench_patterns::{failover, multi_key_pair};
+    let runtime = two_worker_runtime();
+    runtime.block_on(async {
+        tokio::spawn(async move {
+            let server = PostgresServer::start().await;
+            let locks = postgres_lock(&server);
+            let (multi, singles) = multi_key_pair(&locks, sizes.postgres_pairs / 5).await;
+            println!(
+                "| multi-key pair (2 keys), PostgreSQL | p50 {:.3} ms | two single pairs in sequence p50 {:.3} ms |",
+                ms(multi.p50),
+                ms(singles.p50)
+            );
+            let follower = postgres_lock(&server);
+            let pg = failover(|| postgres_lock(&server), &follower, sizes.remote_handoffs).await;
+            let store = lockingkit::MemoryStore::new();
+            let memory_follower = DistributedLock::in_memory_shared(&store);
+            let memory = failover(
+                || DistributedLock::in_memory_shared(&store),
+                &memory_follower,
+                sizes.remote_handoffs,
+            )
+            .await;
+            println!(
+                "| election failover (resign → other leads) | PostgreSQL p50 {:.1} ms | in-memory p50 {:.1} ms |",
+                ms(pg.p50),
+                ms(memory.p50)
+            );
+        })
+        .await
+        .expect("patterns rows");
+    });
+}
+
 /// How far the attempts with 20 waiters may exceed those with one: retry delays are jittered,
 /// so two runs with one waiter differ by a few percent as well.
 const ATTEMPTS_JITTER: f64 = 1.05;
@@ -370,6 +407,10 @@ fn main() {
     }
     if only.as_deref() == Some("etcd") {
         print_etcd(sizes);
+        return;
+    }
+    if only.as_deref() == Some("patterns") {
+        patterns_rows(sizes);
         return;
     }
     if only.as_deref() == Some("http-memory") {
@@ -728,4 +769,5 @@ fn main() {
         redis_json(&redis),
     );
     print_etcd(sizes);
+    patterns_rows(sizes);
 }

@@ -5,6 +5,7 @@ pub mod azurite;
 pub mod bench;
 pub mod bench_azure;
 pub mod bench_etcd;
+pub mod bench_patterns;
 pub mod bench_postgres;
 pub mod bench_redis;
 pub mod bench_sessions;

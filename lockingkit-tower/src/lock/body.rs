@@ -7,10 +7,11 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use lockingkit::{ErrorKind, LockError, LockHandle};
+use lockingkit::{ErrorKind, LockError};
 use pin_project_lite::pin_project;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
+use super::held::Held;
 use crate::BoxError;
 
 type Release = Pin<Box<dyn Future<Output = Result<(), LockError>> + Send>>;
@@ -42,7 +43,7 @@ pin_project! {
 }
 
 struct BodyHold {
-    handle: Option<LockHandle>,
+    handle: Option<Held>,
     lost: Pin<Box<WaitForCancellationFutureOwned>>,
     release: Option<Release>,
 }
@@ -66,8 +67,8 @@ impl<B> LockBody<B> {
         }
     }
 
-    pub(crate) fn holding(body: B, handle: LockHandle) -> Self {
-        let lost = Box::pin(handle.lost_token().cancelled_owned());
+    pub(crate) fn holding(body: B, handle: Held) -> Self {
+        let lost = Box::pin(handle.loss_signal().cancelled_owned());
         LockBody {
             kind: Kind::Inner { body },
             hold: Some(Box::new(BodyHold {
@@ -142,7 +143,7 @@ where
                 };
                 // Release before reporting the end, so a client that sees the whole body can
                 // take the lock at once.
-                let mut release: Release = Box::pin(handle.release());
+                let mut release: Release = handle.release();
                 match release.as_mut().poll(cx) {
                     Poll::Ready(result) => {
                         *this.hold = None;

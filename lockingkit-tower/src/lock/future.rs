@@ -8,15 +8,16 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
-use lockingkit::{ErrorKind, LockError, LockHandle};
+use lockingkit::{ErrorKind, LockError};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use super::held::Held;
 use super::key::{Acquisition, Derived};
 use super::layer::{LockConfig, OnLoss};
 use super::rejection::RejectionResponse;
 use super::until_lost::UntilLost;
-use super::{LockBody, LockRejection, RequestLock};
+use super::{LockBody, LockRejection};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -53,7 +54,7 @@ pin_project! {
         Calling {
             #[pin]
             response: UntilLost<S::Future>,
-            handle: Option<LockHandle>,
+            handle: Option<Held>,
         },
         Releasing {
             release: BoxFuture<Result<(), LockError>>,
@@ -80,7 +81,7 @@ where
 enum Outcome<R, E> {
     Answer(Result<R, E>),
     /// The response's body holds the lock until it ends.
-    Holding(R, LockHandle),
+    Holding(R, Held),
     Rejected(LockRejection),
 }
 
@@ -165,12 +166,11 @@ where
     let mut request = Request::from_parts(parts, body);
     Poll::Ready(match derived {
         Derived::Acquired { handle } => {
-            let view = RequestLock::new(&handle, config.mode.mode());
+            handle.insert_view(request.extensions_mut(), config.mode.mode());
             let lost = match config.on_loss {
-                OnLoss::Cancel => Some(view.loss_signal()),
+                OnLoss::Cancel => Some(handle.loss_signal()),
                 OnLoss::Signal => None,
             };
-            request.extensions_mut().insert(view);
             Step::Next(State::Calling {
                 response: UntilLost::new(lost, service.call(request)),
                 handle: Some(handle),
@@ -222,7 +222,7 @@ fn report_miswiring(config: &LockConfig, explanation: &str) {
 /// to the body.
 fn poll_calling<S, ReqBody, ResBody>(
     response: Pin<&mut UntilLost<S::Future>>,
-    handle: &mut Option<LockHandle>,
+    handle: &mut Option<Held>,
     config: &LockConfig,
     cx: &mut Context<'_>,
 ) -> Poll<Step<S, ReqBody>>
@@ -237,8 +237,8 @@ where
             .unwrap_or_else(|| LockError::lost(None));
         tracing::warn!(
             lock = config.locks.name(),
-            fencing_token = handle.as_ref().map(|handle| handle.fencing_token()),
-            key_digest = handle.as_ref().and_then(|handle| handle.key_digest()),
+            fencing_token = handle.as_ref().and_then(Held::fencing_token),
+            key_digest = handle.as_ref().and_then(Held::key_digest),
             reason = error.message(),
             "the lock was lost while the request was being handled; the handler was stopped and \
              the client is told the outcome is unknown"
@@ -254,7 +254,7 @@ where
             Step::Finish(Outcome::Holding(response, handle))
         }
         result => Step::Next(State::Releasing {
-            release: Box::pin(handle.release()),
+            release: handle.release(),
             result: Some(result),
         }),
     })

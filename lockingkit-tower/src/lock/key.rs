@@ -6,11 +6,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use http::request::Parts;
-use lockingkit::{LockError, LockHandle};
+use lockingkit::LockError;
 
+use super::held::Held;
+use super::keys::{held_by_an_outer_layer, NESTED};
 use super::layer::LockConfig;
-use super::mode::same_namespace;
-use super::RequestLock;
 
 /// Derives the lock key of a request.
 ///
@@ -88,7 +88,7 @@ pub(crate) enum Derived {
     /// No key could be derived.
     NoKey,
     Acquired {
-        handle: LockHandle,
+        handle: Held,
     },
     Refused {
         error: LockError,
@@ -132,23 +132,15 @@ async fn derive_and_acquire<K: LockKey>(
     let Some(key) = key.lock_key(parts).await else {
         return Derived::NoKey;
     };
-    // Locks are not reentrant: a second layer of the same provider locking the same key on one
-    // request would be refused as busy by the first, on every request.
-    let nested = parts.extensions.get::<RequestLock>().is_some_and(|outer| {
-        outer.key() == key
-            && same_namespace(outer.mode(), config.mode.mode())
-            && outer.is_from(&config.locks)
-    });
-    if nested {
+    if held_by_an_outer_layer(parts, &key, config.mode.mode(), &config.locks) {
         return Derived::Miswired {
-            explanation: "two lock layers of one provider lock the same key on this request, \
-                          and locks are not reentrant (with axum, each Router::route_layer \
-                          wraps every route added before it)"
-                .to_owned(),
+            explanation: NESTED.to_owned(),
         };
     }
     match config.mode.take(&config.locks, &key, config.wait).await {
-        Ok(handle) => Derived::Acquired { handle },
+        Ok(handle) => Derived::Acquired {
+            handle: Held::One(handle),
+        },
         Err(error) => Derived::Refused { error },
     }
 }

@@ -142,10 +142,15 @@ impl LockLayer {
 
     /// A layer that locks the key a custom [`LockKey`] derives from each request.
     pub fn with_key(locks: DistributedLock, key: impl LockKey) -> Self {
+        Self::deriving(locks, Arc::new(key))
+    }
+
+    /// A layer whose per-request work (derive the key or keys, take the locks) is `key`.
+    pub(crate) fn deriving(locks: DistributedLock, key: Arc<dyn AcquireForRequest>) -> Self {
         LockLayer {
             config: Arc::new(LockConfig {
                 locks,
-                key: Arc::new(key),
+                key,
                 mode: RequestMode::EXCLUSIVE,
                 wait: None,
                 pass_through_without_key: false,

@@ -1,25 +1,32 @@
 //! The lock-per-request middleware: `LockService` here, `LockLayer` in `layer.rs`, the response
 //! future in `future.rs`, rejections, their mapper and the problem document in `rejection.rs`,
-//! and the mode each request's key is held in (exclusive, shared, semaphore slot) in `mode.rs`.
+//! the mode each request's key is held in (exclusive, shared, semaphore slot) in `mode.rs`,
+//! and the multi-key form (several keys per request, held as one) in `keys.rs`, `held.rs` and
+//! `request_locks.rs`.
 
 mod body;
 mod future;
+mod held;
 mod key;
+mod keys;
 mod layer;
 mod mode;
 mod rejection;
 mod request_lock;
+mod request_locks;
 mod until_lost;
 
 pub use self::body::LockBody;
 pub use self::future::ResponseFuture;
 pub use self::key::LockKey;
+pub use self::keys::LockKeys;
 pub use self::layer::{LockLayer, OnLoss};
 pub use self::rejection::{
     LockRejection, ProblemDetails, ProblemDocument, RejectionResponse, DEFAULT_BUSY_RETRY_AFTER,
     DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
 pub use self::request_lock::RequestLock;
+pub use self::request_locks::RequestLocks;
 
 use std::fmt;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use lockingkit::{CancellationToken, LockHandle, LockMode, LockView};
+use lockingkit::{LockHandle, LockMode, LockView};
 
 /// The lock a [`LockLayer`](crate::LockLayer) holds for the current request.
 ///
@@ -31,11 +31,6 @@ impl RequestLock {
             view: handle.view(),
             mode,
         }
-    }
-
-    /// A loss signal for the layer to race the inner service against.
-    pub(crate) fn loss_signal(&self) -> CancellationToken {
-        self.view.lost_token()
     }
 
     /// How the layer holds the key: [`LockMode::Exclusive`] by default, [`LockMode::Shared`]

@@ -26,14 +26,18 @@ pub(super) fn required<T>(result: Result<T, LockError>, what: &str) -> T {
 }
 
 #[track_caller]
-fn expect_kind<T: std::fmt::Debug>(result: Result<T, LockError>, kind: ErrorKind, what: &str) {
+pub(super) fn expect_kind<T: std::fmt::Debug>(
+    result: Result<T, LockError>,
+    kind: ErrorKind,
+    what: &str,
+) {
     match result {
         Err(error) => assert_eq!(error.kind(), kind, "contract broken: {what}: {error}"),
         Ok(value) => panic!("contract broken: {what}: expected {kind}, got {value:?}"),
     }
 }
 
-async fn processes<B: ContractBackend>(
+pub(super) async fn processes<B: ContractBackend>(
     backend: &B,
     count: usize,
     options: LockOptions,
@@ -58,7 +62,7 @@ async fn until_queued(lock: &DistributedLock, key: &str, count: usize) {
 /// (released, dropped, or an attempt whose caller went away): a quarter of a lease period.
 /// A leaked lease frees the key only when it expires — or never, on a connection-held backend,
 /// whose lease period is only the check interval — so it cannot pass for a release in this time.
-fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
+pub(super) fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
     backend.lease_period() / 4
 }
 
@@ -79,7 +83,7 @@ pub(super) async fn until_idle(lock: &DistributedLock, within: Duration, what: &
 
 /// Once the holder in `from` is gone, `to` (another process) gets `key` on its first try, well
 /// before a leaked lease could have expired.
-async fn next_process_gets_it_at_once<B: ContractBackend>(
+pub(super) async fn next_process_gets_it_at_once<B: ContractBackend>(
     backend: &B,
     from: &DistributedLock,
     to: &DistributedLock,

@@ -65,7 +65,9 @@
 
 mod cases;
 mod counting;
+mod election;
 mod intervals;
+mod multi_key;
 mod release;
 
 use std::future::Future;
@@ -73,7 +75,9 @@ use std::time::Duration;
 
 pub use cases::*;
 pub use counting::{CountedLease, CountingBackend};
+pub use election::*;
 pub use intervals::{HeldInterval, IntervalChecker};
+pub use multi_key::*;
 pub use release::{
     a_repeated_or_late_release_never_frees_the_next_holder, each_lease_is_released_exactly_once,
 };
@@ -159,6 +163,11 @@ macro_rules! contract_tests {
             renewal_keeps_the_lock_over_three_lease_periods,
             fencing_tokens_grow,
             local_waiters_are_served_in_arrival_order,
+            one_leader_at_a_time_among_campaigners_in_three_processes,
+            leadership_passes_on_resign_within_the_bound,
+            multi_key_holds_in_opposite_orders_never_deadlock,
+            multi_key_holds_are_all_or_nothing,
+            multi_key_cancellation_leaks_nothing,
         );
         $crate::contract_tests!(@kind readers [$($without)*] $setup;
             a_provider_without_readers_refuses_them;

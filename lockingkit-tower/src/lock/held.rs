@@ -1,0 +1,69 @@
+//! What a layer holds for one request: one key's lock, or several keys held as one.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use http::Extensions;
+use lockingkit::{CancellationToken, LockError, LockHandle, LockMode, MultiLockHandle};
+
+use super::{RequestLock, RequestLocks};
+
+/// The hold a layer keeps while the inner service runs (and, if asked, while the body streams).
+pub(crate) enum Held {
+    One(LockHandle),
+    Many(MultiLockHandle),
+}
+
+impl Held {
+    /// Puts the handler's view of the hold into the request extensions.
+    pub(crate) fn insert_view(&self, extensions: &mut Extensions, mode: LockMode) {
+        match self {
+            Held::One(handle) => {
+                extensions.insert(RequestLock::new(handle, mode));
+            }
+            Held::Many(handle) => {
+                extensions.insert(RequestLocks::new(handle, mode));
+            }
+        }
+    }
+
+    /// A token that fires when the hold is lost or released.
+    pub(crate) fn loss_signal(&self) -> CancellationToken {
+        match self {
+            Held::One(handle) => handle.lost_token(),
+            Held::Many(handle) => handle.lost_token(),
+        }
+    }
+
+    /// `Err` of kind `Lost` once the hold is lost.
+    pub(crate) fn ensure_held(&self) -> Result<(), LockError> {
+        match self {
+            Held::One(handle) => handle.ensure_held(),
+            Held::Many(handle) => handle.ensure_held(),
+        }
+    }
+
+    /// The fencing token to log about a loss: the lock's, or the first member's.
+    pub(crate) fn fencing_token(&self) -> Option<u64> {
+        match self {
+            Held::One(handle) => Some(handle.fencing_token()),
+            Held::Many(handle) => handle.members().first().map(|m| m.fencing_token()),
+        }
+    }
+
+    /// The key digest to log about a loss, if the provider records digests.
+    pub(crate) fn key_digest(&self) -> Option<&str> {
+        match self {
+            Held::One(handle) => handle.key_digest(),
+            Held::Many(handle) => handle.members().first().and_then(|m| m.key_digest()),
+        }
+    }
+
+    /// Releases the hold (every member of a multi-key hold) and waits for the backend.
+    pub(crate) fn release(self) -> Pin<Box<dyn Future<Output = Result<(), LockError>> + Send>> {
+        match self {
+            Held::One(handle) => Box::pin(handle.release()),
+            Held::Many(handle) => Box::pin(handle.release()),
+        }
+    }
+}

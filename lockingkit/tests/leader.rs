@@ -1,0 +1,387 @@
+//! Leader election on paused tokio time through the public API: work dropped on loss, terms
+//! that grow, resignation that releases at once, failures that stop the campaign and outages
+//! that do not. The cross-provider cases are in the contract kit (`lockingkit::testing`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockingkit::{
+    Acquired, BackendError, DistributedLock, ErrorKind, LeaderState, LeaseTiming, LockBackend,
+    LockMode, MemoryBackend, MemoryStore,
+};
+use tokio::sync::watch;
+
+const KEY: &str = "jobs/outbox-relay";
+const LEASE: Duration = Duration::from_secs(30);
+
+fn locks(store: &MemoryStore) -> DistributedLock {
+    DistributedLock::builder(MemoryBackend::with_lease(store.clone(), LEASE))
+        .build()
+        .expect("valid options")
+}
+
+/// Counts how many leader works are running and how many were dropped.
+#[derive(Clone, Default)]
+struct Works {
+    running: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+struct Running(Works);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+        self.0.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+type Work = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+impl Works {
+    /// Leader work that runs until it is dropped.
+    fn forever(&self) -> impl FnMut(lockingkit::Term) -> Work + Send + 'static {
+        let works = self.clone();
+        move |_term| {
+            works.running.fetch_add(1, Ordering::SeqCst);
+            let guard = Running(works.clone());
+            Box::pin(async move {
+                let _guard = guard;
+                std::future::pending::<()>().await
+            })
+        }
+    }
+}
+
+async fn until(
+    state: &mut watch::Receiver<LeaderState>,
+    what: &str,
+    f: impl Fn(&LeaderState) -> bool,
+) -> LeaderState {
+    match tokio::time::timeout(Duration::from_secs(600), state.wait_for(|s| f(s))).await {
+        Ok(Ok(state)) => return state.clone(),
+        Ok(Err(_)) => panic!("the campaign went away before: {what}"),
+        Err(_) => {}
+    }
+    panic!("never: {what}; state {:?}", *state.borrow())
+}
+
+#[tokio::test(start_paused = true)]
+async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_term() {
+    let store = MemoryStore::new();
+    let works = Works::default();
+    let leadership = locks(&store)
+        .leader(KEY)
+        .expect("valid key")
+        .start(works.forever())
+        .expect("started");
+    let mut state = leadership.state();
+    let first = until(&mut state, "leads", LeaderState::is_leading).await;
+    assert_eq!(works.running.load(Ordering::SeqCst), 1);
+
+    assert!(store.break_lease(KEY), "the lease was held");
+    until(&mut state, "deposed", |s| !s.is_leading()).await;
+    assert_eq!(
+        works.running.load(Ordering::SeqCst),
+        0,
+        "the work was dropped"
+    );
+    assert_eq!(works.dropped.load(Ordering::SeqCst), 1);
+
+    let second = until(&mut state, "leads again", LeaderState::is_leading).await;
+    assert!(second.term() > first.term(), "{second:?} after {first:?}");
+    assert_eq!(works.running.load(Ordering::SeqCst), 1);
+    leadership.resign().await.expect("resigned");
+    assert_eq!(works.running.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_work_stops_within_the_renewal_that_finds_the_lease_gone() {
+    let store = MemoryStore::new();
+    let works = Works::default();
+    let leadership = locks(&store)
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    let broken = tokio::time::Instant::now();
+    store.break_lease(KEY);
+    until(&mut state, "deposed", |s| !s.is_leading()).await;
+    // Renewals run every third of the lease: the loss is seen at the next one, no later.
+    assert!(
+        broken.elapsed() <= LEASE / 3,
+        "deposed after {:?}",
+        broken.elapsed()
+    );
+    assert_eq!(works.dropped.load(Ordering::SeqCst), 1);
+    drop(leadership);
+}
+
+/// The in-memory backend with releases that take `RELEASE_TRIP` to be answered.
+struct SlowRelease(MemoryBackend);
+
+const RELEASE_TRIP: Duration = Duration::from_millis(50);
+
+impl LockBackend for SlowRelease {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        self.0.provider()
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.0.timing()
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        tokio::time::sleep(RELEASE_TRIP).await;
+        self.0.release(lease).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn resigning_drops_the_work_and_waits_for_the_release_to_be_confirmed() {
+    let store = MemoryStore::new();
+    let works = Works::default();
+    let locks =
+        DistributedLock::builder(SlowRelease(MemoryBackend::with_lease(store.clone(), LEASE)))
+            .build()
+            .expect("valid options");
+    let leadership = locks
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    let started = tokio::time::Instant::now();
+    leadership.resign().await.expect("resigned");
+    assert!(
+        !store.is_locked(KEY),
+        "released at the backend before resign returned"
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= RELEASE_TRIP && took <= RELEASE_TRIP * 2,
+        "resigning took {took:?}"
+    );
+    assert_eq!(works.running.load(Ordering::SeqCst), 0);
+    assert!(matches!(
+        *state.borrow(),
+        LeaderState::Stopped { error: None }
+    ));
+    assert_eq!(locks.active_parties(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_follower_leads_once_the_leader_resigns_and_its_term_is_greater() {
+    let store = MemoryStore::new();
+    let works = Works::default();
+    let first = locks(&store)
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut leader = first.state();
+    let led = until(&mut leader, "first leads", LeaderState::is_leading).await;
+    let second = locks(&store)
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut follower = second.state();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!follower.borrow().is_leading(), "two leaders at once");
+    first.resign().await.expect("resigned");
+    let resigned = tokio::time::Instant::now();
+    let next = until(&mut follower, "second leads", LeaderState::is_leading).await;
+    // Another process polls at most max_retry_delay (1 s by default) apart.
+    assert!(
+        resigned.elapsed() <= Duration::from_secs(1),
+        "after {:?}",
+        resigned.elapsed()
+    );
+    assert!(next.term() > led.term());
+    second.resign().await.expect("resigned");
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_that_returns_ends_the_term_and_a_new_one_begins_after_the_backoff() {
+    let store = MemoryStore::new();
+    let terms = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = terms.clone();
+    let leadership = locks(&store)
+        .leader(KEY)
+        .expect("key")
+        .retry_delays(Duration::from_millis(100), Duration::from_millis(400))
+        .start(move |term| {
+            seen.lock()
+                .expect("not poisoned")
+                .push((term.number(), tokio::time::Instant::now()));
+            async {}
+        })
+        .expect("started");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    leadership.resign().await.expect("resigned");
+    let terms = terms.lock().expect("not poisoned").clone();
+    assert!(terms.len() >= 5, "only {} terms in 3 s", terms.len());
+    for pair in terms.windows(2) {
+        assert!(pair[1].0 > pair[0].0, "terms must grow: {terms:?}");
+        let gap = pair[1].1 - pair[0].1;
+        // The pause is jittered within [d/2, d] of a delay between 100 and 400 ms.
+        assert!(
+            gap >= Duration::from_millis(50) && gap <= Duration::from_millis(401),
+            "gap {gap:?}"
+        );
+    }
+    assert!(!store.is_locked(KEY));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_is_retried_at_the_backoff_and_the_campaign_leads_once_it_ends() {
+    let store = MemoryStore::new();
+    store.set_unavailable(true);
+    let works = Works::default();
+    let leadership = locks(&store)
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut state = leadership.state();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(!state.borrow().is_leading() && !state.borrow().is_stopped());
+    // 60 s of an outage at a backoff capped at 5 s (and the provider's own outage pacing): no
+    // spinning.
+    let attempts = store.attempts();
+    assert!((1..=60).contains(&attempts), "{attempts} attempts in 60 s");
+    store.set_unavailable(false);
+    until(
+        &mut state,
+        "leads after the outage",
+        LeaderState::is_leading,
+    )
+    .await;
+    leadership.resign().await.expect("resigned");
+}
+
+/// A backend whose every attempt fails with `kind`.
+struct Failing(fn(&str) -> BackendError, Arc<AtomicUsize>);
+
+impl LockBackend for Failing {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "failing"
+    }
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::Expiring(LEASE)
+    }
+    async fn try_acquire(
+        &self,
+        _: &str,
+        _: LockMode,
+    ) -> Result<Option<Acquired<()>>, BackendError> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        Err((self.0)("no such container"))
+    }
+    async fn renew(&self, _: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_misconfiguration_stops_the_campaign_with_that_error_instead_of_spinning() {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let locks = DistributedLock::builder(Failing(
+        |m| BackendError::misconfigured(m),
+        attempts.clone(),
+    ))
+    .build()
+    .expect("valid options");
+    let works = Works::default();
+    let leadership = locks
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut state = leadership.state();
+    let stopped = until(&mut state, "stops", LeaderState::is_stopped).await;
+    let LeaderState::Stopped { error: Some(error) } = stopped else {
+        panic!("stopped without the error: {stopped:?}");
+    };
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        1,
+        "one attempt, then stopped"
+    );
+    let resigned = leadership.resign().await.expect_err("the campaign's error");
+    assert_eq!(resigned.kind(), ErrorKind::Misconfigured);
+    assert_eq!(works.running.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_leadership_resigns_in_the_background() {
+    let store = MemoryStore::new();
+    let works = Works::default();
+    let leadership = locks(&store)
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    drop(leadership);
+    until(&mut state, "stopped", LeaderState::is_stopped).await;
+    assert!(!store.is_locked(KEY));
+    assert_eq!(works.running.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn starting_needs_a_runtime_and_valid_delays() {
+    let locks = DistributedLock::in_memory();
+    let outside = locks.leader(KEY).expect("key").start(|_| async {});
+    assert_eq!(
+        outside.expect_err("no runtime").kind(),
+        ErrorKind::Misconfigured
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let zero = locks
+            .leader(KEY)
+            .expect("key")
+            .retry_delays(Duration::ZERO, Duration::from_secs(1));
+        assert_eq!(
+            zero.start(|_| async {}).expect_err("zero").kind(),
+            ErrorKind::Misconfigured
+        );
+        let inverted = locks
+            .leader(KEY)
+            .expect("key")
+            .retry_delays(Duration::from_secs(2), Duration::from_secs(1));
+        assert_eq!(
+            inverted.start(|_| async {}).expect_err("inverted").kind(),
+            ErrorKind::Misconfigured
+        );
+    });
+    assert_eq!(
+        locks.leader("").expect_err("empty").kind(),
+        ErrorKind::InvalidKey
+    );
+}

@@ -4,7 +4,7 @@
 //!   lock taken, in the lock's own round trip.
 //! - The **watch function** `<schema>.watch_advisory_lock(key, exclusive, slice_ms)`: waits up
 //!   to a slice for the advisory lock `key` (exclusively or shared), gives it straight back, and
-//!   says whether it was granted. A watcher (see `watch`) calls it twice a second while a key
+//!   says whether it was granted. A watcher (see `waiting`) calls it twice a second while a key
 //!   it waits for stays taken. A plain statement that waits under `lock_timeout` would end
 //!   every slice with an ERROR in the server's log ("canceling statement due to lock
 //!   timeout", and the statement) — some 170,000 lines a day per waiting process; an error

@@ -54,99 +54,52 @@
 //!   watches too. A queued watcher never waits long enough for the deadlock detector to look at
 //!   it, and holds nothing while it waits, so it cannot take part in a deadlock.
 
+mod slice;
+mod waiting_session;
+
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::watch;
-use tokio::time::Instant;
-use tokio_postgres::error::SqlState;
-use tokio_postgres::types::Type;
-use tokio_postgres::{Config, Statement};
-use tokio_postgres_rustls::MakeRustlsConnect;
+use tokio::sync::watch as channel;
 use tokio_util::sync::CancellationToken;
 
-use super::errors::Stage;
-use super::reconnect::Reconnect;
 use super::schema::Schema;
-
-/// Without the watch function (see `schema`): queues for the key exclusively and gives it back
-/// in the same statement: it returns when the key is free of every holder, or fails with
-/// SQLSTATE 55P03 when the session's `lock_timeout` ends the slice (which the server logs as
-/// an ERROR). The subquery runs first, so the unlock follows the grant. For writers.
-const WATCH: &str = "SELECT pg_advisory_unlock($1::bigint) \
-                     FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted";
-
-/// The same, shared: it returns when no writer holds the key or waits in the server's queue.
-/// For readers.
-const WATCH_SHARED: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
-                            FROM (SELECT pg_advisory_lock_shared($1::bigint) OFFSET 0) granted";
-
-/// The longest one watch statement (and so its snapshot) lives.
-const SLICE: Duration = Duration::from_millis(500);
-/// [`SLICE`] as the watch function takes it.
-const SLICE_MS: i32 = 500;
-
-/// Sets the session's `lock_timeout` to [`SLICE`], or to half the server's `deadlock_timeout`
-/// when that is shorter (at least 10 ms), so that a wait ends before the deadlock detector
-/// looks at it.
-const SET_SLICE: &str = "SELECT set_config('lock_timeout', \
-     greatest(10, least(500, (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 500)::int))::text || 'ms', \
-     false)";
-
-/// How long a watch statement may go unanswered beyond its slice before the session is
-/// considered broken.
-const SLICE_GRACE: Duration = Duration::from_secs(5);
-
-/// A clean session no watcher uses is kept this long for the next wait, then closed.
-const LINGER: Duration = Duration::from_millis(200);
-
-/// A watcher whose waiters all left keeps its session this long, for the next round of the
-/// same wait (the engine subscribes anew before each attempt).
-const GRACE: Duration = Duration::from_millis(100);
+use super::session::SessionSettings;
+use slice::SLICE;
+use waiting_session::{WaitingSession, WaitingSessions, LINGER};
 
 /// A watcher with no new attempt for this long stops.
 const IDLE: Duration = Duration::from_secs(30);
-
-/// How many open sessions a backend keeps for watchers to come.
-const MAX_IDLE: usize = 2;
 
 /// Keys nobody waits for are swept out once the map grows past this (and then past twice the
 /// survivors), so memory follows the keys waited for now.
 const FIRST_SWEEP: usize = 64;
 
 /// The watchers of one backend and the waiters they wake.
-pub(super) struct ReleaseWatch {
+pub(super) struct Watchers {
     shared: Arc<WatchState>,
 }
 
 struct WatchState {
     keys: Mutex<Keys>,
-    config: Config,
-    tls: MakeRustlsConnect,
     stop: CancellationToken,
     /// The most keys watched at once (`max_wait_sessions`).
     max_watchers: usize,
-    /// Sessions open for watchers, busy or idle.
-    open: Arc<AtomicUsize>,
-    /// The backend's connect backoff, shared with its lock sessions.
-    reconnect: Arc<Reconnect>,
-    /// Names the watch function, which keeps the server's log clean (see `schema`).
-    schema: Arc<Schema>,
+    sessions: Arc<WaitingSessions>,
+    /// How long a watch statement may go unanswered beyond its slice before its session is
+    /// considered broken: the statement timeout.
+    overdue: Duration,
 }
 
 #[derive(Default)]
 struct Keys {
     by_key: HashMap<i64, WatchedKey>,
-    /// Open sessions no watcher uses, for the next one: connecting costs milliseconds.
-    idle: Vec<WatchSession>,
     /// Entries nobody uses are swept out when the map grows past this.
     sweep_at: usize,
     watchers: usize,
-    /// Numbers idle sessions, so a lingering one can be found again.
-    next_session: u64,
 }
 
 struct WatchedKey {
@@ -156,32 +109,28 @@ struct WatchedKey {
 
 struct KeyWatch {
     /// Wakes the key's waiters; its receivers are the waiters' hints.
-    wake: watch::Sender<()>,
+    wake: channel::Sender<()>,
     /// Counts the attempts made under a hint: a watcher watches again only after a new one.
-    attempts: watch::Sender<u64>,
+    attempts: channel::Sender<u64>,
     /// An exclusive attempt answered busy since the watcher last woke the waiters: a writer
     /// waits, so the watcher queues exclusively.
     writer_waits: AtomicBool,
 }
 
-impl ReleaseWatch {
+impl Watchers {
     pub(super) fn new(
-        config: Config,
-        tls: MakeRustlsConnect,
+        settings: Arc<SessionSettings>,
         max_watchers: usize,
-        reconnect: Arc<Reconnect>,
         schema: Arc<Schema>,
     ) -> Self {
-        ReleaseWatch {
+        let overdue = settings.timeout;
+        Watchers {
             shared: Arc::new(WatchState {
                 keys: Mutex::new(Keys::default()),
-                config,
-                tls,
                 stop: CancellationToken::new(),
                 max_watchers,
-                open: Arc::new(AtomicUsize::new(0)),
-                reconnect,
-                schema,
+                sessions: Arc::new(WaitingSessions::new(settings, schema)),
+                overdue,
             }),
         }
     }
@@ -194,7 +143,7 @@ impl ReleaseWatch {
 
     /// Sessions open for watchers now, busy or idle.
     pub(super) fn sessions(&self) -> usize {
-        self.shared.open.load(Ordering::Relaxed)
+        self.shared.sessions.open()
     }
 
     /// Resolves when `advisory_key` may have been freed; never resolves if the key is not
@@ -210,7 +159,7 @@ impl ReleaseWatch {
         let mut receiver = self.shared.waiter(advisory_key);
         let shared = self.shared.clone();
         async move {
-            shared.attempt_failed(advisory_key);
+            shared.answered_busy(advisory_key);
             if receiver.changed().await.is_err() {
                 // The backend is gone: polling takes over.
                 std::future::pending::<()>().await;
@@ -219,15 +168,15 @@ impl ReleaseWatch {
     }
 }
 
-impl ReleaseWatch {
+impl Watchers {
     /// Ends every watcher and closes their sessions: waiters poll from now on.
     pub(super) fn stop(&self) {
         self.shared.stop.cancel();
-        self.shared.keys().idle.clear();
+        self.shared.sessions.stop();
     }
 }
 
-impl Drop for ReleaseWatch {
+impl Drop for Watchers {
     fn drop(&mut self) {
         self.stop();
     }
@@ -242,7 +191,7 @@ impl WatchState {
     }
 
     /// A place among the key's waiters.
-    fn waiter(&self, advisory_key: i64) -> watch::Receiver<()> {
+    fn waiter(&self, advisory_key: i64) -> channel::Receiver<()> {
         let mut keys = self.keys();
         if keys.by_key.len() >= keys.sweep_at.max(FIRST_SWEEP) {
             keys.by_key
@@ -253,8 +202,8 @@ impl WatchState {
             .entry(advisory_key)
             .or_insert_with(|| WatchedKey {
                 key: Arc::new(KeyWatch {
-                    wake: watch::channel(()).0,
-                    attempts: watch::channel(0).0,
+                    wake: channel::channel(()).0,
+                    attempts: channel::channel(0).0,
                     writer_waits: AtomicBool::new(false),
                 }),
                 watched: false,
@@ -273,7 +222,7 @@ impl WatchState {
     }
 
     /// A waiter's attempt answered busy: counts it, and starts the key's watcher if none runs.
-    fn attempt_failed(self: &Arc<Self>, advisory_key: i64) {
+    fn answered_busy(self: &Arc<Self>, advisory_key: i64) {
         let runtime = tokio::runtime::Handle::try_current().ok();
         let mut keys = self.keys();
         let keys = &mut *keys;
@@ -282,7 +231,7 @@ impl WatchState {
         };
         entry.key.attempts.send_modify(|attempts| *attempts += 1);
         // While connecting fails, waiters poll: a watcher could not connect either.
-        let quiet = self.reconnect.is_failing();
+        let quiet = self.sessions.connecting_fails();
         if let (false, false, true, Some(runtime)) = (
             entry.watched,
             quiet,
@@ -315,7 +264,7 @@ impl WatchState {
 enum WatcherExit {
     /// Nobody waits any more, or the backend is gone; the session holds nothing and may serve
     /// another key.
-    Clean(Box<WatchSession>),
+    Clean(Box<WaitingSession>),
     /// Nobody waits any more, but a request was still queued: the session must close.
     Done,
     /// The session could not be opened.
@@ -324,145 +273,14 @@ enum WatcherExit {
     Failed,
 }
 
-/// A watcher's session. Dropping it closes the connection; the server drops a request still
-/// queued when its slice ends.
-struct WatchSession {
-    client: tokio_postgres::Client,
-    /// The statements of a slice, prepared once: one is sent every half second while a key
-    /// stays busy.
-    slices: SliceStatements,
-    driver: tokio::task::JoinHandle<()>,
-    idle_since: Instant,
-    /// Numbers the session while it lingers idle.
-    id: u64,
-    open: Arc<AtomicUsize>,
-}
-
-/// How a watcher waits one slice.
-enum SliceStatements {
-    /// The watch function: answers whether the key was free, logging nothing.
-    Function(Statement),
-    /// [`WATCH`] and [`WATCH_SHARED`] under the session's `lock_timeout`, for a database
-    /// without the function.
-    Plain { watch: Statement, shared: Statement },
-}
-
-impl Drop for WatchSession {
-    fn drop(&mut self) {
-        self.driver.abort();
-        self.open.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl WatchState {
-    /// An idle session that is still open, or a new one whose statements give up after a
-    /// slice.
-    async fn session(&self) -> Option<WatchSession> {
-        loop {
-            let idle = self.keys().idle.pop();
-            match idle {
-                Some(session)
-                    if !session.client.is_closed() && session.idle_since.elapsed() < LINGER =>
-                {
-                    return Some(session)
-                }
-                Some(_) => continue,
-                None => break,
-            }
-        }
-        let timeout = self
-            .config
-            .get_connect_timeout()
-            .copied()
-            .unwrap_or(SLICE_GRACE);
-        let connect = async {
-            match tokio::time::timeout(timeout, self.config.connect(self.tls.clone())).await {
-                Ok(Ok(pair)) => Ok(pair),
-                Ok(Err(error)) => Err(super::errors::query_error(error, Stage::Connect)),
-                Err(_) => Err(super::errors::timed_out(Stage::Connect, timeout)),
-            }
-        };
-        let connecting = tokio::select! {
-            _ = self.stop.cancelled() => return None,
-            connecting = self.reconnect.connect(connect) => connecting,
-        };
-        let (client, connection) = connecting.ok()?;
-        let driver = tokio::spawn(async move {
-            let _ = connection.await;
-        });
-        self.open.fetch_add(1, Ordering::Relaxed);
-        let open = self.open.clone();
-        let setup = async {
-            let function = client
-                .query_one(&self.schema.function_exists(), &[])
-                .await?
-                .try_get::<_, bool>(0)?;
-            if function {
-                let watch = self.schema.watch_statement();
-                let types = [Type::INT8, Type::BOOL, Type::INT4];
-                let watch = client.prepare_typed(&watch, &types).await?;
-                return Ok::<_, tokio_postgres::Error>(SliceStatements::Function(watch));
-            }
-            client.batch_execute(SET_SLICE).await?;
-            let watch = client.prepare_typed(WATCH, &[Type::INT8]).await?;
-            let shared = client.prepare_typed(WATCH_SHARED, &[Type::INT8]).await?;
-            Ok(SliceStatements::Plain { watch, shared })
-        };
-        let setup = tokio::time::timeout(timeout, setup).await;
-        let Ok(Ok(slices)) = setup else {
-            driver.abort();
-            open.fetch_sub(1, Ordering::Relaxed);
-            return None;
-        };
-        Some(WatchSession {
-            client,
-            slices,
-            driver,
-            idle_since: Instant::now(),
-            id: 0,
-            open,
-        })
-    }
-
-    /// Keeps a clean session for the next watcher, up to [`MAX_IDLE`], for [`LINGER`].
-    fn keep_idle(self: &Arc<Self>, mut session: WatchSession) {
-        session.idle_since = Instant::now();
-        let mut keys = self.keys();
-        if keys.idle.len() >= MAX_IDLE || self.stop.is_cancelled() {
-            return;
-        }
-        keys.next_session += 1;
-        let id = keys.next_session;
-        session.id = id;
-        keys.idle.push(session);
-        drop(keys);
-        let shared = Arc::downgrade(self);
-        tokio::spawn(async move {
-            tokio::time::sleep(LINGER).await;
-            if let Some(shared) = shared.upgrade() {
-                // Closed outside the lock: dropping a session aborts its driver.
-                let lingering: Vec<WatchSession> = {
-                    let mut keys = shared.keys();
-                    let (gone, kept) = std::mem::take(&mut keys.idle)
-                        .into_iter()
-                        .partition(|s| s.id == id);
-                    keys.idle = kept;
-                    gone
-                };
-                drop(lingering);
-            }
-        });
-    }
-}
-
 async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>) {
-    let end = match shared.session().await {
+    let end = match shared.sessions.take().await {
         Some(session) => watch_key(&shared, session, &key, advisory_key).await,
         None if shared.stop.is_cancelled() => WatcherExit::Done,
         None => WatcherExit::ConnectFailed,
     };
     match end {
-        WatcherExit::Clean(session) => shared.keep_idle(*session),
+        WatcherExit::Clean(session) => shared.sessions.keep(*session),
         WatcherExit::Done => {}
         WatcherExit::ConnectFailed | WatcherExit::Failed => {
             // The waiters may have been counting on us: let each look once, then poll.
@@ -472,19 +290,19 @@ async fn watcher(shared: Arc<WatchState>, advisory_key: i64, key: Arc<KeyWatch>)
     shared.watcher_ended(advisory_key);
 }
 
-/// Whether the key's waiters are gone for good: not back within [`GRACE`] (the engine makes a
+/// Whether the key's waiters are gone for good: not back within [`LINGER`] (the engine makes a
 /// new hint before each attempt, so between two rounds of one wait there is briefly none).
 async fn waiters_left(key: &KeyWatch) -> bool {
     if key.wake.receiver_count() > 0 {
         return false;
     }
-    tokio::time::sleep(GRACE).await;
+    tokio::time::sleep(LINGER).await;
     key.wake.receiver_count() == 0
 }
 
 async fn watch_key(
     shared: &WatchState,
-    session: WatchSession,
+    session: WaitingSession,
     key: &KeyWatch,
     advisory_key: i64,
 ) -> WatcherExit {
@@ -548,39 +366,20 @@ enum Slices {
 /// waits any more.
 async fn watch_until_free(
     shared: &WatchState,
-    session: &WatchSession,
+    session: &WaitingSession,
     key: &KeyWatch,
     advisory_key: i64,
 ) -> Slices {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&advisory_key];
     loop {
         if key.wake.receiver_count() == 0 && waiters_left(key).await {
             return Slices::Left;
         }
         let exclusive = key.writer_waits.load(Ordering::Acquire);
-        let statement = async {
-            match &session.slices {
-                SliceStatements::Function(watch) => {
-                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-                        [&advisory_key, &exclusive, &SLICE_MS];
-                    let row = session.client.query_one(watch, &params).await?;
-                    Ok(row.try_get::<_, bool>(0)?)
-                }
-                SliceStatements::Plain { watch, shared } => {
-                    let statement = if exclusive { watch } else { shared };
-                    match session.client.query_one(statement, &params).await {
-                        Ok(_) => Ok(true),
-                        // The slice ended with the key still taken.
-                        Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                            Ok(false)
-                        }
-                        Err(error) => Err(error),
-                    }
-                }
-            }
-        };
+        let statement = session
+            .slices
+            .wait_one(session.session.client(), advisory_key, exclusive);
         tokio::pin!(statement);
-        let overdue = tokio::time::sleep(SLICE + SLICE_GRACE);
+        let overdue = tokio::time::sleep(SLICE + shared.overdue);
         tokio::pin!(overdue);
         let answer = loop {
             tokio::select! {
@@ -623,7 +422,7 @@ mod tests {
         // The engine makes a hint before every attempt and polls it only after a busy answer.
         let hint = backend.release_hint("jobs/nightly", LockMode::Exclusive);
         tokio::task::yield_now().await;
-        assert_eq!(backend.inner.releases.shared.keys().watchers, 0);
+        assert_eq!(backend.inner.watchers.shared.keys().watchers, 0);
         drop(hint);
     }
 
@@ -634,10 +433,10 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), hint)
             .await
             .expect("woken, so the waiter polls instead of waiting on a dead watcher");
-        let keys = backend.inner.releases.shared.keys();
+        let keys = backend.inner.watchers.shared.keys();
         assert_eq!(keys.watchers, 0);
         assert!(
-            backend.inner.releases.shared.reconnect.is_failing(),
+            backend.inner.watchers.shared.sessions.connecting_fails(),
             "no new watcher for a while"
         );
     }

@@ -388,6 +388,29 @@ impl PostgresBackend {
         }
     }
 
+    /// The lock the server granted this process's watcher of the key, kept for an attempt of
+    /// this mode (see `waiting`): taken without a round trip, and nothing lies between the
+    /// server's grant and this take for another client to slip into.
+    fn claim(&self, attempt: Attempt) -> Option<Acquired<PostgresLease>> {
+        let (advisory_key, exclusive) = match attempt {
+            Attempt::Exclusive(key) => (key, true),
+            Attempt::Shared(key) => (key, false),
+            Attempt::Semaphore { .. } => return None,
+        };
+        let claimed = self.inner.watchers.claim(advisory_key, exclusive)?;
+        Some(Acquired {
+            lease: PostgresLease {
+                advisory_key,
+                hold: claimed.hold,
+                session: claimed.session,
+                _adopted: Some(claimed.adopted),
+                released: AtomicBool::new(false),
+                timeout: self.inner.timeout,
+            },
+            fencing_token: claimed.fencing_token,
+        })
+    }
+
     /// One attempt: reserves it on a session, sends its statement, and reads the answer.
     async fn attempt(
         &self,
@@ -395,6 +418,9 @@ impl PostgresBackend {
         advisory_key: i64,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         self.inner.pooling.refuse_if_found()?;
+        if let Some(claimed) = self.claim(attempt) {
+            return Ok(Some(claimed));
+        }
         let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
             // This process holds the key, or may still: on every session it could try.
             self.busy(attempt);
@@ -457,6 +483,7 @@ impl PostgresBackend {
                 advisory_key,
                 hold,
                 session,
+                _adopted: None,
                 released: AtomicBool::new(false),
                 timeout: self.inner.timeout,
             },
@@ -623,11 +650,10 @@ impl LockBackend for PostgresBackend {
     fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
         let hint = match mode {
             LockMode::Semaphore { .. } => None,
-            _ => Some(
-                self.inner
-                    .watchers
-                    .subscribe(PostgresLockKeys::advisory_key(key)),
-            ),
+            _ => Some(self.inner.watchers.subscribe(
+                PostgresLockKeys::advisory_key(key),
+                mode == LockMode::Exclusive,
+            )),
         };
         async move {
             match hint {
@@ -797,6 +823,10 @@ pub struct PostgresLease {
     advisory_key: i64,
     hold: Advisory,
     session: Arc<Session>,
+    /// For a lock the server granted a waiting session (see `waiting`): that session, which
+    /// goes back to wait for other keys once this lease (and its `session` above, dropped
+    /// first) is gone.
+    _adopted: Option<waiting::Adopted>,
     released: AtomicBool,
     timeout: Duration,
 }

@@ -225,6 +225,20 @@ impl Session {
         }
     }
 
+    /// Whether the session holds, attempts and may hold nothing at all.
+    pub(in crate::providers::postgres) fn holds_nothing(&self) -> bool {
+        self.keys().by_object.is_empty()
+    }
+
+    /// The session holds `hold` for a lease, granted by the server to a statement that waited
+    /// for it (see `waiting`) rather than by an attempt reserved here.
+    pub(in crate::providers::postgres) fn adopt(&self, hold: Advisory) {
+        self.update(hold.object(), |entry| {
+            entry.shared = matches!(hold, Advisory::Shared(_));
+            entry.held = entry.held.saturating_add(1);
+        });
+    }
+
     /// The server confirmed the unlock of `hold`.
     pub(in crate::providers::postgres) fn released(&self, hold: Advisory) {
         self.update(hold.object(), |entry| {

@@ -1,5 +1,6 @@
 //! One slice of waiting in the server's lock queue: a statement that waits at most [`SLICE`]
-//! for a key and says whether it was free.
+//! for a key and, when the server grants it, keeps it and answers its fencing token in the
+//! same round trip, so the lock the server granted is the waiter's lock (see `waiting`).
 
 use std::time::Duration;
 
@@ -12,17 +13,24 @@ use super::super::schema::Schema;
 /// The longest one watch statement (and so its snapshot) lives.
 pub(super) const SLICE: Duration = Duration::from_millis(500);
 
-/// Without the watch function (see `schema`): queues for the key exclusively and gives it back
-/// in the same statement: it returns when the key is free of every holder, or fails with
-/// SQLSTATE 55P03 when the session's `lock_timeout` ends the slice (which the server logs as
-/// an ERROR). The subquery runs first, so the unlock follows the grant. For writers.
-const WATCH: &str = "SELECT pg_advisory_unlock($1::bigint) \
-                     FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted";
+/// Without the wait function (see `schema`): queues for the key exclusively and, once granted,
+/// takes a fencing token in the same statement (the subquery runs first); it fails with
+/// SQLSTATE 55P03 when the session's `lock_timeout` ends the slice, which the server logs as
+/// an ERROR. For writers.
+fn watch_sql(sequence: &str) -> String {
+    format!(
+        "SELECT nextval('{sequence}') FROM (SELECT pg_advisory_lock($1::bigint) OFFSET 0) granted"
+    )
+}
 
-/// The same, shared: it returns when no writer holds the key or waits in the server's queue.
-/// For readers.
-const WATCH_SHARED: &str = "SELECT pg_advisory_unlock_shared($1::bigint) \
-                            FROM (SELECT pg_advisory_lock_shared($1::bigint) OFFSET 0) granted";
+/// The same, shared: granted when no writer holds the key or waits in the server's queue ahead
+/// of it. For readers.
+fn watch_shared_sql(sequence: &str) -> String {
+    format!(
+        "SELECT nextval('{sequence}') FROM \
+         (SELECT pg_advisory_lock_shared($1::bigint) OFFSET 0) granted"
+    )
+}
 
 /// Sets the session's `lock_timeout` to [`SLICE`], or to half the server's `deadlock_timeout`
 /// when that is shorter (at least 10 ms), so that a wait ends before the deadlock detector
@@ -34,10 +42,10 @@ const SET_SLICE: &str = "SELECT set_config('lock_timeout', \
 /// How a waiting session waits one slice, prepared once per session: one statement is sent
 /// every half second while a key stays busy.
 pub(super) enum SliceStatements {
-    /// The watch function: answers whether the key was free, logging nothing.
+    /// The wait function: answers the fencing token if the key was granted, logging nothing.
     Function(Statement),
-    /// [`WATCH`] and [`WATCH_SHARED`] under the session's `lock_timeout`, for a database
-    /// without the function.
+    /// [`watch_sql`] and [`watch_shared_sql`] under the session's `lock_timeout`, for a
+    /// database without the function.
     Plain { watch: Statement, shared: Statement },
 }
 
@@ -59,31 +67,37 @@ impl SliceStatements {
             return Ok(SliceStatements::Function(watch));
         }
         client.batch_execute(SET_SLICE).await?;
-        let watch = client.prepare_typed(WATCH, &[Type::INT8]).await?;
-        let shared = client.prepare_typed(WATCH_SHARED, &[Type::INT8]).await?;
+        let watch = client
+            .prepare_typed(&watch_sql(&schema.sequence), &[Type::INT8])
+            .await?;
+        let shared = client
+            .prepare_typed(&watch_shared_sql(&schema.sequence), &[Type::INT8])
+            .await?;
         Ok(SliceStatements::Plain { watch, shared })
     }
 
-    /// Waits one slice for `advisory_key` (exclusively if `exclusive`): `true` when it was free.
+    /// Waits one slice for `advisory_key` (exclusively if `exclusive`): `Some(token)` when the
+    /// server granted it, which the session now holds, and `None` when the slice ended first.
+    /// An error may come after the grant: the session may hold the key, and must close.
     pub(super) async fn wait_one(
         &self,
         client: &Client,
         advisory_key: i64,
         exclusive: bool,
-    ) -> Result<bool, tokio_postgres::Error> {
+    ) -> Result<Option<i64>, tokio_postgres::Error> {
         match self {
             SliceStatements::Function(watch) => {
                 let slice_ms = i32::try_from(SLICE.as_millis()).unwrap_or(i32::MAX);
                 let params: [&(dyn ToSql + Sync); 3] = [&advisory_key, &exclusive, &slice_ms];
                 let row = client.query_one(watch, &params).await?;
-                row.try_get::<_, bool>(0)
+                row.try_get::<_, Option<i64>>(0)
             }
             SliceStatements::Plain { watch, shared } => {
                 let statement = if exclusive { watch } else { shared };
                 match client.query_one(statement, &[&advisory_key]).await {
-                    Ok(_) => Ok(true),
+                    Ok(row) => row.try_get::<_, i64>(0).map(Some),
                     // The slice ended with the key still taken.
-                    Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => Ok(false),
+                    Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => Ok(None),
                     Err(error) => Err(error),
                 }
             }

@@ -1,10 +1,12 @@
 //! The waiting sessions: sessions of their own (never lock sessions, whose pipelined
 //! statements would queue behind a waiting one) that queue in the server's lock queue for a
 //! key. They open as every session does (see `SessionSettings::open`), then prepare their
-//! slice statements; a clean one is kept briefly for the next wait.
+//! slice statements. One whose grant a waiter claimed holds that waiter's lock (see
+//! [`Adopted`]) and comes back once the lock is released; a clean one is kept briefly for the
+//! next wait.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -25,7 +27,7 @@ const MAX_IDLE: usize = 2;
 /// A session that waits for one key at a time. Dropping it closes the connection; the server
 /// drops a request still queued when its slice ends.
 pub(super) struct WaitingSession {
-    pub(super) session: Session,
+    pub(super) session: Arc<Session>,
     pub(super) slices: SliceStatements,
     idle_since: Instant,
     /// Numbers the session while it lingers idle.
@@ -48,6 +50,8 @@ pub(super) struct WaitingSessions {
     idle: Mutex<Idle>,
     /// Sessions open for waiting, busy or idle.
     open: Arc<AtomicUsize>,
+    /// Of those, the ones that hold a claimed grant for a lease.
+    adopted: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -66,6 +70,7 @@ impl WaitingSessions {
             schema,
             idle: Mutex::new(Idle::default()),
             open: Arc::new(AtomicUsize::new(0)),
+            adopted: AtomicUsize::new(0),
         }
     }
 
@@ -77,6 +82,12 @@ impl WaitingSessions {
     /// Sessions open for waiting now, busy or idle.
     pub(super) fn open(&self) -> usize {
         self.open.load(Ordering::Relaxed)
+    }
+
+    /// Waiting sessions that hold a lease's lock now: they count against the budget of waiting
+    /// sessions until the lease is released.
+    pub(super) fn adopted(&self) -> usize {
+        self.adopted.load(Ordering::Relaxed)
     }
 
     /// Whether connecting is failing now: a waiting session could not open either.
@@ -107,7 +118,7 @@ impl WaitingSessions {
         let prepared = SliceStatements::prepare(session.client(), &self.schema);
         match crate::background::within(self.settings.timeout, prepared).await {
             Some(Ok(slices)) => Some(WaitingSession {
-                session,
+                session: Arc::new(session),
                 slices,
                 idle_since: Instant::now(),
                 id: 0,
@@ -151,6 +162,16 @@ impl WaitingSessions {
         });
     }
 
+    /// Hands `waiting`, whose grant a waiter claimed, to the waiter's lease: it comes back when
+    /// the lease is gone.
+    pub(super) fn adopt(self: &Arc<Self>, waiting: WaitingSession) -> Adopted {
+        self.adopted.fetch_add(1, Ordering::Relaxed);
+        Adopted {
+            waiting: Some(waiting),
+            home: Arc::downgrade(self),
+        }
+    }
+
     /// Closes the idle sessions and keeps none from now on.
     pub(super) fn stop(&self) {
         let idle = {
@@ -159,5 +180,33 @@ impl WaitingSessions {
             std::mem::take(&mut idle.sessions)
         };
         drop(idle);
+    }
+}
+
+/// A waiting session that holds a lease's lock: the lock its waiter claimed (see `waiting`).
+/// Dropped with the lease, after the lease's own handle on the session: a session that holds
+/// nothing and is still clean (its unlock answered, nothing unconfirmed) goes back to be kept
+/// for the next wait; any other closes, which frees whatever it may still hold.
+pub(in crate::providers::postgres) struct Adopted {
+    waiting: Option<WaitingSession>,
+    home: Weak<WaitingSessions>,
+}
+
+impl Drop for Adopted {
+    fn drop(&mut self) {
+        let Some(waiting) = self.waiting.take() else {
+            return;
+        };
+        let Some(home) = self.home.upgrade() else {
+            return;
+        };
+        home.adopted.fetch_sub(1, Ordering::Relaxed);
+        // Nobody else (an unlock being settled) uses it, and it holds nothing.
+        let clean = Arc::strong_count(&waiting.session) == 1
+            && !waiting.session.is_closed()
+            && waiting.session.holds_nothing();
+        if clean && tokio::runtime::Handle::try_current().is_ok() {
+            home.keep(waiting);
+        }
     }
 }

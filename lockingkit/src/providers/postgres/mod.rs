@@ -41,12 +41,14 @@
 //!   statement tries the slots from a random one on, skipping those its session holds, and takes
 //!   the first free one with its fencing token: one round trip per attempt, busy or not. At
 //!   most [`MAX_SEMAPHORE_COUNT`] slots.
-//! - **Hand-off across processes in milliseconds, at no lasting cost to the server**: for each
-//!   key a process waits for, its backend keeps a watcher session queued for the same key
-//!   (exclusively while a writer waits, shared while only readers do), in statements that give
-//!   up after half a second (`lock_timeout`) and are sent again, so no snapshot is held for
-//!   longer (see `waiting`). Queued exclusively, it is also the waiting writer's intent, which
-//!   new readers respect. Polling stays the fallback.
+//! - **Hand-off across processes in milliseconds, and the writer the server grants**: for each
+//!   key a process waits for, its backend keeps a watcher: a waiting session queued for the same
+//!   key (exclusively while a writer waits, shared while only readers do), in statements that
+//!   give up after half a second and are sent again, so no snapshot is held for longer. The lock
+//!   the server grants the watcher is kept, with its fencing token from the same statement, and
+//!   becomes the waiter's lock at its next attempt (see `waiting`): queued exclusively, the
+//!   watcher is the waiting writer's intent, which new readers respect, and nothing lies between
+//!   the grant and the writer's take. Polling stays the fallback.
 //! - **Locks inside the caller's own transaction** are the other shape:
 //!   [`PostgresTransactionLocks`] takes `pg_try_advisory_xact_lock` on a transaction the caller
 //!   owns, with the same keys and fencing sequence, held until COMMIT or ROLLBACK.

@@ -48,13 +48,13 @@
 //!   statement after its grant, so nothing of this process stays queued behind its waiter's
 //!   hold (such a statement would be granted at the waiter's release and hold the key for
 //!   nobody).
-//! - A grant nobody claims is unlocked: when the waiters of its mode have left (not back within
-//!   [`LINGER`]: the engine makes a new hint before each attempt, so between two rounds of one
-//!   wait there is briefly none), or at the latest a slice after the wake-up. Only a waiter
-//!   that gives up just as it is granted leaves the key held for nobody that long.
-//! - When nobody waits for the key any more, the watcher closes its session if a statement is
-//!   still queued (the server drops it when the slice ends) or keeps it idle for [`LINGER`]
-//!   for another wait; a process that waits for nothing keeps nothing open.
+//! - A grant nobody waits for is unlocked at once; one nobody claims is unlocked when the
+//!   waiters of its mode have left (not back within [`GONE`]: the engine makes a new hint
+//!   before each attempt, so between two rounds of one wait there is briefly none), or at the
+//!   latest a slice after the wake-up.
+//! - When nobody waits for the key any more (not back within [`GONE`]), the watcher closes its
+//!   session if a statement is still queued (the server drops it when the slice ends) or keeps
+//!   it idle briefly for another wait; a process that waits for nothing keeps nothing open.
 //! - At most `max_wait_sessions` waiting sessions are busy per backend at once, watching or
 //!   holding a claimed grant; waits beyond that, and waits while the server cannot be reached
 //!   (waiting sessions open through the backend's shared reconnect backoff, see `reconnect`),
@@ -79,7 +79,12 @@ use tokio_util::sync::CancellationToken;
 use super::schema::Schema;
 use super::session::{Advisory, Session, SessionSettings};
 pub(super) use waiting_session::Adopted;
-use waiting_session::{WaitingSession, WaitingSessions, LINGER};
+use waiting_session::{WaitingSession, WaitingSessions};
+
+/// Waiters of a key not back within this have left: the engine makes a new hint before each
+/// attempt, in the same poll that dropped the last one, so between two rounds of one wait there
+/// is none only for an instant; this is that instant with room for a loaded machine.
+const GONE: Duration = Duration::from_millis(20);
 
 /// Keys nobody waits for are swept out once the map grows past this (and then past twice the
 /// survivors), so memory follows the keys waited for now.
@@ -280,10 +285,10 @@ impl KeyWaiters {
         self.writers.receiver_count() > 0 || self.readers.receiver_count() > 0
     }
 
-    /// Whether waiters of this kind are here, or come back within [`LINGER`].
+    /// Whether waiters of this kind are here, or come back within [`GONE`].
     async fn stay(&self, exclusive: bool) -> bool {
         let waiters = self.waiters(exclusive);
-        let deadline = crate::clock::in_(LINGER);
+        let deadline = crate::clock::in_(GONE);
         loop {
             let arrived = self.arrived.notified();
             let mut arrived = std::pin::pin!(arrived);

@@ -16,10 +16,8 @@ use super::super::schema::Schema;
 use super::super::session::{Session, SessionSettings};
 use super::slice::SliceStatements;
 
-/// A clean waiting session nobody uses is kept this long for the next wait, then closed; a
-/// key's waiters gone this long have left (the engine makes a new hint before each attempt,
-/// so between two rounds of one wait there is briefly none).
-pub(super) const LINGER: Duration = Duration::from_millis(200);
+/// A clean waiting session nobody uses is kept this long for the next wait, then closed.
+const LINGER: Duration = Duration::from_millis(200);
 
 /// How many clean sessions a backend keeps for waits to come.
 const MAX_IDLE: usize = 2;

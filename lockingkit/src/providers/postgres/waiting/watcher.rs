@@ -144,13 +144,17 @@ async fn hand_over(
     let claimed = key.claimed.notified();
     let mut claimed = std::pin::pin!(claimed);
     claimed.as_mut().enable();
+    let waited_for = key.waiters(exclusive).receiver_count() > 0;
     *key.grant() = Some(grant);
     key.waiters(exclusive).send_replace(());
-    tokio::select! {
-        _ = &mut claimed => return HandOver::Claimed,
-        _ = tokio::time::sleep(SLICE) => {}
-        _ = key.left(exclusive) => {}
-        _ = shared.stop.cancelled() => {}
+    // Nobody of its kind waits: not a moment held for nobody.
+    if waited_for {
+        tokio::select! {
+            _ = &mut claimed => return HandOver::Claimed,
+            _ = tokio::time::sleep(SLICE) => {}
+            _ = key.left(exclusive) => {}
+            _ = shared.stop.cancelled() => {}
+        }
     }
     // Taken back under the slot's lock, so a claim at this very moment either won or never
     // sees it.

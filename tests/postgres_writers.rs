@@ -201,6 +201,7 @@ async fn writer_gets_in_behind(
     stop.store(true, Ordering::SeqCst);
     let turns = stream.await.expect("reader stream");
     assert!(turns >= 4, "the readers never overlapped ({turns} turns)");
+    eprintln!("{name}: the writer waited {waits:?}; {turns} reader turns granted");
     let bound = READ * 2 + Duration::from_millis(250);
     for (round, waited) in waits.iter().enumerate() {
         assert!(

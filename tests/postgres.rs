@@ -783,7 +783,7 @@ async fn verify_checks_the_server_the_credentials_and_the_fencing_objects_at_sta
         let row = admin
             .query_one(
                 "SELECT to_regclass('lockingkit.fencing_tokens') IS NOT NULL, \
-                 to_regprocedure('lockingkit.watch_advisory_lock(bigint, boolean, integer)') IS NOT NULL",
+                 to_regprocedure('lockingkit.wait_advisory_lock(bigint, boolean, integer, regclass)') IS NOT NULL",
                 &[],
             )
             .await

@@ -41,12 +41,14 @@
 //!   statement tries the slots from a random one on, skipping those its session holds, and takes
 //!   the first free one with its fencing token: one round trip per attempt, busy or not. At
 //!   most [`MAX_SEMAPHORE_COUNT`] slots.
-//! - **Hand-off across processes in milliseconds, at no lasting cost to the server**: for each
-//!   key a process waits for, its backend keeps a watcher session queued for the same key
-//!   (exclusively while a writer waits, shared while only readers do), in statements that give
-//!   up after half a second (`lock_timeout`) and are sent again, so no snapshot is held for
-//!   longer (see `watch`). Queued exclusively, it is also the waiting writer's intent, which
-//!   new readers respect. Polling stays the fallback.
+//! - **Hand-off across processes in milliseconds, and the writer the server grants**: for each
+//!   key a process waits for, its backend keeps a watcher: a waiting session queued for the same
+//!   key (exclusively while a writer waits, shared while only readers do), in statements that
+//!   give up after half a second and are sent again, so no snapshot is held for longer. The lock
+//!   the server grants the watcher is kept, with its fencing token from the same statement, and
+//!   becomes the waiter's lock at its next attempt (see `waiting`): queued exclusively, the
+//!   watcher is the waiting writer's intent, which new readers respect, and nothing lies between
+//!   the grant and the writer's take. Polling stays the fallback.
 //! - **Locks inside the caller's own transaction** are the other shape:
 //!   [`PostgresTransactionLocks`] takes `pg_try_advisory_xact_lock` on a transaction the caller
 //!   owns, with the same keys and fencing sequence, held until COMMIT or ROLLBACK.
@@ -58,15 +60,15 @@
 
 mod connection;
 mod errors;
+mod lock_sessions;
 mod options;
 mod pooler;
 mod reconnect;
 mod schema;
 mod session;
-mod sessions;
 mod tls;
 mod transaction;
-mod watch;
+mod waiting;
 
 use std::fmt;
 use std::future::Future;
@@ -91,13 +93,14 @@ use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
 use crate::MAX_SEMAPHORE_COUNT;
 use errors::Stage;
-use session::{Advisory, Attempt, Bounded, Prepared, Session};
-use sessions::SessionSet;
+use lock_sessions::LockSessions;
+use session::{Advisory, Attempt, Bounded, Prepared, Session, SessionSettings};
+use waiting::Watchers;
 
 /// The provider name in telemetry.
 pub(crate) const PROVIDER: &str = "postgres";
 
-/// The unlock. Waiters in other processes learn of it from the server itself (see `watch`).
+/// The unlock. Waiters in other processes learn of it from the server itself (see `waiting`).
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
 /// The unlock of one shared hold.
 const UNLOCK_SHARED: &str = "SELECT pg_advisory_unlock_shared($1)";
@@ -169,7 +172,7 @@ pub struct PostgresBackend {
 
 /// What the clones of one [`PostgresBackend`] share.
 struct Backend {
-    sessions: SessionSet,
+    sessions: LockSessions,
     /// Whether a transaction- or statement-mode pooler was found in front of the server.
     pooling: Arc<pooler::Pooling>,
     max_sessions: usize,
@@ -188,8 +191,10 @@ struct Backend {
     schema: Arc<schema::Schema>,
     /// Set once the fencing objects are known to exist; cleared if a statement finds them gone.
     fencing_ready: AtomicBool,
+    /// How every session opens, lock sessions and waiting sessions alike.
+    settings: Arc<SessionSettings>,
     /// Wakes this process's waiters when their key is freed.
-    releases: watch::ReleaseWatch,
+    watchers: Watchers,
 }
 
 impl PostgresBackend {
@@ -218,29 +223,27 @@ impl PostgresBackend {
         let tls = tls::connector(&settings)
             .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
         tune_connection(&mut settings.config, options.query_timeout);
-        // Lock sessions and watchers back off together when the server refuses connections.
-        let reconnect = Arc::new(reconnect::Reconnect::new());
-        let schema = Arc::new(schema::Schema::new(&options));
-        let releases = watch::ReleaseWatch::new(
-            settings.config.clone(),
-            tls.clone(),
-            options.max_wait_sessions,
-            reconnect.clone(),
-            schema.clone(),
-        );
         let timeout = options.query_timeout;
         let max_sessions = options.max_sessions;
         // Shared by the sessions, which verify at open and in every check that no pooler
         // hands their server session to others (see `pooler`).
         let pooling = Arc::new(pooler::Pooling::default());
-        let sessions = SessionSet::new(
-            max_sessions,
-            settings.config,
+        // Lock sessions and waiting sessions open the same way, and back off together when
+        // the server refuses connections.
+        let session_settings = Arc::new(SessionSettings {
+            config: settings.config,
             tls,
             timeout,
-            reconnect,
-            &pooling,
+            reconnect: Arc::new(reconnect::Reconnect::new()),
+            pooling: pooling.clone(),
+        });
+        let schema = Arc::new(schema::Schema::new(&options));
+        let watchers = Watchers::new(
+            session_settings.clone(),
+            options.max_wait_sessions,
+            schema.clone(),
         );
+        let sessions = LockSessions::new(max_sessions, session_settings.clone());
         let sequence = schema.sequence.clone();
         Ok(PostgresBackend {
             inner: Arc::new(Backend {
@@ -263,7 +266,8 @@ impl PostgresBackend {
                 attempts: std::sync::atomic::AtomicU64::new(0),
                 schema: schema.clone(),
                 fencing_ready: AtomicBool::new(false),
-                releases,
+                settings: session_settings,
+                watchers,
             }),
         })
     }
@@ -277,7 +281,7 @@ impl PostgresBackend {
     /// How many sessions are open now to wake this process's waiters; at most
     /// [`max_wait_sessions`](PostgresOptions::max_wait_sessions).
     pub fn wait_sessions(&self) -> usize {
-        self.inner.releases.sessions()
+        self.inner.watchers.sessions()
     }
 
     /// Runs one statement on `session` under the statement timeout, classifying its failure
@@ -367,10 +371,10 @@ impl PostgresBackend {
     }
 
     /// `attempt` answered busy: a writer's tells this process's watcher of the key to queue
-    /// exclusively (see `watch`).
+    /// exclusively (see `waiting`).
     fn busy(&self, attempt: Attempt) {
         if let Attempt::Exclusive(key) = attempt {
-            self.inner.releases.writer_busy(key);
+            self.inner.watchers.writer_busy(key);
         }
     }
 
@@ -386,6 +390,29 @@ impl PostgresBackend {
         }
     }
 
+    /// The lock the server granted this process's watcher of the key, kept for an attempt of
+    /// this mode (see `waiting`): taken without a round trip, and nothing lies between the
+    /// server's grant and this take for another client to slip into.
+    fn claim(&self, attempt: Attempt) -> Option<Acquired<PostgresLease>> {
+        let (advisory_key, exclusive) = match attempt {
+            Attempt::Exclusive(key) => (key, true),
+            Attempt::Shared(key) => (key, false),
+            Attempt::Semaphore { .. } => return None,
+        };
+        let claimed = self.inner.watchers.claim(advisory_key, exclusive)?;
+        Some(Acquired {
+            lease: PostgresLease {
+                advisory_key,
+                hold: claimed.hold,
+                session: claimed.session,
+                _adopted: Some(claimed.adopted),
+                released: AtomicBool::new(false),
+                timeout: self.inner.timeout,
+            },
+            fencing_token: claimed.fencing_token,
+        })
+    }
+
     /// One attempt: reserves it on a session, sends its statement, and reads the answer.
     async fn attempt(
         &self,
@@ -393,6 +420,9 @@ impl PostgresBackend {
         advisory_key: i64,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         self.inner.pooling.refuse_if_found()?;
+        if let Some(claimed) = self.claim(attempt) {
+            return Ok(Some(claimed));
+        }
         let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
             // This process holds the key, or may still: on every session it could try.
             self.busy(attempt);
@@ -455,6 +485,7 @@ impl PostgresBackend {
                 advisory_key,
                 hold,
                 session,
+                _adopted: None,
                 released: AtomicBool::new(false),
                 timeout: self.inner.timeout,
             },
@@ -616,16 +647,15 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    /// Plain locks and readers: the watcher of the key (see `watch`). A semaphore's key names
+    /// Plain locks and readers: the watcher of the key (see `waiting`). A semaphore's key names
     /// no lock the server could wake anyone for: none.
     fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
         let hint = match mode {
             LockMode::Semaphore { .. } => None,
-            _ => Some(
-                self.inner
-                    .releases
-                    .subscribe(PostgresLockKeys::advisory_key(key)),
-            ),
+            _ => Some(self.inner.watchers.subscribe(
+                PostgresLockKeys::advisory_key(key),
+                mode == LockMode::Exclusive,
+            )),
         };
         async move {
             match hint {
@@ -639,14 +669,7 @@ impl LockBackend for PostgresBackend {
     /// authenticates, checks the fencing sequence and the watch function, creating them if
     /// missing and allowed, and closes. Two or three round trips after the connect; no lock.
     async fn verify(&self) -> Result<(), BackendError> {
-        let session = Box::pin(Session::open(
-            self.inner.sessions.config(),
-            self.inner.sessions.tls(),
-            self.inner.timeout,
-            Arc::new(tokio::sync::Notify::new()),
-            &self.inner.pooling,
-        ))
-        .await?;
+        let session = Box::pin(self.inner.settings.open_unthrottled()).await?;
         let checked = Box::pin(self.ensure_fencing(&session)).await;
         session.close();
         checked
@@ -655,7 +678,7 @@ impl LockBackend for PostgresBackend {
     /// Closes every lock session and watcher. Called once the engine has released its locks;
     /// clones of this backend lose their sessions too.
     async fn shutdown(&self) {
-        self.inner.releases.stop();
+        self.inner.watchers.stop();
         self.inner.sessions.close_all();
     }
 
@@ -750,7 +773,7 @@ fn tune_connection(config: &mut tokio_postgres::Config, connect_timeout: Duratio
 }
 
 /// A reader's statement on a session that reads the key already. The server grants a session a
-/// shared lock it holds without looking at the queue, so a queued writer (see `watch`) would
+/// shared lock it holds without looking at the queue, so a queued writer (see `waiting`) would
 /// not hold this reader back: it looks for one first. Only this path pays for that, as
 /// `pg_locks` takes every lock-table partition.
 fn lock_shared_again_sql(sequence: &str) -> String {
@@ -802,6 +825,10 @@ pub struct PostgresLease {
     advisory_key: i64,
     hold: Advisory,
     session: Arc<Session>,
+    /// For a lock the server granted a waiting session (see `waiting`): that session, which
+    /// goes back to wait for other keys once this lease (and its `session` above, dropped
+    /// first) is gone.
+    _adopted: Option<waiting::Adopted>,
     released: AtomicBool,
     timeout: Duration,
 }

@@ -2,10 +2,12 @@
 //!
 //! - The fencing-token **sequence** (`lockingkit.fencing_tokens` by default): one `nextval` per
 //!   lock taken, in the lock's own round trip.
-//! - The **watch function** `<schema>.watch_advisory_lock(key, exclusive, slice_ms)`: waits up
-//!   to a slice for the advisory lock `key` (exclusively or shared), gives it straight back, and
-//!   says whether it was granted. A watcher (see `watch`) calls it twice a second while a key
-//!   it waits for stays taken. A plain statement that waits under `lock_timeout` would end
+//! - The **wait function** `<schema>.wait_advisory_lock(key, exclusive, slice_ms, sequence)`:
+//!   waits up to a slice for the advisory lock `key` (exclusively or shared) and, when it is
+//!   granted, keeps it and answers a fencing token from `sequence` in the same statement (NULL
+//!   when the slice ended first). A watcher (see `waiting`) calls it twice a second while a key
+//!   it waits for stays taken, and the lock it is granted becomes its waiter's. A plain
+//!   statement that waits under `lock_timeout` would end
 //!   every slice with an ERROR in the server's log ("canceling statement due to lock
 //!   timeout", and the statement) — some 170,000 lines a day per waiting process; an error
 //!   caught in PL/pgSQL is not logged.
@@ -21,16 +23,17 @@ use super::options::PostgresOptions;
 /// two-`int4` key space, which never meets the single-`bigint` keys of LockingKit locks.
 const SETUP_LOCK: (i32, i32) = (0x6c6b_6974, 0x6665_6e63); // "lkit", "fenc"
 
-/// The watch function's name within the fencing schema, and its argument types.
-const WATCH_FUNCTION: &str = "watch_advisory_lock";
-const WATCH_ARGUMENTS: &str = "bigint, boolean, integer";
+/// The wait function's name within the fencing schema, and its argument types. (Versions
+/// before it had `watch_advisory_lock`, which gave the lock straight back; it is left alone.)
+const WATCH_FUNCTION: &str = "wait_advisory_lock";
+const WATCH_ARGUMENTS: &str = "bigint, boolean, integer, regclass";
 
 /// The provider's objects, named for one set of options.
 #[derive(Debug)]
 pub(super) struct Schema {
     /// `schema.sequence`.
     pub(super) sequence: String,
-    /// `schema.watch_advisory_lock`.
+    /// `schema.wait_advisory_lock`.
     pub(super) watch_function: String,
     /// Whether the sequence and the function exist: two booleans.
     pub(super) exists: String,
@@ -69,10 +72,13 @@ impl Schema {
         }
     }
 
-    /// The statement a watcher sends with the function: whether `$1` was free within the
-    /// slice `$3` (ms), exclusively if `$2`.
+    /// The statement a watcher sends with the function: the fencing token if `$1` was granted
+    /// (exclusively if `$2`) within the slice `$3` (ms), and is now held; NULL otherwise.
     pub(super) fn watch_statement(&self) -> String {
-        format!("SELECT {}($1, $2, $3)", self.watch_function)
+        format!(
+            "SELECT {}($1, $2, $3, '{}'::regclass)",
+            self.watch_function, self.sequence
+        )
     }
 
     /// Whether the function exists, for a watcher session choosing its statements.
@@ -90,26 +96,29 @@ fn create_sequence(sequence: &str) -> String {
     format!("CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint MINVALUE 1 NO CYCLE CACHE 1")
 }
 
-/// The watch function. The slice is the caller's, or half the server's `deadlock_timeout` when
+/// The wait function. The slice is the caller's, or half the server's `deadlock_timeout` when
 /// that is shorter (at least 10 ms): a wait ends before the deadlock detector looks at it, and
 /// its snapshot lives no longer than the slice. `lock_timeout` is set for the statement's own
-/// transaction only.
+/// transaction only. A granted lock is kept (a session lock outlives the statement and its
+/// subtransaction), and its fencing token is taken in the same statement; an error after the
+/// grant leaves the lock held, and the caller closes the session.
 fn create_function(name: &str) -> String {
     format!(
-        "CREATE OR REPLACE FUNCTION {name}(key bigint, exclusive boolean, slice_ms integer) \
-         RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog AS $lockingkit$ \
+        "CREATE OR REPLACE FUNCTION {name}(key bigint, exclusive boolean, slice_ms integer, \
+         sequence regclass) \
+         RETURNS bigint LANGUAGE plpgsql SET search_path = pg_catalog AS $lockingkit$ \
          BEGIN \
            PERFORM set_config('lock_timeout', greatest(10, least(slice_ms, \
              (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 500)::int))::text \
              || 'ms', true); \
            IF exclusive THEN \
-             PERFORM pg_advisory_lock(key); PERFORM pg_advisory_unlock(key); \
+             PERFORM pg_advisory_lock(key); \
            ELSE \
-             PERFORM pg_advisory_lock_shared(key); PERFORM pg_advisory_unlock_shared(key); \
+             PERFORM pg_advisory_lock_shared(key); \
            END IF; \
-           RETURN true; \
+           RETURN nextval(sequence); \
          EXCEPTION WHEN lock_not_available THEN \
-           RETURN false; \
+           RETURN NULL; \
          END $lockingkit$"
     )
 }

@@ -24,7 +24,7 @@ pub use options::PostgresTransactionOptions;
 
 use super::errors::{self, Stage};
 use super::schema::Schema;
-use super::session::within;
+use crate::background::within;
 use crate::backoff::Backoff;
 use crate::error::{ErrorKind, LockError};
 use crate::keys::{validate_key, PostgresLockKeys};

@@ -1,4 +1,4 @@
-//! The bounded set of sessions a backend's locks share.
+//! The lock sessions: the bounded set of sessions a backend's locks share.
 //!
 //! This is not a pool: no session is ever handed to one caller. Every attempt, unlock and
 //! check of every lock is sent on one of at most `max` open sessions, pipelined with the others,
@@ -13,12 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio_postgres::Config;
-use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::pooler::Pooling;
-use super::reconnect::Reconnect;
-use super::session::{Advisory, Attempt, Availability, Session};
+use super::session::{Advisory, Attempt, Availability, Session, SessionSettings};
 use crate::backend::BackendError;
 
 /// Statements in flight on every open session before another one opens. Statements that
@@ -28,16 +24,14 @@ use crate::backend::BackendError;
 /// still spread over four (the fleet rows of docs/performance.md compare depths 1 to 64).
 const PIPELINE_DEPTH: usize = 32;
 
-pub(super) struct SessionSet {
+/// The sessions that hold a backend's locks (waiting sessions are `waiting`'s).
+pub(super) struct LockSessions {
     slots: Mutex<Slots>,
     /// Woken when a session opens, fails to open, or stops draining.
     changed: Arc<Notify>,
     max: usize,
-    config: Config,
-    tls: MakeRustlsConnect,
     timeout: Duration,
-    reconnect: Arc<Reconnect>,
-    pooling: Arc<Pooling>,
+    settings: Arc<SessionSettings>,
 }
 
 #[derive(Default)]
@@ -57,24 +51,14 @@ enum Step {
     Wait,
 }
 
-impl SessionSet {
-    pub(super) fn new(
-        max: usize,
-        config: Config,
-        tls: MakeRustlsConnect,
-        timeout: Duration,
-        reconnect: Arc<Reconnect>,
-        pooling: &Arc<Pooling>,
-    ) -> Self {
-        SessionSet {
+impl LockSessions {
+    pub(super) fn new(max: usize, settings: Arc<SessionSettings>) -> Self {
+        LockSessions {
             slots: Mutex::new(Slots::default()),
             changed: Arc::new(Notify::new()),
             max,
-            config,
-            tls,
-            timeout,
-            reconnect,
-            pooling: pooling.clone(),
+            timeout: settings.timeout,
+            settings,
         }
     }
 
@@ -163,7 +147,7 @@ impl SessionSet {
             }
             // A session is opening while connecting fails: that one connect is the probe, and
             // whoever else needs a session is told the latest cause now.
-            None => match self.reconnect.current_failure() {
+            None => match self.settings.reconnect.current_failure() {
                 Some(cause) => Step::Failing(cause),
                 None => Step::Wait,
             },
@@ -174,7 +158,7 @@ impl SessionSet {
 
     async fn connect(&self, attempt: Attempt) -> Result<Reservation, BackendError> {
         /// Gives the slot back if the connect fails or its caller goes away.
-        struct Connecting<'a>(&'a SessionSet);
+        struct Connecting<'a>(&'a LockSessions);
         impl Drop for Connecting<'_> {
             fn drop(&mut self) {
                 let mut slots = self.0.slots();
@@ -186,30 +170,13 @@ impl SessionSet {
         let connecting = Connecting(self);
         // Boxed: connecting (TLS handshake included) is a future of many kilobytes, and inline
         // it would enlarge every attempt's future, though a session opens only rarely.
-        let session = Box::pin(self.reconnect.connect(Session::open(
-            &self.config,
-            &self.tls,
-            self.timeout,
-            self.changed.clone(),
-            &self.pooling,
-        )))
-        .await?;
+        let session = Box::pin(self.settings.open(self.changed.clone())).await?;
         let session = Arc::new(session);
         // A new session holds nothing, so the key is free on it.
         session.reserve(attempt);
         self.slots().open.push(session.clone());
         drop(connecting);
         Ok(Reservation::new(session, attempt, false, self.timeout))
-    }
-
-    /// The connection settings sessions open with.
-    pub(super) fn config(&self) -> &Config {
-        &self.config
-    }
-
-    /// The TLS connector sessions open with.
-    pub(super) fn tls(&self) -> &MakeRustlsConnect {
-        &self.tls
     }
 
     /// Closes every session; their locks are lost.

@@ -1,0 +1,285 @@
+//! Writers on PostgreSQL get the key from the server itself: a waiting writer's watcher is
+//! granted the key in the server's lock queue and that grant is the writer's lock, so readers
+//! of every kind (plain SQL blocking or retrying, LockingKit readers elsewhere) queue behind a
+//! waiting writer, and no session holds the key for nobody after a hand-off.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockingkit::keys::PostgresLockKeys;
+use lockingkit::testing::{quick_polling, unique_prefix};
+use lockingkit::{DistributedLock, ErrorKind, PostgresBackend};
+use lockingkit_tests::postgres::PostgresServer;
+use tokio::time::Instant;
+
+/// How long each reader holds the key.
+const READ: Duration = Duration::from_millis(300);
+
+/// A "process": a lock with a backend (and so sessions) of its own.
+fn process(server: &PostgresServer) -> DistributedLock {
+    let backend =
+        PostgresBackend::new(server.options(Duration::from_millis(500))).expect("options");
+    DistributedLock::builder(backend)
+        .options(quick_polling())
+        .build()
+        .expect("lock options")
+}
+
+/// Whether some session waits in the server's queue for `key` exclusively: a writer's intent.
+async fn writer_queued(admin: &tokio_postgres::Client, key: &str) -> bool {
+    let advisory_key = PostgresLockKeys::advisory_key(key);
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND mode = 'ExclusiveLock' AND NOT granted \
+             AND classid::bigint = ($1::bigint >> 32) & 4294967295 \
+             AND objid::bigint = $1::bigint & 4294967295",
+            &[&advisory_key],
+        )
+        .await
+        .expect("pg_locks")
+        .get::<_, i64>(0)
+        > 0
+}
+
+/// Two plain-SQL clients take `key` shared in overlapping turns with blocking
+/// `pg_advisory_lock_shared`, each holding [`READ`], until `stop`: some reader always holds
+/// the key unless a writer queued ahead of them. Returns the turns granted.
+fn blocking_sql_readers(
+    server: &PostgresServer,
+    key: &str,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<usize> {
+    let (server_url, key) = (server.connection_string(), key.to_owned());
+    tokio::spawn(async move {
+        let mut turns = tokio::task::JoinSet::new();
+        for client in 0..2u32 {
+            let (url, key, stop) = (server_url.clone(), key.clone(), stop.clone());
+            turns.spawn(async move {
+                let (sql, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .expect("reader connects");
+                tokio::spawn(connection);
+                let k = PostgresLockKeys::advisory_key(&key);
+                tokio::time::sleep(READ / 2 * client).await;
+                let mut granted = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    sql.execute("SELECT pg_advisory_lock_shared($1)", &[&k])
+                        .await
+                        .expect("blocking shared lock");
+                    granted += 1;
+                    tokio::time::sleep(READ).await;
+                    sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
+                        .await
+                        .expect("unlock");
+                    // The other client holds meanwhile; take the next turn before it ends.
+                    tokio::time::sleep(READ / 4).await;
+                }
+                granted
+            });
+        }
+        let mut total = 0;
+        while let Some(granted) = turns.join_next().await {
+            total += granted.expect("reader task");
+        }
+        total
+    })
+}
+
+/// Plain-SQL readers that retry `pg_try_advisory_lock_shared` every 1–10 ms and hold [`READ`].
+fn retrying_sql_readers(
+    server: &PostgresServer,
+    key: &str,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<usize> {
+    let (server_url, key) = (server.connection_string(), key.to_owned());
+    tokio::spawn(async move {
+        let mut turns = tokio::task::JoinSet::new();
+        for client in 0..2u64 {
+            let (url, key, stop) = (server_url.clone(), key.clone(), stop.clone());
+            turns.spawn(async move {
+                let (sql, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .expect("reader connects");
+                tokio::spawn(connection);
+                let k = PostgresLockKeys::advisory_key(&key);
+                tokio::time::sleep(READ / 2 * client as u32).await;
+                let (mut granted, mut round) = (0, client);
+                while !stop.load(Ordering::SeqCst) {
+                    let row = sql
+                        .query_one("SELECT pg_try_advisory_lock_shared($1)", &[&k])
+                        .await
+                        .expect("try shared");
+                    if row.get::<_, bool>(0) {
+                        granted += 1;
+                        tokio::time::sleep(READ).await;
+                        sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
+                            .await
+                            .expect("unlock");
+                    }
+                    round += 1;
+                    tokio::time::sleep(Duration::from_millis(1 + round * 7 % 10)).await;
+                }
+                granted
+            });
+        }
+        let mut total = 0;
+        while let Some(granted) = turns.join_next().await {
+            total += granted.expect("reader task");
+        }
+        total
+    })
+}
+
+/// LockingKit readers in two other processes, taking turns as the plain-SQL ones do.
+fn lockingkit_readers(
+    server: &PostgresServer,
+    key: &str,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<usize> {
+    let processes = [process(server), process(server)];
+    let key = key.to_owned();
+    tokio::spawn(async move {
+        let mut turns = tokio::task::JoinSet::new();
+        for (client, lock) in processes.into_iter().enumerate() {
+            let (key, stop) = (key.clone(), stop.clone());
+            turns.spawn(async move {
+                let readers = lock.reader_writer(&key).expect("reader_writer");
+                tokio::time::sleep(READ / 2 * client as u32).await;
+                let mut granted = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    match readers.try_read().await {
+                        Ok(read) => {
+                            granted += 1;
+                            tokio::time::sleep(READ).await;
+                            read.release().await.expect("reader release");
+                        }
+                        Err(error) if error.kind() == ErrorKind::Busy => {}
+                        Err(error) => panic!("reader: {error}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                granted
+            });
+        }
+        let mut total = 0;
+        while let Some(granted) = turns.join_next().await {
+            total += granted.expect("reader task");
+        }
+        total
+    })
+}
+
+/// Starts `readers`, lets them overlap, then times a writer of another process: it must get
+/// in within two reader holds of arriving (the readers holding then finish within one; one
+/// more covers a reader that got in before the writer's watcher queued), with headroom for a
+/// loaded machine.
+async fn writer_gets_in_behind(
+    readers: fn(&PostgresServer, &str, Arc<AtomicBool>) -> tokio::task::JoinHandle<usize>,
+    name: &str,
+) {
+    let server = PostgresServer::start().await;
+    let key = unique_prefix(name);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stream = readers(&server, &key, stop.clone());
+    let writers = process(&server).reader_writer(&key).expect("writers");
+    // A first hand-off warms the writer's sessions up, so the timed wait is not a connect.
+    tokio::time::sleep(READ * 3).await;
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        let asked = Instant::now();
+        let written = writers
+            .write(Duration::from_secs(15))
+            .await
+            .expect("the writer gets in");
+        waits.push(asked.elapsed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        written.release().await.expect("release");
+        tokio::time::sleep(READ * 2).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let turns = stream.await.expect("reader stream");
+    assert!(turns >= 4, "the readers never overlapped ({turns} turns)");
+    eprintln!("{name}: the writer waited {waits:?}; {turns} reader turns granted");
+    let bound = READ * 2 + Duration::from_millis(250);
+    for (round, waited) in waits.iter().enumerate() {
+        assert!(
+            *waited <= bound,
+            "round {round}: the writer waited {waited:?} behind readers holding {READ:?} each \
+             (bound {bound:?}; all rounds {waits:?})"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_gets_in_within_two_reader_holds_behind_blocking_plain_sql_readers() {
+    writer_gets_in_behind(blocking_sql_readers, "writers/blocking-sql").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_gets_in_within_two_reader_holds_behind_retrying_plain_sql_readers() {
+    writer_gets_in_behind(retrying_sql_readers, "writers/retrying-sql").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_gets_in_within_two_reader_holds_behind_lockingkit_readers_elsewhere() {
+    writer_gets_in_behind(lockingkit_readers, "writers/lockingkit").await;
+}
+
+/// Hold → another process waits → release → the waiter takes it and releases → at once, a
+/// third LockingKit process and a plain-SQL client each try: the key is free, so neither may
+/// be answered busy (a session left queued behind the waiter's hold would be granted at its
+/// release and hold the key for nobody).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_hand_off_and_its_release_the_key_is_free_for_everyone_at_once() {
+    let server = PostgresServer::start().await;
+    let (holder, waiter, third) = (process(&server), process(&server), process(&server));
+    let admin = server.connect().await;
+    let key = unique_prefix("writers/ghost");
+    let advisory_key = PostgresLockKeys::advisory_key(&key);
+    let refused = AtomicUsize::new(0);
+    const ROUNDS: usize = 200;
+    for round in 0..ROUNDS {
+        let held = holder.try_acquire(&key).await.expect("the holder takes it");
+        let waiting = tokio::spawn({
+            let (waiter, key) = (waiter.clone(), key.clone());
+            async move { waiter.acquire(&key, Duration::from_secs(10)).await }
+        });
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while !writer_queued(&admin, &key).await {
+            assert!(
+                Instant::now() < give_up,
+                "round {round}: the waiter never queued"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        held.release().await.expect("holder release");
+        let taken = waiting.await.expect("waiter task").expect("handed over");
+        taken.release().await.expect("waiter release");
+        match third.try_acquire(&key).await {
+            Ok(handle) => handle.release().await.expect("third release"),
+            Err(error) if error.kind() == ErrorKind::Busy => {
+                refused.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(error) => panic!("round {round}: {error}"),
+        }
+        let row = admin
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&advisory_key])
+            .await
+            .expect("plain try");
+        if row.get::<_, bool>(0) {
+            admin
+                .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
+                .await
+                .expect("plain unlock");
+        } else {
+            refused.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    assert_eq!(
+        refused.load(Ordering::Relaxed),
+        0,
+        "tries refused after the waiter's release in {ROUNDS} rounds"
+    );
+}

@@ -22,9 +22,11 @@
 //! `try_acquire(key, mode)`). So the places of a backend are kept per clone — each
 //! `DistributedLock` owns its clone, so another engine never sees them — and per key and side,
 //! and a wait lives while a hint of its key and side does. An attempt claims the place
-//! exclusively (no other attempt reads or takes it meanwhile) and only while a hint lives; a
-//! `try_acquire`, which makes no hint, never takes a waiter's place (and for a writer the
-//! engine makes none while it waits for the key). Readers attempting side by side while their
+//! exclusively (no other attempt reads or takes it meanwhile). Another engine never sees the
+//! place, and its own engine attempts a key in a mode only through its lane's one active
+//! party, so whichever attempt of this clone claims it stands where this process queued —
+//! including a `try_acquire` right after the wait ended, which would otherwise be told "busy"
+//! by a place nobody waits on. Readers attempting side by side while their
 //! front waiter stands in line may take its place in turn: whichever holds through it, the
 //! others go on in line.
 //!
@@ -466,8 +468,12 @@ impl Inner {
         place.ahead = Some((id, ahead));
     }
 
-    /// Takes the place of the wait `id`, exclusively, if the wait goes on (a hint of it
-    /// lives) and has a place on `generation` (see the module documentation).
+    /// Takes the place of the wait `id`, exclusively, if it has a place on `generation` (see
+    /// the module documentation). A wait with no hint left has ended, or is between two
+    /// rounds; in neither case does its engine attempt the key in that mode meanwhile except
+    /// through the attempt asking here (its waiting room lets one party of a lane talk to the
+    /// backend), so that attempt stands where this process queued. Refusing it would answer
+    /// "busy" for a key nobody holds until [`GRACE`] deleted the place.
     pub(super) fn claim(
         self: &Arc<Self>,
         line: &Line,
@@ -475,7 +481,7 @@ impl Inner {
         generation: &LeaseGeneration,
     ) -> Option<Claimed> {
         let mut waits = line.waits();
-        let wait = waits.get_mut(id).filter(|wait| wait.hints > 0)?;
+        let wait = waits.get_mut(id)?;
         let slot = &mut wait.slot;
         match std::mem::replace(slot, Slot::Claimed) {
             Slot::Ready(place) if place.generation.id == generation.id => Some(Claimed {

@@ -590,8 +590,9 @@ async fn a_key_an_attempt_answered_request_timed_out_may_have_written_is_deleted
         .await
         .expect("watch");
     // The write applied once the followers were back (the leader's log, the longest, wins the
-    // next election), and the background deletes removed it.
-    let seen = tokio::time::timeout(Duration::from_secs(10), async {
+    // next election), and the background deletes removed it: well before the 60 s lease would
+    // have (their retries back off while the cluster recovers, so allow them 40 s).
+    let seen = tokio::time::timeout(Duration::from_secs(40), async {
         let (mut put, mut deleted) = (false, false);
         while !(put && deleted) {
             let Ok(Some(response)) = history.message().await else {

@@ -1,8 +1,13 @@
-//! The small trait a lock backend implements; the engine does everything else.
+//! What a lock backend implements: [`LockBackend`] (one attempt, renew, release, timing) and,
+//! for a backend that can do better than polling, the [`Wait`] of one caller; the engine does
+//! everything else.
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::error::{ErrorKind, LockError, SharedSource};
 
@@ -228,6 +233,10 @@ impl std::error::Error for BackendError {
 ///   once per lease, after which the lease is dropped.
 /// - If the caller of an attempt goes away while it runs, the attempt still runs to the end and
 ///   a lease it returns is released.
+/// - A caller that waits has at most one [`Wait`] open for its key and mode, from its first busy
+///   answer until it leaves, and every attempt it makes meanwhile goes through that wait. Within
+///   one engine, at most one wait is open per key and mode at a time; a lease granted through a
+///   wait is the caller's lease like any other (renewed, checked and released the same way).
 ///
 /// # What a backend must do
 /// - Answer `Ok(None)` when the lock is busy, and never block waiting for it.
@@ -266,19 +275,27 @@ pub trait LockBackend: Send + Sync + 'static {
     fn release(&self, lease: &Self::Lease)
         -> impl Future<Output = Result<(), BackendError>> + Send;
 
-    /// Optional: a future that resolves when `key` may have become free for a caller in `mode`
-    /// (released by someone else), so a waiter can retry at once instead of sleeping out its
-    /// backoff. For a semaphore, `key` names the semaphore, and free means a slot.
+    /// Opens the wait of one caller for `key` in `mode`: the engine calls this when the caller,
+    /// the front waiter of its key and mode in this engine, is first answered busy, makes every
+    /// further attempt of that caller through the wait ([`Wait::try_acquire`]), listens to it
+    /// between attempts ([`Wait::changed`]), and drops it the moment the caller leaves: granted
+    /// (by an attempt or through the wait), timed out, cancelled, failed or dropped. Dropping
+    /// the wait *is* the end of the wait; nothing has to be inferred.
     ///
-    /// The engine calls this *before* each attempt of the front waiter and, when the attempt
-    /// answers busy, races the future against the backoff sleep, so subscribe eagerly (in the
-    /// function body, not on first poll) to catch a release that lands between a busy answer
-    /// and the sleep. A spurious wake-up only costs one attempt. The default never resolves:
-    /// waiting is pure polling, which stays the fallback and the cap whatever a backend offers
-    /// here.
-    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
-        let _ = (key, mode);
-        std::future::pending()
+    /// What a backend keeps for a wait (a subscription, a place in a server-side queue, a
+    /// request queued at the server) belongs to it and goes with it. The default waits by
+    /// polling ([`PollingWait`]): attempts are plain [`try_acquire`](Self::try_acquire) calls
+    /// and nothing wakes the waiter early. Polling stays the engine's fallback and cap whatever
+    /// a wait offers: a waiter attempts again after its backoff even if the wait never speaks.
+    fn wait(
+        self: Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> impl Wait<Lease = Self::Lease> + use<Self>
+    where
+        Self: Sized,
+    {
+        PollingWait::new(self, key, mode)
     }
 
     /// Optional: a future that resolves as soon as the backend knows, without asking the
@@ -325,5 +342,101 @@ pub trait LockBackend: Send + Sync + 'static {
     /// use for.
     fn watches_leases(&self) -> bool {
         false
+    }
+}
+
+/// What a [`Wait`] tells its waiter between attempts.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Woken<L> {
+    /// The key may be free now (a release was seen, or the wait can no longer tell): the
+    /// engine attempts again at once through [`Wait::try_acquire`].
+    Retry,
+    /// The backend granted the waiter the lock (a request the wait had queued at the server was
+    /// granted): this is the caller's lease, with no further attempt.
+    Granted {
+        /// The lease and its fencing token.
+        acquired: Acquired<L>,
+        /// When the request that was granted was sent: the lease's loss deadline counts from
+        /// it, as from an attempt's send.
+        sent: Instant,
+    },
+}
+
+/// One caller's wait for a key in a mode, as its backend keeps it (see [`LockBackend::wait`]).
+///
+/// The wait is opened at the caller's first busy answer and dropped when the caller leaves,
+/// whatever the reason; dropping it ends it. A backend gives back at once what it kept for the
+/// wait: a place in a queue is deleted, a request still queued at the server is withdrawn, a
+/// lock granted to the wait that the caller did not take is unlocked. Until that is done, this
+/// backend's next attempt for the key (in any mode) waits for it, so a caller that tries right
+/// after a wait ended is never told "busy" by what the wait left behind.
+///
+/// # What the engine promises a wait
+/// - [`try_acquire`](Self::try_acquire) and [`changed`](Self::changed) are never called at the
+///   same time: the engine attempts, and only after a busy answer listens for a change.
+/// - A future from `changed` may be dropped before it resolves (the backoff ran out first, the
+///   caller left); that must lose nothing, in particular not a grant.
+/// - An attempt's future may outlive the wait (its caller went away mid-request): it runs to
+///   the end and a lease it returns is released.
+pub trait Wait: Send + 'static {
+    /// The lease type of the backend the wait belongs to.
+    type Lease: Send + Sync + 'static;
+
+    /// One attempt for the waiting caller: like [`LockBackend::try_acquire`] for the wait's key
+    /// and mode, and answered from what the wait already knows where it knows better (a grant
+    /// it holds for the caller, a request of its own still queued at the server).
+    fn try_acquire(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send + 'static;
+
+    /// Resolves when an attempt may succeed now ([`Woken::Retry`]) or the backend granted the
+    /// caller the lock ([`Woken::Granted`]); never, if the wait cannot tell (polling). Called
+    /// after a busy answer, and raced against the engine's backoff.
+    fn changed(&mut self) -> impl Future<Output = Woken<Self::Lease>> + Send + '_;
+}
+
+/// The wait of a backend that only polls: every attempt is a plain
+/// [`LockBackend::try_acquire`], and nothing wakes the waiter before its backoff ends. The
+/// default of [`LockBackend::wait`]; a wrapping backend can use it too.
+pub struct PollingWait<B> {
+    backend: Arc<B>,
+    key: Arc<str>,
+    mode: LockMode,
+}
+
+impl<B> PollingWait<B> {
+    /// The polling wait for `key` in `mode` on `backend`.
+    pub fn new(backend: Arc<B>, key: &str, mode: LockMode) -> Self {
+        PollingWait {
+            backend,
+            key: Arc::from(key),
+            mode,
+        }
+    }
+}
+
+impl<B> fmt::Debug for PollingWait<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The key is the caller's data: never printed.
+        f.debug_struct("PollingWait")
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: LockBackend> Wait for PollingWait<B> {
+    type Lease = B::Lease;
+
+    fn try_acquire(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Acquired<B::Lease>>, BackendError>> + Send + 'static
+    {
+        let (backend, key, mode) = (self.backend.clone(), self.key.clone(), self.mode);
+        async move { backend.try_acquire(&key, mode).await }
+    }
+
+    fn changed(&mut self) -> impl Future<Output = Woken<B::Lease>> + Send + '_ {
+        std::future::pending()
     }
 }

@@ -20,6 +20,9 @@ pub(crate) struct Backoff {
     min: Duration,
     max: Duration,
     next: Duration,
+    /// Whether a delay at the cap is taken whole rather than jittered (see
+    /// [`exact_at_cap`](Backoff::exact_at_cap)).
+    exact_cap: bool,
     rng: SplitMix64,
 }
 
@@ -29,14 +32,27 @@ impl Backoff {
             min,
             max,
             next: min,
+            exact_cap: false,
             rng: SplitMix64::seeded(),
         }
+    }
+
+    /// The same schedule, except that once the delay reaches the cap it is taken whole: the
+    /// schedule of an outage's probes, where the cap is both the most a sick server is asked
+    /// (at most once per cap) and the longest a server that is back goes unasked. The jittered
+    /// delays below the cap still spread instances apart.
+    pub(crate) fn exact_at_cap(mut self) -> Self {
+        self.exact_cap = true;
+        self
     }
 
     /// The next sleep; the underlying delay doubles until it reaches the cap.
     pub(crate) fn next_delay(&mut self) -> Duration {
         let delay = self.next;
         self.next = delay.saturating_mul(2).min(self.max).max(self.min);
+        if self.exact_cap && delay >= self.max {
+            return delay;
+        }
         equal_jitter(delay, self.rng.next_unit())
     }
 

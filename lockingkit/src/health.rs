@@ -8,11 +8,16 @@
 //! while it is *current*:
 //!
 //! - one caller at a time is let through as a **probe**, once the backoff since the last failed
-//!   probe has passed: `min` the first time, doubling to `max`, each with equal jitter so that
-//!   instances drift apart;
+//!   probe has passed: `min` the first time, doubling to `max`, each below the cap with equal
+//!   jitter so that instances drift apart, and at the cap exactly `max` apart, so that a sick
+//!   server sees at most one probe per `max` from an instance and one that is back is asked
+//!   again within `max`;
 //! - every other caller is **refused at once with the latest cause**, which costs the backend
 //!   nothing and tells the caller the truth (an outage, not contention);
 //! - the first answer of any kind (a lock taken, or "busy") ends it.
+//!
+//! Waiters listen to [`Health::failing`]: a wait that is sleeping or queued when the backend
+//! starts failing ends at once with the cause, instead of hanging until its timeout.
 //!
 //! A gate made with [`Health::logged`] logs the state changes once each (a warning when the
 //! backend starts failing, a note with counts when it answers again), never per request.
@@ -21,16 +26,35 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::backend::BackendError;
 use crate::backoff::Backoff;
+
+/// The first probe of a provider's own gate (its connects, say) goes out this long after the
+/// failure, jittered.
+#[cfg_attr(
+    not(any(feature = "etcd", feature = "postgres", feature = "redis")),
+    allow(dead_code)
+)]
+pub(crate) const OUTAGE_FIRST: Duration = Duration::from_millis(100);
+
+/// The most a provider's own gate lets pass between two probes: a sick server is asked at most
+/// once in this long, and a server that is back is asked again within it.
+#[cfg_attr(
+    not(any(feature = "etcd", feature = "postgres", feature = "redis")),
+    allow(dead_code)
+)]
+pub(crate) const OUTAGE_MOST: Duration = Duration::from_secs(1);
 
 /// The failure state of one backend (or of one kind of request to it), shared by its callers.
 #[derive(Debug)]
 pub(crate) struct Health {
     /// Set while a failure is current: lets the healthy path skip the lock.
     failing: AtomicBool,
+    /// Tells waiters when a failure starts (see [`Health::failing`]).
+    began: watch::Sender<bool>,
     state: Mutex<Option<Failure>>,
     min: Duration,
     max: Duration,
@@ -96,6 +120,7 @@ impl Health {
     pub(crate) fn new(min: Duration, max: Duration) -> Self {
         Health {
             failing: AtomicBool::new(false),
+            began: watch::Sender::new(false),
             state: Mutex::new(None),
             min,
             max: max.max(min),
@@ -120,6 +145,23 @@ impl Health {
     /// Whether a failure is current.
     pub(crate) fn is_failing(&self) -> bool {
         self.failing.load(Ordering::Acquire)
+    }
+
+    /// Resolves once a failure is current (at once if one is): the latest cause, for a waiter
+    /// that must end with it rather than hang through the outage.
+    pub(crate) fn failing(&self) -> impl std::future::Future<Output = Refusal> + Send + '_ {
+        let mut began = self.began.subscribe();
+        async move {
+            loop {
+                if let Some(refusal) = self.current_failure() {
+                    return refusal;
+                }
+                if began.changed().await.is_err() {
+                    // The gate is gone with its engine: nothing fails any more.
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
     }
 
     /// The latest failure, if one is current.
@@ -166,6 +208,7 @@ impl Health {
         }
         let failure = self.state().take()?;
         self.failing.store(false, Ordering::Release);
+        self.began.send_replace(false);
         let recovered = Recovered {
             after: failure.since.elapsed(),
             failed: failure.failed,
@@ -206,7 +249,7 @@ impl Health {
                 false
             }
             None => {
-                let mut backoff = Backoff::new(self.min, self.max);
+                let mut backoff = Backoff::new(self.min, self.max).exact_at_cap();
                 let retry_in = backoff.next_delay();
                 *state = Some(Failure {
                     cause: cause.clone(),
@@ -219,6 +262,7 @@ impl Health {
                 });
                 self.failing.store(true, Ordering::Release);
                 drop(state);
+                self.began.send_replace(true);
                 if let Some((lock, provider)) = &self.reporter {
                     tracing::warn!(
                         target: "lockingkit",
@@ -326,12 +370,18 @@ mod tests {
             last = Instant::now();
             probe.failed(&BackendError::unreachable("down"));
         }
-        // Equal jitter: each wait is between half and all of its delay (plus the 1 ms poll).
+        // Equal jitter below the cap: each wait is between half and all of its delay (plus
+        // the 1 ms poll). At the cap, the whole cap: at most one probe per cap, and none later.
         let delays = [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000];
         for (wait, delay) in waits.iter().zip(delays) {
             let delay = Duration::from_millis(delay);
+            let least = if delay == Duration::from_secs(5) {
+                delay
+            } else {
+                delay / 2
+            };
             assert!(
-                *wait >= delay / 2 && *wait <= delay + Duration::from_millis(2),
+                *wait >= least && *wait <= delay + Duration::from_millis(2),
                 "waited {wait:?} for a delay of {delay:?}"
             );
         }

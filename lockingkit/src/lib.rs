@@ -28,7 +28,7 @@
 #![forbid(unsafe_code)]
 #![warn(unreachable_pub)]
 
-mod backend;
+pub mod backend;
 mod background;
 mod backoff;
 mod clock;

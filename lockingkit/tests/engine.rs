@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockingkit::backend::{PollingWait, Wait, Woken};
 use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
     Acquired, BackendError, CancellationToken, DistributedLock, ErrorKind, LeaseTiming,
@@ -695,19 +696,26 @@ async fn an_outage_after_contention_ends_the_wait_unavailable_with_its_cause() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn contention_after_an_outage_ends_the_wait_in_timeout() {
+async fn a_wait_that_starts_during_an_outage_is_refused_at_once_then_contention_is_busy() {
     let (store, locks) = memory_pair();
     let other = DistributedLock::in_memory_shared(&store);
     let _held = other.try_acquire("k").await.unwrap();
     store.set_unavailable(true);
-    let waiting = tokio::spawn({
-        let locks = locks.clone();
-        async move { locks.acquire("k", Duration::from_secs(3)).await }
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    // The backend is back, and the key is still taken: contention, not an outage.
+    let start = Instant::now();
+    let err = locks
+        .acquire("k", Duration::from_secs(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
+    // The backend is back, and the key is still taken: contention, not an outage, once the
+    // gate's probe (due within 50 ms) has been answered.
     store.set_unavailable(false);
-    let err = waiting.await.unwrap().unwrap_err();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let err = locks
+        .acquire("k", Duration::from_secs(3))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
 }
 
@@ -1089,21 +1097,39 @@ impl LockBackend for Hinting {
         self.released.send_modify(|n| *n += 1);
         result
     }
-    fn release_hint(
-        &self,
-        _key: &str,
-        _mode: LockMode,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        // Subscribing here, not on first poll, catches a release that lands before the sleep.
-        let mut receiver = self.released.subscribe();
-        async move {
-            let _ = receiver.changed().await;
+    fn wait(self: Arc<Self>, key: &str, mode: LockMode) -> impl Wait<Lease = Self::Lease> + use<> {
+        // Subscribed when the wait opens, right after the busy answer.
+        let released = self.released.subscribe();
+        HintingWait {
+            polling: PollingWait::new(self, key, mode),
+            released,
         }
     }
 }
 
+/// The wait of [`Hinting`]: plain attempts, woken by any release.
+struct HintingWait {
+    polling: PollingWait<Hinting>,
+    released: tokio::sync::watch::Receiver<u64>,
+}
+
+impl Wait for HintingWait {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn try_acquire(
+        &mut self,
+    ) -> impl std::future::Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>>
+           + Send
+           + 'static {
+        self.polling.try_acquire()
+    }
+    async fn changed(&mut self) -> Woken<Self::Lease> {
+        let _ = self.released.changed().await;
+        Woken::Retry
+    }
+}
+
 #[tokio::test(start_paused = true)]
-async fn a_release_hint_wakes_the_front_waiter_before_its_backoff_ends() {
+async fn a_wait_that_sees_a_release_wakes_the_front_waiter_before_its_backoff_ends() {
     let store = MemoryStore::new();
     let (released, _) = tokio::sync::watch::channel(0);
     let hinting = || Hinting {
@@ -1125,7 +1151,7 @@ async fn a_release_hint_wakes_the_front_waiter_before_its_backoff_ends() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     held.release().await.unwrap();
     let (acquired_at, _handle) = waiter.await.unwrap();
-    // Without the hint the waiter would sleep at least 5 s (half its 10 s delay).
+    // Without its wait the waiter would sleep at least 5 s (half its 10 s delay).
     assert_eq!(acquired_at - start, Duration::from_secs(2));
 }
 
@@ -1212,11 +1238,10 @@ async fn an_expiring_lease_the_backend_sees_taken_away_is_lost_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs() {
+async fn an_attempt_unanswered_for_the_patience_is_an_outage_while_it_still_runs() {
     let store = MemoryStore::new();
     let recording = Recording::new(MemoryBackend::new(store.clone()));
-    // Retries, and the outage gate's probes, at most 100 ms apart, so an attempt starts
-    // between the gate closing (500 ms) and the deadline (1 s) whatever the jitter draws.
+    // The engine's patience is its longest retry delay.
     let locks = DistributedLock::builder(recording.clone())
         .options(lockingkit::LockOptions {
             min_retry_delay: Duration::from_millis(100),
@@ -1226,28 +1251,37 @@ async fn try_acquire_reports_unavailable_while_an_unanswered_attempt_still_runs(
         })
         .build()
         .unwrap();
-    store.set_unavailable(true);
-    let waiter = tokio::spawn({
-        let locks = locks.clone();
-        async move { locks.acquire("k", Duration::from_secs(1)).await }
-    });
-    // A few attempts fail as unreachable; then one hangs, as against a frozen server.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Attempts hang, as against a frozen server.
     let gate = recording.close_gate();
-    let err = waiter.await.unwrap().unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    let start = Instant::now();
+    let err = locks
+        .acquire("k", Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("did not answer"), "{err}");
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(100),
+        "told after the patience"
+    );
     assert_eq!(
         locks.active_parties(),
         1,
         "the hung attempt still owns the key's turn"
     );
 
-    let err = locks.try_acquire("k").await.unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    assert!(
-        err.to_string().contains("did not answer"),
-        "an outage, not a failure the backend reported: {err}"
-    );
+    // A caller that meets it is refused at once with the outage's cause, and so is a caller of
+    // another key until the gate's probe is due.
+    for key in ["k", "other"] {
+        let err = locks.try_acquire(key).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+        assert!(
+            err.to_string().contains("did not answer"),
+            "an outage, not a failure the backend reported: {err}"
+        );
+    }
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
     *recording.gate.lock().unwrap() = None;
     gate.notify_one();
 }
@@ -1268,6 +1302,8 @@ impl LockBackend for Failing {
         _key: &str,
         _mode: LockMode,
     ) -> Result<Option<Acquired<()>>, BackendError> {
+        // A round trip, so that other callers can meet the attempt in flight.
+        tokio::time::sleep(Duration::from_millis(100)).await;
         Err((self.0)())
     }
     async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
@@ -1297,6 +1333,7 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
     }))
     .build()
     .unwrap();
+    let start = Instant::now();
     let front = tokio::spawn({
         let locks = locks.clone();
         async move { locks.acquire("k", Duration::from_secs(3)).await }
@@ -1310,6 +1347,11 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
         .unwrap_err();
     assert_eq!(queued.kind(), ErrorKind::Unavailable, "{queued}");
     assert!(queued.to_string().contains("with a failure"), "{queued}");
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(100),
+        "told with the front's answer"
+    );
 
     let err = front.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
@@ -1326,8 +1368,9 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_wait_that_ends_on_busy_after_failures_is_a_timeout() {
-    // Failures early in the wait do not count once the backend answers "busy" again.
+async fn a_wait_ends_at_its_first_failure_and_is_not_held_until_its_timeout() {
+    // A failure is an outage until the backend answers again: the waiter is told at once,
+    // with the cause, rather than left to hang for its timeout.
     let store = MemoryStore::new();
     let remote = Remote::new(&store, Duration::ZERO);
     let failing = remote.failing.clone();
@@ -1337,11 +1380,18 @@ async fn a_wait_that_ends_on_busy_after_failures_is_a_timeout() {
         .try_acquire("k")
         .await
         .unwrap();
-    let waiter = tokio::spawn(async move { locks.acquire("k", Duration::from_secs(3)).await });
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let start = Instant::now();
+    let err = locks
+        .acquire("k", Duration::from_secs(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert_eq!(start.elapsed(), Duration::ZERO, "told at once");
+    // Once the backend answers again (the gate's next probe), the key is busy again: contention.
     failing.store(false, Ordering::SeqCst);
-    let err = waiter.await.unwrap().unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let err = locks.try_acquire("k").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Busy, "{err}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -1377,7 +1427,7 @@ async fn dropping_the_last_lock_of_an_engine_ends_its_schedule_driver() {
     );
 }
 
-/// The in-memory backend in every mode, noting the mode of each release hint the engine asks for.
+/// The in-memory backend in every mode, noting the mode of each wait the engine opens.
 struct HintCounting {
     inner: MemoryBackend,
     hints: Arc<Mutex<Vec<LockMode>>>,
@@ -1407,18 +1457,14 @@ impl LockBackend for HintCounting {
     async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
         self.inner.release(lease).await
     }
-    fn release_hint(
-        &self,
-        _key: &str,
-        mode: LockMode,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+    fn wait(self: Arc<Self>, key: &str, mode: LockMode) -> impl Wait<Lease = Self::Lease> + use<> {
         self.hints.lock().unwrap().push(mode);
-        std::future::pending()
+        PollingWait::new(self, key, mode)
     }
 }
 
 #[tokio::test(start_paused = true)]
-async fn every_wait_asks_for_a_release_hint_in_its_own_mode() {
+async fn every_wait_is_opened_in_its_own_mode() {
     let hints = Arc::new(Mutex::new(Vec::new()));
     let locks = DistributedLock::builder(HintCounting {
         inner: MemoryBackend::new(MemoryStore::new()),
@@ -1629,24 +1675,34 @@ async fn callers_queued_for_a_semaphore_during_an_outage_are_told_of_the_outage(
     let locks = DistributedLock::in_memory_shared(&store);
     store.set_unavailable(true);
     let semaphore = locks.semaphore("k", 1).unwrap();
+    let start = Instant::now();
     let front = tokio::spawn({
         let semaphore = semaphore.clone();
         async move { semaphore.acquire(Duration::from_secs(60)).await }
     });
     tokio::task::yield_now().await;
     let err = semaphore
-        .acquire(Duration::from_millis(10))
+        .acquire(Duration::from_secs(60))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     let err = semaphore.try_acquire().await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let err = front.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "nobody waits out the outage"
+    );
     store.set_unavailable(false);
-    let slot = tokio::time::timeout(Duration::from_secs(2), front)
+    // The gate's first probe is due within 50 ms of the failure: the caller then let through
+    // finds the backend back, and gets in.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let slot = semaphore
+        .acquire(Duration::from_secs(2))
         .await
-        .expect("the front caller gets in once the backend is back")
-        .unwrap()
-        .unwrap();
+        .expect("a caller gets in once the backend is back");
     slot.release().await.unwrap();
 }
 
@@ -1779,7 +1835,7 @@ async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphore
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_passed_on_unused() {
+async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_used_for_one_attempt() {
     let store = MemoryStore::new();
     let locks = DistributedLock::in_memory_shared(&store);
     let holder = locks.try_acquire("k").await.unwrap();
@@ -1791,12 +1847,20 @@ async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_passed_on_unused() {
         tokio::task::yield_now().await;
     }
     let attempts = store.attempts();
-    // The release lands at the waiter's deadline: its time is up, so it must not attempt.
+    // The release lands at the waiter's deadline. The waiter learns nothing but "the holder
+    // has gone" before its time is up, and the truth is one attempt away: it makes that one
+    // attempt (as a zero wait makes one), and no more.
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let start = Instant::now();
     holder.release().await.unwrap();
-    let err = waiter.await.unwrap().unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
-    assert_eq!(store.attempts(), attempts, "no attempt after the deadline");
+    let handle = waiter.await.unwrap().unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(
+        store.attempts(),
+        attempts + 1,
+        "one attempt at the deadline"
+    );
+    handle.release().await.unwrap();
     assert_eq!(locks.active_parties(), 0);
 }
 
@@ -1895,4 +1959,71 @@ async fn the_last_local_readers_release_lets_the_waiting_writer_in_at_once() {
         "woken by the last local release, not after its backoff"
     );
     written.release().await.unwrap();
+}
+
+/// A healthy backend whose key is always taken, answering "busy" after a round trip.
+struct SlowBusy(Duration);
+
+impl LockBackend for SlowBusy {
+    type Lease = ();
+    fn provider(&self) -> &str {
+        "slow_busy"
+    }
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::Expiring(Duration::from_secs(30))
+    }
+    async fn try_acquire(
+        &self,
+        _key: &str,
+        _mode: LockMode,
+    ) -> Result<Option<Acquired<()>>, BackendError> {
+        tokio::time::sleep(self.0).await;
+        Ok(None)
+    }
+    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn short_waits_on_a_healthy_busy_backend_are_told_busy_or_timeout_never_unavailable() {
+    // Every caller's wait ends with an answer from the backend: its own attempt's, or that of
+    // the attempt in flight for its key, however short the wait and however many callers meet
+    // one another mid-attempt.
+    let locks = DistributedLock::builder(SlowBusy(Duration::from_millis(3)))
+        .build()
+        .unwrap();
+    let waits = [0, 1, 5, 20, 60].map(Duration::from_millis);
+    let callers: Vec<_> = (0..200)
+        .map(|caller| {
+            let locks = locks.clone();
+            let wait = waits[caller % waits.len()];
+            tokio::spawn(async move {
+                // Arrivals spread over a few round trips, so that callers meet attempts,
+                // queues and backoffs at every stage.
+                tokio::time::sleep(Duration::from_micros(137 * caller as u64)).await;
+                let key = format!("k{}", caller % 3);
+                let result = if caller % 7 == 0 {
+                    locks.try_acquire(&key).await
+                } else {
+                    locks.acquire(&key, wait).await
+                };
+                (wait, result.map(drop).unwrap_err())
+            })
+        })
+        .collect();
+    let mut told = std::collections::BTreeMap::new();
+    for caller in callers {
+        let (wait, error) = caller.await.unwrap();
+        assert!(
+            matches!(error.kind(), ErrorKind::Busy | ErrorKind::Timeout),
+            "a caller waiting {wait:?} was told {error}"
+        );
+        *told.entry(error.kind() as u8).or_insert(0) += 1;
+    }
+    assert_eq!(told.values().sum::<i32>(), 200);
+    assert_eq!(locks.active_parties(), 0);
 }

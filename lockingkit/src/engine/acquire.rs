@@ -1,9 +1,23 @@
 //! The acquire path, the same for every lock mode: enter the key's lane in the waiting room,
 //! attempt under the turn (let through by the outage gate), and on a busy answer wait where
-//! the lane says — at the front of its queue, backing off until the backend's release hint or
-//! a local release nudges, or behind the others. What differs between modes is the lane's
-//! (see `waiting_room`), not this loop's.
+//! the lane says — at the front of its queue, with the backend's [`Wait`] open, backing off
+//! until the wait, a local release or the backoff says to attempt again, or behind the others.
+//! What differs between modes is the lane's (see `waiting_room`), not this loop's.
+//!
+//! # What a caller is told
+//! - Every wait gets an answer before it ends: its own attempt's, or the answer of the attempt
+//!   in flight for its key. A deadline does not cut an attempt short: an attempt in flight at
+//!   the deadline is awaited (for at most the engine's patience), so a zero or short wait on a
+//!   backend that answers "busy" ends `Busy`/`Timeout`, never `Unavailable`.
+//! - A failure ends a wait at once with its cause: the outage gate says the backend is failing
+//!   from that moment, and while it does, waiting callers are refused, not left to hang until
+//!   their timeouts. Waiters that are sleeping or queued when another caller's attempt fails
+//!   end too ([`Health::failing`]).
+//! - An attempt unanswered for the engine's patience (`max_retry_delay`: a backend that answers
+//!   takes far less) is an outage: its caller is told `Unavailable`, the gate starts failing,
+//!   and the attempt finishes in the background.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,11 +25,11 @@ use tokio::time::Instant;
 
 use super::hold::Hold;
 use super::outcome::{
-    attempt_error, failing_error, refusal_error, shut_down_error, wait_error, wait_outcome, Latest,
+    attempt_error, failing_error, refusal_error, shut_down_error, unanswered, wait_error,
 };
 use super::waiting_room::{Answer, Arrival, Lane, Occupied, Ticket, Turn, Waiting};
 use super::Engine;
-use crate::backend::{Acquired, BackendError, LockBackend, LockMode};
+use crate::backend::{Acquired, BackendError, LockBackend, LockMode, Wait, Woken};
 use crate::background::{self, BoxFuture, Orphanable};
 use crate::backoff::Backoff;
 use crate::error::{ErrorKind, LockError};
@@ -27,20 +41,28 @@ use crate::telemetry::{Operation, Outcome, Telemetry};
 /// The result of one backend attempt, with the turn it was made under.
 type AttemptResult<L> = (Turn, Instant, Result<Option<Acquired<L>>, BackendError>);
 
-/// What a wait knows when its time runs out: the latest finished attempt's answer, and when
-/// the one in flight (if any) was sent. They decide between `Timeout` and `Unavailable` (see
-/// `outcome::wait_outcome`).
-struct Wait {
-    latest: Latest,
-    in_flight: Option<Instant>,
+/// When a wait's time is up, and how long it was.
+struct Window {
     deadline: Instant,
     timeout: Duration,
 }
 
-/// An attempt that did not take the lock: the turn it was made under.
+impl Window {
+    fn is_over(&self) -> bool {
+        Instant::now() >= self.deadline
+    }
+}
+
+/// What one attempt got, when it did not end the wait.
 enum Attempted<L> {
     Took(Turn, Acquired<L>, Instant),
-    Not(Turn),
+    Busy(Turn),
+}
+
+/// What ends a wait between two attempts.
+enum Next<L> {
+    Attempt,
+    Granted(Acquired<L>, Instant),
 }
 
 impl<B: LockBackend> Engine<B> {
@@ -54,27 +76,37 @@ impl<B: LockBackend> Engine<B> {
         }
     }
 
-    /// One backend attempt under `turn`, let through by [`admit`](Self::admit) (as its `probe`
-    /// while the backend is failing); `again` when the turn's queue has an answer on record,
-    /// which callers that meet the queue should know is being renewed. If the caller drops
-    /// this future while the attempt is in flight, the attempt finishes in the background, a
-    /// lease it won is released, and only then does the turn pass to the next local waiter.
+    /// A plain attempt at `key` in `mode`, owning what it needs.
+    fn request(
+        &self,
+        key: &Arc<str>,
+        mode: LockMode,
+    ) -> impl Future<Output = Result<Option<Acquired<B::Lease>>, BackendError>> + Send + 'static
+    {
+        let (backend, key) = (self.backend.clone(), key.clone());
+        async move { backend.try_acquire(&key, mode).await }
+    }
+
+    /// One backend attempt, `request`, under `turn`, let through by [`admit`](Self::admit) (as
+    /// its `probe` while the backend is failing); `again` when the turn's queue has an answer
+    /// on record, which callers that meet the queue should know is being renewed. If the
+    /// caller drops this future while the attempt is in flight, the attempt finishes in the
+    /// background, a lease it won is released, and only then does the turn pass to the next
+    /// local waiter.
     fn attempt(
         &self,
         turn: Turn,
-        mode: LockMode,
+        request: impl Future<Output = Result<Option<Acquired<B::Lease>>, BackendError>> + Send + 'static,
         probe: Option<Probe>,
         again: bool,
     ) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
-        let backend = self.backend.clone();
         let health = self.health.clone();
-        let release_timeout = self.options.release_timeout;
         let work = async move {
             let sent = Instant::now();
             if again {
                 turn.note_sent(sent);
             }
-            let result = backend.try_acquire(turn.key(), mode).await;
+            let result = request.await;
             let answer = match &result {
                 Ok(Some(_)) => Answer::Took,
                 Ok(None) => Answer::Busy,
@@ -99,9 +131,44 @@ impl<B: LockBackend> Engine<B> {
             work,
             ReleaseOrphanedWin {
                 backend: self.backend.clone(),
-                release_timeout,
+                release_timeout: self.options.release_timeout,
             },
         )
+    }
+
+    /// Sends one attempt under `turn` unless the outage gate refuses it, and awaits its answer
+    /// for at most the engine's patience, whatever the caller's deadline: the answer is what
+    /// the caller is told. Only a busy answer comes back as `Ok` without the lock; a failure, a
+    /// refusal and an attempt left unanswered end the wait with their cause.
+    async fn attempt_once(
+        &self,
+        turn: Turn,
+        request: impl Future<Output = Result<Option<Acquired<B::Lease>>, BackendError>> + Send + 'static,
+        again: bool,
+        attempts: &mut u64,
+    ) -> Result<Attempted<B::Lease>, LockError> {
+        let probe = match self.admit() {
+            Ok(probe) => probe,
+            Err(refusal) => {
+                turn.note_attempt(Answer::Failed(refusal.cause.clone()));
+                return Err(failing_error(refusal));
+            }
+        };
+        *attempts += 1;
+        let give_up = crate::clock::in_(self.room.patience());
+        let answered = tokio::time::timeout_at(give_up, self.attempt(turn, request, probe, again));
+        match answered.await {
+            Ok((turn, sent, Ok(Some(acquired)))) => Ok(Attempted::Took(turn, acquired, sent)),
+            Ok((turn, _, Ok(None))) => Ok(Attempted::Busy(turn)),
+            Ok((_, _, Err(error))) => Err(attempt_error(error)),
+            Err(_) => {
+                // The attempt goes on in the background; an answer, when it comes, ends the
+                // outage this starts.
+                let (cause, error) = unanswered(self.room.patience());
+                self.health.failed(&cause, false);
+                Err(error)
+            }
+        }
     }
 
     /// The handle of a lock won under `turn`: the turn becomes what its lane's holder keeps.
@@ -131,7 +198,9 @@ impl<B: LockBackend> Engine<B> {
 
     /// The turn for one attempt at `key`, or what the caller is told instead: a local caller
     /// that holds or attempts the key answers for it (single flight: a caller that meets an
-    /// attempt still in flight waits for its answer rather than guess, or send another).
+    /// attempt still in flight waits for its answer rather than guess, or send another). While
+    /// the backend is failing, a caller that meets an attempt in flight (the probe) is refused
+    /// at once with the cause rather than held for the probe's answer.
     async fn try_turn_or_refusal(
         self: &Arc<Self>,
         key: &str,
@@ -141,11 +210,18 @@ impl<B: LockBackend> Engine<B> {
             let evidence = match self.room.try_enter(key, lane) {
                 Ok(turn) => return Ok(turn),
                 Err(Occupied::Known(evidence)) => evidence,
-                Err(Occupied::Pending(answer)) => match answer.evidence().await {
-                    Some(evidence) => evidence,
-                    // The turn passed on without an answer: look again.
-                    None => continue,
-                },
+                Err(Occupied::Pending(answer)) => {
+                    let answered = tokio::select! {
+                        biased;
+                        evidence = answer.evidence() => evidence,
+                        refusal = self.health.failing() => return Err(failing_error(refusal)),
+                    };
+                    match answered {
+                        Some(evidence) => evidence,
+                        // The turn passed on without an answer: look again.
+                        None => continue,
+                    }
+                }
             };
             return Err(refusal_error(evidence));
         }
@@ -161,18 +237,10 @@ impl<B: LockBackend> Engine<B> {
         validate_key(key)?;
         let caller = Caller::here(span)?;
         let turn = self.try_turn_or_refusal(key, Lane::of(mode)).await?;
-        let probe = match self.admit() {
-            Ok(probe) => probe,
-            Err(refusal) => {
-                turn.note_attempt(Answer::Failed(refusal.cause.clone()));
-                return Err(failing_error(refusal));
-            }
-        };
-        *attempts += 1;
-        match self.attempt(turn, mode, probe, false).await {
-            (turn, sent, Ok(Some(acquired))) => Ok(self.hold(&caller, turn, acquired, sent)),
-            (_, _, Ok(None)) => Err(LockError::busy()),
-            (_, _, Err(error)) => Err(attempt_error(error)),
+        let request = self.request(turn.key(), mode);
+        match self.attempt_once(turn, request, false, attempts).await? {
+            Attempted::Took(turn, acquired, sent) => Ok(self.hold(&caller, turn, acquired, sent)),
+            Attempted::Busy(_) => Err(LockError::busy()),
         }
     }
 
@@ -186,112 +254,94 @@ impl<B: LockBackend> Engine<B> {
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
         let caller = Caller::here(span)?;
-        let mut wait = Wait {
-            latest: Latest::NoAnswer,
-            in_flight: None,
+        let window = Window {
             deadline: crate::clock::in_(timeout),
             timeout,
         };
         // A fresh queue's first attempt has no answer on record to renew; any later one has.
         let (turn, fresh) = match self.room.enter(key, Lane::of(mode)) {
             Arrival::Attempt(turn) => (turn, true),
-            Arrival::Queued(ticket) => (self.queued(ticket, &wait).await?, false),
+            Arrival::Queued(ticket) => (self.queued(ticket, &window).await?, false),
         };
-        let deadline = wait.deadline;
-        let trying = self.keep_trying(turn, fresh, key, mode, &mut wait, attempts, &caller);
-        match tokio::time::timeout_at(deadline, trying).await {
-            Ok(result) => result,
-            Err(_) => Err(wait_outcome(
-                timeout,
-                wait.latest,
-                wait.in_flight,
-                self.options.max_retry_delay,
-            )),
-        }
+        self.keep_trying(turn, fresh, mode, &window, attempts, &caller)
+            .await
     }
 
-    /// Attempts under `turn` until the lock is taken or no retry can help; the caller's
-    /// deadline (outside) ends it otherwise.
-    #[allow(clippy::too_many_arguments)]
+    /// Attempts under `turn` until the lock is taken, the window is over after a busy answer,
+    /// or an attempt fails. From the first busy answer at the front of its queue, the caller
+    /// keeps the backend's [`Wait`] open and attempts through it; leaving (for any reason)
+    /// drops it, which ends the wait at the backend.
     async fn keep_trying(
         self: &Arc<Self>,
         mut turn: Turn,
         mut fresh: bool,
-        key: &str,
         mode: LockMode,
-        wait: &mut Wait,
+        window: &Window,
         attempts: &mut u64,
         caller: &Caller,
     ) -> Result<LockHandle, LockError> {
         let mut backoff = Backoff::new(self.options.min_retry_delay, self.options.max_retry_delay);
+        let mut waiting = None;
         loop {
-            // Made before the attempt, so a release during the attempt is not missed.
-            let hint = self.backend.release_hint(key, mode);
             let again = !std::mem::replace(&mut fresh, false);
-            let not_taken = match self.attempt_once(turn, mode, again, wait, attempts).await? {
+            let attempted = match waiting.as_mut() {
+                Some(wait) => {
+                    let request = Wait::try_acquire(wait);
+                    self.attempt_once(turn, request, again, attempts).await?
+                }
+                None => {
+                    let request = self.request(turn.key(), mode);
+                    self.attempt_once(turn, request, again, attempts).await?
+                }
+            };
+            let not_taken = match attempted {
                 Attempted::Took(won, acquired, sent) => {
                     return Ok(self.hold(caller, won, acquired, sent))
                 }
-                Attempted::Not(not_taken) => not_taken,
+                Attempted::Busy(not_taken) if window.is_over() => {
+                    drop(not_taken);
+                    return Err(LockError::timed_out(window.timeout));
+                }
+                Attempted::Busy(not_taken) => not_taken,
             };
             turn = match not_taken.wait_here() {
                 Waiting::Front(front) => front,
                 // Callers ahead wait for the same thing: when the turn reaches this one, it
-                // attempts at once.
+                // attempts at once. Its wait at the backend ends; the front's stands for it.
                 Waiting::Queued(ticket) => {
-                    turn = self.queued(ticket, wait).await?;
+                    waiting = None;
+                    turn = self.queued(ticket, window).await?;
                     continue;
                 }
             };
             // Callers that meet the queue read what the front found.
-            turn.note_attempt(wait.latest.answer());
-            self.back_off(&mut backoff, hint, turn.nudges(), wait).await;
-        }
-    }
-
-    /// One attempt, unless the backend is failing and not due to be asked, which is an answer
-    /// too; a failure no retry can fix ends the wait with its error.
-    async fn attempt_once(
-        &self,
-        turn: Turn,
-        mode: LockMode,
-        again: bool,
-        wait: &mut Wait,
-        attempts: &mut u64,
-    ) -> Result<Attempted<B::Lease>, LockError> {
-        let probe = match self.admit() {
-            Ok(probe) => probe,
-            Err(refusal) => {
-                wait.latest = Latest::after_failure(refusal.cause)?;
-                return Ok(Attempted::Not(turn));
+            turn.note_attempt(Answer::Busy);
+            let key = turn.key().clone();
+            let wait = waiting.get_or_insert_with(|| self.backend.clone().wait(&key, mode));
+            let nudges = turn.nudges();
+            match self
+                .between_attempts(&mut backoff, wait, nudges, window)
+                .await?
+            {
+                Next::Attempt => {}
+                Next::Granted(acquired, sent) => return Ok(self.hold(caller, turn, acquired, sent)),
             }
-        };
-        *attempts += 1;
-        wait.in_flight = Some(Instant::now());
-        let (turn, sent, result) = self.attempt(turn, mode, probe, again).await;
-        wait.in_flight = None;
-        match result {
-            Ok(Some(acquired)) => return Ok(Attempted::Took(turn, acquired, sent)),
-            Ok(None) => wait.latest = Latest::Busy,
-            Err(error) => wait.latest = Latest::after_failure(error)?,
         }
-        Ok(Attempted::Not(turn))
     }
 
-    /// Sleeps out the next backoff step, cut short after a busy answer by the backend's hint
-    /// or a local release that freed what the turn waits for. A sleep that would end at or
-    /// after the deadline is not armed: the deadline (outside) ends the wait, and the turn
-    /// stays with us so local waiters behind us stay quiet.
-    async fn back_off(
+    /// After a busy answer: waits for whichever comes first — the backend's wait changing (a
+    /// release it saw, or a grant), a local release that freed what the turn waits for, the
+    /// next backoff step, the window's end (`Timeout`: the latest answer was "busy"), or the
+    /// backend starting to fail (its cause). A backoff step that would end at or after the
+    /// deadline is not armed: the deadline ends the wait, and the turn stays with us so local
+    /// waiters behind us stay quiet.
+    async fn between_attempts<W: Wait<Lease = B::Lease>>(
         &self,
         backoff: &mut Backoff,
-        hint: impl std::future::Future<Output = ()>,
+        wait: &mut W,
         nudge: Option<Arc<tokio::sync::Notify>>,
-        wait: &Wait,
-    ) {
-        // Only a busy answer waits for a wake-up: after a failure the lock may well be free,
-        // and a wake-up that fires whenever it is would turn backoff into a spin.
-        let busy = matches!(wait.latest, Latest::Busy);
+        window: &Window,
+    ) -> Result<Next<B::Lease>, LockError> {
         let nudged = async {
             match nudge {
                 Some(nudge) => nudge.notified().await,
@@ -301,29 +351,60 @@ impl<B: LockBackend> Engine<B> {
         let wake = crate::clock::in_(backoff.next_delay());
         tokio::select! {
             biased;
-            _ = hint, if busy => {}
-            _ = nudged, if busy => {}
-            _ = tokio::time::sleep_until(wake), if wake < wait.deadline => {}
-            // Neither: the deadline (outside) ends the wait.
-            else => std::future::pending::<()>().await,
-        }
-        if Instant::now() >= wait.deadline {
-            // A wake-up that lands at the deadline starts no attempt: the time is up.
-            std::future::pending::<()>().await;
+            refusal = self.health.failing() => Err(failing_error(refusal)),
+            woken = wait.changed() => match woken {
+                Woken::Granted { acquired, sent } => Ok(Next::Granted(acquired, sent)),
+                _ => self.attempt_unless_over(window),
+            },
+            _ = nudged => self.attempt_unless_over(window),
+            _ = tokio::time::sleep_until(wake), if wake < window.deadline => Ok(Next::Attempt),
+            _ = tokio::time::sleep_until(window.deadline) => Err(LockError::timed_out(window.timeout)),
         }
     }
 
-    /// Waits in the queue for the turn, or until the deadline, which ends the wait with what
-    /// is known about the key.
-    async fn queued(&self, ticket: Ticket, wait: &Wait) -> Result<Turn, LockError> {
+    /// A wake-up that lands at the deadline starts no attempt: the time is up, and the latest
+    /// answer was "busy".
+    fn attempt_unless_over(&self, window: &Window) -> Result<Next<B::Lease>, LockError> {
+        if window.is_over() {
+            Err(LockError::timed_out(window.timeout))
+        } else {
+            Ok(Next::Attempt)
+        }
+    }
+
+    /// Waits in the queue for the turn. When the window is over it ends with what is known
+    /// about the key — unless nothing is known yet (an attempt or a release in flight), in
+    /// which case it waits for that answer, or for the turn, which it then uses for one
+    /// attempt. While the backend is failing, it ends at once with the cause.
+    async fn queued(&self, ticket: Ticket, window: &Window) -> Result<Turn, LockError> {
         self.telemetry.waiter_queued();
         let _left = Defer(|| self.telemetry.waiter_left());
         let evidence = ticket.evidence_handle();
-        match tokio::time::timeout_at(wait.deadline, ticket.turn()).await {
-            // A turn that arrives at the deadline is passed on unused: the caller's time is up,
-            // and an attempt now would only add a request.
-            Ok(turn) if Instant::now() < wait.deadline => Ok(turn),
-            _ => Err(wait_error(evidence.read(), wait.timeout)),
+        let turn = ticket.turn();
+        tokio::pin!(turn);
+        tokio::select! {
+            biased;
+            refusal = self.health.failing() => return Err(failing_error(refusal)),
+            turn = &mut turn => return Ok(turn),
+            _ = tokio::time::sleep_until(window.deadline) => {}
+        }
+        loop {
+            let answer = match evidence.at_deadline() {
+                Occupied::Known(known) => return Err(wait_error(known, window.timeout)),
+                Occupied::Pending(answer) => answer,
+            };
+            tokio::select! {
+                biased;
+                refusal = self.health.failing() => return Err(failing_error(refusal)),
+                turn = &mut turn => return Ok(turn),
+                known = answer.evidence() => {
+                    if let Some(known) = known {
+                        return Err(wait_error(known, window.timeout));
+                    }
+                    // The turn passed on without an answer (a holder's release was answered):
+                    // the next party attempts at once, and its answer is the one to wait for.
+                }
+            }
         }
     }
 

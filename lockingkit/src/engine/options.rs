@@ -12,7 +12,7 @@ use crate::config::Problem;
 /// every third of the lease, and a release that gets no answer in 10 s is given up on (the
 /// backend then frees the lock when the lease expires or the connection closes). While the
 /// backend is failing, callers are refused at once with the latest cause and one attempt at a
-/// time is sent, from `min_retry_delay` apart doubling to 5 s.
+/// time is sent, from `min_retry_delay` apart doubling to 1 s.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LockOptions {
@@ -32,8 +32,10 @@ pub struct LockOptions {
     /// not be reached, refused our credentials, answered with a failure of its own), every
     /// caller of this provider is refused at once with that cause, and one attempt at a time
     /// goes out as a probe: the first `min_retry_delay` after the failure, each later one twice
-    /// as long after the last failed probe, up to this or `min_retry_delay`, whichever is
-    /// longer (each with equal jitter). The first answer of any kind ends the outage.
+    /// as long after the last failed probe (with equal jitter), up to this or
+    /// `min_retry_delay`, whichever is longer, and from then on exactly that far apart: a
+    /// backend that is back is asked again within this long. The first answer of any kind ends
+    /// the outage.
     #[serde(with = "crate::config::duration")]
     pub max_outage_retry_delay: Duration,
 }
@@ -45,7 +47,7 @@ impl Default for LockOptions {
             max_retry_delay: Duration::from_secs(1),
             renew_every: None,
             release_timeout: Duration::from_secs(10),
-            max_outage_retry_delay: Duration::from_secs(5),
+            max_outage_retry_delay: Duration::from_secs(1),
         }
     }
 }

@@ -51,9 +51,9 @@ pub(crate) enum Lane {
 impl Lane {
     pub(crate) fn of(mode: LockMode) -> Lane {
         match mode {
+            LockMode::Exclusive => Lane::Exclusive,
             LockMode::Shared => Lane::Readers,
             LockMode::Semaphore { max_count } => Lane::Semaphore(max_count),
-            _ => Lane::Exclusive,
         }
     }
 
@@ -240,6 +240,11 @@ impl WaitingRoom {
         }
     }
 
+    /// How long an attempt may go unanswered before it counts as an outage.
+    pub(crate) fn patience(&self) -> Duration {
+        self.patience
+    }
+
     fn slots(&self) -> MutexGuard<'_, Slots> {
         // The maps are consistent after every statement that touches them, so a panic
         // elsewhere while they were locked cannot leave them half-updated.
@@ -383,15 +388,6 @@ impl WaitingRoom {
             if slot.active == id {
                 f(slot);
             }
-        }
-    }
-
-    fn evidence(&self, lane: Lane, key: &Arc<str>) -> WaitEvidence {
-        let mut slots = self.slots();
-        match slots.get(lane, key) {
-            Some(slot) => slot.evidence(self.patience),
-            // The key was freed in the instant before we looked: it was contended until then.
-            None => WaitEvidence::Contended,
         }
     }
 
@@ -678,8 +674,15 @@ pub(crate) struct EvidenceProbe {
 }
 
 impl EvidenceProbe {
-    pub(crate) fn read(&self) -> WaitEvidence {
-        self.room.evidence(self.lane, &self.key)
+    /// For a waiter whose time ran out: what is known about the key, or the answer in flight
+    /// to wait for (see [`Occupied`]).
+    pub(crate) fn at_deadline(&self) -> Occupied {
+        let patience = self.room.patience;
+        let mut slots = self.room.slots();
+        match slots.get(self.lane, &self.key) {
+            Some(slot) => slot.occupied(patience),
+            None => Occupied::Known(WaitEvidence::Contended),
+        }
     }
 }
 

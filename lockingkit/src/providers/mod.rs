@@ -2,6 +2,9 @@
 
 pub mod memory;
 
+#[cfg(any(feature = "etcd", feature = "postgres", feature = "redis"))]
+mod hinted;
+
 #[cfg(feature = "azure")]
 pub mod azure;
 #[cfg(feature = "etcd")]

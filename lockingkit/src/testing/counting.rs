@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::backend::{Wait, Woken};
 use crate::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 
 /// Wraps a [`LockBackend`] and counts, for every lease it grants, the releases sent for it.
@@ -62,23 +63,47 @@ impl<B> CountingBackend<B> {
     }
 }
 
-impl<B: LockBackend> CountingBackend<B> {
-    /// Starts counting the releases of a lease just granted.
-    fn counted(
-        &self,
-        acquired: Option<Acquired<B::Lease>>,
-    ) -> Option<Acquired<CountedLease<B::Lease>>> {
-        acquired.map(|acquired| {
-            let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
-            releases.push(0);
-            Acquired {
-                lease: CountedLease {
-                    inner: acquired.lease,
-                    index: releases.len() - 1,
+/// Starts counting the releases of a lease just granted.
+fn counted<L>(releases: &Mutex<Vec<usize>>, acquired: Acquired<L>) -> Acquired<CountedLease<L>> {
+    let mut releases = releases.lock().unwrap_or_else(PoisonError::into_inner);
+    releases.push(0);
+    Acquired {
+        lease: CountedLease {
+            inner: acquired.lease,
+            index: releases.len() - 1,
+        },
+        fencing_token: acquired.fencing_token,
+    }
+}
+
+/// The wait of a [`CountingBackend`]: the wrapped backend's, with its leases counted.
+struct CountedWait<W> {
+    inner: W,
+    releases: Arc<Mutex<Vec<usize>>>,
+}
+
+impl<W: Wait> Wait for CountedWait<W> {
+    type Lease = CountedLease<W::Lease>;
+
+    fn try_acquire(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>> + Send + 'static
+    {
+        let (attempt, releases) = (self.inner.try_acquire(), self.releases.clone());
+        async move { Ok(attempt.await?.map(|acquired| counted(&releases, acquired))) }
+    }
+
+    fn changed(&mut self) -> impl Future<Output = Woken<Self::Lease>> + Send + '_ {
+        let releases = self.releases.clone();
+        async move {
+            match self.inner.changed().await {
+                Woken::Granted { acquired, sent } => Woken::Granted {
+                    acquired: counted(&releases, acquired),
+                    sent,
                 },
-                fencing_token: acquired.fencing_token,
+                _ => Woken::Retry,
             }
-        })
+        }
     }
 }
 
@@ -103,7 +128,7 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         mode: LockMode,
     ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
         let acquired = self.inner.try_acquire(key, mode).await?;
-        Ok(self.counted(acquired))
+        Ok(acquired.map(|acquired| counted(&self.releases, acquired)))
     }
 
     async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
@@ -123,8 +148,12 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         self.inner.release(&lease.inner).await
     }
 
-    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.release_hint(key, mode)
+    /// The wrapped backend's wait, whose leases are counted like the attempts'.
+    fn wait(self: Arc<Self>, key: &str, mode: LockMode) -> impl Wait<Lease = Self::Lease> + use<B> {
+        CountedWait {
+            inner: self.inner.clone().wait(key, mode),
+            releases: self.releases.clone(),
+        }
     }
 
     fn lease_ended(&self, lease: &Self::Lease) -> impl Future<Output = ()> + Send {

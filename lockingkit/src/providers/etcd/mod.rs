@@ -496,8 +496,12 @@ impl LockBackend for EtcdBackend {
         self.inner.release(lease).await
     }
 
-    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.hint(&self.line, key, mode)
+    fn wait(
+        self: Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
+        crate::providers::hinted::HintedWait::new(self, key, mode)
     }
 
     /// A hold's key is watched: someone else deleting or overwriting it is loss at once.
@@ -635,5 +639,11 @@ impl Drop for EtcdLease {
         if !self.settled.load(Ordering::Acquire) {
             backend.delete_later(self.stray());
         }
+    }
+}
+
+impl crate::providers::hinted::Hints for EtcdBackend {
+    fn hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        self.inner.hint(&self.line, key, mode)
     }
 }

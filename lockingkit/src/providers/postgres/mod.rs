@@ -649,20 +649,12 @@ impl LockBackend for PostgresBackend {
 
     /// Plain locks and readers: the watcher of the key (see `waiting`). A semaphore's key names
     /// no lock the server could wake anyone for: none.
-    fn release_hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
-        let hint = match mode {
-            LockMode::Semaphore { .. } => None,
-            _ => Some(self.inner.watchers.subscribe(
-                PostgresLockKeys::advisory_key(key),
-                mode == LockMode::Exclusive,
-            )),
-        };
-        async move {
-            match hint {
-                Some(hint) => hint.await,
-                None => std::future::pending().await,
-            }
-        }
+    fn wait(
+        self: Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
+        crate::providers::hinted::HintedWait::new(self, key, mode)
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and
@@ -863,6 +855,24 @@ impl Drop for PostgresLease {
         if !self.released.load(Ordering::Acquire) && !self.session.is_closed() {
             self.session
                 .release_unconfirmed(self.hold, self.timeout, false);
+        }
+    }
+}
+
+impl crate::providers::hinted::Hints for PostgresBackend {
+    fn hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
+        let hint = match mode {
+            LockMode::Semaphore { .. } => None,
+            _ => Some(self.inner.watchers.subscribe(
+                PostgresLockKeys::advisory_key(key),
+                mode == LockMode::Exclusive,
+            )),
+        };
+        async move {
+            match hint {
+                Some(hint) => hint.await,
+                None => std::future::pending().await,
+            }
         }
     }
 }

@@ -4,24 +4,18 @@
 //! Lock sessions and watcher sessions connect through the same [`Reconnect`]. After a connect
 //! fails, the backend opens no connection for a while and every caller that needs one is told
 //! the latest cause at once (the server sees nothing); then one connect at a time is tried,
-//! [`FIRST_DELAY`] after the failure, each further one twice as long after the last failed one,
-//! up to [`MOST_DELAY`] apart, with equal jitter so that instances drift apart. The first
+//! [`OUTAGE_FIRST`] after the failure, each further one twice as long after the last failed one
+//! (with equal jitter, so that instances drift apart), up to [`OUTAGE_MOST`] apart. The first
 //! connection that opens ends it. The engine logs the outage (once when it starts, once when
 //! it ends); this module logs nothing.
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::backend::BackendError;
-use crate::health::{Admission, Health};
-
-/// How long after a failed connect the next one may be tried.
-pub(super) const FIRST_DELAY: Duration = Duration::from_millis(100);
-/// The longest time between two connects while connecting fails.
-pub(super) const MOST_DELAY: Duration = Duration::from_secs(5);
+use crate::health::{Admission, Health, OUTAGE_FIRST, OUTAGE_MOST};
 
 /// Whether connecting to the server works, shared by every session of a backend.
 #[derive(Debug)]
@@ -32,7 +26,7 @@ pub(super) struct Reconnect {
 impl Reconnect {
     pub(super) fn new() -> Self {
         Reconnect {
-            health: Arc::new(Health::new(FIRST_DELAY, MOST_DELAY)),
+            health: Arc::new(Health::new(OUTAGE_FIRST, OUTAGE_MOST)),
         }
     }
 

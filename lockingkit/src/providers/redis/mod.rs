@@ -57,7 +57,7 @@ use crate::backend::{
 };
 use crate::config::Problem;
 use crate::error::LockError;
-use crate::health::Health;
+use crate::health::{Health, OUTAGE_FIRST, OUTAGE_MOST};
 use crate::keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
 use crate::MAX_SEMAPHORE_COUNT;
 use connection::{Connection, Target};
@@ -143,7 +143,7 @@ impl RedisBackend {
         let timeout = options.request_timeout;
         let millis = |d: Duration| d.as_millis().to_string();
         // One view of whether Redis can be reached, for the locks and the release watch alike.
-        let health = Arc::new(Health::new(connection::FIRST_DELAY, connection::MOST_DELAY));
+        let health = Arc::new(Health::new(OUTAGE_FIRST, OUTAGE_MOST));
         Ok(RedisBackend {
             inner: Arc::new(Backend {
                 releases: ReleaseWatch::new(target.clone(), timeout, health.clone()),
@@ -434,24 +434,12 @@ impl LockBackend for RedisBackend {
     /// Plain locks and readers: the key's `released` channel, on which every release of the
     /// lock or of a reader is published (see `watch`). Semaphore releases publish nothing, so
     /// their waiters poll.
-    fn release_hint(
-        &self,
+    fn wait(
+        self: Arc<Self>,
         key: &str,
         mode: LockMode,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let hint = match mode {
-            LockMode::Semaphore { .. } => None,
-            _ => {
-                let names = RedisLockKeys::lock(&self.inner.prefix, key);
-                Some(self.inner.releases.hint(names.released))
-            }
-        };
-        async move {
-            match hint {
-                Some(hint) => hint.await,
-                None => std::future::pending().await,
-            }
-        }
+    ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
+        crate::providers::hinted::HintedWait::new(self, key, mode)
     }
 }
 
@@ -522,6 +510,28 @@ impl HolderIds {
         let high = self.seed.hash_one((n, 0u8));
         let low = self.seed.hash_one((n, 1u8));
         format!("{high:016x}{low:016x}")
+    }
+}
+
+impl crate::providers::hinted::Hints for RedisBackend {
+    fn hint(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let hint = match mode {
+            LockMode::Semaphore { .. } => None,
+            _ => {
+                let names = RedisLockKeys::lock(&self.inner.prefix, key);
+                Some(self.inner.releases.hint(names.released))
+            }
+        };
+        async move {
+            match hint {
+                Some(hint) => hint.await,
+                None => std::future::pending().await,
+            }
+        }
     }
 }
 

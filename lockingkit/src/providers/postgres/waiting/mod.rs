@@ -412,7 +412,8 @@ impl WatchState {
 #[cfg(test)]
 mod tests {
     use super::super::{PostgresBackend, PostgresOptions};
-    use crate::{LockBackend, LockMode};
+    use crate::providers::hinted::Hints;
+    use crate::LockMode;
     use std::time::Duration;
 
     fn unreachable_backend() -> PostgresBackend {
@@ -425,7 +426,7 @@ mod tests {
     async fn a_hint_that_is_never_polled_starts_no_watcher() {
         let backend = unreachable_backend();
         // The engine makes a hint before every attempt and polls it only after a busy answer.
-        let hint = backend.release_hint("jobs/nightly", LockMode::Exclusive);
+        let hint = backend.hint("jobs/nightly", LockMode::Exclusive);
         tokio::task::yield_now().await;
         assert_eq!(backend.inner.watchers.shared.keys().watchers, 0);
         drop(hint);
@@ -434,7 +435,7 @@ mod tests {
     #[tokio::test]
     async fn a_watcher_that_cannot_connect_wakes_its_waiter_and_holds_new_ones_back() {
         let backend = unreachable_backend();
-        let hint = backend.release_hint("jobs/nightly", LockMode::Exclusive);
+        let hint = backend.hint("jobs/nightly", LockMode::Exclusive);
         tokio::time::timeout(Duration::from_secs(10), hint)
             .await
             .expect("woken, so the waiter polls instead of waiting on a dead watcher");

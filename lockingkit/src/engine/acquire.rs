@@ -13,9 +13,9 @@
 //!   from that moment, and while it does, waiting callers are refused, not left to hang until
 //!   their timeouts. Waiters that are sleeping or queued when another caller's attempt fails
 //!   end too ([`Health::failing`]).
-//! - An attempt unanswered for the engine's patience (`max_retry_delay`: a backend that answers
-//!   takes far less) is an outage: its caller is told `Unavailable`, the gate starts failing,
-//!   and the attempt finishes in the background.
+//! - An attempt unanswered for the engine's patience (`max_retry_delay`, and at least 2 s: a
+//!   backend that answers takes far less) is an outage: its caller is told `Unavailable`, the
+//!   gate starts failing, and the attempt finishes in the background.
 
 use std::future::Future;
 use std::sync::Arc;

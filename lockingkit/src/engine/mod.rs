@@ -40,6 +40,19 @@ use waiting_room::WaitingRoom;
 /// much later than the backend notices it, and still long before the next check.
 const CONNECTION_WATCH_DELAY: Duration = Duration::from_millis(10);
 
+/// The least time an attempt may go unanswered before it counts as an outage (see
+/// [`patience`]): a first attempt opens a connection (TLS and authentication included), which
+/// on a loaded machine takes far longer than a lock statement.
+const LEAST_PATIENCE: Duration = Duration::from_secs(2);
+
+/// How long an attempt may go unanswered before it counts as an outage: the longest retry
+/// delay, and never less than [`LEAST_PATIENCE`]. A backend that answers takes far less;
+/// one that has not answered by then is down or frozen, and its callers are told so while the
+/// attempt finishes in the background.
+fn patience(options: &LockOptions) -> Duration {
+    options.max_retry_delay.max(LEAST_PATIENCE)
+}
+
 /// How often a shutdown looks whether every lock and attempt has ended.
 const SHUTDOWN_POLL: Duration = Duration::from_millis(5);
 
@@ -198,7 +211,7 @@ impl<B: LockBackend> Engine<B> {
         Engine {
             timing: backend.timing(),
             backend: Arc::new(backend),
-            room: Arc::new(WaitingRoom::new(options.max_retry_delay)),
+            room: Arc::new(WaitingRoom::new(patience(&options))),
             options,
             scheduler: Arc::new(RenewalScheduler::default()),
             health: Arc::new(health),

@@ -69,6 +69,7 @@ mod election;
 mod intervals;
 mod multi_key;
 mod release;
+mod waits;
 
 use std::future::Future;
 use std::time::Duration;
@@ -81,6 +82,7 @@ pub use multi_key::*;
 pub use release::{
     a_repeated_or_late_release_never_frees_the_next_holder, each_lease_is_released_exactly_once,
 };
+pub use waits::*;
 
 use crate::{DistributedLock, LockOptions};
 
@@ -168,17 +170,21 @@ macro_rules! contract_tests {
             multi_key_holds_in_opposite_orders_never_deadlock,
             multi_key_holds_are_all_or_nothing,
             multi_key_cancellation_leaks_nothing,
+            a_try_right_after_a_wait_ends_finds_the_key_free,
         );
         $crate::contract_tests!(@kind readers [$($without)*] $setup;
             a_provider_without_readers_refuses_them;
             readers_hold_together_and_a_writer_holds_alone,
             a_writer_waiting_behind_overlapping_readers_gets_in,
+            a_try_right_after_a_reader_or_writer_wait_ends_finds_the_key_free,
+            hand_offs_to_readers_and_writers_leave_the_key_free_for_others,
         );
         $crate::contract_tests!(@kind semaphores [$($without)*] $setup;
             a_provider_without_semaphores_refuses_them;
             a_semaphore_never_has_more_than_its_count_of_holders,
             a_semaphore_of_one_hands_out_growing_tokens,
             shared_holds_leak_nothing_and_stay_renewed,
+            a_try_right_after_a_semaphore_wait_ends_finds_a_slot_free,
         );
     };
     (@known readers) => {};

@@ -256,9 +256,32 @@ impl Process {
         let locks = self.locks.clone();
         let key = key.to_owned();
         tokio::spawn(async move {
-            let handle = locks.acquire(&key, PATIENCE).await?;
+            let (handle, _) = acquire_through_outages(&locks, &key, PATIENCE).await?;
             Ok((handle, Instant::now()))
         })
+    }
+}
+
+/// Waits for `key` as a service's worker does through an outage: a wait the backend's failure
+/// ends (`Unavailable`, at once while the backend is known to fail) is tried again shortly
+/// after, until `within` has passed. Returns the handle and how many waits an outage ended.
+async fn acquire_through_outages(
+    locks: &DistributedLock,
+    key: &str,
+    within: Duration,
+) -> Result<(LockHandle, usize), LockError> {
+    let give_up = Instant::now() + within;
+    let mut outages = 0;
+    loop {
+        let left = give_up.saturating_duration_since(Instant::now());
+        match locks.acquire(key, left).await {
+            Ok(handle) => return Ok((handle, outages)),
+            Err(error) if error.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
+                outages += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => return Err(error),
+        }
     }
 }
 
@@ -470,8 +493,10 @@ async fn restarted_under_waiters(mut server: Server) {
             let (checker, done, progress) = (checker.clone(), done.clone(), progress.clone());
             let holding = holding.clone();
             waiters.push(tokio::spawn(async move {
-                // Long enough to ride out the restart and a lease left behind by it.
-                let handle = locks.acquire(&key, Duration::from_secs(120)).await?;
+                // Long enough to ride out the restart and a lease left behind by it; the
+                // outage itself ends the waits it meets, which are tried again.
+                let (handle, outages) =
+                    acquire_through_outages(&locks, &key, Duration::from_secs(120)).await?;
                 let start = Instant::now();
                 holding.fetch_add(1, Ordering::SeqCst);
                 progress.notify_waiters();
@@ -501,7 +526,7 @@ async fn restarted_under_waiters(mut server: Server) {
                 };
                 done.fetch_add(1, Ordering::SeqCst);
                 progress.notify_waiters();
-                Ok::<_, LockError>(outcome)
+                Ok::<_, LockError>((outcome, outages))
             }));
         }
     }
@@ -518,15 +543,18 @@ async fn restarted_under_waiters(mut server: Server) {
     let before = done.load(Ordering::SeqCst);
     server.restart().await;
     let restarted = Instant::now();
-    let mut lost = 0;
+    let (mut lost, mut outages) = (0, 0);
     for waiter in waiters {
-        let end = tokio::time::timeout(Duration::from_secs(150), waiter)
+        let (end, met) = tokio::time::timeout(Duration::from_secs(150), waiter)
             .await
             .expect("every waiter finishes")
             .expect("the waiter task")
             .expect("every waiter acquires eventually");
         lost += usize::from(end == HoldEnd::Lost);
+        outages += met;
     }
+    // The waiters were told of the outage rather than left to wait through it unaware.
+    assert!(outages > 0, "no wait was told of the restart");
     let holds = checker.holds();
     assert_eq!(holds.len(), TOTAL);
     assert!(
@@ -1628,6 +1656,9 @@ mod memory {
             .expect_err("down");
         assert_eq!(error.kind(), ErrorKind::Unavailable);
         store.set_unavailable(false);
+        // Callers are refused with the outage's cause until the gate's next probe, at most
+        // `max_outage_retry_delay` (1 s) after the last failure, finds the store back.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let handle = other
             .acquire(key, Duration::from_secs(10))
             .await

@@ -74,6 +74,14 @@ impl LockSessions {
         slots.open.len()
     }
 
+    /// The least loaded open session, for a statement that takes no lock and holds nothing
+    /// (withdrawing a waiting session's request); `None` when none is open.
+    pub(super) fn least_loaded(&self) -> Option<Arc<Session>> {
+        let mut slots = self.slots();
+        slots.open.retain(|s| !s.is_closed());
+        slots.open.iter().min_by_key(|s| s.load()).cloned()
+    }
+
     /// Reserves `attempt` on a session where the server's answer can be trusted: one that
     /// neither holds the key nor may hold it (or, for a shared attempt, holds it only shared;
     /// for a semaphore, has no other attempt on it in flight), the least loaded open one, or a

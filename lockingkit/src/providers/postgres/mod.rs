@@ -172,7 +172,7 @@ pub struct PostgresBackend {
 
 /// What the clones of one [`PostgresBackend`] share.
 struct Backend {
-    sessions: LockSessions,
+    sessions: Arc<LockSessions>,
     /// Whether a transaction- or statement-mode pooler was found in front of the server.
     pooling: Arc<pooler::Pooling>,
     max_sessions: usize,
@@ -238,12 +238,13 @@ impl PostgresBackend {
             pooling: pooling.clone(),
         });
         let schema = Arc::new(schema::Schema::new(&options));
+        let sessions = Arc::new(LockSessions::new(max_sessions, session_settings.clone()));
         let watchers = Watchers::new(
             session_settings.clone(),
             options.max_wait_sessions,
             schema.clone(),
+            sessions.clone(),
         );
-        let sessions = LockSessions::new(max_sessions, session_settings.clone());
         let sequence = schema.sequence.clone();
         Ok(PostgresBackend {
             inner: Arc::new(Backend {
@@ -334,9 +335,11 @@ impl PostgresBackend {
                 tracing::warn!(
                     target: "lockingkit",
                     error = %error,
-                    "the PostgreSQL watch function {} is missing and could not be created; \
-                     locks work, but each waiting process's watcher makes the server log two \
-                     errors a second (create it with lockingkit::providers::postgres::setup_sql)",
+                    "the PostgreSQL watch function {} is missing or from an older version, and \
+                     could not be created; locks work, but without it each waiting process's \
+                     watcher makes the server log two errors a second, and with the older one a \
+                     wait that ends keeps its request queued until its slice ends (create it \
+                     with lockingkit::providers::postgres::setup_sql)",
                     schema.watch_function
                 );
             }
@@ -370,14 +373,6 @@ impl PostgresBackend {
         i32::try_from(spread).unwrap_or(0)
     }
 
-    /// `attempt` answered busy: a writer's tells this process's watcher of the key to queue
-    /// exclusively (see `waiting`).
-    fn busy(&self, attempt: Attempt) {
-        if let Attempt::Exclusive(key) = attempt {
-            self.inner.watchers.writer_busy(key);
-        }
-    }
-
     /// The statement that takes a lock for `attempt`; `again` when the session already reads the
     /// key (the statement then looks for a queued writer first).
     fn lock_statement(&self, attempt: Attempt, again: bool) -> (Prepared, &str) {
@@ -390,17 +385,15 @@ impl PostgresBackend {
         }
     }
 
-    /// The lock the server granted this process's watcher of the key, kept for an attempt of
-    /// this mode (see `waiting`): taken without a round trip, and nothing lies between the
-    /// server's grant and this take for another client to slip into.
-    fn claim(&self, attempt: Attempt) -> Option<Acquired<PostgresLease>> {
-        let (advisory_key, exclusive) = match attempt {
-            Attempt::Exclusive(key) => (key, true),
-            Attempt::Shared(key) => (key, false),
-            Attempt::Semaphore { .. } => return None,
-        };
-        let claimed = self.inner.watchers.claim(advisory_key, exclusive)?;
-        Some(Acquired {
+    /// The lease of a lock the server granted this process's watcher of the key for a wait
+    /// (see `waiting`): taken without a round trip, and nothing lies between the server's
+    /// grant and this take for another client to slip into.
+    fn adopted_lease(
+        &self,
+        advisory_key: i64,
+        claimed: waiting::Claimed,
+    ) -> Acquired<PostgresLease> {
+        Acquired {
             lease: PostgresLease {
                 advisory_key,
                 hold: claimed.hold,
@@ -410,7 +403,20 @@ impl PostgresBackend {
                 timeout: self.inner.timeout,
             },
             fencing_token: claimed.fencing_token,
-        })
+        }
+    }
+
+    /// An exclusive or shared attempt at `advisory_key` (a wait's, when no watcher serves it).
+    async fn attempt_mode(
+        &self,
+        advisory_key: i64,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
+        let attempt = match mode {
+            LockMode::Shared => Attempt::Shared(advisory_key),
+            _ => Attempt::Exclusive(advisory_key),
+        };
+        self.attempt(attempt, advisory_key).await
     }
 
     /// One attempt: reserves it on a session, sends its statement, and reads the answer.
@@ -420,12 +426,11 @@ impl PostgresBackend {
         advisory_key: i64,
     ) -> Result<Option<Acquired<PostgresLease>>, BackendError> {
         self.inner.pooling.refuse_if_found()?;
-        if let Some(claimed) = self.claim(attempt) {
-            return Ok(Some(claimed));
-        }
+        // What an ended wait left on the key (a grant nobody took, a request being withdrawn)
+        // is gone before the server is asked, so it cannot answer this attempt "busy".
+        self.inner.watchers.settled(advisory_key).await;
         let Some(reservation) = self.inner.sessions.reserve(attempt).await? else {
             // This process holds the key, or may still: on every session it could try.
-            self.busy(attempt);
             return Ok(None);
         };
         let session = reservation.session();
@@ -470,7 +475,6 @@ impl PostgresBackend {
         };
         let Some(row) = row else {
             reservation.free();
-            self.busy(attempt);
             return Ok(None);
         };
         let Some((hold, fencing_token)) = taken(attempt, &row) else {
@@ -647,14 +651,14 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    /// Plain locks and readers: the watcher of the key (see `waiting`). A semaphore's key names
-    /// no lock the server could wake anyone for: none.
+    /// Plain locks and readers: the key's watcher serves the wait (see `waiting`); a
+    /// semaphore's wait polls.
     fn wait(
         self: Arc<Self>,
         key: &str,
         mode: LockMode,
     ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
-        crate::providers::hinted::HintedWait::new(self, key, mode)
+        waiting::PostgresWait::open(self, key, mode)
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and
@@ -855,24 +859,6 @@ impl Drop for PostgresLease {
         if !self.released.load(Ordering::Acquire) && !self.session.is_closed() {
             self.session
                 .release_unconfirmed(self.hold, self.timeout, false);
-        }
-    }
-}
-
-impl crate::providers::hinted::Hints for PostgresBackend {
-    fn hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
-        let hint = match mode {
-            LockMode::Semaphore { .. } => None,
-            _ => Some(self.inner.watchers.subscribe(
-                PostgresLockKeys::advisory_key(key),
-                mode == LockMode::Exclusive,
-            )),
-        };
-        async move {
-            match hint {
-                Some(hint) => hint.await,
-                None => std::future::pending().await,
-            }
         }
     }
 }

@@ -5,12 +5,15 @@
 //! - The **wait function** `<schema>.wait_advisory_lock(key, exclusive, slice_ms, sequence)`:
 //!   waits up to a slice for the advisory lock `key` (exclusively or shared) and, when it is
 //!   granted, keeps it and answers a fencing token from `sequence` in the same statement (NULL
-//!   when the slice ended first). A watcher (see `waiting`) calls it twice a second while a key
-//!   it waits for stays taken, and the lock it is granted becomes its waiter's. A plain
-//!   statement that waits under `lock_timeout` would end
-//!   every slice with an ERROR in the server's log ("canceling statement due to lock
-//!   timeout", and the statement) — some 170,000 lines a day per waiting process; an error
-//!   caught in PL/pgSQL is not logged.
+//!   when the slice ended first, or the wait was withdrawn with `pg_cancel_backend`). A watcher
+//!   (see `waiting`) calls it twice a second while a key it waits for stays taken, and the
+//!   lock it is granted becomes its waiter's. A plain statement that waits under
+//!   `lock_timeout` would end every slice with an ERROR in the server's log ("canceling
+//!   statement due to lock timeout", and the statement) — some 170,000 lines a day per
+//!   waiting process; an error caught in PL/pgSQL is not logged. A function made by an older
+//!   version (it did not catch the cancel) counts as missing and is replaced; a role that may
+//!   not replace it keeps it, and its waits are never withdrawn early (each ends with its
+//!   slice).
 //!
 //! Both are created on first use by a role that may (serialized by a transaction-level
 //! advisory lock, so processes starting together do not race); a role without `CREATE` needs
@@ -58,8 +61,8 @@ impl Schema {
         );
         Schema {
             exists: format!(
-                "SELECT to_regclass('{sequence}') IS NOT NULL, \
-                 to_regprocedure('{watch_function}({WATCH_ARGUMENTS})') IS NOT NULL"
+                "SELECT to_regclass('{sequence}') IS NOT NULL, {}",
+                function_current(&watch_function)
             ),
             setup: format!(
                 "{lock}CREATE SCHEMA IF NOT EXISTS {schema};{};{};",
@@ -81,13 +84,28 @@ impl Schema {
         )
     }
 
-    /// Whether the function exists, for a watcher session choosing its statements.
-    pub(super) fn function_exists(&self) -> String {
+    /// For a waiting session choosing its statements: whether the function exists, whether it
+    /// is this version's (a wait can be withdrawn), and the session's server process id (which
+    /// a withdrawal names).
+    pub(super) fn waiting_session_facts(&self) -> String {
         format!(
-            "SELECT to_regprocedure('{}({WATCH_ARGUMENTS})') IS NOT NULL",
-            self.watch_function
+            "SELECT to_regprocedure('{}({WATCH_ARGUMENTS})') IS NOT NULL, {}, pg_backend_pid()",
+            self.watch_function,
+            function_current(&self.watch_function)
         )
     }
+}
+
+/// Marks the body of this version of the wait function, the one that answers NULL when its
+/// wait is cancelled (older ones let the cancel fail the statement, which the server logs).
+const FUNCTION_VERSION: &str = "lockingkit wait function 2";
+
+/// An SQL expression: whether the function `name` exists and is this version's.
+fn function_current(name: &str) -> String {
+    format!(
+        "coalesce((SELECT prosrc LIKE '%{FUNCTION_VERSION}%' FROM pg_catalog.pg_proc \
+         WHERE oid = to_regprocedure('{name}({WATCH_ARGUMENTS})')), false)"
+    )
 }
 
 fn create_sequence(sequence: &str) -> String {
@@ -102,12 +120,19 @@ fn create_sequence(sequence: &str) -> String {
 /// transaction only. A granted lock is kept (a session lock outlives the statement and its
 /// subtransaction), and its fencing token is taken in the same statement; an error after the
 /// grant leaves the lock held, and the caller closes the session.
+///
+/// A cancel (the wait withdrawn, see `waiting`) answers NULL like a slice that ran out. It may
+/// land after the grant, while the token is taken: a session lock survives the rollback of the
+/// statement's subtransaction, so the handler gives it back (it looks in `pg_locks` first, as
+/// unlocking a lock the session does not hold logs a warning). A waiting session holds no other
+/// advisory lock while it waits, so what it finds there is this grant.
 fn create_function(name: &str) -> String {
     format!(
         "CREATE OR REPLACE FUNCTION {name}(key bigint, exclusive boolean, slice_ms integer, \
          sequence regclass) \
          RETURNS bigint LANGUAGE plpgsql SET search_path = pg_catalog AS $lockingkit$ \
          BEGIN \
+           /* {FUNCTION_VERSION} */ \
            PERFORM set_config('lock_timeout', greatest(10, least(slice_ms, \
              (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 500)::int))::text \
              || 'ms', true); \
@@ -117,8 +142,21 @@ fn create_function(name: &str) -> String {
              PERFORM pg_advisory_lock_shared(key); \
            END IF; \
            RETURN nextval(sequence); \
-         EXCEPTION WHEN lock_not_available THEN \
-           RETURN NULL; \
+         EXCEPTION \
+           WHEN lock_not_available THEN \
+             RETURN NULL; \
+           WHEN query_canceled THEN \
+             IF EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' \
+                 AND pid = pg_backend_pid() AND objsubid = 1 AND granted \
+                 AND classid = ((key >> 32) & 4294967295)::oid \
+                 AND objid = (key & 4294967295)::oid) THEN \
+               IF exclusive THEN \
+                 PERFORM pg_advisory_unlock(key); \
+               ELSE \
+                 PERFORM pg_advisory_unlock_shared(key); \
+               END IF; \
+             END IF; \
+             RETURN NULL; \
          END $lockingkit$"
     )
 }

@@ -43,7 +43,12 @@ const SET_SLICE: &str = "SELECT set_config('lock_timeout', \
 /// every half second while a key stays busy.
 pub(super) enum SliceStatements {
     /// The wait function: answers the fencing token if the key was granted, logging nothing.
-    Function(Statement),
+    /// `withdraw` is the session's server process, whose wait `pg_cancel_backend` ends at once
+    /// (the function answers NULL), if the function is this version's.
+    Function {
+        watch: Statement,
+        withdraw: Option<i32>,
+    },
     /// [`watch_sql`] and [`watch_shared_sql`] under the session's `lock_timeout`, for a
     /// database without the function.
     Plain { watch: Statement, shared: Statement },
@@ -56,15 +61,19 @@ impl SliceStatements {
         client: &Client,
         schema: &Schema,
     ) -> Result<SliceStatements, tokio_postgres::Error> {
-        let function = client
-            .query_one(&schema.function_exists(), &[])
-            .await?
-            .try_get::<_, bool>(0)?;
-        if function {
+        let facts = client
+            .query_one(&schema.waiting_session_facts(), &[])
+            .await?;
+        if facts.try_get::<_, bool>(0)? {
+            let current = facts.try_get::<_, bool>(1)?;
+            let process = facts.try_get::<_, i32>(2)?;
             let watch = schema.watch_statement();
             let types = [Type::INT8, Type::BOOL, Type::INT4];
             let watch = client.prepare_typed(&watch, &types).await?;
-            return Ok(SliceStatements::Function(watch));
+            return Ok(SliceStatements::Function {
+                watch,
+                withdraw: current.then_some(process),
+            });
         }
         client.batch_execute(SET_SLICE).await?;
         let watch = client
@@ -74,6 +83,15 @@ impl SliceStatements {
             .prepare_typed(&watch_shared_sql(&schema.sequence), &[Type::INT8])
             .await?;
         Ok(SliceStatements::Plain { watch, shared })
+    }
+
+    /// The server process whose waiting statement `pg_cancel_backend` may end early: `None`
+    /// when a cancel would fail the statement with an error in the server's log instead.
+    pub(super) fn withdrawable(&self) -> Option<i32> {
+        match self {
+            SliceStatements::Function { withdraw, .. } => *withdraw,
+            SliceStatements::Plain { .. } => None,
+        }
     }
 
     /// Waits one slice for `advisory_key` (exclusively if `exclusive`): `Some(token)` when the
@@ -86,7 +104,7 @@ impl SliceStatements {
         exclusive: bool,
     ) -> Result<Option<i64>, tokio_postgres::Error> {
         match self {
-            SliceStatements::Function(watch) => {
+            SliceStatements::Function { watch, .. } => {
                 let slice_ms = i32::try_from(SLICE.as_millis()).unwrap_or(i32::MAX);
                 let params: [&(dyn ToSql + Sync); 3] = [&advisory_key, &exclusive, &slice_ms];
                 let row = client.query_one(watch, &params).await?;

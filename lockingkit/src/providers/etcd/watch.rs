@@ -271,14 +271,17 @@ async fn open(shared: &HubState) -> Option<WatchStream> {
             Some(stream)
         }
         Ok(Err(error)) => {
-            lent.failed(&classify("watch", error));
+            let failure = classify("watch", lent.endpoint(), error);
+            lent.failed(&failure);
             None
         }
         Err(_) => {
-            lent.failed(&super::errors::Failure::timed_out(
+            let failure = super::errors::Failure::timed_out(
                 "watch",
+                lent.endpoint(),
                 shared.members.timeout(),
-            ));
+            );
+            lent.failed(&failure);
             None
         }
     }

@@ -164,7 +164,8 @@ impl EtcdBackend {
     }
 
     /// The id of the backend's etcd lease now, if one is granted: every key this backend
-    /// writes is attached to it (`etcdctl lease timetolive --keys`).
+    /// writes is attached to it. etcdctl prints and takes lease ids in hexadecimal, as the
+    /// provider's key names carry it: `etcdctl lease timetolive --keys {id:x}`.
     pub fn lease_id(&self) -> Option<i64> {
         self.inner.lease.current().map(|generation| generation.id)
     }
@@ -561,7 +562,8 @@ impl EtcdLease {
         &self.held.key
     }
 
-    /// The id of the etcd lease the key is attached to.
+    /// The id of the etcd lease the key is attached to (etcdctl writes it in hexadecimal:
+    /// `format!("{id:x}")`).
     pub fn lease_id(&self) -> i64 {
         self.generation.id
     }

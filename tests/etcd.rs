@@ -124,6 +124,8 @@ async fn ten_processes_get_the_key_in_arrival_order() {
     let holder = lock_on(cluster.options(TTL), polling.clone());
     let key = unique_prefix("fifo");
     let held = holder.try_acquire(&key).await.expect("the first holder");
+    let directory =
+        EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut waiters = Vec::new();
     for arrival in 0..10 {
@@ -142,16 +144,18 @@ async fn ten_processes_get_the_key_in_arrival_order() {
             tokio::time::sleep(Duration::from_millis(20)).await;
             handle.release().await.expect("release");
         }));
-        // The next process arrives only once this one stands in line.
+        // The next process arrives only once this one stands in line: its place is written
+        // (`queue_places` counts a place still being made too).
         eventually(
             "the waiter's queue place",
             Duration::from_secs(10),
-            async || backend(&process).queue_places() == 1,
+            async || {
+                backend(&process).queue_places() == 1
+                    && cluster.count(&directory).await == arrival + 2
+            },
         )
         .await;
     }
-    let directory =
-        EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
     assert_eq!(
         cluster.count(&directory).await,
         11,

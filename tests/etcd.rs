@@ -124,6 +124,8 @@ async fn ten_processes_get_the_key_in_arrival_order() {
     let holder = lock_on(cluster.options(TTL), polling.clone());
     let key = unique_prefix("fifo");
     let held = holder.try_acquire(&key).await.expect("the first holder");
+    let directory =
+        EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut waiters = Vec::new();
     for arrival in 0..10 {
@@ -142,16 +144,18 @@ async fn ten_processes_get_the_key_in_arrival_order() {
             tokio::time::sleep(Duration::from_millis(20)).await;
             handle.release().await.expect("release");
         }));
-        // The next process arrives only once this one stands in line.
+        // The next process arrives only once this one stands in line: its place is written
+        // (`queue_places` counts a place still being made too).
         eventually(
             "the waiter's queue place",
             Duration::from_secs(10),
-            async || backend(&process).queue_places() == 1,
+            async || {
+                backend(&process).queue_places() == 1
+                    && cluster.count(&directory).await == arrival + 2
+            },
         )
         .await;
     }
-    let directory =
-        EtcdLockKeys::lock_directory(lockingkit::providers::etcd::DEFAULT_KEY_PREFIX, &key);
     assert_eq!(
         cluster.count(&directory).await,
         11,
@@ -695,6 +699,108 @@ async fn wrong_credentials_are_misconfigured() {
     );
 }
 
+/// Sixty-four engines on clones of one backend whose password is wrong try to lock for five
+/// seconds: every caller is told `Misconfigured`, and etcd checks the wrong password at most
+/// once per step of the member's backoff (100 ms doubling to 5 s: seven steps in five seconds),
+/// counted in etcd's own log, not once per caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_costs_one_member_one_login_per_backoff_step_not_one_per_caller() {
+    sixty_four_callers_with_a_wrong_password(1).await;
+}
+
+/// The same on three members: users are cluster state, so a refusal by one member is every
+/// caller's answer until its next login, and the others are not asked instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_costs_a_cluster_one_login_per_backoff_step_not_one_per_member() {
+    sixty_four_callers_with_a_wrong_password(3).await;
+}
+
+async fn sixty_four_callers_with_a_wrong_password(members: usize) {
+    let cluster = EtcdCluster::start(
+        members,
+        Auth::Root {
+            token_ttl_secs: 300,
+        },
+    )
+    .await;
+    let shared = EtcdBackend::new(EtcdOptions {
+        password: Some("not the password".into()),
+        ..cluster.options(TTL)
+    })
+    .expect("options");
+    let run_for = Duration::from_secs(5);
+    let started = Instant::now();
+    let mut callers = Vec::new();
+    for i in 0..64 {
+        let locks = DistributedLock::builder(shared.clone())
+            .options(quick_polling())
+            .build()
+            .expect("valid lock options");
+        let key = unique_prefix(&format!("wrong-password-{i}"));
+        callers.push(tokio::spawn(async move {
+            let mut kinds = Vec::new();
+            while started.elapsed() < run_for {
+                kinds.push(locks.try_acquire(&key).await.err().map(|e| e.kind()));
+                // Pacing, not synchronisation: a refusal comes back at once.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            kinds
+        }));
+    }
+    let mut answers = std::collections::BTreeMap::<String, usize>::new();
+    for caller in callers {
+        for kind in caller.await.expect("caller") {
+            *answers.entry(format!("{kind:?}")).or_default() += 1;
+        }
+    }
+    let logins = cluster.failed_logins();
+    eprintln!("{members} members: {logins} failed logins in {run_for:?}; answers: {answers:?}");
+    let misconfigured = answers
+        .get(&format!("{:?}", Some(ErrorKind::Misconfigured)))
+        .copied()
+        .unwrap_or(0);
+    assert!(misconfigured >= 64, "every caller was answered");
+    assert_eq!(
+        answers.values().sum::<usize>(),
+        misconfigured,
+        "every caller is told Misconfigured: {answers:?}"
+    );
+    assert!(
+        (1..=10).contains(&logins),
+        "{logins} failed logins in {run_for:?}: more than one per backoff step"
+    );
+}
+
+/// A cluster with authentication on, and options that name no user: reported as what it is,
+/// not as refused credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_on_and_no_user_is_misconfigured_and_says_so() {
+    let cluster = EtcdCluster::start(
+        1,
+        Auth::Root {
+            token_ttl_secs: 300,
+        },
+    )
+    .await;
+    let options = EtcdOptions {
+        user: None,
+        password: None,
+        ..cluster.options(TTL)
+    };
+    let locks = lock_on(options, quick_polling());
+    let error = locks
+        .try_acquire(&unique_prefix("no-user"))
+        .await
+        .expect_err("anonymous requests are refused");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    let message = error.to_string();
+    eprintln!("{message}");
+    assert!(
+        message.contains("authentication") && message.contains("no user"),
+        "{message}"
+    );
+}
+
 /// A user whose role may not read under the provider's key prefix is refused by `verify`,
 /// before any lock is attempted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -734,6 +840,40 @@ async fn verify_refuses_a_user_without_permission_under_the_prefix() {
         verified.err().map(|e| e.kind()),
         Some(ErrorKind::Misconfigured)
     );
+}
+
+/// A member that cannot be reached is named in the error with the cause the connection
+/// reported, and the credentials are not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_member_is_named_with_the_cause_and_never_the_credentials() {
+    let mut cluster = EtcdCluster::start(
+        1,
+        Auth::Root {
+            token_ttl_secs: 300,
+        },
+    )
+    .await;
+    let options = cluster.options(TTL);
+    let password = options
+        .password
+        .as_ref()
+        .expect("a password")
+        .expose()
+        .to_owned();
+    let locks = lock_on(options, quick_polling());
+    cluster.kill(0);
+    let error = locks
+        .try_acquire(&unique_prefix("unreachable"))
+        .await
+        .expect_err("nobody answers");
+    let message = error.to_string();
+    eprintln!("{message}");
+    assert_eq!(error.kind(), ErrorKind::Unavailable);
+    assert!(message.contains(&cluster.endpoint(0)), "{message}");
+    assert!(message.contains("Connection refused"), "{message}");
+    assert!(!message.contains(&password), "{message}");
+    let debug = format!("{error:?}");
+    assert!(!debug.contains(&password), "{debug}");
 }
 
 /// `verify` passes on a healthy cluster and reports a cluster that is down as `Unavailable`,

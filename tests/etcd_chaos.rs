@@ -284,9 +284,18 @@ impl Drop for Holder {
     }
 }
 
-/// Starts this binary again as a holder of `key`.
+/// Starts this binary again as a holder of `key` on the cluster's first member.
 fn spawn_holder(
     cluster: &EtcdCluster,
+    key: &str,
+    ttl: Duration,
+) -> (Holder, BufReader<ChildStdout>) {
+    spawn_holder_at(&[cluster.endpoint(0)], key, ttl)
+}
+
+/// Starts this binary again as a holder of `key`, reaching the cluster at `endpoints`.
+fn spawn_holder_at(
+    endpoints: &[String],
     key: &str,
     ttl: Duration,
 ) -> (Holder, BufReader<ChildStdout>) {
@@ -301,7 +310,7 @@ fn spawn_holder(
         ])
         .env(
             HOLDER_ENV,
-            format!("{}|{key}|{}", cluster.endpoint(0), ttl.as_secs()),
+            format!("{}|{key}|{}", endpoints.join(","), ttl.as_secs()),
         )
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -343,20 +352,20 @@ async fn holder_process() {
         return;
     };
     let mut parts = spec.splitn(3, '|');
-    let (Some(endpoint), Some(key), Some(ttl)) = (parts.next(), parts.next(), parts.next()) else {
+    let (Some(endpoints), Some(key), Some(ttl)) = (parts.next(), parts.next(), parts.next()) else {
         return;
     };
     let ttl = Duration::from_secs(ttl.parse().expect("ttl"));
     let options = EtcdOptions {
         lease_ttl: ttl,
-        request_timeout: ttl / 3,
-        ..EtcdOptions::new([endpoint])
+        request_timeout: (ttl / 3).min(Duration::from_secs(2)),
+        ..EtcdOptions::new(endpoints.split(','))
     };
     let locks = lock_on(options);
     let held = locks.try_acquire(key).await.expect("the holder's lock");
     println!("HELD {}", held.fencing_token());
     held.lost_token().cancelled().await;
-    println!("LOST");
+    println!("LOST {:?}", held.loss_reason());
 }
 
 /// The process's CPU time so far (user and system), to tell waiting from spinning.
@@ -709,4 +718,315 @@ async fn revoking_the_backends_lease_loses_every_hold_at_once() {
         .expect("free at once");
     assert!(next.fencing_token() > holds[0].fencing_token());
     next.release().await.expect("release");
+}
+
+/// Where the history is compacted, counted from the revision of the change (a delete or an
+/// overwrite) that took the holder's key away.
+#[derive(Clone, Copy, Debug)]
+enum Compaction {
+    /// At the change itself. A delete's tombstone goes with the history before it, and a watch
+    /// that starts at the delete's revision is not cancelled, so it never hears of the delete.
+    AtTheChange,
+    /// One revision past the change: a watch from the change's revision is cancelled.
+    OnePast,
+    /// Fifty revisions past it.
+    FarPast,
+}
+
+impl Compaction {
+    const ALL: [Compaction; 3] = [
+        Compaction::AtTheChange,
+        Compaction::OnePast,
+        Compaction::FarPast,
+    ];
+
+    fn writes_after_the_change(self) -> usize {
+        match self {
+            Compaction::AtTheChange => 0,
+            Compaction::OnePast => 1,
+            Compaction::FarPast => 50,
+        }
+    }
+}
+
+/// How soon a holder whose key was taken away while its watch could not hear it must say it
+/// lost, once it can hear again: the watch stream reopens after a backoff of 50 ms doubling
+/// (a member that refuses is passed over at once), its watches are created again, and a hold
+/// whose history is gone reads its key. The next renewal is ten seconds away.
+const LOSS_BOUND: Duration = Duration::from_secs(3);
+
+/// A holder's lines to the cluster, one fault proxy per member, in member order.
+struct Lines(Vec<FaultProxy>);
+
+impl Lines {
+    async fn to(cluster: &EtcdCluster) -> Lines {
+        let mut lines = Vec::new();
+        for index in 0..cluster.size() {
+            lines.push(FaultProxy::to_port(port_of(&cluster.endpoint(index))).await);
+        }
+        Lines(lines)
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        self.0
+            .iter()
+            .map(|line| format!("http://127.0.0.1:{}", line.port()))
+            .collect()
+    }
+
+    /// The member the holder talks to: a backend sends everything to one member while it
+    /// answers.
+    fn in_use(&self) -> usize {
+        let open: Vec<usize> = (0..self.0.len())
+            .filter(|&index| self.0[index].connections_open() > 0)
+            .collect();
+        assert_eq!(open.len(), 1, "the holder talks to one member: {open:?}");
+        open[0]
+    }
+
+    fn set_fault(&self, fault: Fault) {
+        for line in &self.0 {
+            line.set_fault(fault);
+        }
+    }
+}
+
+/// Waits until member `index` itself serves a watcher: the holder's watch is live there.
+async fn until_watched_at(cluster: &EtcdCluster, index: usize) {
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while cluster.watchers(index).await == 0 {
+        assert!(Instant::now() < give_up, "member {index} serves no watch");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The holder's key of the lock `key` (the only key in its directory) and its create revision.
+async fn holder_key(client: &mut etcd_client::Client, key: &str) -> (Vec<u8>, i64) {
+    let directory = lockingkit::keys::EtcdLockKeys::lock_directory("lockingkit/", key);
+    let found = client
+        .get(
+            directory,
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .expect("get");
+    assert_eq!(found.kvs().len(), 1, "one holder, nobody queued");
+    let kv = &found.kvs()[0];
+    (kv.key().to_vec(), kv.create_revision())
+}
+
+/// How another client takes the holder's key away.
+#[derive(Clone, Copy, Debug)]
+enum Taken {
+    Deleted,
+    Overwritten,
+}
+
+/// Takes the holder's key away through `client` as the first write since the key was created,
+/// then compacts the history as `compaction` says, physically: the member no longer has the
+/// history when it answers.
+async fn take_and_compact(
+    client: &mut etcd_client::Client,
+    key: &[u8],
+    created: i64,
+    taken: Taken,
+    compaction: Compaction,
+) {
+    let header = match taken {
+        Taken::Deleted => client
+            .delete(key, None)
+            .await
+            .expect("delete")
+            .take_header(),
+        Taken::Overwritten => client
+            .put(key, "someone else", None)
+            .await
+            .expect("put")
+            .take_header(),
+    };
+    let taken_at = header.expect("a header").revision();
+    assert_eq!(
+        taken_at,
+        created + 1,
+        "the key is taken by the first write after the acquire"
+    );
+    let mut compact_at = taken_at;
+    for i in 0..compaction.writes_after_the_change() {
+        let put = client
+            .put("chaos-filler", i.to_string(), None)
+            .await
+            .expect("put");
+        compact_at = put.header().expect("a header").revision();
+    }
+    client
+        .compact(
+            compact_at,
+            Some(etcd_client::CompactionOptions::new().with_physical()),
+        )
+        .await
+        .expect("compact");
+}
+
+/// Kills the member the holder talks to and deletes or overwrites its key through another,
+/// compacting the history at, one past or far past that write, while the holder cannot hear it
+/// (its lines blackholed, as for a paused process), or after its watch moved to another
+/// member. Whenever it can hear again, the holder is told it lost — `LeaseGone`, within a few
+/// hundred milliseconds, not at its next renewal (or never) — and the key is free for another
+/// process (an overwritten key is deleted by the lost hold's clean-up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_key_taken_while_its_member_is_down_is_loss_whatever_the_compaction() {
+    let mut cluster = EtcdCluster::three().await;
+    let lines = Lines::to(&cluster).await;
+    let ttl = Duration::from_secs(30);
+    let cases = [true, false].into_iter().flat_map(|cut_off| {
+        [Taken::Deleted, Taken::Overwritten]
+            .into_iter()
+            .flat_map(move |taken| Compaction::ALL.map(|compaction| (cut_off, taken, compaction)))
+    });
+    for (cut_off, taken, compaction) in cases {
+        let case = format!("cut off: {cut_off}, {taken:?}, compacted {compaction:?}");
+        let locks = lock_on(EtcdOptions {
+            endpoints: lines.endpoints(),
+            ..cluster.options(ttl)
+        });
+        let key = unique_prefix("compacted");
+        let held = locks.try_acquire(&key).await.expect("lock");
+        let member = lines.in_use();
+        until_watched_at(&cluster, member).await;
+        let elsewhere = (member + 1) % cluster.size();
+        let mut other = cluster.client_of(elsewhere).await;
+        let (holder_key, created) = holder_key(&mut other, &key).await;
+        if cut_off {
+            lines.set_fault(Fault::Blackhole);
+        }
+        cluster.kill(member);
+        // It may have led: the delete goes to the next leader.
+        cluster.leader().await;
+        if !cut_off {
+            // The hold's watch moves to a member that still runs before anything happens.
+            let moved = Instant::now() + Duration::from_secs(10);
+            while cluster.watchers(elsewhere).await == 0
+                && cluster.watchers((member + 2) % cluster.size()).await == 0
+            {
+                assert!(Instant::now() < moved, "{case}: the watch did not move");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        // From when the holder can hear again: at once if its watch moved, else once its
+        // lines pass.
+        let mut heard = Instant::now();
+        take_and_compact(&mut other, &holder_key, created, taken, compaction).await;
+        if cut_off {
+            heard = Instant::now();
+            lines.set_fault(Fault::Pass);
+        }
+        let lost = tokio::time::timeout(LOSS_BOUND, held.lost_token().cancelled()).await;
+        let after = heard.elapsed();
+        eprintln!("{case}: lost after {after:?}");
+        assert!(lost.is_ok(), "{case}: still held {after:?} later");
+        assert_eq!(
+            held.loss_reason(),
+            Some(lockingkit::LossReason::LeaseGone),
+            "{case}"
+        );
+        // An overwritten key is on no lease any more: only the lost hold's release frees it.
+        let next = lock_on(cluster.options(ttl))
+            .acquire(&key, Duration::from_secs(5))
+            .await
+            .expect("the key is free");
+        assert!(next.fencing_token() > held.fencing_token());
+        assert!(!held.is_held());
+        next.release().await.expect("release");
+        drop(held);
+        locks
+            .shutdown(Duration::from_secs(5))
+            .await
+            .expect("shutdown");
+        cluster.restart(member).await;
+        cluster.until_serving().await;
+    }
+}
+
+/// The scenario as another program saw it: a holder process is paused (SIGSTOP), its member is
+/// killed, its key deleted through another member and the history compacted at, one past or far
+/// past the delete; the holder resumes. It reports the loss within the bound, whatever the
+/// compaction, while another process takes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_holder_whose_key_was_deleted_and_compacted_away_reports_the_loss() {
+    let mut cluster = EtcdCluster::three().await;
+    let lines = Lines::to(&cluster).await;
+    let ttl = Duration::from_secs(30);
+    for compaction in Compaction::ALL {
+        let key = unique_prefix("paused-compacted");
+        let (child, output) = spawn_holder_at(&lines.endpoints(), &key, ttl);
+        let mut output = output_lines(output);
+        let token: u64 = line_within(&mut output, "HELD", Duration::from_secs(10))
+            .await
+            .expect("the holder holds")
+            .parse()
+            .expect("a token");
+        let member = lines.in_use();
+        until_watched_at(&cluster, member).await;
+        let elsewhere = (member + 1) % cluster.size();
+        let mut other = cluster.client_of(elsewhere).await;
+        let (holder_key, created) = holder_key(&mut other, &key).await;
+        assert_eq!(u64::try_from(created).ok(), Some(token));
+        child.signal(libc::SIGSTOP);
+        cluster.kill(member);
+        // It may have led: the delete goes to the next leader.
+        cluster.leader().await;
+        take_and_compact(&mut other, &holder_key, created, Taken::Deleted, compaction).await;
+        let resumed = Instant::now();
+        child.signal(libc::SIGCONT);
+        let next = lock_on(cluster.options(ttl))
+            .try_acquire(&key)
+            .await
+            .expect("the key is free");
+        let lost = line_within(&mut output, "LOST", LOSS_BOUND).await;
+        let after = resumed.elapsed();
+        eprintln!("paused, compacted {compaction:?}: lost after {after:?}");
+        assert_eq!(
+            lost.as_deref(),
+            Some("Some(LeaseGone)"),
+            "compacted {compaction:?}: the resumed holder did not report the loss within {LOSS_BOUND:?}"
+        );
+        assert!(next.fencing_token() > token);
+        next.release().await.expect("release");
+        drop(child);
+        cluster.restart(member).await;
+        cluster.until_serving().await;
+    }
+}
+
+/// A holder's output, line by line, read on a thread of its own so that a test can wait for a
+/// line with a timeout.
+fn output_lines(lines: BufReader<ChildStdout>) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (send, receive) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in lines.lines() {
+            let Ok(line) = line else { return };
+            if send.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    receive
+}
+
+/// What follows `word` on the next line that says it, if one comes within `within`.
+async fn line_within(
+    output: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    word: &str,
+    within: Duration,
+) -> Option<String> {
+    let found = tokio::time::timeout(within, async {
+        while let Some(line) = output.recv().await {
+            // libtest writes `test holder_process ... ` before the test's own output.
+            if let Some((_, rest)) = line.split_once(word) {
+                return Some(rest.trim().to_owned());
+            }
+        }
+        None
+    });
+    found.await.ok().flatten()
 }

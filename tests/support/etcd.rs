@@ -400,6 +400,42 @@ impl EtcdCluster {
         }
     }
 
+    /// A plain etcd client of member `index` alone (as `root` when authentication is on):
+    /// another program writing through that one member.
+    pub async fn client_of(&self, index: usize) -> Client {
+        let options = match self.auth {
+            Auth::Off => None,
+            Auth::Root { .. } => Some(ConnectOptions::new().with_user("root", ROOT_PASSWORD)),
+        };
+        Client::connect([self.endpoint(index)], options)
+            .await
+            .expect("an etcd client of one member")
+    }
+
+    /// How many watchers member `index` serves now, as the member itself counts them (its
+    /// `etcd_debugging_mvcc_watcher_total` gauge on the client port's `/metrics`).
+    pub async fn watchers(&self, index: usize) -> u64 {
+        let metrics = http_get(self.members[index].client_port, "/metrics").await;
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("etcd_debugging_mvcc_watcher_total "))
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .map_or(0, |value| value as u64)
+    }
+
+    /// How many logins the members refused (wrong user or password), as they logged them:
+    /// each is a password hash etcd computed for nothing.
+    pub fn failed_logins(&self) -> usize {
+        (0..self.members.len())
+            .map(|index| {
+                self.log(index)
+                    .lines()
+                    .filter(|line| line.contains("invalid authentication was requested"))
+                    .count()
+            })
+            .sum()
+    }
+
     /// What member `index` has logged (warnings and errors only).
     pub fn log(&self, index: usize) -> String {
         fs::read_to_string(self.members[index].data.join("etcd.log")).unwrap_or_default()
@@ -443,6 +479,27 @@ impl Drop for EtcdCluster {
             self.kill(index);
         }
         let _ = fs::remove_dir_all(&self.root);
+    }
+}
+
+/// The body of a plain HTTP/1.0 GET of `path` on the loopback `port` (empty if it fails).
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port)).await?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+            .await?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await?;
+        io::Result::Ok(answer)
+    };
+    match tokio::time::timeout(Duration::from_secs(2), exchange).await {
+        Ok(Ok(answer)) => answer
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .unwrap_or_default(),
+        _ => String::new(),
     }
 }
 

@@ -92,7 +92,12 @@ impl Inner {
         }
         turn?;
         Ok(match held {
-            Some(place) => Found::Held(self.lease(place.key, place.revision, place.generation)),
+            // A place is written once (never sent again), and becomes the hold as it is.
+            Some(place) => Found::Held(self.lease(
+                place.key,
+                (place.revision, place.revision),
+                place.generation,
+            )),
             None => Found::Busy,
         })
     }
@@ -171,10 +176,10 @@ impl Inner {
             let earlier = gets(&answer)
                 .first()
                 .and_then(|own| own.first())
-                .map(KeyValue::create_revision);
+                .map(|kv| (kv.create_revision(), kv.mod_revision()));
             return Ok(match earlier {
-                Some(revision) if revision > 0 => {
-                    Found::Held(self.lease(key, revision, generation.clone()))
+                Some(revisions) if revisions.0 > 0 => {
+                    Found::Held(self.lease(key, revisions, generation.clone()))
                 }
                 _ => Found::Busy,
             });
@@ -182,7 +187,11 @@ impl Inner {
         // The put is the transaction's only write: the key's create revision is the
         // transaction's revision.
         let revision = self.written_revision(&answer, &key, generation)?;
-        Ok(Found::Held(self.lease(key, revision, generation.clone())))
+        Ok(Found::Held(self.lease(
+            key,
+            (revision, revision),
+            generation.clone(),
+        )))
     }
 
     /// A semaphore holder: a key of its own, kept if it is among the `max_count` oldest.
@@ -238,14 +247,15 @@ impl Inner {
             return Ok(Found::LeaseGone);
         };
         self.written_revision(&answer, &slot, generation)?;
+        // A put sent again rewrote the slot: the watch starts at that write, not its creation.
         let admitted = gets(&answer).first().and_then(|oldest| {
             oldest
                 .iter()
                 .find(|k| k.key() == slot.as_slice())
-                .map(KeyValue::create_revision)
+                .map(|kv| (kv.create_revision(), kv.mod_revision()))
         });
-        if let Some(revision) = admitted.filter(|revision| *revision > 0) {
-            return Ok(Found::Held(self.lease(slot, revision, generation.clone())));
+        if let Some(revisions) = admitted.filter(|(created, _)| *created > 0) {
+            return Ok(Found::Held(self.lease(slot, revisions, generation.clone())));
         }
         // Older holders filled it between the count and the transaction: give the key back.
         self.delete_or_later(Stray {
@@ -316,13 +326,14 @@ impl Inner {
             return Err(BackendError::lease_gone("the lock was already released"));
         }
         lease.unwatch(self);
+        let key = &lease.held.key;
         let delete = Txn::new()
             .when([Compare::create_revision(
-                lease.key.clone(),
+                key.clone(),
                 CompareOp::Equal,
-                lease.revision,
+                lease.held.created,
             )])
-            .and_then([TxnOp::delete(lease.key.clone(), None)]);
+            .and_then([TxnOp::delete(key.clone(), None)]);
         match send_txn(&self.members, "release", Resend::Idempotent, delete).await {
             Ok(answer) => {
                 lease.settle();
@@ -347,7 +358,7 @@ impl Inner {
         self: &Arc<Self>,
         lease: EtcdLease,
     ) -> Result<Acquired<EtcdLease>, BackendError> {
-        match u64::try_from(lease.revision) {
+        match u64::try_from(lease.held.created) {
             Ok(fencing_token) if fencing_token > 0 => Ok(Acquired {
                 lease,
                 fencing_token,

@@ -1,7 +1,9 @@
 //! How etcd's failures map onto [`BackendError`]s, and what each says about the request: was
 //! it never sent, refused before it could apply, or may it have applied? Messages name the
-//! operation, never a key or a secret: etcd's own messages quote neither, and gRPC metadata is
-//! never shown.
+//! operation and the member's endpoint (which the options validate to carry no user
+//! information), and for a member that could not be reached, the cause as the connection
+//! reported it; never a key or a secret: etcd's own messages quote neither, and gRPC metadata
+//! is never shown.
 
 use etcd_client::Error;
 use tonic::Code;
@@ -37,18 +39,25 @@ pub(super) struct Failure {
     pub(super) next: Next,
     /// The member itself failed (unreachable, no answer, no leader), as opposed to answering.
     pub(super) member_failed: bool,
+    /// The member refused to authenticate us (wrong user or password, or no user where
+    /// authentication is on). Every member would say the same (users are cluster state), and
+    /// each login costs the server a password hash: the member is asked again only after its
+    /// backoff, and the others are not asked instead.
+    pub(super) credentials_refused: bool,
 }
 
 impl Failure {
-    /// A request that went unanswered within `timeout`: it may have applied.
-    pub(super) fn timed_out(what: &'static str, timeout: std::time::Duration) -> Self {
+    /// A request to the member at `at` that went unanswered within `timeout`: it may have
+    /// applied.
+    pub(super) fn timed_out(what: &'static str, at: &str, timeout: std::time::Duration) -> Self {
         Failure {
             error: BackendError::unreachable(format!(
-                "etcd did not answer the {what} within {timeout:?}"
+                "etcd at {at} did not answer the {what} within {timeout:?}"
             )),
             effect: Effect::Unknown,
             next: Next::Answer,
             member_failed: true,
+            credentials_refused: false,
         }
     }
 
@@ -59,7 +68,13 @@ impl Failure {
             effect: Effect::None,
             next: Next::Answer,
             member_failed: false,
+            credentials_refused: false,
         }
+    }
+
+    /// Whether the member's gate should hold it back for its backoff.
+    pub(super) fn holds_member_back(&self) -> bool {
+        self.member_failed || self.credentials_refused
     }
 
     /// Whether the request certainly did nothing.
@@ -87,7 +102,7 @@ mod message {
     pub(super) const INVALID_AUTH_TOKEN: &str = "invalid auth token";
     /// The token predates a change of users or roles: refused before anything applied.
     pub(super) const AUTH_OLD_REVISION: &str = "revision of auth store is old";
-    /// Wrong user or password.
+    /// Wrong user or password (etcd does not say which).
     pub(super) const AUTH_FAILED: &str = "authentication failed";
     /// Authentication is on and the request carried no user.
     pub(super) const USER_EMPTY: &str = "user name is empty";
@@ -114,15 +129,19 @@ pub(super) fn is_lease_not_found(error: &Error) -> bool {
         || matches!(error, Error::LeaseKeepAliveError(message) if message.contains("lease not found"))
 }
 
-/// What a failed request means.
-pub(super) fn classify(what: &'static str, error: Error) -> Failure {
+/// What a failed request to the member at `at` means.
+pub(super) fn classify(what: &'static str, at: &str, error: Error) -> Failure {
     if never_sent(&error) {
         return Failure {
-            error: BackendError::unreachable(format!("etcd could not be reached for the {what}"))
-                .with_source(error),
+            error: BackendError::unreachable(format!(
+                "etcd at {at} could not be reached for the {what}: {}",
+                cause(&error)
+            ))
+            .with_source(error),
             effect: Effect::None,
             next: Next::OtherMember,
             member_failed: true,
+            credentials_refused: false,
         };
     }
     if is_lease_not_found(&error) {
@@ -133,24 +152,51 @@ pub(super) fn classify(what: &'static str, error: Error) -> Failure {
         );
     }
     let failure = match &error {
-        Error::GRpcStatus(status) => from_status(what, status),
-        Error::IoError(_) => unanswered(format!("etcd could not be reached for the {what}")),
+        Error::GRpcStatus(status) => from_status(what, at, status),
+        Error::IoError(_) => unanswered(format!(
+            "etcd at {at} could not be reached for the {what}: {}",
+            cause(&error)
+        )),
         Error::InvalidArgs(_) | Error::InvalidUri(_) | Error::EndpointError(_) => answered(
             BackendError::misconfigured(format!("etcd refused the {what} as invalid")),
             Effect::None,
         ),
         // The watch and keep-alive streams ended under us: the connection went away.
-        Error::WatchError(_) | Error::LeaseKeepAliveError(_) => {
-            unanswered(format!("the etcd stream for the {what} ended"))
-        }
+        Error::WatchError(_) | Error::LeaseKeepAliveError(_) => unanswered(format!(
+            "the etcd stream for the {what} at {at} ended: {}",
+            cause(&error)
+        )),
         _ => answered(
-            BackendError::permanent(format!("unexpected etcd failure in the {what}")),
+            BackendError::permanent(format!("unexpected etcd failure in the {what} at {at}")),
             Effect::Unknown,
         ),
     };
     Failure {
         error: failure.error.with_source(error),
         ..failure
+    }
+}
+
+/// Why a connection failed, as the transport said it: a gRPC status's message (never its
+/// metadata) or an I/O or transport error, and the root of its causes (the layers between
+/// mostly repeat one another).
+fn cause(error: &Error) -> String {
+    use std::error::Error as _;
+    let (text, mut source) = match error {
+        Error::GRpcStatus(status) => (status.message().to_owned(), status.source()),
+        Error::IoError(io) => (io.to_string(), io.source()),
+        Error::TransportError(transport) => (transport.to_string(), transport.source()),
+        Error::WatchError(message) | Error::LeaseKeepAliveError(message) => (message.clone(), None),
+        _ => ("unknown cause".to_owned(), None),
+    };
+    let mut root = None;
+    while let Some(inner) = source {
+        root = Some(inner);
+        source = inner.source();
+    }
+    match root.map(ToString::to_string) {
+        Some(root) if !text.contains(&root) => format!("{text}: {root}"),
+        _ => text,
     }
 }
 
@@ -161,6 +207,7 @@ fn answered(error: BackendError, effect: Effect) -> Failure {
         effect,
         next: Next::Answer,
         member_failed: false,
+        credentials_refused: false,
     }
 }
 
@@ -171,25 +218,36 @@ fn unanswered(message: String) -> Failure {
         effect: Effect::Unknown,
         next: Next::Answer,
         member_failed: true,
+        credentials_refused: false,
     }
 }
 
-fn from_status(what: &'static str, status: &tonic::Status) -> Failure {
+/// The member would not authenticate us: nothing applied (see
+/// [`Failure::credentials_refused`]).
+fn login_refused(message: String) -> Failure {
+    Failure {
+        credentials_refused: true,
+        ..answered(BackendError::misconfigured(message), Effect::None)
+    }
+}
+
+fn from_status(what: &'static str, at: &str, status: &tonic::Status) -> Failure {
     let text = status.message();
     // Statuses etcd itself sends carry its `etcdserver:` prefix; tonic makes up the others
     // when a connection fails under a request.
     if !text.starts_with("etcdserver:") {
         return match status.code() {
             Code::Unauthenticated | Code::PermissionDenied => refused_credentials(what, status),
-            _ => unanswered(format!("etcd failed the {what}: {text}")),
+            _ => unanswered(format!("etcd at {at} failed the {what}: {text}")),
         };
     }
     if text.contains(message::NO_LEADER) {
         return Failure {
-            error: BackendError::transient(format!("etcd failed the {what}: {text}")),
+            error: BackendError::transient(format!("etcd at {at} failed the {what}: {text}")),
             effect: Effect::None,
             next: Next::OtherMember,
             member_failed: true,
+            credentials_refused: false,
         };
     }
     let refused_before_applying = [
@@ -204,11 +262,16 @@ fn from_status(what: &'static str, status: &tonic::Status) -> Failure {
             Effect::None,
         );
     }
-    if text.contains(message::AUTH_FAILED) || text.contains(message::USER_EMPTY) {
-        return answered(
-            BackendError::misconfigured(format!("etcd refused the credentials for the {what}")),
-            Effect::None,
-        );
+    if text.contains(message::AUTH_FAILED) {
+        return login_refused(format!(
+            "etcd refused the credentials for the {what}: wrong user or password"
+        ));
+    }
+    if text.contains(message::USER_EMPTY) {
+        return login_refused(format!(
+            "etcd has authentication on and the options name no user (set `user` and \
+             `password`): it refused the {what}"
+        ));
     }
     match status.code() {
         Code::Unauthenticated | Code::PermissionDenied => refused_credentials(what, status),
@@ -240,6 +303,8 @@ mod tests {
     use super::*;
     use crate::backend::BackendErrorKind;
 
+    const AT: &str = "http://10.0.0.1:2379";
+
     fn status(code: Code, message: &str) -> Error {
         Error::GRpcStatus(tonic::Status::new(code, message))
     }
@@ -252,6 +317,7 @@ mod tests {
     fn an_expired_token_is_transient_and_did_nothing() {
         let failure = classify(
             "lock attempt",
+            AT,
             status(Code::Unauthenticated, "etcdserver: invalid auth token"),
         );
         assert_eq!(
@@ -272,10 +338,64 @@ mod tests {
             status(Code::PermissionDenied, "etcdserver: permission denied"),
             status(Code::InvalidArgument, "etcdserver: user name is empty"),
         ] {
-            let failure = classify("lock attempt", error);
+            let failure = classify("lock attempt", AT, error);
             assert_eq!(kind(&failure), BackendErrorKind::Misconfigured);
             assert_eq!(failure.effect, Effect::None);
         }
+    }
+
+    #[test]
+    fn a_refused_login_holds_the_member_back_and_a_refused_permission_does_not() {
+        let wrong = classify(
+            "connection",
+            AT,
+            status(
+                Code::InvalidArgument,
+                "etcdserver: authentication failed, invalid user ID or password",
+            ),
+        );
+        assert!(wrong.credentials_refused && wrong.holds_member_back());
+        assert_eq!(wrong.next, Next::Answer, "every member would refuse it");
+        let no_user = classify(
+            "lock attempt",
+            AT,
+            status(Code::InvalidArgument, "etcdserver: user name is empty"),
+        );
+        assert!(no_user.credentials_refused);
+        assert!(
+            no_user.error.message().contains("no user"),
+            "{}",
+            no_user.error.message()
+        );
+        assert!(!no_user.error.message().contains("refused the credentials"));
+        let denied = classify(
+            "lock attempt",
+            AT,
+            status(Code::PermissionDenied, "etcdserver: permission denied"),
+        );
+        assert!(
+            !denied.holds_member_back(),
+            "the member answered the request"
+        );
+    }
+
+    #[test]
+    fn a_member_that_cannot_be_reached_is_named_with_the_cause() {
+        let down = classify(
+            "lock attempt",
+            AT,
+            status(
+                Code::Unavailable,
+                "tcp connect error: Connection refused (os error 111)",
+            ),
+        );
+        assert_eq!(
+            down.error.message(),
+            "etcd at http://10.0.0.1:2379 could not be reached for the lock attempt: tcp \
+             connect error: Connection refused (os error 111)"
+        );
+        let silent = Failure::timed_out("lease grant", AT, std::time::Duration::from_secs(5));
+        assert!(silent.error.message().contains(AT));
     }
 
     #[test]
@@ -286,7 +406,7 @@ mod tests {
             "etcdserver: request timed out, possibly due to previous leader failure",
             "etcdserver: server stopped",
         ] {
-            let failure = classify("lock attempt", status(Code::Unavailable, message));
+            let failure = classify("lock attempt", AT, status(Code::Unavailable, message));
             assert_eq!(
                 kind(&failure),
                 BackendErrorKind::Transient { reached: true }
@@ -295,6 +415,7 @@ mod tests {
         }
         let cut = classify(
             "lock attempt",
+            AT,
             status(Code::Unavailable, "error trying to connect: broken pipe"),
         );
         assert_eq!(cut.effect, Effect::Unknown);
@@ -305,12 +426,14 @@ mod tests {
     fn a_member_without_leader_or_connection_sends_the_request_elsewhere() {
         let no_leader = classify(
             "lock attempt",
+            AT,
             status(Code::Unavailable, "etcdserver: no leader"),
         );
         assert_eq!(no_leader.next, Next::OtherMember);
         assert_eq!(no_leader.effect, Effect::None);
         let down = classify(
             "lock attempt",
+            AT,
             status(Code::Unavailable, "tcp connect error: Connection refused"),
         );
         assert_eq!(down.next, Next::OtherMember);
@@ -322,6 +445,7 @@ mod tests {
     fn a_missing_lease_is_lease_gone_and_did_nothing() {
         let failure = classify(
             "lock attempt",
+            AT,
             status(Code::NotFound, "etcdserver: requested lease not found"),
         );
         assert_eq!(kind(&failure), BackendErrorKind::LeaseGone);

@@ -44,8 +44,12 @@ pub(super) struct SharedLease {
     ttl: Duration,
     timeout: Duration,
     current: Mutex<Option<Arc<LeaseGeneration>>>,
-    /// One grant in flight at a time.
-    granting: tokio::sync::Mutex<()>,
+    /// One grant in flight at a time; how the latest one failed, for the callers that queued
+    /// behind it.
+    granting: tokio::sync::Mutex<Option<BackendError>>,
+    /// Grants that failed so far: a caller that finds it moved while it queued for
+    /// [`granting`](Self::granting) is told that failure instead of granting again.
+    failed_grants: AtomicU64,
 }
 
 /// One granted lease. Its keys live exactly as long as it does.
@@ -63,9 +67,16 @@ pub(super) struct LeaseGeneration {
 
 #[derive(Default)]
 struct KeepAlive {
-    stream: Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    stream: Option<KeepAliveStream>,
     /// When the latest keep-alive (or the grant) that the server answered was sent.
     last_sent_ok: Option<Instant>,
+}
+
+/// The lease's keep-alive stream, open on the member at `at`.
+struct KeepAliveStream {
+    keeper: LeaseKeeper,
+    answers: LeaseKeepAliveStream,
+    at: String,
 }
 
 impl SharedLease {
@@ -75,7 +86,8 @@ impl SharedLease {
             ttl,
             timeout,
             current: Mutex::new(None),
-            granting: tokio::sync::Mutex::new(()),
+            granting: tokio::sync::Mutex::new(None),
+            failed_grants: AtomicU64::new(0),
         }
     }
 
@@ -109,7 +121,8 @@ impl SharedLease {
                 Err(error) => return Err(error),
             }
         }
-        let _one_grant = tokio::time::timeout(self.timeout, self.granting.lock())
+        let failures_before = self.failed_grants.load(Ordering::Acquire);
+        let mut latest_failure = tokio::time::timeout(self.timeout, self.granting.lock())
             .await
             .map_err(|_| {
                 BackendError::unreachable(format!(
@@ -117,14 +130,30 @@ impl SharedLease {
                     self.timeout
                 ))
             })?;
-        // Another caller may have granted while we queued.
+        // Another caller may have granted while we queued, or failed to: its answer is ours.
         if let Some(generation) = self.current() {
             generation.refresh(members, asked).await?;
             return Ok(generation);
         }
-        let generation = Arc::new(self.grant(members).await?);
-        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(generation.clone());
-        Ok(generation)
+        if self.failed_grants.load(Ordering::Acquire) != failures_before {
+            if let Some(failure) = latest_failure.as_ref() {
+                return Err(failure.clone());
+            }
+        }
+        match self.grant(members).await {
+            Ok(generation) => {
+                let generation = Arc::new(generation);
+                *self.current.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some(generation.clone());
+                *latest_failure = None;
+                Ok(generation)
+            }
+            Err(failure) => {
+                *latest_failure = Some(failure.clone());
+                self.failed_grants.fetch_add(1, Ordering::AcqRel);
+                Err(failure)
+            }
+        }
     }
 
     async fn grant(&self, members: &Members) -> Result<LeaseGeneration, BackendError> {
@@ -249,9 +278,12 @@ impl LeaseGeneration {
             }
             Err(_) => {
                 // A late answer on this stream would be taken for the next request's.
-                keep_alive.stream = None;
+                let at = keep_alive.stream.take().map_or_else(
+                    || "etcd".to_owned(),
+                    |stream| format!("etcd at {}", stream.at),
+                );
                 Err(BackendError::unreachable(format!(
-                    "etcd did not answer the lease keep-alive within {:?}",
+                    "{at} did not answer the lease keep-alive within {:?}",
                     self.timeout
                 )))
             }
@@ -265,27 +297,33 @@ impl LeaseGeneration {
         members: &Members,
         keep_alive: &mut KeepAlive,
     ) -> Result<(), BackendError> {
-        let Some((keeper, stream)) = keep_alive.stream.as_mut() else {
+        let Some(open) = keep_alive.stream.as_mut() else {
             let lent = members.lend().await?;
+            let at = lent.endpoint().to_owned();
             let mut leases = lent.client.lease_client();
             return match leases.keep_alive(self.id).await {
-                Ok(opened) => {
+                Ok((keeper, answers)) => {
                     lent.answered();
-                    keep_alive.stream = Some(opened);
+                    keep_alive.stream = Some(KeepAliveStream {
+                        keeper,
+                        answers,
+                        at,
+                    });
                     Ok(())
                 }
                 Err(error) => {
-                    let failure = self.failed(error);
+                    let failure = self.failed(&at, error);
                     lent.failed(&failure);
                     Err(failure.error)
                 }
             };
         };
-        keeper
+        let at = &open.at;
+        open.keeper
             .keep_alive()
             .await
-            .map_err(|e| self.failed(e).error)?;
-        match stream.message().await {
+            .map_err(|e| self.failed(at, e).error)?;
+        match open.answers.message().await {
             Ok(Some(answer)) if answer.ttl() > 0 => Ok(()),
             Ok(Some(_)) => {
                 self.mark_gone();
@@ -293,18 +331,18 @@ impl LeaseGeneration {
                     "etcd says the lease expired or was revoked",
                 ))
             }
-            Ok(None) => Err(BackendError::unreachable(
-                "the etcd keep-alive stream ended",
-            )),
-            Err(error) => Err(self.failed(error).error),
+            Ok(None) => Err(BackendError::unreachable(format!(
+                "the etcd keep-alive stream at {at} ended"
+            ))),
+            Err(error) => Err(self.failed(at, error).error),
         }
     }
 
-    fn failed(&self, error: etcd_client::Error) -> Failure {
+    fn failed(&self, at: &str, error: etcd_client::Error) -> Failure {
         if errors::is_lease_not_found(&error) {
             self.mark_gone();
         }
-        errors::classify("lease keep-alive", error)
+        errors::classify("lease keep-alive", at, error)
     }
 }
 

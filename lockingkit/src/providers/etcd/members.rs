@@ -11,7 +11,11 @@
 //!   request timeout, or answered that it has no leader) is not asked again until its backoff
 //!   has passed, [`FIRST_DELAY`] doubling to [`MOST_DELAY`] with equal jitter, and then by one
 //!   request at a time (its probe): **one connect in flight per member**, never a reconnect per
-//!   request;
+//!   request. Callers queued behind a connect (and its login) that failed are told its failure
+//!   instead of connecting again;
+//! - a member that refused our credentials is held back the same way, and while it is, the
+//!   refusal is every caller's answer: users are cluster state, so the other members would
+//!   refuse them too, and each login costs the server a password hash;
 //! - a request that a member could not serve *and that did nothing* (never sent, or refused
 //!   for want of a leader) is sent to the next member, after a pause that grows from
 //!   [`FIRST_RESEND_PAUSE`]: at most one try per member, within the one request timeout. A
@@ -25,7 +29,7 @@
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,8 +37,8 @@ use etcd_client::{Client, ConnectOptions};
 use tokio::time::Instant;
 
 use super::errors::{classify, Effect, Failure, Next};
-use crate::backend::BackendError;
-use crate::health::{Admission, Health, Probe};
+use crate::backend::{BackendError, BackendErrorKind};
+use crate::health::{Admission, Health, Probe, Refusal};
 
 /// How long after a member failed it may be asked again (its first probe).
 pub(super) const FIRST_DELAY: Duration = Duration::from_millis(100);
@@ -69,8 +73,18 @@ struct Member {
     endpoint: String,
     connect: ConnectOptions,
     /// Made on first use (authenticating, when the options name a user), one at a time.
-    client: tokio::sync::Mutex<Option<Client>>,
+    connection: tokio::sync::Mutex<Connection>,
+    /// Connects (and logins) that failed so far: a caller that finds it moved while it queued
+    /// for [`connection`](Self::connection) shares the failure instead of connecting again.
+    failed_connects: AtomicU64,
     health: Arc<Health>,
+}
+
+#[derive(Default)]
+struct Connection {
+    client: Option<Client>,
+    /// How the latest connect failed.
+    failed: Option<Failure>,
 }
 
 /// A member's client, lent for one request or one stream. Report how it went with
@@ -91,7 +105,8 @@ impl Members {
             .map(|endpoint| Member {
                 endpoint: endpoint.clone(),
                 connect: connect.clone(),
-                client: tokio::sync::Mutex::new(None),
+                connection: tokio::sync::Mutex::default(),
+                failed_connects: AtomicU64::new(0),
                 health: Arc::new(Health::new(FIRST_DELAY, MOST_DELAY)),
             })
             .collect();
@@ -115,7 +130,7 @@ impl Members {
     pub(super) fn clients(&self) -> usize {
         self.members
             .iter()
-            .filter(|m| m.client.try_lock().is_ok_and(|c| c.is_some()))
+            .filter(|m| m.connection.try_lock().is_ok_and(|c| c.client.is_some()))
             .count()
     }
 
@@ -157,8 +172,8 @@ impl Members {
                         lent.answered();
                         return Ok(value);
                     }
-                    Ok(Err(error)) => classify(what, error),
-                    Err(_) => Failure::timed_out(what, self.timeout),
+                    Ok(Err(error)) => classify(what, lent.endpoint(), error),
+                    Err(_) => Failure::timed_out(what, lent.endpoint(), self.timeout),
                 };
             lent.failed(&failure);
             let elsewhere = match resend {
@@ -198,6 +213,8 @@ impl Members {
         let count = self.members.len();
         let start = self.preferred.load(Ordering::Relaxed);
         let mut refusal = None;
+        // A member that could not be connected to, for the caller if no other one can be.
+        let mut unreachable = None;
         for offset in 0..count {
             let index = (start + offset) % count;
             if tried.contains(&index) {
@@ -207,6 +224,12 @@ impl Members {
             let probe = match member.health.admit() {
                 Admission::Go => None,
                 Admission::Probe(probe) => Some(probe),
+                // Refused credentials are the cluster's answer, not this member's trouble.
+                Admission::Refused(refused)
+                    if refused.cause.kind() == BackendErrorKind::Misconfigured =>
+                {
+                    return Err(Failure::refused(unsent(refused)));
+                }
                 Admission::Refused(refused) => {
                     refusal.get_or_insert(refused);
                     continue;
@@ -226,20 +249,17 @@ impl Members {
                     if failure.next != Next::OtherMember {
                         return Err(failure);
                     }
+                    unreachable = Some(failure);
                 }
             }
         }
-        let now = Instant::now();
-        let message = match refusal {
-            Some(refused) => format!(
-                "{} (no request sent: the etcd members have failed for {:?}; the next is asked in {:?})",
-                refused.cause.message(),
-                now.saturating_duration_since(refused.since),
-                refused.retry_at.saturating_duration_since(now),
-            ),
-            None => "no etcd member could be reached".to_owned(),
-        };
-        Err(Failure::refused(BackendError::unreachable(message)))
+        if let Some(failure) = unreachable {
+            return Err(failure);
+        }
+        Err(Failure::refused(match refusal {
+            Some(refused) => unsent(refused),
+            None => BackendError::unreachable("no etcd member could be reached"),
+        }))
     }
 
     fn prefer(&self, index: usize) {
@@ -255,29 +275,67 @@ impl Members {
     }
 }
 
+/// What a caller is told when no request was sent for it: the latest cause, its kind kept
+/// when it is refused credentials, and when the member is asked again.
+fn unsent(refused: Refusal) -> BackendError {
+    let now = Instant::now();
+    let (since, next) = (
+        now.saturating_duration_since(refused.since),
+        refused.retry_at.saturating_duration_since(now),
+    );
+    if refused.cause.kind() == BackendErrorKind::Misconfigured {
+        let message = format!(
+            "{} (no request sent: etcd has refused them for {since:?}; the next login is in {next:?})",
+            refused.cause.message(),
+        );
+        return refused.cause.with_message(message);
+    }
+    BackendError::unreachable(format!(
+        "{} (no request sent: the etcd members have failed for {since:?}; the next is asked in {next:?})",
+        refused.cause.message(),
+    ))
+}
+
 impl Member {
     /// The member's client, made now if it has none (by one caller at a time, within
-    /// `deadline`; `timeout` is the request timeout, for the message).
+    /// `deadline`; `timeout` is the request timeout, for the message). A caller that queued
+    /// while a connect failed is told that failure: one connect, and one login, per turn.
     async fn client(&self, deadline: Instant, timeout: Duration) -> Result<Client, Failure> {
-        let timeout = || Failure::timed_out("connection", timeout);
-        let mut slot = tokio::time::timeout_at(deadline, self.client.lock())
+        let timeout = || Failure::timed_out("connection", &self.endpoint, timeout);
+        let failures_before = self.failed_connects.load(Ordering::Acquire);
+        let mut slot = tokio::time::timeout_at(deadline, self.connection.lock())
             .await
             .map_err(|_| timeout())?;
-        if let Some(client) = slot.as_ref() {
+        if let Some(client) = slot.client.as_ref() {
             return Ok(client.clone());
         }
+        if self.failed_connects.load(Ordering::Acquire) != failures_before {
+            if let Some(failed) = &slot.failed {
+                return Err(failed.clone());
+            }
+        }
         let connect = Client::connect([self.endpoint.as_str()], Some(self.connect.clone()));
-        let client = match tokio::time::timeout_at(deadline, connect).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(error)) => return Err(classify("connection", error)),
-            Err(_) => return Err(timeout()),
+        let failure = match tokio::time::timeout_at(deadline, connect).await {
+            Ok(Ok(client)) => {
+                slot.client = Some(client.clone());
+                slot.failed = None;
+                return Ok(client);
+            }
+            Ok(Err(error)) => classify("connection", &self.endpoint, error),
+            Err(_) => timeout(),
         };
-        *slot = Some(client.clone());
-        Ok(client)
+        slot.failed = Some(failure.clone());
+        self.failed_connects.fetch_add(1, Ordering::AcqRel);
+        Err(failure)
     }
 }
 
 impl Lent<'_> {
+    /// The lent member's endpoint, for messages.
+    pub(super) fn endpoint(&self) -> &str {
+        &self.members.members[self.index].endpoint
+    }
+
     /// The member answered (whatever it said): it works.
     pub(super) fn answered(self) {
         match self.probe {
@@ -301,10 +359,10 @@ impl Lent<'_> {
     }
 }
 
-/// Tells a member's gate how its request went: a failure of the member (not an answer of its)
-/// starts or extends its backoff.
+/// Tells a member's gate how its request went: a failure of the member, or its refusal of
+/// our credentials (not another answer of its), starts or extends its backoff.
 fn report(health: &Health, probe: Option<Probe>, failure: &Failure) {
-    match (failure.member_failed, probe) {
+    match (failure.holds_member_back(), probe) {
         (true, Some(probe)) => probe.failed(&failure.error),
         (true, None) => {
             health.failed(&failure.error, false);

@@ -30,6 +30,7 @@
 
 mod attempt;
 mod errors;
+mod held;
 mod layout;
 mod lease;
 mod line;
@@ -55,6 +56,7 @@ use crate::config::Problem;
 use crate::error::LockError;
 use crate::MAX_SEMAPHORE_COUNT;
 use attempt::Found;
+use held::HeldKey;
 use lease::{LeaseGeneration, SharedLease};
 use line::{Line, Side, WaitId};
 use members::{Members, Resend};
@@ -162,7 +164,8 @@ impl EtcdBackend {
     }
 
     /// The id of the backend's etcd lease now, if one is granted: every key this backend
-    /// writes is attached to it (`etcdctl lease timetolive --keys`).
+    /// writes is attached to it. etcdctl prints and takes lease ids in hexadecimal, as the
+    /// provider's key names carry it: `etcdctl lease timetolive --keys {id:x}`.
     pub fn lease_id(&self) -> Option<i64> {
         self.inner.lease.current().map(|generation| generation.id)
     }
@@ -277,19 +280,18 @@ impl Inner {
             .sum()
     }
 
-    /// A hold of `key` (created at `revision`) on `generation`.
+    /// A hold of `key` (created at revision `created` and last written by its holder at
+    /// `written`) on `generation`.
     fn lease(
         self: &Arc<Self>,
         key: Vec<u8>,
-        revision: i64,
+        (created, written): (i64, i64),
         generation: Arc<LeaseGeneration>,
     ) -> EtcdLease {
         self.holds.fetch_add(1, Ordering::AcqRel);
         EtcdLease {
-            key,
-            revision,
+            held: Arc::new(HeldKey::new(key, created, written)),
             generation,
-            ended: CancellationToken::new(),
             watch: Mutex::new(None),
             watching: AtomicBool::new(false),
             release_started: AtomicBool::new(false),
@@ -480,11 +482,15 @@ impl LockBackend for EtcdBackend {
     }
 
     /// One keep-alive of the backend's lease vouches for every hold on it (see `lease`). A
-    /// hold whose key someone else deleted or overwrote is gone, whatever the lease says.
+    /// hold whose key someone else deleted or overwrote is gone, whatever the lease says; a
+    /// hold whose watch could not vouch for its key has the key read first (see `held`).
     async fn renew(&self, lease: &EtcdLease) -> Result<(), BackendError> {
         let asked = Instant::now();
         lease.watch_once(&self.inner);
-        if lease.ended.is_cancelled() {
+        if lease.held.doubted() && !lease.held.is_ended() {
+            lease.held.check(&self.inner.members).await?;
+        }
+        if lease.held.is_ended() {
             return Err(BackendError::lease_gone(
                 "the lock's etcd key was deleted or overwritten by another client",
             ));
@@ -511,7 +517,7 @@ impl LockBackend for EtcdBackend {
 
     fn lease_ended(&self, lease: &EtcdLease) -> impl Future<Output = ()> + Send {
         lease.watch_once(&self.inner);
-        let ended = lease.ended.clone();
+        let ended = lease.held.ended().clone();
         let gone = lease.generation.gone().clone();
         async move {
             tokio::select! {
@@ -539,12 +545,9 @@ impl LockBackend for EtcdBackend {
 ///
 /// Dropping a lease whose key was not confirmed deleted deletes it in the background.
 pub struct EtcdLease {
-    key: Vec<u8>,
-    /// The key's create revision: the fencing token.
-    revision: i64,
+    /// The key, its revisions, and whether someone else took it away.
+    held: Arc<HeldKey>,
     generation: Arc<LeaseGeneration>,
-    /// Fires when the watch sees the key deleted or overwritten by someone else.
-    ended: CancellationToken,
     /// The hold's watch, once it has one.
     watch: Mutex<Option<i64>>,
     watching: AtomicBool,
@@ -560,27 +563,26 @@ impl EtcdLease {
     /// [`EtcdLockKeys::lock_directory`](crate::keys::EtcdLockKeys::lock_directory) or
     /// [`EtcdLockKeys::semaphore_directory`](crate::keys::EtcdLockKeys::semaphore_directory)).
     pub fn etcd_key(&self) -> &[u8] {
-        &self.key
+        &self.held.key
     }
 
-    /// The id of the etcd lease the key is attached to.
+    /// The id of the etcd lease the key is attached to (etcdctl writes it in hexadecimal:
+    /// `format!("{id:x}")`).
     pub fn lease_id(&self) -> i64 {
         self.generation.id
     }
 
-    /// Registers the hold's watch, once: from the revision after the key's creation, so a
-    /// change since then is reported even though the watch starts late.
+    /// Registers the hold's watch, once: from the holder's own write of the key, so a change
+    /// since then is reported even though the watch starts late, and history compacted past
+    /// it cancels the watch (see `held`).
     fn watch_once(&self, backend: &Inner) {
         if self.watching.swap(true, Ordering::AcqRel) {
             return;
         }
         let id = backend.watches.add(Interest {
-            key: self.key.clone(),
-            from_revision: self.revision.saturating_add(1),
-            sink: Sink::End {
-                ended: self.ended.clone(),
-                created: self.revision,
-            },
+            key: self.held.key.clone(),
+            from_revision: self.held.written,
+            sink: Sink::End(self.held.clone()),
         });
         *self.watch.lock().unwrap_or_else(PoisonError::into_inner) = Some(id);
     }
@@ -610,9 +612,9 @@ impl EtcdLease {
     /// The key, to delete in the background.
     fn stray(&self) -> Stray {
         Stray {
-            key: self.key.clone(),
+            key: self.held.key.clone(),
             generation: self.generation.clone(),
-            created: Some(self.revision),
+            created: Some(self.held.created),
         }
     }
 }
@@ -622,7 +624,7 @@ impl fmt::Debug for EtcdLease {
         // The key names the lock: keys never reach logs.
         f.debug_struct("EtcdLease")
             .field("lease_id", &self.generation.id)
-            .field("revision", &self.revision)
+            .field("revision", &self.held.created)
             .finish_non_exhaustive()
     }
 }

@@ -3,16 +3,18 @@
 //! deleted) and held keys (ended when someone else deletes or overwrites them).
 //!
 //! Each interest is one watch of one key on the stream, created with a watch id of our choosing
-//! (so the answers need no matching by order) from the revision after the one it already
-//! knows: events in between are replayed by etcd, so registering late misses nothing. The
-//! stream is opened while there is at least one interest and closed when there is none. When it
-//! breaks (a member died, lost its leader — requests carry etcd's "require leader" flag — or
-//! stopped answering), it is opened again after a backoff ([`FIRST_DELAY`] doubling to
-//! [`MOST_DELAY`], with jitter), on whichever member the backend's gates let through; every
-//! waiter is woken once (its attempt finds out what it missed), and every watch resumes from
-//! the revision after the last event it saw. A watch the server cancels (its history was
-//! compacted away, or it was refused) is created again after a backoff of its own. Every send
-//! on the stream is bounded by the request timeout.
+//! (so the answers need no matching by order) from a revision it already knows: a waiter's
+//! from the one after the latest it saw, a hold's from its holder's own write of the key (see
+//! `held` for why not the one after). Events since are replayed by etcd, so registering late
+//! misses nothing. The stream is opened while there is at least one interest and closed when
+//! there is none. When it breaks (a member died, lost its leader — requests carry etcd's
+//! "require leader" flag — or stopped answering), it is opened again after a backoff
+//! ([`FIRST_DELAY`] doubling to [`MOST_DELAY`], with jitter), on whichever member the backend's
+//! gates let through; every waiter is woken once (its attempt finds out what it missed), and
+//! every watch is created again from where it was. A watch the server cancels (its history
+//! was compacted away, or it was refused) is created again after a backoff of its own, and a
+//! hold whose watch was cancelled has its key read. Every send on the stream is bounded by the
+//! request timeout.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -24,7 +26,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::errors::classify;
-use super::members::{Members, Resend};
+use super::held::HeldKey;
+use super::members::Members;
 use crate::backoff::Backoff;
 
 /// The first pause before the stream is opened again after it broke, or a cancelled watch is
@@ -38,12 +41,8 @@ const MOST_DELAY: Duration = Duration::from_secs(2);
 pub(super) enum Sink {
     /// Wakes a waiter when the key (the one ahead of its place) is deleted.
     Wake(Arc<watch::Sender<()>>),
-    /// Ends a hold on any change of its key, once. `created` is the key's create revision, to
-    /// check it against after the watch's history was compacted away.
-    End {
-        ended: CancellationToken,
-        created: i64,
-    },
+    /// Ends a hold on any change of its key not made by its holder (see `held`).
+    End(Arc<HeldKey>),
 }
 
 /// What one interest watches: one key, from a revision on.
@@ -246,8 +245,8 @@ async fn serve(shared: &HubState) -> Served {
             message = stream.message() => match message {
                 Ok(Some(response)) => {
                     delivered = true;
-                    if let Some(check) = deliver(shared, response) {
-                        tokio::spawn(check.run(shared.members.clone()));
+                    if let Some(held) = deliver(shared, response) {
+                        tokio::spawn(check(held, shared.members.clone()));
                     }
                 }
                 Ok(None) | Err(_) => return Served::Broke { delivered },
@@ -272,14 +271,17 @@ async fn open(shared: &HubState) -> Option<WatchStream> {
             Some(stream)
         }
         Ok(Err(error)) => {
-            lent.failed(&classify("watch", error));
+            let failure = classify("watch", lent.endpoint(), error);
+            lent.failed(&failure);
             None
         }
         Err(_) => {
-            lent.failed(&super::errors::Failure::timed_out(
+            let failure = super::errors::Failure::timed_out(
                 "watch",
+                lent.endpoint(),
                 shared.members.timeout(),
-            ));
+            );
+            lent.failed(&failure);
             None
         }
     }
@@ -336,98 +338,66 @@ async fn sync_watches(
     Some(next_due)
 }
 
-/// Hands one response's events to the interest it is for; a held key whose watch history was
-/// compacted away is returned, to be looked at directly.
-fn deliver(shared: &HubState, response: WatchResponse) -> Option<HeldKeyCheck> {
+/// Hands one response's events to the interest it is for; a held key whose watch etcd
+/// cancelled is returned, to be read directly.
+fn deliver(shared: &HubState, response: WatchResponse) -> Option<Arc<HeldKey>> {
     let mut interests = shared.interests();
     let id = response.watch_id();
     let watched = interests.by_id.get_mut(&id)?;
     if response.canceled() {
         return cancelled(watched, response.compact_revision());
     }
-    let mut fired = false;
+    let interest = &mut watched.interest;
     for event in response.events() {
         let Some(kv) = event.kv() else { continue };
-        watched.interest.from_revision = watched
-            .interest
-            .from_revision
-            .max(kv.mod_revision().saturating_add(1));
-        // A deleted key comes with version 0 (read instead of the event type, whose accessor
-        // panics on a type it does not know). Waiters filter puts out at the server; a put
-        // reaching a hold is an overwrite.
-        fired |= match &watched.interest.sink {
-            Sink::Wake(_) => kv.version() == 0,
-            Sink::End { .. } => true,
-        };
-    }
-    if fired {
-        fire(&watched.interest.sink);
+        match &interest.sink {
+            // A deleted key comes with version 0 (read instead of the event type, whose
+            // accessor panics on a type it does not know); waiters filter puts out at the
+            // server.
+            Sink::Wake(wake) => {
+                interest.from_revision = interest
+                    .from_revision
+                    .max(kv.mod_revision().saturating_add(1));
+                if kv.version() == 0 {
+                    wake.send_replace(());
+                }
+            }
+            // A hold's watch keeps starting at its holder's write: an event ends it or is
+            // that write (see `held`).
+            Sink::End(held) => held.changed_at(kv.mod_revision()),
+        }
     }
     None
 }
 
 /// The server cancelled a watch: compacted past where we asked to start (or refused it). It is
 /// created again after its backoff, from what is left of the history. A waiter looks for itself
-/// at once; a hold's key is read directly, since a change in the lost stretch of history would
-/// otherwise go unseen.
-fn cancelled(watched: &mut Watched, compact_revision: i64) -> Option<HeldKeyCheck> {
+/// at once; a hold is doubted and its key returned to be read, since a change in the lost
+/// stretch of history would otherwise go unseen.
+fn cancelled(watched: &mut Watched, compact_revision: i64) -> Option<Arc<HeldKey>> {
     watched.created = false;
-    if compact_revision > 0 {
-        watched.interest.from_revision = compact_revision;
-    }
+    watched.interest.from_revision = watched.interest.from_revision.max(compact_revision);
     let delay = watched
         .recreate
         .get_or_insert_with(|| Backoff::new(FIRST_DELAY, MOST_DELAY))
         .next_delay();
     watched.not_before = Some(crate::clock::in_(delay));
     match &watched.interest.sink {
-        Sink::Wake(_) => {
-            fire(&watched.interest.sink);
-            None
-        }
-        Sink::End { ended, created } => Some(HeldKeyCheck {
-            key: watched.interest.key.clone(),
-            created: *created,
-            ended: ended.clone(),
-        }),
-    }
-}
-
-/// A held key to read directly, because its watch history was compacted away.
-struct HeldKeyCheck {
-    key: Vec<u8>,
-    created: i64,
-    ended: CancellationToken,
-}
-
-impl HeldKeyCheck {
-    /// Ends the hold unless the key is still the one it created. A read that fails leaves the
-    /// hold to its renewals.
-    async fn run(self, members: Arc<Members>) {
-        let key = self.key.clone();
-        let read = members
-            .call("held key check", Resend::Idempotent, |client| {
-                let (mut kv, key) = (client.kv_client(), key.clone());
-                async move { kv.get(key, None).await }
-            })
-            .await;
-        if let Ok(found) = read {
-            let same = found
-                .kvs()
-                .first()
-                .is_some_and(|kv| kv.create_revision() == self.created);
-            if !same {
-                self.ended.cancel();
-            }
-        }
-    }
-}
-
-fn fire(sink: &Sink) {
-    match sink {
         Sink::Wake(wake) => {
             wake.send_replace(());
+            None
         }
-        Sink::End { ended, .. } => ended.cancel(),
+        Sink::End(held) => {
+            held.doubt();
+            Some(held.clone())
+        }
+    }
+}
+
+/// Reads a doubted hold's key now; a read that fails leaves the doubt to the hold's next
+/// renewal (see `held`).
+async fn check(held: Arc<HeldKey>, members: Arc<Members>) {
+    if let Err(error) = held.check(&members).await {
+        tracing::debug!(target: "lockingkit", %error, "the held etcd key could not be read after its watch was cancelled; the next renewal reads it");
     }
 }

@@ -226,7 +226,10 @@ mod tests {
     fn a_negative_duration_is_refused_as_negative_with_or_without_its_unit() {
         for negative in ["-1s", " -250ms", "-5", "-0.5s"] {
             let error = parse_duration(negative).unwrap_err();
-            assert!(error.starts_with("must not be negative"), "{negative}: {error}");
+            assert!(
+                error.starts_with("must not be negative"),
+                "{negative}: {error}"
+            );
             assert!(!error.contains("no unit"), "{negative}: {error}");
         }
         for number in ["-5", "-1.5"] {

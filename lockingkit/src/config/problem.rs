@@ -153,7 +153,11 @@ impl Problem {
 
     /// The problem's own setting with its value, if it shows one: `request_timeout (5s)`.
     fn subject(&self, path: String) -> String {
-        match self.shown.iter().find(|shown| shown.setting == self.setting) {
+        match self
+            .shown
+            .iter()
+            .find(|shown| shown.setting == self.setting)
+        {
             Some(shown) => Shown {
                 setting: path,
                 ..shown.clone()

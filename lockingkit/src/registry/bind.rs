@@ -271,8 +271,10 @@ pub(super) mod tests {
     #[test]
     fn a_negative_duration_is_refused_as_negative_not_as_one_without_a_unit() {
         for negative in [json!("-1s"), json!(" -250ms"), json!(-5)] {
-            let s = settings(json!({"account": "a", "account_key": "k", "max_connections": 1,
-                                     "lease_duration": negative.clone()}));
+            let s = settings(
+                json!({"account": "a", "account_key": "k", "max_connections": 1,
+                                     "lease_duration": negative.clone()}),
+            );
             let bound = bind_section::<Account>("Locking.Jobs", "demo", &s, &[]);
             let all = problems_of(&bound).join("\n");
             assert_eq!(

@@ -107,7 +107,10 @@ fn numbered(map: Map<String, Value>) -> Result<Vec<Value>, BindError> {
         let slot = items.get_mut(index).ok_or_else(not_a_list)?;
         *slot = Some(value);
     }
-    items.into_iter().map(|item| item.ok_or_else(not_a_list)).collect()
+    items
+        .into_iter()
+        .map(|item| item.ok_or_else(not_a_list))
+        .collect()
 }
 
 /// A configuration value that binds leniently (see the module docs).
@@ -361,7 +364,10 @@ mod tests {
         let one = cluster(json!({"endpoints": "http://a:2379"})).unwrap();
         assert_eq!(one.endpoints, ["http://a:2379"]);
         let none = cluster(json!({"endpoints": ""})).unwrap();
-        assert!(none.endpoints.is_empty(), "an empty string is an empty list");
+        assert!(
+            none.endpoints.is_empty(),
+            "an empty string is an empty list"
+        );
         // Each item binds leniently too: environment variables carry numbers as strings.
         let ports = cluster(json!({"endpoints": [], "ports": "2379, 22379"})).unwrap();
         assert_eq!(ports.ports, [2379, 22379]);

@@ -225,30 +225,6 @@ impl RedisOptions {
     }
 }
 
-impl RedisOptions {
-    /// The problems of these options together with the engine options of the same provider: a
-    /// waiting writer sets its intent again at each attempt, so an intent no longer than the
-    /// longest pause between two attempts (`max_retry_delay`) lapses between them and lets new
-    /// readers in. The registry checks this for every Redis provider it builds.
-    pub(crate) fn problems_with(&self, engine: &crate::LockOptions) -> Vec<Problem> {
-        let mut problems = Vec::new();
-        if self.writer_intent <= engine.max_retry_delay {
-            problems.push(
-                Problem::new(
-                    "writer_intent",
-                    "must be longer than {max_retry_delay}: a waiting writer sets its intent \
-                     again at each attempt, and one that lapses between two attempts lets new \
-                     readers in",
-                )
-                .involving("max_retry_delay")
-                .showing("writer_intent", format!("{:?}", self.writer_intent))
-                .showing("max_retry_delay", format!("{:?}", engine.max_retry_delay)),
-            );
-        }
-        problems
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

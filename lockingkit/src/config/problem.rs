@@ -46,8 +46,10 @@ pub struct Problem {
     /// What is wrong, worded to follow the setting as `wording` says.
     message: String,
     wording: Wording,
-    /// Values shown beside settings (see [`Problem::showing`]).
-    shown: Vec<Shown>,
+    /// Values shown beside settings (see [`Problem::showing`]). A boxed slice, not a `Vec`:
+    /// it keeps `Problem` within clippy's `result_large_err` bound, and `Result<_, Problem>`
+    /// is returned all over the registry.
+    shown: Box<[Shown]>,
 }
 
 /// A value a problem shows beside one of its settings.
@@ -87,7 +89,7 @@ impl Problem {
             involves: Vec::new(),
             message: rest.into(),
             wording: Wording::Sentence,
-            shown: Vec::new(),
+            shown: Box::default(),
         }
     }
 
@@ -101,7 +103,7 @@ impl Problem {
             involves: Vec::new(),
             message: detail.into(),
             wording: Wording::Detail,
-            shown: Vec::new(),
+            shown: Box::default(),
         }
     }
 
@@ -126,18 +128,20 @@ impl Problem {
     /// values that explain a comparison — durations, counts — never a secret's.
     #[must_use]
     pub fn showing(mut self, setting: impl Into<String>, value: impl Into<String>) -> Self {
-        self.shown.push(Shown {
+        let mut shown = std::mem::take(&mut self.shown).into_vec();
+        shown.push(Shown {
             setting: setting.into(),
             value: value.into(),
             default: false,
         });
+        self.shown = shown.into_boxed_slice();
         self
     }
 
     /// Marks the shown value of each setting that `written` says the section did not write
     /// as its default: `request_timeout (default 5s) must …`.
     pub(crate) fn mark_defaults(&mut self, written: impl Fn(&str) -> bool) {
-        for shown in &mut self.shown {
+        for shown in self.shown.iter_mut() {
             shown.default = !written(&shown.setting);
         }
     }

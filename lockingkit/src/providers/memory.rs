@@ -93,7 +93,7 @@ impl Readers {
 /// soon after it stops. A test double, the in-memory provider takes any `max_retry_delay`; one
 /// of 2 s or more lets new readers in between a waiting writer's attempts. (Redis, whose intent
 /// is a setting, states it through
-/// [`LockBackend::writer_intent`](crate::LockBackend::writer_intent), and the engine holds it
+/// [`LockBackend::writer_intent`], and the engine holds it
 /// to that rule.)
 pub const WRITER_INTENT: Duration = Duration::from_secs(2);
 

@@ -195,6 +195,65 @@ async fn a_provider_binds_from_environment_variables_alone() {
 }
 
 #[tokio::test]
+async fn a_list_setting_binds_from_one_variable_separated_by_commas_or_from_numbered_ones() {
+    let endpoints = r#"endpoints: ["http://127.0.0.1:2379", "http://127.0.0.1:22379"]"#;
+    for vars in [
+        vec![(
+            "LOCKING__DEFAULT__ENDPOINTS",
+            "http://127.0.0.1:2379, http://127.0.0.1:22379",
+        )],
+        vec![
+            ("LOCKING__DEFAULT__ENDPOINTS__1", "http://127.0.0.1:22379"),
+            ("LOCKING__DEFAULT__ENDPOINTS__0", "http://127.0.0.1:2379"),
+        ],
+    ] {
+        let mut vars = vars;
+        vars.push(("LOCKING__DEFAULT__PROVIDER", "etcd"));
+        let locking = Locking::from_config(environment(&vars)).unwrap();
+        let backend = locking
+            .default_lock()
+            .backend::<lockingkit::EtcdBackend>()
+            .expect("an etcd provider");
+        let shown = format!("{backend:?}");
+        assert!(shown.contains(endpoints), "{vars:?}: {shown}");
+    }
+    // Each item is checked on its own, at its place in the list.
+    let shown = misconfigured(Locking::from_config(environment(&[
+        ("LOCKING__DEFAULT__PROVIDER", "etcd"),
+        ("LOCKING__DEFAULT__ENDPOINTS__0", "http://127.0.0.1:2379"),
+        ("LOCKING__DEFAULT__ENDPOINTS__1", "127.0.0.1:22379"),
+    ])));
+    assert!(
+        shown.contains("Locking.Default.endpoints[1] must be a URL"),
+        "{shown}"
+    );
+    // A gap in the numbers is no list: it is as likely a typo.
+    let shown = misconfigured(Locking::from_config(environment(&[
+        ("LOCKING__DEFAULT__PROVIDER", "etcd"),
+        ("LOCKING__DEFAULT__ENDPOINTS__0", "http://127.0.0.1:2379"),
+        ("LOCKING__DEFAULT__ENDPOINTS__2", "http://127.0.0.1:22379"),
+    ])));
+    assert!(
+        shown.contains("Locking.Default.endpoints: expected a list"),
+        "{shown}"
+    );
+}
+
+#[tokio::test]
+async fn redis_cluster_nodes_bind_from_one_variable_separated_by_commas() {
+    let locking = Locking::from_config(environment(&[
+        ("LOCKING__DEFAULT__PROVIDER", "redis"),
+        ("LOCKING__DEFAULT__CLUSTER", "true"),
+        (
+            "LOCKING__DEFAULT__URL",
+            "redis://127.0.0.1:7000,redis://127.0.0.1:7001",
+        ),
+    ]))
+    .unwrap();
+    assert_eq!(locking.default_lock().provider(), "redis");
+}
+
+#[tokio::test]
 async fn a_secret_kept_out_of_the_file_comes_from_the_environment() {
     let file = TomlFile::new(
         "secretless",
@@ -396,7 +455,7 @@ renew_every = "40s"
 
 #[test]
 fn a_duration_that_does_not_parse_says_what_to_write_instead() {
-    for bad in ["-5", "1.5", "5000", r#""5""#, r#""5 fortnights""#, "[30]"] {
+    for bad in ["1.5", "5000", r#""5""#, r#""5 fortnights""#, "[30]"] {
         let file = TomlFile::new(
             "durations",
             &format!("[Locking.Default]\nprovider = \"in_memory\"\nlease_duration = {bad}\n"),
@@ -410,6 +469,47 @@ fn a_duration_that_does_not_parse_says_what_to_write_instead() {
         );
         assert!(!shown.contains("untagged"), "{bad}: {shown}");
     }
+}
+
+#[test]
+fn a_negative_duration_is_refused_as_negative() {
+    for negative in ["-5", r#""-1s""#] {
+        let file = TomlFile::new(
+            "negative",
+            &format!("[Locking.Default]\nprovider = \"in_memory\"\nlease_duration = {negative}\n"),
+        );
+        let shown = misconfigured(Locking::from_config(file.locking()));
+        assert!(
+            shown.contains("Locking.Default.lease_duration must not be negative"),
+            "{negative}: {shown}"
+        );
+        assert!(!shown.contains("no unit"), "{negative}: {shown}");
+    }
+    let env = environment(&[
+        ("LOCKING__DEFAULT__PROVIDER", "in_memory"),
+        ("LOCKING__DEFAULT__MIN_RETRY_DELAY", "-1s"),
+    ]);
+    let shown = misconfigured(Locking::from_config(env));
+    assert!(
+        shown.contains("Locking.Default.min_retry_delay must not be negative"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn a_problem_about_a_default_names_the_default_and_both_values() {
+    let env = environment(&[
+        ("LOCKING__DEFAULT__PROVIDER", "etcd"),
+        ("LOCKING__DEFAULT__ENDPOINTS", "http://127.0.0.1:2379"),
+        ("LOCKING__DEFAULT__LEASE_TTL", "10s"),
+    ]);
+    let shown = misconfigured(Locking::from_config(env));
+    assert!(
+        shown.contains(
+            "Locking.Default.request_timeout (default 5s) must be at most a third of lease_ttl (10s)"
+        ),
+        "{shown}"
+    );
 }
 
 #[test]

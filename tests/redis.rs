@@ -33,6 +33,28 @@ fn options(url: String, cluster: bool) -> RedisOptions {
     }
 }
 
+/// The retry delay of a waiter only a published release can wake in time.
+const PATIENT: Duration = Duration::from_secs(5);
+
+/// `options` for a waiter that retries `PATIENT` apart: a writer's intent that outlasts its
+/// retries (the engine refuses one that does not), in a lease long enough to hold it.
+fn patient(options: RedisOptions) -> RedisOptions {
+    RedisOptions {
+        lease_duration: Duration::from_secs(10),
+        writer_intent: PATIENT + Duration::from_secs(1),
+        ..options
+    }
+}
+
+/// Engine options that retry `PATIENT` apart.
+fn patient_polling() -> LockOptions {
+    LockOptions {
+        min_retry_delay: PATIENT,
+        max_retry_delay: PATIENT,
+        ..LockOptions::default()
+    }
+}
+
 fn backend(server: &RedisServer) -> RedisBackend {
     RedisBackend::new(options(server.url(), false)).expect("valid Redis options")
 }
@@ -441,12 +463,9 @@ async fn a_release_wakes_a_waiter_in_another_process_long_before_its_backoff_end
     let server = RedisServer::start().await;
     let holder = process(&server);
     // Retries a whole 5 s apart: only the published release can wake it in time.
-    let patient = DistributedLock::builder(backend(&server))
-        .options(LockOptions {
-            min_retry_delay: Duration::from_secs(5),
-            max_retry_delay: Duration::from_secs(5),
-            ..LockOptions::default()
-        })
+    let backend = RedisBackend::new(patient(options(server.url(), false))).expect("options");
+    let patient = DistributedLock::builder(backend)
+        .options(patient_polling())
         .build()
         .expect("options");
     let key = unique_prefix("wake/release");
@@ -732,11 +751,16 @@ async fn a_pub_sub_connection_lost_over_and_over_is_reopened_with_backoff() {
 
 /// A user for `ACL SETUSER name on >pw …rules`, and a backend that connects as it.
 fn user_backend(server: &RedisServer, name: &str, rules: &[&str]) -> RedisBackend {
+    RedisBackend::new(user_options(server, name, rules)).expect("options")
+}
+
+/// The options of a user `name` with ACL `rules`, made (again) on `server`.
+fn user_options(server: &RedisServer, name: &str, rules: &[&str]) -> RedisOptions {
     let mut args = vec!["ACL", "SETUSER", name, "reset", "on", ">pw"];
     args.extend_from_slice(rules);
     assert_eq!(server.cli(&args), "OK", "ACL SETUSER {name}");
     let url = format!("redis://{name}:pw@127.0.0.1:{}", server.port());
-    RedisBackend::new(options(url, false)).expect("options")
+    options(url, false)
 }
 
 /// A user that may not use the release channels still releases: publishing a release is best
@@ -808,14 +832,13 @@ async fn the_documented_least_privilege_user_can_do_everything_locks_need() {
     backend.verify().await.expect("the startup check passes");
     let (holder, waiter) = (
         DistributedLock::builder(backend).build().expect("lock"),
-        DistributedLock::builder(user_backend(&server, "locker", LOCKER_ACL))
-            .options(LockOptions {
-                min_retry_delay: Duration::from_secs(5),
-                max_retry_delay: Duration::from_secs(5),
-                ..LockOptions::default()
-            })
-            .build()
-            .expect("lock"),
+        DistributedLock::builder(
+            RedisBackend::new(patient(user_options(&server, "locker", LOCKER_ACL)))
+                .expect("options"),
+        )
+        .options(patient_polling())
+        .build()
+        .expect("lock"),
     );
     let key = unique_prefix("acl/least");
     let held = holder.try_acquire(&key).await.expect("a lock");
@@ -1471,8 +1494,8 @@ async fn a_redis_section_binds_from_configuration_and_lists_every_problem_withou
     assert!(!text.contains("request_timeout"), "{text}");
 }
 
-/// A writer's intent that could lapse between two of its attempts is refused where the registry
-/// knows both settings: from configuration and from code.
+/// A writer's intent that could lapse between two of its attempts is refused however the lock
+/// is built: from configuration, by the registry's builder and by `DistributedLock::builder`.
 #[test]
 fn a_writer_intent_no_longer_than_max_retry_delay_is_refused() {
     use lockingkit::registry::{Locking, LockingConfig};
@@ -1488,7 +1511,7 @@ fn a_writer_intent_no_longer_than_max_retry_delay_is_refused() {
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
     assert!(
         error.to_string().contains(
-            "Locking.Default.writer_intent (2s) must be longer than max_retry_delay (3s)"
+            "Locking.Default.writer_intent (default 2s) must be longer than max_retry_delay (3s)"
         ),
         "{error}"
     );
@@ -1516,7 +1539,24 @@ fn a_writer_intent_no_longer_than_max_retry_delay_is_refused() {
         ..LockOptions::default()
     };
     Locking::builder()
-        .redis("Default", longer, slow)
+        .redis("Default", longer.clone(), slow.clone())
+        .build()
+        .expect("an intent longer than the delay");
+
+    let backend = RedisBackend::new(RedisOptions::new("redis://127.0.0.1:1")).expect("options");
+    let error = DistributedLock::builder(backend)
+        .max_retry_delay(Duration::from_secs(3))
+        .build()
+        .expect_err("the default intent is 2s");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured);
+    assert!(
+        error
+            .to_string()
+            .contains("writer_intent (2s) must be longer than max_retry_delay (3s)"),
+        "{error}"
+    );
+    DistributedLock::builder(RedisBackend::new(longer).expect("options"))
+        .options(slow)
         .build()
         .expect("an intent longer than the delay");
 }
@@ -1756,16 +1796,12 @@ async fn a_rediss_url_takes_locks_and_wakes_waiters_over_tls() {
     let process = || {
         let backend = RedisBackend::new(RedisOptions {
             url: url.clone().into(),
-            ..tls_options(&tls)
+            ..patient(tls_options(&tls))
         })
         .expect("TLS options");
         assert!(!format!("{backend:?}").contains("tls-secret"));
         DistributedLock::builder(backend)
-            .options(LockOptions {
-                min_retry_delay: Duration::from_secs(5),
-                max_retry_delay: Duration::from_secs(5),
-                ..LockOptions::default()
-            })
+            .options(patient_polling())
             .build()
             .expect("lock options")
     };

@@ -259,6 +259,16 @@ pub trait LockBackend: Send + Sync + 'static {
         matches!(mode, LockMode::Exclusive)
     }
 
+    /// Optional: how long a writer that found readers holds new readers back after each of
+    /// its attempts, for a backend whose writer's intent lapses unless the writer's next attempt
+    /// sets it again (Redis's `writer_intent` setting). The engine then refuses a
+    /// `max_retry_delay` that is not shorter, whichever way the lock is built: the intent would
+    /// lapse between two attempts of a waiting writer and let new readers in. `None` by
+    /// default: no such intent (a backend whose server queues writers, or without readers).
+    fn writer_intent(&self) -> Option<Duration> {
+        None
+    }
+
     /// One attempt to take `key` in `mode`: `Ok(None)` when someone else holds it in a
     /// conflicting mode, or (for a semaphore) when every slot is taken. Called only with modes
     /// [`supports`](Self::supports) accepts, so a backend of exclusive locks may ignore `mode`.

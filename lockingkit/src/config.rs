@@ -12,6 +12,10 @@ pub(crate) use problem::{into_error, misconfigured_at};
 pub(crate) const EXPECTED_DURATION: &str =
     "expected a duration with its unit, such as \"30s\" or \"250ms\" (units ms, s, m, h)";
 
+/// What a negative duration setting is told: the sign is the mistake, not a missing unit.
+pub(crate) const NEGATIVE_DURATION: &str =
+    "must not be negative (expected a duration with its unit, such as \"30s\" or \"250ms\")";
+
 /// The newtype name [`duration`] deserializes through, so the configuration binder can tell a
 /// duration field from any other without reading error text.
 pub(crate) const DURATION_NEWTYPE: &str = "lockingkit::config::Duration";
@@ -22,11 +26,14 @@ pub(crate) const SECRET_NEWTYPE: &str = "lockingkit::config::SecretString";
 
 /// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"` or `"1h"`. A number without a unit is refused:
 /// `QUERY_TIMEOUT=5` meant as seconds and read as milliseconds would fail every lock request
-/// without a word.
+/// without a word. A negative one (`"-1s"`) is refused as negative.
 ///
 /// Errors never repeat the text: a secret pasted into a duration setting must not reach a log.
 pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
+    if text.starts_with('-') {
+        return Err(NEGATIVE_DURATION.to_owned());
+    }
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(text.len());
@@ -128,12 +135,18 @@ pub mod duration {
             Err(no_unit())
         }
 
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Duration, E> {
-            Err(no_unit())
+        fn visit_i64<E: de::Error>(self, number: i64) -> Result<Duration, E> {
+            match number < 0 {
+                true => Err(E::custom(super::NEGATIVE_DURATION)),
+                false => Err(no_unit()),
+            }
         }
 
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Duration, E> {
-            Err(no_unit())
+        fn visit_f64<E: de::Error>(self, number: f64) -> Result<Duration, E> {
+            match number < 0.0 {
+                true => Err(E::custom(super::NEGATIVE_DURATION)),
+                false => Err(no_unit()),
+            }
         }
 
         fn visit_str<E: de::Error>(self, text: &str) -> Result<Duration, E> {
@@ -203,9 +216,25 @@ mod tests {
             let error = parse_duration(bare).unwrap_err();
             assert!(error.contains("no unit"), "{bare}: {error}");
         }
-        for number in ["5", "250", "1.5", "-5"] {
+        for number in ["5", "250", "1.5"] {
             let error = lease(&format!(r#"{{"lease": {number}}}"#)).unwrap_err();
             assert!(error.contains("no unit"), "{number}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_negative_duration_is_refused_as_negative_with_or_without_its_unit() {
+        for negative in ["-1s", " -250ms", "-5", "-0.5s"] {
+            let error = parse_duration(negative).unwrap_err();
+            assert!(
+                error.starts_with("must not be negative"),
+                "{negative}: {error}"
+            );
+            assert!(!error.contains("no unit"), "{negative}: {error}");
+        }
+        for number in ["-5", "-1.5"] {
+            let error = lease(&format!(r#"{{"lease": {number}}}"#)).unwrap_err();
+            assert!(error.contains("must not be negative"), "{number}: {error}");
         }
     }
 

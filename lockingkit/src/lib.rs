@@ -1,10 +1,17 @@
 //! Distributed locks for async Rust.
 //!
-//! One lock type, [`DistributedLock`], runs unchanged on Azure Blob leases, PostgreSQL advisory
-//! locks, Redis and an in-memory provider. One engine does the hard parts for every backend: waiting
-//! with capped, jittered backoff behind a local first-come-first-served queue; renewal in the
-//! background; loss detection with a deadline timer that a hung renewal cannot postpone;
-//! release on drop; and telemetry.
+//! One lock type, [`DistributedLock`], runs unchanged on five providers: in-memory (always
+//! built), PostgreSQL advisory locks (feature `postgres`, directly or through PgBouncer), Azure
+//! Blob leases (feature `azure`), Redis, one server or a Redis Cluster (feature `redis`), and
+//! etcd, one member or a cluster (feature `etcd`). One engine does the hard parts for every
+//! backend: waiting with capped, jittered backoff behind a local first-come-first-served queue;
+//! renewal in the background; loss detection with a deadline timer that a hung renewal cannot
+//! postpone; release on drop; and telemetry.
+//!
+//! Every provider passes the same contract suite ([`testing`], feature `testing`) against real
+//! servers the repository's tests start: PostgreSQL directly and through PgBouncer, Azurite
+//! (the Azure Storage emulator), a Redis server and a three-master Redis Cluster, and etcd
+//! clusters of one member and of three.
 //!
 //! ```
 //! use std::time::Duration;

@@ -221,7 +221,9 @@ fn take(members: &Members) -> Option<Vec<LockHandle>> {
 /// [`lost_token`](MultiLockView::lost_token) fires, [`is_held`](MultiLockView::is_held) turns
 /// `false`, [`run`](MultiLockView::run) drops its work, and the members still held are released in the
 /// background at once: a hold that lost one key has no use for the others, and keeping them
-/// would only block their next holders.
+/// would only block their next holders. [`release`](Self::release) on a lost hold waits for
+/// those releases to be answered, so code that reports the loss after `release` returns (as
+/// the HTTP layer's `500 locking.lost` does) reports it once no other key is still held.
 ///
 /// # Release and drop
 /// [`release`](Self::release) releases every member at once and waits for the backend to
@@ -249,6 +251,9 @@ fn take(members: &Members) -> Option<Vec<LockHandle>> {
 pub struct MultiLockHandle {
     view: MultiLockView,
     members: Arc<Members>,
+    /// Fires once the watch has given up the members still held at a loss (their releases
+    /// answered), or has ended without having to.
+    settled: CancellationToken,
 }
 
 impl MultiLockHandle {
@@ -263,12 +268,14 @@ impl MultiLockHandle {
         let tokens = views.iter().map(LockView::lost_token).collect();
         let members = Arc::new(Mutex::new(Some(held)));
         let lost = CancellationToken::new();
+        let settled = CancellationToken::new();
         // The watch holds the members weakly, so a dropped handle is never kept alive by it;
         // it ends when any member's token fires, which every member's release does.
         runtime.spawn(watch_members(
             tokens,
             Arc::downgrade(&members),
             lost.clone(),
+            settled.clone(),
         ));
         Ok(MultiLockHandle {
             view: MultiLockView {
@@ -276,6 +283,7 @@ impl MultiLockHandle {
                 lost,
             },
             members,
+            settled,
         })
     }
 
@@ -287,15 +295,22 @@ impl MultiLockHandle {
 
     /// Releases every member at once and waits for the backend to confirm each.
     ///
-    /// `Ok` if every release was confirmed; otherwise the first member's error (kind
-    /// [`ErrorKind::Lost`] if the hold had been lost, its members given up already). In every
-    /// case the hold stops holding. If this future is dropped, the releases carry on in the
-    /// background.
+    /// `Ok` if every release was confirmed; otherwise the first member's error. If the hold
+    /// had been lost, the error is of kind [`ErrorKind::Lost`], and it returns only once the
+    /// releases of the members still held at the loss have been answered (confirmed, refused
+    /// or timed out after the lock's release timeout): when it returns, no key of this hold is
+    /// still held by it. In every case the hold stops holding. If this future is dropped, the
+    /// releases carry on in the background.
     pub async fn release(self) -> Result<(), LockError> {
         self.view.lost.cancel();
         match take(&self.members) {
             Some(handles) => release_all(handles).await,
-            None => Err(LockError::lost(self.loss_reason())),
+            None => {
+                // Only the watch takes the members other than this call and `Drop`: the hold
+                // was lost, and the answer waits for what the watch gave up.
+                self.settled.cancelled().await;
+                Err(LockError::lost(self.loss_reason()))
+            }
         }
     }
 }
@@ -389,17 +404,23 @@ impl fmt::Debug for MultiLockView {
     }
 }
 
-/// Waits for any member to end, then ends the hold: fires its token and gives up the members
-/// still held (released in the background as their handles drop).
+/// Waits for any member to end, then ends the hold: fires its token, releases the members
+/// still held and waits for the answers, then fires `settled`.
 async fn watch_members(
     tokens: Vec<CancellationToken>,
     members: Weak<Members>,
     lost: CancellationToken,
+    settled: CancellationToken,
 ) {
+    // Fires however the watch ends, including dropped unfinished with its runtime, so a
+    // `release` waiting on it never hangs.
+    let _settled = settled.drop_guard();
     any_cancelled(tokens).await;
     lost.cancel();
-    if let Some(members) = members.upgrade() {
-        drop(take(&members));
+    let given_up = members.upgrade().and_then(|members| take(&members));
+    if let Some(handles) = given_up {
+        // A member already lost answers at once; the others are released for real.
+        let _ = release_all(handles).await;
     }
 }
 

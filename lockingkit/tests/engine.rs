@@ -840,6 +840,61 @@ async fn builder_refuses_bad_options_with_every_problem_listed() {
     assert!(text.contains("release_timeout"), "{text}");
 }
 
+/// The in-memory backend, stating a writer's intent of its own (or none).
+struct Intent(MemoryBackend, Option<Duration>);
+
+impl LockBackend for Intent {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        "intent"
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.0.timing()
+    }
+    fn writer_intent(&self) -> Option<Duration> {
+        self.1
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.release(lease).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn builder_refuses_a_retry_delay_a_writers_intent_would_lapse_in() {
+    // A writer retrying 10 s apart would let new readers in between its attempts.
+    let store = MemoryStore::new();
+    let intent = |intent| Intent(MemoryBackend::new(store.clone()), intent);
+    let err = DistributedLock::builder(intent(Some(Duration::from_secs(10))))
+        .max_retry_delay(Duration::from_secs(10))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured);
+    assert!(
+        err.to_string()
+            .contains("writer_intent (10s) must be longer than max_retry_delay (10s)"),
+        "{err}"
+    );
+    DistributedLock::builder(intent(Some(Duration::from_secs(10))))
+        .max_retry_delay(Duration::from_millis(9999))
+        .build()
+        .expect("shorter than the intent");
+    let slow = Duration::from_secs(30);
+    DistributedLock::builder(intent(None))
+        .max_retry_delay(slow)
+        .build()
+        .expect("no intent to lapse");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cancellation and release
 

@@ -385,3 +385,129 @@ fn starting_needs_a_runtime_and_valid_delays() {
         ErrorKind::InvalidKey
     );
 }
+
+/// How a campaign read at the moment a release was sent: `is_leading()`, and whether the
+/// watch had moved on to `Campaigning`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct AtRelease {
+    leading: bool,
+    campaigning: bool,
+}
+
+/// Notes, at each release the backend is sent, how the campaign it is told of reads.
+#[derive(Default)]
+struct Notes {
+    campaign: std::sync::Mutex<Option<watch::Receiver<LeaderState>>>,
+    at_release: std::sync::Mutex<Vec<AtRelease>>,
+}
+
+impl Notes {
+    fn watch(&self, state: watch::Receiver<LeaderState>) {
+        *self.campaign.lock().expect("not poisoned") = Some(state);
+    }
+
+    fn taken(&self) -> Vec<AtRelease> {
+        self.at_release.lock().expect("not poisoned").clone()
+    }
+}
+
+/// The in-memory backend, noting how the campaign reads when a release is sent: the body of
+/// `release` runs on its first poll, in the same poll as the engine's call.
+struct NotedRelease(MemoryBackend, Arc<Notes>);
+
+impl LockBackend for NotedRelease {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        self.0.provider()
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.0.timing()
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.0.try_acquire(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.0.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        if let Some(state) = &*self.1.campaign.lock().expect("not poisoned") {
+            let state = state.borrow();
+            self.1
+                .at_release
+                .lock()
+                .expect("not poisoned")
+                .push(AtRelease {
+                    leading: state.is_leading(),
+                    campaigning: matches!(*state, LeaderState::Campaigning),
+                });
+        }
+        self.0.release(lease).await
+    }
+}
+
+fn noted(store: &MemoryStore) -> (DistributedLock, Arc<Notes>) {
+    let notes = Arc::new(Notes::default());
+    let locks = DistributedLock::builder(NotedRelease(
+        MemoryBackend::with_lease(store.clone(), LEASE),
+        notes.clone(),
+    ))
+    .build()
+    .expect("valid options");
+    (locks, notes)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_term_that_ends_or_is_resigned_reads_campaigning_before_its_release_is_sent() {
+    let store = MemoryStore::new();
+    let (locks, notes) = noted(&store);
+    let leadership = locks
+        .leader(KEY)
+        .expect("key")
+        .start(|_term| tokio::time::sleep(Duration::from_secs(1)))
+        .expect("started");
+    notes.watch(leadership.state());
+    // Terms of 1 s with pauses of 100 ms to 5 s between: some end by returning, and the
+    // campaign leads again before it is resigned.
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    until(&mut state, "the first term ended", |s| !s.is_leading()).await;
+    until(&mut state, "leads again", LeaderState::is_leading).await;
+    leadership.resign().await.expect("resigned");
+    let seen = notes.taken();
+    assert_eq!(seen.len(), 2, "one release per term: {seen:?}");
+    let after_the_fact = AtRelease {
+        leading: false,
+        campaigning: true,
+    };
+    assert!(seen.iter().all(|at| *at == after_the_fact), "{seen:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_term_lost_at_its_deadline_is_not_leading_when_the_best_effort_release_is_sent() {
+    let store = MemoryStore::new();
+    let (locks, notes) = noted(&store);
+    let works = Works::default();
+    let leadership = locks
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started");
+    notes.watch(leadership.state());
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    // Renewals that never answer: the engine declares the lock lost at its deadline and then
+    // sends a release, which frees the key for the next campaigner at once.
+    store.set_renewal_fault(lockingkit::providers::memory::RenewalFault::Hang);
+    until(&mut state, "deposed", |s| !s.is_leading()).await;
+    let seen = notes.taken();
+    assert!(!seen.is_empty(), "the loss sent a release");
+    assert!(
+        !seen[0].leading,
+        "leading while its release was sent: {seen:?}"
+    );
+    drop(leadership);
+}

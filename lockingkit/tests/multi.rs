@@ -149,3 +149,68 @@ async fn a_fault_between_the_first_and_the_second_key_leaves_nothing_held() {
     assert!(!store.is_locked("accounts/9") && !store.is_locked("accounts/10"));
     assert_eq!(locks.active_parties(), 0);
 }
+
+/// The in-memory backend, whose releases wait for the test to open `gate`.
+struct GatedRelease {
+    inner: MemoryBackend,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl LockBackend for GatedRelease {
+    type Lease = <MemoryBackend as LockBackend>::Lease;
+    fn provider(&self) -> &str {
+        self.inner.provider()
+    }
+    fn timing(&self) -> LeaseTiming {
+        self.inner.timing()
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+        self.inner.try_acquire(key, mode).await
+    }
+    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
+        let _open = self.gate.acquire().await;
+        self.inner.release(lease).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn releasing_a_lost_hold_returns_only_after_the_other_members_are_released() {
+    let store = MemoryStore::new();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let locks = DistributedLock::builder(GatedRelease {
+        inner: MemoryBackend::with_lease(store.clone(), LEASE),
+        gate: gate.clone(),
+    })
+    .build()
+    .expect("valid options");
+    let hold = locks
+        .try_acquire_all(&["accounts/1", "accounts/2"])
+        .await
+        .expect("both free");
+    let lost = hold.lost_token();
+    assert!(store.break_lease("accounts/2"));
+    lost.cancelled().await;
+    let release = tokio::spawn(hold.release());
+    // On paused time this sleep returns only once every task is idle: whatever the release
+    // could do without the backend's answer to `accounts/1`'s release, it has done.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !release.is_finished(),
+        "answered before accounts/1 was given back"
+    );
+    assert!(store.is_locked("accounts/1"));
+    gate.add_permits(8);
+    let released = release.await.expect("release task");
+    assert_eq!(released.expect_err("lost").kind(), ErrorKind::Lost);
+    assert!(
+        !store.is_locked("accounts/1"),
+        "the loss is answered after accounts/1 is free"
+    );
+}

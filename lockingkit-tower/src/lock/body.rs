@@ -25,7 +25,8 @@ pin_project! {
     /// lock while it streams: the lock is released right after the last frame, before the body
     /// reports its end. If the lock is lost mid-stream, the body fails with a
     /// [`LockError`] of kind [`ErrorKind::Lost`] instead of sending more data, so the client
-    /// sees a broken response rather than a complete-looking one. Dropping the body (a client
+    /// sees a broken response rather than a complete-looking one; for a multi-key hold, it
+    /// fails once the keys still held have been released. Dropping the body (a client
     /// that went away) releases the lock in the background.
     pub struct LockBody<B> {
         #[pin]
@@ -46,6 +47,8 @@ struct BodyHold {
     handle: Option<Held>,
     lost: Pin<Box<WaitForCancellationFutureOwned>>,
     release: Option<Release>,
+    /// Set on loss: the body fails with it once the release has been answered.
+    lost_error: Option<LockError>,
 }
 
 impl<B> LockBody<B> {
@@ -75,6 +78,7 @@ impl<B> LockBody<B> {
                 handle: Some(handle),
                 lost,
                 release: None,
+                lost_error: None,
             })),
         }
     }
@@ -83,6 +87,53 @@ impl<B> LockBody<B> {
     pub fn holds_lock(&self) -> bool {
         self.hold.as_ref().is_some_and(|hold| hold.handle.is_some())
     }
+}
+
+impl BodyHold {
+    /// On loss mid-stream: the body fails with the loss once the release of what the hold
+    /// still held (the other members of a multi-key hold) has been answered.
+    fn start_abort(&mut self) {
+        tracing::warn!(
+            code = ErrorKind::Lost.code(),
+            "lock lost while streaming the response body; aborting the body"
+        );
+        let error = self
+            .handle
+            .as_ref()
+            .and_then(|handle| handle.ensure_held().err())
+            .unwrap_or_else(|| LockError::lost(None));
+        self.lost_error = Some(error);
+        self.start_release();
+    }
+
+    fn start_release(&mut self) {
+        self.release = Some(match self.handle.take() {
+            Some(handle) => handle.release(),
+            None => Box::pin(std::future::ready(Ok(()))),
+        });
+    }
+}
+
+/// Waits for the hold's release, then ends the body: with the loss if it was lost, cleanly
+/// otherwise.
+fn poll_release<D>(
+    slot: &mut Option<Box<BodyHold>>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<D>, BoxError>>> {
+    let Some(release) = slot.as_mut().and_then(|hold| hold.release.as_mut()) else {
+        *slot = None;
+        return Poll::Ready(None);
+    };
+    let result = ready!(release.as_mut().poll(cx));
+    let lost_error = slot.take().and_then(|mut hold| hold.lost_error.take());
+    Poll::Ready(match (lost_error, result) {
+        (Some(lost), _) => Some(Err(lost.into())),
+        (None, Err(error)) => {
+            tracing::warn!(code = error.code(), error = %error, "releasing the lock after a streamed body failed");
+            None
+        }
+        (None, Ok(())) => None,
+    })
 }
 
 impl<B> Body for LockBody<B>
@@ -100,26 +151,11 @@ where
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let mut this = self.project();
         if let Some(hold) = this.hold.as_mut() {
-            if let Some(release) = hold.release.as_mut() {
-                let result = ready!(release.as_mut().poll(cx));
-                *this.hold = None;
-                if let Err(error) = result {
-                    tracing::warn!(code = error.code(), error = %error, "releasing the lock after a streamed body failed");
-                }
-                return Poll::Ready(None);
+            if hold.release.is_none() && hold.lost.as_mut().poll(cx).is_ready() {
+                hold.start_abort();
             }
-            if hold.lost.as_mut().poll(cx).is_ready() {
-                tracing::warn!(
-                    code = ErrorKind::Lost.code(),
-                    "lock lost while streaming the response body; aborting the body"
-                );
-                let error = hold
-                    .handle
-                    .as_ref()
-                    .and_then(|handle| handle.ensure_held().err())
-                    .unwrap_or_else(|| LockError::lost(None));
-                *this.hold = None;
-                return Poll::Ready(Some(Err(error.into())));
+            if hold.release.is_some() {
+                return poll_release(this.hold, cx);
             }
         }
         let frame = match this.kind.as_mut().project() {
@@ -133,31 +169,15 @@ where
                 *this.hold = None;
                 Poll::Ready(Some(Err(error.into())))
             }
-            None => {
-                let Some(hold) = this.hold.as_mut() else {
-                    return Poll::Ready(None);
-                };
-                let Some(handle) = hold.handle.take() else {
-                    *this.hold = None;
-                    return Poll::Ready(None);
-                };
+            None => match this.hold.as_mut() {
                 // Release before reporting the end, so a client that sees the whole body can
                 // take the lock at once.
-                let mut release: Release = handle.release();
-                match release.as_mut().poll(cx) {
-                    Poll::Ready(result) => {
-                        *this.hold = None;
-                        if let Err(error) = result {
-                            tracing::warn!(code = error.code(), error = %error, "releasing the lock after a streamed body failed");
-                        }
-                        Poll::Ready(None)
-                    }
-                    Poll::Pending => {
-                        hold.release = Some(release);
-                        Poll::Pending
-                    }
+                Some(hold) => {
+                    hold.start_release();
+                    poll_release(this.hold, cx)
                 }
-            }
+                None => Poll::Ready(None),
+            },
         }
     }
 

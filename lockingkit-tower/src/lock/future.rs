@@ -26,7 +26,9 @@ pin_project! {
     ///
     /// It derives the key and takes the lock, calls the inner service and races its future
     /// against the lock's loss signal, then releases the lock and waits for the release to be
-    /// confirmed before yielding the response. Dropping it at any point gives the lock up: a
+    /// confirmed before yielding the response. A lost lock is answered the same way: the
+    /// rejection is yielded once the keys of a multi-key hold that were still held have been
+    /// released. Dropping it at any point gives the lock up: a
     /// pending acquisition is cancelled without leaking the lock, and a held lock is released
     /// in the background.
     pub struct ResponseFuture<S, ReqBody, M>
@@ -56,9 +58,11 @@ pin_project! {
             response: UntilLost<S::Future>,
             handle: Option<Held>,
         },
+        // The answer waits for the release: after the handler's response, and after a loss
+        // too, where a multi-key hold gives back the members it still held.
         Releasing {
             release: BoxFuture<Result<(), LockError>>,
-            result: Option<Result<S::Response, S::Error>>,
+            then: Option<Outcome<S::Response, S::Error>>,
         },
         Unlocked {
             #[pin]
@@ -126,8 +130,8 @@ where
                 StateProj::Calling { response, handle } => {
                     ready!(poll_calling(response, handle, this.config, cx))
                 }
-                StateProj::Releasing { release, result } => {
-                    ready!(poll_releasing(release, result, this.config, cx))
+                StateProj::Releasing { release, then } => {
+                    ready!(poll_releasing(release, then, this.config, cx))
                 }
                 StateProj::Unlocked { response } => {
                     Step::Finish(Outcome::Answer(ready!(response.poll(cx))))
@@ -243,8 +247,16 @@ where
             "the lock was lost while the request was being handled; the handler was stopped and \
              the client is told the outcome is unknown"
         );
-        let rejection = LockRejection::lost(error, config.mode.mode());
-        return Poll::Ready(Step::Finish(Outcome::Rejected(rejection)));
+        let rejection = Outcome::Rejected(LockRejection::lost(error, config.mode.mode()));
+        // "Lost" is answered once nothing of the hold is held any more: a lost single lock
+        // releases at once, a multi-key hold once its other members' releases are answered.
+        return Poll::Ready(match handle.take() {
+            Some(handle) => Step::Next(State::Releasing {
+                release: handle.release(),
+                then: Some(rejection),
+            }),
+            None => Step::Finish(rejection),
+        });
     };
     let Some(handle) = handle.take() else {
         return Poll::Ready(Step::Next(State::Done));
@@ -255,22 +267,27 @@ where
         }
         result => Step::Next(State::Releasing {
             release: handle.release(),
-            result: Some(result),
+            then: Some(Outcome::Answer(result)),
         }),
     })
 }
 
-/// Waits for the release to be confirmed, then hands the inner service's result on.
+/// Waits for the release to be answered, then hands the outcome on.
 fn poll_releasing<S, ReqBody>(
     release: &mut BoxFuture<Result<(), LockError>>,
-    result: &mut Option<Result<S::Response, S::Error>>,
+    then: &mut Option<Outcome<S::Response, S::Error>>,
     config: &LockConfig,
     cx: &mut Context<'_>,
 ) -> Poll<Step<S, ReqBody>>
 where
     S: Service<Request<ReqBody>>,
 {
-    if let Err(error) = ready!(release.as_mut().poll(cx)) {
+    let released = ready!(release.as_mut().poll(cx));
+    let Some(then) = then.take() else {
+        return Poll::Ready(Step::Next(State::Done));
+    };
+    // After a loss the release says "lost", which the rejection already tells.
+    if let (Err(error), Outcome::Answer(_)) = (&released, &then) {
         // The response stands: the work is done, and an unconfirmed release ends when the lease
         // expires. Fencing tokens cover the rest.
         tracing::warn!(
@@ -280,10 +297,7 @@ where
             "the lock was not confirmed released after the response"
         );
     }
-    Poll::Ready(match result.take() {
-        Some(result) => Step::Finish(Outcome::Answer(result)),
-        None => Step::Next(State::Done),
-    })
+    Poll::Ready(Step::Finish(then))
 }
 
 /// Wraps the response body, or turns a rejection into the mapper's response.

@@ -59,7 +59,9 @@ impl Held {
         }
     }
 
-    /// Releases the hold (every member of a multi-key hold) and waits for the backend.
+    /// Releases the hold (every member of a multi-key hold) and waits for the backend. On a
+    /// lost hold it ends at once for one key, and for several once the members still held at
+    /// the loss have been released.
     pub(crate) fn release(self) -> Pin<Box<dyn Future<Output = Result<(), LockError>> + Send>> {
         match self {
             Held::One(handle) => Box::pin(handle.release()),

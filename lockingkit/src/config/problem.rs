@@ -10,8 +10,9 @@ use crate::error::LockError;
 /// (`max_sessions must be a whole number from 1 to 1024`); [`at`](Self::at) places a problem
 /// in the section it came from (`Locking.Jobs.max_sessions …`). The registry collects the
 /// problems of every section and writes them, each once, into one
-/// [`Misconfigured`](crate::ErrorKind::Misconfigured) error. A problem never quotes the value
-/// of a setting.
+/// [`Misconfigured`](crate::ErrorKind::Misconfigured) error. A problem quotes no value of a
+/// setting except those its check chose to [show](Self::showing) — durations and counts a
+/// comparison is about, never a secret.
 ///
 /// ```
 /// use lockingkit::config::Problem;
@@ -20,6 +21,17 @@ use crate::error::LockError;
 /// assert_eq!(
 ///     problem.at("Locking.Jobs").to_string(),
 ///     "Locking.Jobs.max_sessions must be a whole number from 1 to 1024"
+/// );
+///
+/// // A check that compares two settings shows both values; the registry adds "default" to
+/// // the value of a setting the section did not write.
+/// let problem = Problem::new("request_timeout", "must be at most a third of {lease_ttl}")
+///     .involving("lease_ttl")
+///     .showing("request_timeout", "5s")
+///     .showing("lease_ttl", "10s");
+/// assert_eq!(
+///     problem.to_string(),
+///     "request_timeout (5s) must be at most a third of lease_ttl (10s)"
 /// );
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +46,28 @@ pub struct Problem {
     /// What is wrong, worded to follow the setting as `wording` says.
     message: String,
     wording: Wording,
+    /// Values shown beside settings (see [`Problem::showing`]). A boxed slice, not a `Vec`:
+    /// it keeps `Problem` within clippy's `result_large_err` bound, and `Result<_, Problem>`
+    /// is returned all over the registry.
+    shown: Box<[Shown]>,
+}
+
+/// A value a problem shows beside one of its settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Shown {
+    setting: String,
+    value: String,
+    /// The section did not write the setting: the value is its default.
+    default: bool,
+}
+
+impl fmt::Display for Shown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.default {
+            true => write!(f, "{} (default {})", self.setting, self.value),
+            false => write!(f, "{} ({})", self.setting, self.value),
+        }
+    }
 }
 
 /// How a problem's message joins its setting.
@@ -55,6 +89,7 @@ impl Problem {
             involves: Vec::new(),
             message: rest.into(),
             wording: Wording::Sentence,
+            shown: Box::default(),
         }
     }
 
@@ -68,6 +103,7 @@ impl Problem {
             involves: Vec::new(),
             message: detail.into(),
             wording: Wording::Detail,
+            shown: Box::default(),
         }
     }
 
@@ -84,6 +120,55 @@ impl Problem {
     pub fn involving(mut self, setting: impl Into<String>) -> Self {
         self.involves.push(setting.into());
         self
+    }
+
+    /// The same problem, showing `value` beside `setting`: right after the problem's own
+    /// setting (`request_timeout (5s) must …`), and in place of `{setting}` in the message
+    /// for another (`… a third of {lease_ttl}` reads `… a third of lease_ttl (10s)`). For
+    /// values that explain a comparison — durations, counts — never a secret's.
+    #[must_use]
+    pub fn showing(mut self, setting: impl Into<String>, value: impl Into<String>) -> Self {
+        let mut shown = std::mem::take(&mut self.shown).into_vec();
+        shown.push(Shown {
+            setting: setting.into(),
+            value: value.into(),
+            default: false,
+        });
+        self.shown = shown.into_boxed_slice();
+        self
+    }
+
+    /// Marks the shown value of each setting that `written` says the section did not write
+    /// as its default: `request_timeout (default 5s) must …`.
+    pub(crate) fn mark_defaults(&mut self, written: impl Fn(&str) -> bool) {
+        for shown in self.shown.iter_mut() {
+            shown.default = !written(&shown.setting);
+        }
+    }
+
+    /// The message with each shown setting's `{setting}` replaced by the setting and value.
+    fn message(&self) -> String {
+        self.shown
+            .iter()
+            .fold(self.message.clone(), |message, shown| {
+                message.replace(&format!("{{{}}}", shown.setting), &shown.to_string())
+            })
+    }
+
+    /// The problem's own setting with its value, if it shows one: `request_timeout (5s)`.
+    fn subject(&self, path: String) -> String {
+        match self
+            .shown
+            .iter()
+            .find(|shown| shown.setting == self.setting)
+        {
+            Some(shown) => Shown {
+                setting: path,
+                ..shown.clone()
+            }
+            .to_string(),
+            None => path,
+        }
     }
 
     /// The same problem, placed in `section` (such as `Locking.Jobs`): it reads
@@ -123,10 +208,14 @@ impl Problem {
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let path = self.path();
-        match (self.wording, path.is_empty()) {
-            (_, true) => f.write_str(&self.message),
-            (Wording::Sentence, false) => write!(f, "{path} {}", self.message),
-            (Wording::Detail, false) => write!(f, "{path}: {}", self.message),
+        let message = self.message();
+        if path.is_empty() {
+            return f.write_str(&message);
+        }
+        let subject = self.subject(path);
+        match self.wording {
+            Wording::Sentence => write!(f, "{subject} {message}"),
+            Wording::Detail => write!(f, "{subject}: {message}"),
         }
     }
 }
@@ -188,6 +277,35 @@ mod tests {
         let whole = Problem::of_section("whole").at("Locking.Jobs");
         assert!(!whole.is_about("") && !whole.is_about("Jobs"));
         assert_eq!(whole.path(), "Locking.Jobs");
+    }
+
+    #[test]
+    fn shown_values_sit_beside_their_settings_and_say_which_are_defaults() {
+        let problem = Problem::new("request_timeout", "must be at most a third of {lease_ttl}")
+            .involving("lease_ttl")
+            .showing("request_timeout", "5s")
+            .showing("lease_ttl", "10s")
+            .at("Locking.Cache");
+        assert_eq!(
+            problem.to_string(),
+            "Locking.Cache.request_timeout (5s) must be at most a third of lease_ttl (10s)"
+        );
+        let mut only_lease_written = problem.clone();
+        only_lease_written.mark_defaults(|s| s == "lease_ttl");
+        assert_eq!(
+            only_lease_written.to_string(),
+            "Locking.Cache.request_timeout (default 5s) must be at most a third of lease_ttl (10s)"
+        );
+        let mut neither = problem;
+        neither.mark_defaults(|_| false);
+        assert_eq!(
+            neither.to_string(),
+            "Locking.Cache.request_timeout (default 5s) must be at most a third of lease_ttl \
+             (default 10s)"
+        );
+        // Braces of a setting that shows no value are left as written.
+        let plain = Problem::new("template", "must contain {id}");
+        assert_eq!(plain.to_string(), "template must contain {id}");
     }
 
     #[test]

@@ -112,6 +112,33 @@ impl<B: LockBackend> Drop for Engine<B> {
     }
 }
 
+/// Every problem with engine `options` for `backend`: [`problems_with`] its timing, and the
+/// writer's intent against the longest pause between attempts. What `DistributedLock::builder`
+/// and the registry both check.
+pub(crate) fn backend_problems<B: LockBackend>(options: &LockOptions, backend: &B) -> Vec<Problem> {
+    let mut problems = problems_with(options, backend.timing(), backend.provider());
+    if let Some(intent) = backend.writer_intent() {
+        problems.extend(writer_intent_problem(options, intent));
+    }
+    problems
+}
+
+/// The problem of a writer's intent that a waiting writer cannot keep up: it attempts at least
+/// once a `max_retry_delay`, and each attempt sets the intent again, so an intent no longer
+/// than that lapses between two attempts and lets new readers in.
+fn writer_intent_problem(options: &LockOptions, intent: Duration) -> Option<Problem> {
+    (intent <= options.max_retry_delay).then(|| {
+        Problem::new(
+            "writer_intent",
+            "must be longer than {max_retry_delay}: a waiting writer sets its intent again at \
+             each attempt, and one that lapses between two attempts lets new readers in",
+        )
+        .involving("max_retry_delay")
+        .showing("writer_intent", format!("{intent:?}"))
+        .showing("max_retry_delay", format!("{:?}", options.max_retry_delay))
+    })
+}
+
 /// Every problem with engine `options` for a backend of `timing`, named `provider`: the
 /// options' own, and those of their renewal cadence against the backend's leases. The one
 /// place these rules live; the registry asks here too.
@@ -181,7 +208,7 @@ impl<B: LockBackend> Engine<B> {
         meter: &opentelemetry::metrics::Meter,
         key_digest: Option<KeyDigest>,
     ) -> Result<Self, LockError> {
-        let problems = problems_with(&options, backend.timing(), backend.provider());
+        let problems = backend_problems(&options, &backend);
         if !problems.is_empty() {
             return Err(crate::config::misconfigured_at(
                 &format!("Locking.{name}"),

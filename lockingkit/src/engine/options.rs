@@ -62,14 +62,10 @@ impl LockOptions {
         }
         if self.min_retry_delay > self.max_retry_delay {
             problems.push(
-                Problem::new(
-                    "min_retry_delay",
-                    format!(
-                        "({:?}) must not exceed max_retry_delay ({:?})",
-                        self.min_retry_delay, self.max_retry_delay
-                    ),
-                )
-                .involving("max_retry_delay"),
+                Problem::new("min_retry_delay", "must not exceed {max_retry_delay}")
+                    .involving("max_retry_delay")
+                    .showing("min_retry_delay", format!("{:?}", self.min_retry_delay))
+                    .showing("max_retry_delay", format!("{:?}", self.max_retry_delay)),
             );
         }
         if self.renew_every.is_some_and(|d| d.is_zero()) {

@@ -135,6 +135,7 @@ impl Run {
             term: number,
             since,
             elected_at: SystemTime::now(),
+            lock: handle.view(),
         });
         let span = self.telemetry.term_span(number);
         self.telemetry.term_won();
@@ -151,7 +152,10 @@ impl Run {
         }
         .instrument(span.clone())
         .await;
-        // The work is dropped by now; the hold is given up before anyone is told it ended.
+        // The work is dropped by now. The state says "not leading" before the release is
+        // sent: the server may grant the next campaigner the moment it frees the lock, before
+        // its answer to this release is back, and the two must never both read as leader.
+        self.state.send_replace(LeaderState::Campaigning);
         let released = match end {
             TermEnd::Lost => {
                 drop(handle);
@@ -160,7 +164,6 @@ impl Run {
             TermEnd::Finished | TermEnd::Resigned => handle.release().await,
         };
         self.telemetry.term_ended(&span, end, since.elapsed());
-        self.state.send_replace(LeaderState::Campaigning);
         if since.elapsed() >= self.settled_after {
             self.backoff.reset();
         }

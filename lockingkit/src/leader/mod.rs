@@ -54,12 +54,12 @@ const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
 /// campaign is resigned.
 ///
 /// # Errors
-/// A campaign goes on through outages: a wait that ends in
+/// A campaign goes on through outages and contention: a wait that ends in
 /// [`ErrorKind::Unavailable`] (the backend could not be reached, or the provider refuses
-/// callers while it is failing) or [`ErrorKind::Timeout`] is retried after the backoff. A
-/// failure no retry can fix — [`ErrorKind::Misconfigured`], [`ErrorKind::Backend`] — stops the
-/// campaign with that error: [`LeaderState::Stopped`] carries it and
-/// [`Leadership::resign`] returns it.
+/// callers while it is failing), [`ErrorKind::Timeout`] or [`ErrorKind::Busy`] is retried
+/// after the backoff. Any other failure — [`ErrorKind::Misconfigured`],
+/// [`ErrorKind::Backend`], … — is one no retry can fix, and stops the campaign with that
+/// error: [`LeaderState::Stopped`] carries it and [`Leadership::resign`] returns it.
 ///
 /// # Hand-over
 /// [`Leadership::resign`] releases the lock at once and waits for the backend to confirm, so a
@@ -195,7 +195,15 @@ impl DistributedLock {
 pub enum LeaderState {
     /// Not leading: waiting for the lock, or pausing between terms.
     Campaigning,
-    /// Leading in term `term` (the lock's fencing token) since `since`.
+    /// Leading in term `term` (the lock's fencing token) since `since`, while `lock` is held.
+    ///
+    /// The watch moves on to `Campaigning` before the campaign sends the term's release. When
+    /// the term ends in loss, the engine gives the lock up on its own (and may send a
+    /// best-effort release) before the campaign has run to move the watch on: for that moment
+    /// the value still reads `Leading`, but [`is_leading`](LeaderState::is_leading) and
+    /// [`term`](LeaderState::term) already say no, as they do once the lock's loss deadline
+    /// has passed. Ask them, not the variant, whether this instance leads.
+    #[non_exhaustive]
     Leading {
         /// The term number: the fencing token of the lock that makes this instance leader.
         term: u64,
@@ -203,6 +211,8 @@ pub enum LeaderState {
         since: Instant,
         /// When the term began, on the wall clock (for health endpoints and logs).
         elected_at: SystemTime,
+        /// The term's lock, as the leader work's [`Term`] sees it.
+        lock: LockView,
     },
     /// The campaign is over: resigned (`error` is `None`) or stopped by a failure no retry
     /// can fix.
@@ -213,15 +223,16 @@ pub enum LeaderState {
 }
 
 impl LeaderState {
-    /// Whether this instance leads now.
+    /// Whether this instance leads now: in a term whose lock is still held (not lost,
+    /// released or past its loss deadline).
     pub fn is_leading(&self) -> bool {
-        matches!(self, LeaderState::Leading { .. })
+        self.term().is_some()
     }
 
-    /// The current term's number, while leading.
+    /// The current term's number, while leading (see [`is_leading`](Self::is_leading)).
     pub fn term(&self) -> Option<u64> {
         match self {
-            LeaderState::Leading { term, .. } => Some(*term),
+            LeaderState::Leading { term, lock, .. } if lock.is_held() => Some(*term),
             _ => None,
         }
     }
@@ -292,7 +303,9 @@ impl Leadership {
         self.state.clone()
     }
 
-    /// Whether this instance leads now.
+    /// Whether this instance leads now (see [`LeaderState::is_leading`]). It turns `false`
+    /// before the lock is given up: before the release is sent when the term's work returns
+    /// or the campaign is resigned, and the moment the engine declares the lock lost.
     pub fn is_leading(&self) -> bool {
         self.state.borrow().is_leading()
     }

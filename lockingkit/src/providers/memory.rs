@@ -88,8 +88,13 @@ impl Readers {
 }
 
 /// How long a writer's intent holds new readers back after its latest attempt. A waiting
-/// writer retries at least this often with the engine's default options (its longest retry
-/// delay is 1 s), so the intent stands for as long as it waits, and lapses soon after it stops.
+/// writer retries at least once a `max_retry_delay` (1 s by default), so with a
+/// `max_retry_delay` shorter than this the intent stands for as long as it waits, and lapses
+/// soon after it stops. A test double, the in-memory provider takes any `max_retry_delay`; one
+/// of 2 s or more lets new readers in between a waiting writer's attempts. (Redis, whose intent
+/// is a setting, states it through
+/// [`LockBackend::writer_intent`], and the engine holds it
+/// to that rule.)
 pub const WRITER_INTENT: Duration = Duration::from_secs(2);
 
 impl MemoryStore {

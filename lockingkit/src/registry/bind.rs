@@ -122,13 +122,12 @@ pub(crate) fn bind_section<T: DeserializeOwned>(
         } else {
             // Worded from the field's type (and the range its options check, so that both
             // messages state the same one): the parser's own message may quote the value.
-            let expected = match WholeNumbers::of(ranges, field) {
-                Some(range) => format!("expected {}", range.describe()),
-                None => expects.describe(),
+            let at = format!("{path}.{key}");
+            let problem = match WholeNumbers::of(ranges, field) {
+                Some(range) => Problem::detail(at, format!("expected {}", range.describe())),
+                None => expects.problem(at, value),
             };
-            bound
-                .problems
-                .push(Problem::detail(format!("{path}.{key}"), expected));
+            bound.problems.push(problem);
             bound.unparsed.push(field);
         }
     }
@@ -267,6 +266,23 @@ pub(super) mod tests {
             bound.unparsed,
             ["account_key", "lease_duration", "max_connections"]
         );
+    }
+
+    #[test]
+    fn a_negative_duration_is_refused_as_negative_not_as_one_without_a_unit() {
+        for negative in [json!("-1s"), json!(" -250ms"), json!(-5)] {
+            let s = settings(
+                json!({"account": "a", "account_key": "k", "max_connections": 1,
+                                     "lease_duration": negative.clone()}),
+            );
+            let bound = bind_section::<Account>("Locking.Jobs", "demo", &s, &[]);
+            let all = problems_of(&bound).join("\n");
+            assert_eq!(
+                all,
+                r#"Locking.Jobs.lease_duration must not be negative (expected a duration with its unit, such as "30s" or "250ms")"#,
+                "{negative}"
+            );
+        }
     }
 
     #[test]

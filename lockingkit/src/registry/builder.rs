@@ -78,21 +78,8 @@ impl LockingBuilder {
         redis: crate::providers::redis::RedisOptions,
         options: LockOptions,
     ) -> Self {
-        let engine = options.clone();
         self.deferred(name, options, move |path, _| {
-            let mut problems: Vec<Problem> = redis
-                .problems_with(&engine)
-                .into_iter()
-                .map(|p| p.at(path))
-                .collect();
-            match super::builtin::open_redis(redis, path) {
-                Ok(backend) if problems.is_empty() => Ok(backend),
-                Ok(_) => Err(problems),
-                Err(more) => {
-                    problems.extend(more);
-                    Err(problems)
-                }
-            }
+            super::builtin::open_redis(redis, path)
         })
     }
 

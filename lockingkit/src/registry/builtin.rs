@@ -195,12 +195,10 @@ fn redis(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
 #[cfg(feature = "redis")]
 fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
     use crate::providers::redis::RedisOptions;
-    let (options, mut problems) =
+    // The writer's intent against the engine's max_retry_delay is the engine's rule, checked
+    // when the provider is assembled, as for a `DistributedLock::builder`.
+    let (options, problems) =
         bind_checked(section, RedisOptions::problems, RedisOptions::WHOLE_NUMBERS);
-    if let Some(options) = &options {
-        let together = options.problems_with(&setup.options);
-        problems.extend(together.into_iter().map(|p| p.at(section.path())));
-    }
     let backend = options.map(|options| open_redis(options, section.path()));
     finish(backend, setup, problems)
 }

@@ -69,6 +69,26 @@ pub(super) fn build_section(
     host: HostResources<'_>,
     problems: &mut Vec<Problem>,
 ) -> Option<DistributedLock> {
+    // A check judges the options as bound, defaults included: a value it shows that the
+    // section did not write is said to be the default, or the reader hunts for a setting
+    // they never wrote.
+    let written: Vec<String> = settings.keys().map(|key| canonical(key)).collect();
+    let first = problems.len();
+    let built = build_written(name, settings, custom, host, problems);
+    for problem in problems.iter_mut().skip(first) {
+        problem.mark_defaults(|setting| written.contains(&canonical(setting)));
+    }
+    built
+}
+
+/// [`build_section`], before the problems say which values are defaults.
+fn build_written(
+    name: &str,
+    settings: Map<String, Value>,
+    custom: &[CustomProvider],
+    host: HostResources<'_>,
+    problems: &mut Vec<Problem>,
+) -> Option<DistributedLock> {
     let path = format!("Locking.{name}");
     let settings = SortedSettings::sort(settings);
     let (options, options_ok) = bind_engine_options(&path, &settings.engine, problems);

@@ -10,7 +10,12 @@
 //!   `connection_string`);
 //! - a string binds a number or a boolean field when it parses as one (`"16"`, `"true"`);
 //! - an empty string binds `None` for an optional field (an empty environment variable
-//!   unsets a setting rather than failing to parse).
+//!   unsets a setting rather than failing to parse);
+//! - a list field binds, besides a list, one string of items separated by commas
+//!   (`ENDPOINTS=http://a:2379,http://b:2379`) or a table of items numbered from 0
+//!   (`ENDPOINTS__0=…`, `ENDPOINTS__1=…`, which the `config` crate delivers as keys `"0"`,
+//!   `"1"`): an environment variable carries one string, and a host that wants one variable
+//!   per item numbers them.
 
 use serde::de::value::{MapDeserializer, SeqDeserializer};
 use serde::de::{self, IntoDeserializer, Visitor};
@@ -80,6 +85,32 @@ impl de::Error for BindError {
 
 fn invalid(error: serde_json::Error) -> BindError {
     BindError::Invalid(error.to_string())
+}
+
+/// The items of a list written as one string: separated by commas, each trimmed, blanks
+/// left out (so an empty string is an empty list, and a trailing comma is harmless).
+fn comma_separated(text: &str) -> Vec<Value> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| Value::String(item.to_owned()))
+        .collect()
+}
+
+/// The items of a list written as a table numbered from 0 (`0`, `1`, …, each once), in
+/// order. A table with any other key, or a gap, is not a list: a gap is as likely a typo.
+fn numbered(map: Map<String, Value>) -> Result<Vec<Value>, BindError> {
+    let not_a_list = || BindError::Invalid("a table that is not a list numbered from 0".into());
+    let mut items: Vec<Option<Value>> = vec![None; map.len()];
+    for (key, value) in map {
+        let index: usize = key.trim().parse().map_err(|_| not_a_list())?;
+        let slot = items.get_mut(index).ok_or_else(not_a_list)?;
+        *slot = Some(value);
+    }
+    items
+        .into_iter()
+        .map(|item| item.ok_or_else(not_a_list))
+        .collect()
 }
 
 /// A configuration value that binds leniently (see the module docs).
@@ -171,15 +202,16 @@ impl<'de> de::Deserializer<'de> for Lenient {
     }
 
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
-        match self.0 {
-            Value::Array(items) => {
-                let mut seq = SeqDeserializer::new(items.into_iter().map(Lenient));
-                let value = visitor.visit_seq(&mut seq)?;
-                seq.end()?;
-                Ok(value)
-            }
-            other => other.deserialize_seq(visitor).map_err(invalid),
-        }
+        let items = match self.0 {
+            Value::Array(items) => items,
+            Value::String(text) => comma_separated(&text),
+            Value::Object(map) => numbered(map)?,
+            other => return other.deserialize_seq(visitor).map_err(invalid),
+        };
+        let mut seq = SeqDeserializer::new(items.into_iter().map(Lenient));
+        let value = visitor.visit_seq(&mut seq)?;
+        seq.end()?;
+        Ok(value)
     }
 
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
@@ -305,6 +337,54 @@ mod tests {
         }))
         .unwrap_err();
         assert!(err.to_string().contains("unknown field `colour`"), "{err}");
+    }
+
+    #[derive(Debug, Deserialize, PartialEq)]
+    struct Cluster {
+        endpoints: Vec<String>,
+        #[serde(default)]
+        ports: Vec<u16>,
+    }
+
+    fn cluster(value: Value) -> Result<Cluster, BindError> {
+        Cluster::deserialize(Lenient(value))
+    }
+
+    #[test]
+    fn a_list_binds_from_a_list_a_comma_separated_string_or_items_numbered_from_0() {
+        let want = vec!["http://a:2379".to_owned(), "http://b:2379".to_owned()];
+        for endpoints in [
+            json!(["http://a:2379", "http://b:2379"]),
+            json!(" http://a:2379 , http://b:2379,"),
+            json!({"1": "http://b:2379", "0": "http://a:2379"}),
+        ] {
+            let bound = cluster(json!({ "endpoints": endpoints.clone() })).unwrap();
+            assert_eq!(bound.endpoints, want, "{endpoints}");
+        }
+        let one = cluster(json!({"endpoints": "http://a:2379"})).unwrap();
+        assert_eq!(one.endpoints, ["http://a:2379"]);
+        let none = cluster(json!({"endpoints": ""})).unwrap();
+        assert!(
+            none.endpoints.is_empty(),
+            "an empty string is an empty list"
+        );
+        // Each item binds leniently too: environment variables carry numbers as strings.
+        let ports = cluster(json!({"endpoints": [], "ports": "2379, 22379"})).unwrap();
+        assert_eq!(ports.ports, [2379, 22379]);
+        let ports = cluster(json!({"endpoints": [], "ports": {"0": "2379"}})).unwrap();
+        assert_eq!(ports.ports, [2379]);
+    }
+
+    #[test]
+    fn a_table_with_a_gap_or_a_name_is_not_a_list() {
+        for endpoints in [
+            json!({"0": "http://a:2379", "2": "http://b:2379"}),
+            json!({"1": "http://b:2379"}),
+            json!({"first": "http://a:2379"}),
+        ] {
+            let err = cluster(json!({ "endpoints": endpoints.clone() })).unwrap_err();
+            assert!(matches!(err, BindError::Invalid(_)), "{endpoints}: {err}");
+        }
     }
 
     #[test]

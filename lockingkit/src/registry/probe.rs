@@ -11,6 +11,7 @@ use serde::de::{self, IntoDeserializer, Visitor};
 use serde::forward_to_deserialize_any;
 
 use super::lenient::BindError;
+use crate::config::Problem;
 
 /// The field names a struct deserializes, found by asking its `Deserialize` impl; `None` for
 /// types that do not deserialize as a plain struct (maps, flattened or transparent structs).
@@ -81,11 +82,25 @@ pub(crate) enum Expected {
     Secret,
     /// A duration ([`crate::config::duration`]).
     Duration,
-    /// Anything else (a list, a table, a custom type).
+    /// A list (see [`Lenient`](super::lenient::Lenient) for the forms it takes).
+    List,
+    /// Anything else (a table, a custom type).
     Other,
 }
 
 impl Expected {
+    /// The problem of the setting at `path` whose `value` did not bind: worded from the type,
+    /// and from the value's sign for a duration (`"-1s"` has its unit; its sign is wrong), never
+    /// quoting the value.
+    pub(crate) fn problem(self, path: String, value: &serde_json::Value) -> Problem {
+        match self {
+            Expected::Duration if is_negative(value) => {
+                Problem::new(path, crate::config::NEGATIVE_DURATION)
+            }
+            expected => Problem::detail(path, expected.describe()),
+        }
+    }
+
     /// What to write instead, for a setting that did not bind.
     pub(crate) fn describe(self) -> String {
         match self {
@@ -95,8 +110,20 @@ impl Expected {
             Expected::Bool => "expected true or false".to_owned(),
             Expected::Text | Expected::Secret => "expected a string".to_owned(),
             Expected::Duration => crate::config::EXPECTED_DURATION.to_owned(),
+            Expected::List => "expected a list, one string of items separated by commas, or \
+                               items numbered from 0"
+                .to_owned(),
             Expected::Other => "has the wrong type or form".to_owned(),
         }
+    }
+}
+
+/// Whether `value` is a negative number, or text that starts like one.
+fn is_negative(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Number(number) => number.as_f64().is_some_and(|n| n < 0.0),
+        serde_json::Value::String(text) => text.trim_start().starts_with('-'),
+        _ => false,
     }
 }
 
@@ -192,6 +219,7 @@ impl<'de> de::Deserializer<'de> for TypeProbe {
         deserialize_str => Expected::Text;
         deserialize_string => Expected::Text;
         deserialize_char => Expected::Text;
+        deserialize_seq => Expected::List;
     }
 
     fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Probe> {
@@ -211,7 +239,7 @@ impl<'de> de::Deserializer<'de> for TypeProbe {
     }
 
     forward_to_deserialize_any! {
-        i128 u128 bytes byte_buf unit unit_struct seq tuple tuple_struct map struct enum
+        i128 u128 bytes byte_buf unit unit_struct tuple tuple_struct map struct enum
         identifier ignored_any
     }
 }

@@ -48,8 +48,7 @@ impl ProviderSetup<'_> {
     pub(super) fn assemble<B: LockBackend>(self, backend: B) -> ProviderResult {
         let path = self.path();
         // The engine's rules, asked as data so that each problem keeps its setting.
-        let problems =
-            crate::engine::problems_with(&self.options, backend.timing(), backend.provider());
+        let problems = crate::engine::backend_problems(&self.options, &backend);
         if !problems.is_empty() {
             return Err(problems.into_iter().map(|p| p.at(&path)).collect());
         }

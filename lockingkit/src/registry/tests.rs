@@ -169,12 +169,13 @@ fn every_problem_of_every_section_is_listed_in_one_error() {
             "lease_duration": "0s",
         },
         "Reports": {"provider": "carrier_pigeon"},
-        "Exports": {"max_retry_delay": "1s"},
+        "Exports": {"max_retry_delay": "10ms"},
         "Audit": {"provider": "in_memory", "release_timeout": "soon", "colour": "blue"},
         "Broken": "not a table",
     }))));
     for expected in [
         "Locking.Jobs.min_retry_delay (5s) must not exceed max_retry_delay (1s)",
+        "Locking.Exports.min_retry_delay (default 50ms) must not exceed max_retry_delay (10ms)",
         "Locking.Jobs.lease_duration must be at least 1ms",
         "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, azure_blob, etcd, redis)",
         "Locking.Exports.provider is missing",
@@ -573,7 +574,9 @@ mod etcd {
             "{shown}"
         );
         assert!(
-            shown.contains("Locking.Default.request_timeout must be at most a third of lease_ttl"),
+            shown.contains(
+                "Locking.Default.request_timeout (3s) must be at most a third of lease_ttl (6s)"
+            ),
             "{shown}"
         );
         assert!(
@@ -593,6 +596,38 @@ mod etcd {
         }))));
         assert!(shown.contains("Locking.Default.lease_ttl:"), "{shown}");
         assert!(!shown.contains("a third of lease_ttl"), "{shown}");
+    }
+
+    #[test]
+    fn a_problem_about_a_default_the_section_did_not_write_names_it_as_the_default() {
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {
+                "provider": "etcd",
+                "endpoints": ["http://127.0.0.1:2379"],
+                "lease_ttl": "10s",
+            },
+        }))));
+        assert!(
+            shown.contains(
+                "Locking.Default.request_timeout (default 5s) must be at most a third of \
+                 lease_ttl (10s)"
+            ),
+            "{shown}"
+        );
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {
+                "provider": "etcd",
+                "endpoints": ["http://127.0.0.1:2379"],
+                "RequestTimeout": "12s",
+            },
+        }))));
+        assert!(
+            shown.contains(
+                "Locking.Default.request_timeout (12s) must be at most a third of lease_ttl \
+                 (default 30s)"
+            ),
+            "{shown}"
+        );
     }
 }
 

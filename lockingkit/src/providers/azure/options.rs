@@ -176,13 +176,12 @@ impl AzureBlobOptions {
             problems.push(
                 Problem::new(
                     "request_timeout",
-                    format!(
-                        "({:?}) must be at most a third of lease_duration ({lease:?}), so a \
-                         failed renewal can be retried before the lease runs out",
-                        self.request_timeout
-                    ),
+                    "must be at most a third of {lease_duration}, so a failed renewal can be \
+                     retried before the lease runs out",
                 )
-                .involving("lease_duration"),
+                .involving("lease_duration")
+                .showing("request_timeout", format!("{:?}", self.request_timeout))
+                .showing("lease_duration", format!("{lease:?}")),
             );
         }
         for range in Self::WHOLE_NUMBERS {
@@ -192,12 +191,11 @@ impl AzureBlobOptions {
             problems.push(
                 Problem::new(
                     "retry_delay",
-                    format!(
-                        "must be greater than zero and at most request_timeout (was {:?})",
-                        self.retry_delay
-                    ),
+                    "must be greater than zero and at most {request_timeout}",
                 )
-                .involving("request_timeout"),
+                .involving("request_timeout")
+                .showing("retry_delay", format!("{:?}", self.retry_delay))
+                .showing("request_timeout", format!("{:?}", self.request_timeout)),
             );
         }
         problems

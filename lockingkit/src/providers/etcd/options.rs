@@ -160,8 +160,14 @@ impl EtcdOptions {
             problems.push(Problem::new("request_timeout", "must be at least 1ms"));
         } else if self.request_timeout > self.lease_ttl / 3 {
             problems.push(
-                Problem::new("request_timeout", "must be at most a third of lease_ttl")
-                    .involving("lease_ttl"),
+                Problem::new(
+                    "request_timeout",
+                    "must be at most a third of {lease_ttl}, so a failed renewal can be \
+                     retried before the lease runs out",
+                )
+                .involving("lease_ttl")
+                .showing("request_timeout", format!("{:?}", self.request_timeout))
+                .showing("lease_ttl", format!("{:?}", self.lease_ttl)),
             );
         }
         problems

@@ -103,6 +103,8 @@ struct Backend {
     timeout: Duration,
     lease_ms: String,
     intent_ms: String,
+    /// `writer_intent`, which the engine checks against its `max_retry_delay`.
+    intent: Duration,
     replication: Option<Replication>,
     holders: HolderIds,
 }
@@ -154,6 +156,7 @@ impl RedisBackend {
                 timeout,
                 lease_ms: millis(options.lease_duration),
                 intent_ms: millis(options.writer_intent),
+                intent: options.writer_intent,
                 replication: (options.replicas > 0).then_some(Replication {
                     replicas: options.replicas,
                     timeout: options.replica_timeout,
@@ -374,6 +377,10 @@ impl LockBackend for RedisBackend {
             LockMode::Exclusive | LockMode::Shared => true,
             LockMode::Semaphore { max_count } => (1..=MAX_SEMAPHORE_COUNT).contains(&max_count),
         }
+    }
+
+    fn writer_intent(&self) -> Option<Duration> {
+        Some(self.inner.intent)
     }
 
     async fn try_acquire(

@@ -188,12 +188,12 @@ impl RedisOptions {
             problems.push(
                 Problem::new(
                     "request_timeout",
-                    format!(
-                        "({timeout:?}) must be at most a third of lease_duration ({lease:?}), so \
-                         a failed renewal can be retried before the lease runs out"
-                    ),
+                    "must be at most a third of {lease_duration}, so a failed renewal can be \
+                     retried before the lease runs out",
                 )
-                .involving("lease_duration"),
+                .involving("lease_duration")
+                .showing("request_timeout", format!("{timeout:?}"))
+                .showing("lease_duration", format!("{lease:?}")),
             );
         }
         if self.replicas > 0
@@ -202,51 +202,23 @@ impl RedisOptions {
             problems.push(
                 Problem::new(
                     "replica_timeout",
-                    format!(
-                        "({:?}) must be at least 1ms and shorter than request_timeout \
-                         ({timeout:?})",
-                        self.replica_timeout
-                    ),
+                    "must be at least 1ms and shorter than {request_timeout}",
                 )
                 .involving("request_timeout")
-                .involving("replicas"),
+                .involving("replicas")
+                .showing("replica_timeout", format!("{:?}", self.replica_timeout))
+                .showing("request_timeout", format!("{timeout:?}")),
             );
         }
         if self.writer_intent < Duration::from_millis(1) || self.writer_intent > lease {
             problems.push(
                 Problem::new(
                     "writer_intent",
-                    format!(
-                        "({:?}) must be at least 1ms and at most lease_duration",
-                        self.writer_intent
-                    ),
+                    "must be at least 1ms and at most {lease_duration}",
                 )
-                .involving("lease_duration"),
-            );
-        }
-        problems
-    }
-}
-
-impl RedisOptions {
-    /// The problems of these options together with the engine options of the same provider: a
-    /// waiting writer sets its intent again at each attempt, so an intent no longer than the
-    /// longest pause between two attempts (`max_retry_delay`) lapses between them and lets new
-    /// readers in. The registry checks this for every Redis provider it builds.
-    pub(crate) fn problems_with(&self, engine: &crate::LockOptions) -> Vec<Problem> {
-        let mut problems = Vec::new();
-        if self.writer_intent <= engine.max_retry_delay {
-            problems.push(
-                Problem::new(
-                    "writer_intent",
-                    format!(
-                        "({:?}) must be longer than max_retry_delay ({:?}): a waiting writer \
-                         sets its intent again at each attempt, and one that lapses between two \
-                         attempts lets new readers in",
-                        self.writer_intent, engine.max_retry_delay
-                    ),
-                )
-                .involving("max_retry_delay"),
+                .involving("lease_duration")
+                .showing("writer_intent", format!("{:?}", self.writer_intent))
+                .showing("lease_duration", format!("{lease:?}")),
             );
         }
         problems

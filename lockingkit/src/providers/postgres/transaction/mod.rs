@@ -48,6 +48,8 @@ use statement::Answer;
 /// # async fn ship(pool: &deadpool_postgres::Pool, locks: &PostgresTransactionLocks)
 /// #     -> Result<(), Box<dyn std::error::Error>> {
 /// let mut client = pool.get().await?;
+/// // Once at startup, unless a PostgresBackend or a migration made the sequence already.
+/// locks.create_fencing_sequence(&client).await?;
 /// let transaction = client.transaction().await?;
 /// // Held from here until COMMIT or ROLLBACK; waits up to 5 s for another holder.
 /// let lock = locks.acquire(&transaction, "orders/42", Duration::from_secs(5)).await?;
@@ -60,6 +62,17 @@ use statement::Answer;
 /// transaction.commit().await?; // the lock is released with the commit
 /// # Ok(()) }
 /// ```
+///
+/// # Before the first lock: the fencing sequence
+/// Each attempt takes its fencing token from the fencing sequence in the same round trip, and
+/// never creates it inside your transaction, so the sequence must exist in the database first.
+/// It does once a [`PostgresBackend`](super::PostgresBackend) (same schema and sequence names)
+/// has been used on that database, or once an administrator has run
+/// [`setup_sql`](super::setup_sql). An application that takes only transaction locks calls
+/// [`create_fencing_sequence`](Self::create_fencing_sequence) once at startup (safe to run
+/// again), or runs `setup_sql` in a migration if its role may not create objects. Without the
+/// sequence every attempt is [`ErrorKind::Misconfigured`], naming these fixes, and your
+/// transaction stays usable.
 ///
 /// # Prepared or unnamed
 /// On a tokio-postgres [`Transaction`] each attempt is one unnamed statement, which the server
@@ -274,10 +287,14 @@ impl PostgresTransactionLocks {
 
     /// Creates the fencing schema and sequence (and the session provider's watch function)
     /// unless they exist, on `client` outside any transaction of yours: what a
-    /// [`PostgresBackend`](super::PostgresBackend) does on first use. Run it once per database
-    /// (at startup, or in a migration), or create them with
-    /// [`setup_sql`](super::setup_sql); without the sequence, every attempt in that database is
-    /// [`ErrorKind::Misconfigured`] rather than create it inside your transaction.
+    /// [`PostgresBackend`](super::PostgresBackend) does on first use.
+    ///
+    /// Needed once per database when nothing else made the sequence: no `PostgresBackend` with
+    /// the same names has run on it and no migration ran [`setup_sql`](super::setup_sql) (see
+    /// [Before the first lock](Self#before-the-first-lock-the-fencing-sequence)). Run it at
+    /// startup or in a migration; it is safe to run again. Without the sequence, every attempt
+    /// in that database is [`ErrorKind::Misconfigured`] rather than create it inside your
+    /// transaction.
     pub async fn create_fencing_sequence(&self, client: &Client) -> Result<(), LockError> {
         let timeout = self.inner.options.query_timeout;
         match within(timeout, client.batch_execute(&self.inner.schema.setup)).await {

@@ -9,7 +9,7 @@
 //!
 //! - a member that failed (refused or dropped the connection, did not answer within the
 //!   request timeout, or answered that it has no leader) is not asked again until its backoff
-//!   has passed, [`FIRST_DELAY`] doubling to [`MOST_DELAY`] with equal jitter, and then by one
+//!   has passed, [`OUTAGE_FIRST`] doubling (with equal jitter) to [`OUTAGE_MOST`], and then by one
 //!   request at a time (its probe): **one connect in flight per member**, never a reconnect per
 //!   request. Callers queued behind a connect (and its login) that failed are told its failure
 //!   instead of connecting again;
@@ -38,12 +38,8 @@ use tokio::time::Instant;
 
 use super::errors::{classify, Effect, Failure, Next};
 use crate::backend::{BackendError, BackendErrorKind};
-use crate::health::{Admission, Health, Probe, Refusal};
+use crate::health::{Admission, Health, Probe, Refusal, OUTAGE_FIRST, OUTAGE_MOST};
 
-/// How long after a member failed it may be asked again (its first probe).
-pub(super) const FIRST_DELAY: Duration = Duration::from_millis(100);
-/// The longest a failing member goes unasked.
-pub(super) const MOST_DELAY: Duration = Duration::from_secs(5);
 /// The pause before a request is sent to the next member; it doubles with each member tried.
 const FIRST_RESEND_PAUSE: Duration = Duration::from_millis(5);
 
@@ -107,7 +103,7 @@ impl Members {
                 connect: connect.clone(),
                 connection: tokio::sync::Mutex::default(),
                 failed_connects: AtomicU64::new(0),
-                health: Arc::new(Health::new(FIRST_DELAY, MOST_DELAY)),
+                health: Arc::new(Health::new(OUTAGE_FIRST, OUTAGE_MOST)),
             })
             .collect();
         // Processes start on different members, so a fleet spreads over the cluster.

@@ -1,11 +1,14 @@
-//! The outage experiment, against a real PostgreSQL server: a locked axum route (one attempt
-//! per request, deposits locked per account) under sixty-four clients while the server is
-//! frozen, unreachable, restarted, or refuses our password.
+//! The outage experiment, against a real PostgreSQL server: two locked axum routes per account
+//! (deposits make one attempt per request, transfers wait up to 2 s) under sixty-four clients
+//! while the server is frozen, unreachable, restarted, or refuses our password.
 //!
 //! What a careful operator needs from it, and what each test checks:
 //! - an outage is never answered as contention: once the fault is older than the engine's
-//!   patience (the longest retry delay, 1 s), no request gets `409`; every refusal is `503`
-//!   (`500` when the server refuses our credentials);
+//!   patience (2 s), no request gets `409`; every refusal is `503` (`500` when the server
+//!   refuses our credentials);
+//! - an outage is answered at once: from then on, 99% of the requests of either route, waiting
+//!   ones included, are answered within 50 ms;
+//! - service resumes within a second of the server's return;
 //! - the server is not hammered: the connections it sees (counted by a proxy in front of it, or
 //!   as failed logins in its log) stay a handful however many requests arrive;
 //! - the log is not flooded: a handful of warnings for the whole outage, not one per request;
@@ -31,9 +34,15 @@ use tokio::time::Instant;
 /// Runs one experiment at a time, even when the test harness runs them in one process.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The engine's patience: callers that meet an attempt or release in flight for longer than
-/// this are told the backend did not answer (`LockOptions::max_retry_delay`, 1 s by default).
-const PATIENCE: Duration = Duration::from_secs(1);
+/// The engine's patience: an attempt unanswered this long is an outage, and from then on the
+/// gate refuses callers at once (`LockOptions::max_retry_delay`, and at least 2 s).
+const PATIENCE: Duration = Duration::from_secs(2);
+
+/// How soon a request is answered while the backend is known to be failing: 99% of them.
+const ANSWERED_AT_ONCE: Duration = Duration::from_millis(50);
+
+/// How soon after the server's return the first request succeeds.
+const RESUMES_WITHIN: Duration = Duration::from_secs(1);
 
 const CLIENTS: usize = 64;
 const ACCOUNTS: usize = 8;
@@ -67,16 +76,28 @@ struct Answer {
     sent: Instant,
     answered: Instant,
     status: StatusCode,
+    /// Whether the request was a transfer (its route waits for the lock).
+    waited: bool,
 }
 
-/// `POST /accounts/{id}/deposits` behind `lock_route("accounts/{id}")` on `locks`: the
-/// handler itself takes no time.
+/// `POST /accounts/{id}/deposits` behind `lock_route("accounts/{id}")` on `locks`, and
+/// `POST /accounts/{id}/transfers` behind the same lock waiting up to 2 s: the handlers
+/// themselves take no time.
 fn deposits(locks: DistributedLock) -> Router {
-    Router::new().route(
-        "/accounts/{id}/deposits",
-        post(|| async { StatusCode::OK })
-            .route_layer(lockingkit_axum::lock_route(locks, "accounts/{id}")),
-    )
+    Router::new()
+        .route(
+            "/accounts/{id}/deposits",
+            post(|| async { StatusCode::OK })
+                .route_layer(lockingkit_axum::lock_route(locks.clone(), "accounts/{id}")),
+        )
+        .route(
+            "/accounts/{id}/transfers",
+            post(|| async { StatusCode::OK }).route_layer(lockingkit_axum::lock_route_waiting(
+                locks,
+                "accounts/{id}",
+                Duration::from_secs(2),
+            )),
+        )
 }
 
 /// Sixty-four clients, each on a keep-alive connection, posting deposits to one of eight
@@ -95,7 +116,10 @@ impl Clients {
                 let stop = stop.clone();
                 tokio::spawn(async move {
                     let mut connection = Connection::open(addr).await;
-                    let path = format!("/accounts/{}/deposits", client % ACCOUNTS);
+                    // One client in eight transfers: a waiting route beside the others.
+                    let waited = client % 8 == 7;
+                    let route = if waited { "transfers" } else { "deposits" };
+                    let path = format!("/accounts/{}/{route}", client % ACCOUNTS);
                     let mut answers = Vec::new();
                     while !stop.load(Ordering::Relaxed) {
                         let sent = Instant::now();
@@ -105,6 +129,7 @@ impl Clients {
                             sent,
                             answered,
                             status,
+                            waited,
                         });
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
@@ -123,6 +148,31 @@ impl Clients {
         }
         all
     }
+}
+
+/// The 99th percentile and the longest of the times to answer the requests of one route
+/// (`waited`: transfers) sent and answered in `[from, to)`.
+fn latencies(answers: &[Answer], waited: bool, from: Instant, to: Instant) -> (Duration, Duration) {
+    let mut times: Vec<Duration> = answers
+        .iter()
+        .filter(|a| a.waited == waited && a.sent >= from && a.answered < to)
+        .map(|a| a.answered - a.sent)
+        .collect();
+    times.sort();
+    let p99 = times
+        .get(times.len().saturating_mul(99) / 100)
+        .copied()
+        .unwrap_or_default();
+    (p99, times.last().copied().unwrap_or_default())
+}
+
+/// How long after `from` the first request answered 200 was answered.
+fn first_success_after(answers: &[Answer], from: Instant) -> Option<Duration> {
+    answers
+        .iter()
+        .filter(|a| a.status == StatusCode::OK && a.answered >= from)
+        .map(|a| a.answered - from)
+        .min()
 }
 
 /// How many answers of each status came back for requests sent and answered in `[from, to)`.
@@ -156,16 +206,54 @@ struct Run {
     first_second: BTreeMap<u16, usize>,
     /// Answers to requests sent from `recovered_by` after the fault ended.
     after: BTreeMap<u16, usize>,
+    /// The 99th percentile and the longest time to answer, once the fault was older than the
+    /// patience, for the route that makes one attempt and the one that waits.
+    one_attempt: (Duration, Duration),
+    waiting: (Duration, Duration),
+    /// How long after the server's return the first request succeeded.
+    resumed_after: Option<Duration>,
     connections: usize,
     warnings: usize,
 }
 
 impl Run {
     fn print(&self, fault: &str) {
+        let answered: usize = self.during.values().sum();
         eprintln!(
-            "{fault}: after the first second {:?}; first second {:?}; after recovery {:?}; \
-             {} connections reached the server; {} warning lines",
-            self.during, self.first_second, self.after, self.connections, self.warnings
+            "{fault}: after the patience {:?} ({answered} answers); first {PATIENCE:?} {:?}; \
+             after recovery {:?}; one-attempt route p99 {:?} max {:?}; waiting route p99 {:?} \
+             max {:?}; first success {:?} after the return; {} connections reached the \
+             server; {} warning lines",
+            self.during,
+            self.first_second,
+            self.after,
+            self.one_attempt.0,
+            self.one_attempt.1,
+            self.waiting.0,
+            self.waiting.1,
+            self.resumed_after,
+            self.connections,
+            self.warnings
+        );
+    }
+
+    /// Once the gate knows, every route's refusals come at once, and service resumes within a
+    /// second of the server's return.
+    fn assert_answered_at_once_and_resumed(&self) {
+        assert!(
+            self.one_attempt.0 <= ANSWERED_AT_ONCE,
+            "one-attempt route: p99 {:?}",
+            self.one_attempt.0
+        );
+        assert!(
+            self.waiting.0 <= ANSWERED_AT_ONCE,
+            "waiting route: p99 {:?}",
+            self.waiting.0
+        );
+        let resumed = self.resumed_after.expect("service resumed");
+        assert!(
+            resumed <= RESUMES_WITHIN,
+            "first success {resumed:?} after the return"
         );
     }
 
@@ -234,16 +322,21 @@ async fn experiment(outage: Outage, length: Duration, recovered_by: Duration) ->
     let began = Instant::now();
     outage.begin(&mut server, &proxy).await;
     tokio::time::sleep(length).await;
-    let ended = Instant::now();
     outage.end(&mut server, &proxy).await;
+    // The server is back (a restarted one accepts connections again) from here.
+    let ended = Instant::now();
     let connections = proxy.connections_accepted() - connections;
     let warnings = lines().warnings.load(Ordering::SeqCst) - warnings;
     tokio::time::sleep(recovered_by + Duration::from_secs(2)).await;
     let answers = clients.stop().await;
+    let during = began + PATIENCE;
     Run {
-        during: statuses(&answers, began + PATIENCE, ended),
-        first_second: statuses(&answers, began, began + PATIENCE),
+        during: statuses(&answers, during, ended),
+        first_second: statuses(&answers, began, during),
         after: statuses(&answers, ended + recovered_by, Instant::now()),
+        one_attempt: latencies(&answers, false, during, ended),
+        waiting: latencies(&answers, true, during, ended),
+        resumed_after: first_success_after(&answers, ended),
         connections,
         warnings,
     }
@@ -261,6 +354,7 @@ async fn a_frozen_server_is_503_to_every_request_never_409() {
     .await;
     run.print("frozen 6 s");
     run.assert_outage_is_503_never_409();
+    run.assert_answered_at_once_and_resumed();
     assert!(run.warnings <= 20, "{} warnings", run.warnings);
 }
 
@@ -275,6 +369,7 @@ async fn an_unreachable_server_is_503_and_reconnects_back_off() {
     .await;
     run.print("unreachable 5 s");
     run.assert_outage_is_503_never_409();
+    run.assert_answered_at_once_and_resumed();
     // One connect at a time, 100 ms after a failure and doubling: at most eight in 5 s for the
     // lock sessions, whatever the request rate.
     assert!(run.connections <= 12, "{} connections", run.connections);
@@ -292,6 +387,7 @@ async fn a_restart_with_nobody_holding_a_lock_is_never_answered_409() {
     .await;
     run.print("restarted, down 3 s");
     run.assert_outage_is_503_never_409();
+    run.assert_answered_at_once_and_resumed();
     assert!(run.connections <= 12, "{} connections", run.connections);
 }
 

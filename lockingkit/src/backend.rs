@@ -100,6 +100,9 @@ pub struct BackendError {
     kind: BackendErrorKind,
     message: String,
     source: Option<SharedSource>,
+    /// The provider's own outage gate paces retries of this failure (see
+    /// [`paced_by_provider`](Self::paced_by_provider)).
+    paced: bool,
 }
 
 impl BackendError {
@@ -109,6 +112,7 @@ impl BackendError {
             kind,
             message: message.into(),
             source: None,
+            paced: false,
         }
     }
 
@@ -161,6 +165,27 @@ impl BackendError {
     pub(crate) fn with_message(mut self, message: impl Into<String>) -> Self {
         self.message = message.into();
         self
+    }
+
+    /// The same failure, marked as paced by the provider's own outage gate: a connect that
+    /// failed through the provider's reconnect backoff, or a request that gate refused without
+    /// asking the server. The engine's outage gate then leaves its probe schedule to that gate
+    /// instead of adding a backoff of its own on top: the next caller may probe at once (it
+    /// costs the server nothing while the provider's gate refuses), and the server is asked as
+    /// soon as, and no more often than, the provider's gate allows.
+    #[cfg_attr(
+        not(any(feature = "etcd", feature = "postgres", feature = "redis")),
+        allow(dead_code)
+    )]
+    pub(crate) fn paced_by_provider(mut self) -> Self {
+        self.paced = true;
+        self
+    }
+
+    /// Whether the provider's own gate paces this failure (see
+    /// [`paced_by_provider`](Self::paced_by_provider)).
+    pub(crate) fn is_paced_by_provider(&self) -> bool {
+        self.paced
     }
 
     /// Whether the backend answered before failing.

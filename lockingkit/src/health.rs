@@ -40,13 +40,15 @@ use crate::backoff::Backoff;
 )]
 pub(crate) const OUTAGE_FIRST: Duration = Duration::from_millis(100);
 
-/// The most a provider's own gate lets pass between two probes: a sick server is asked at most
-/// once in this long, and a server that is back is asked again within it.
+/// The most a provider's own gate lets pass between two probes (its connects, say): a sick
+/// server is asked at most once in this long, about once a second, and a server that is back
+/// is asked again within it, so that service resumes within a second of its return, the
+/// connect included.
 #[cfg_attr(
     not(any(feature = "etcd", feature = "postgres", feature = "redis")),
     allow(dead_code)
 )]
-pub(crate) const OUTAGE_MOST: Duration = Duration::from_secs(1);
+pub(crate) const OUTAGE_MOST: Duration = Duration::from_millis(900);
 
 /// The failure state of one backend (or of one kind of request to it), shared by its callers.
 #[derive(Debug)]

@@ -113,6 +113,13 @@ impl<B: LockBackend> Engine<B> {
                 Err(error) => Answer::Failed(error.clone()),
             };
             match (&answer, probe) {
+                // Paced by the provider's own gate (a connect through its backoff): that gate
+                // sets the pace, so the next caller may probe at once, and the cause stays
+                // current.
+                (Answer::Failed(error), Some(probe)) if error.is_paced_by_provider() => {
+                    drop(probe);
+                    health.failed(error, false);
+                }
                 (Answer::Failed(error), Some(probe)) => probe.failed(error),
                 (Answer::Failed(error), None) => {
                     health.failed(error, false);

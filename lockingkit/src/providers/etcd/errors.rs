@@ -72,6 +72,13 @@ impl Failure {
         }
     }
 
+    /// The same failure, marked as paced by the member's gate (see
+    /// `BackendError::paced_by_provider`).
+    pub(super) fn paced_by_member(mut self) -> Self {
+        self.error = self.error.paced_by_provider();
+        self
+    }
+
     /// Whether the member's gate should hold it back for its backoff.
     pub(super) fn holds_member_back(&self) -> bool {
         self.member_failed || self.credentials_refused

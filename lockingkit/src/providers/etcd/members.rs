@@ -242,6 +242,8 @@ impl Members {
                 }
                 Err(failure) => {
                     report(&member.health, probe, &failure);
+                    // A failed connect is the member's gate's to pace.
+                    let failure = failure.paced_by_member();
                     if failure.next != Next::OtherMember {
                         return Err(failure);
                     }
@@ -284,12 +286,13 @@ fn unsent(refused: Refusal) -> BackendError {
             "{} (no request sent: etcd has refused them for {since:?}; the next login is in {next:?})",
             refused.cause.message(),
         );
-        return refused.cause.with_message(message);
+        return refused.cause.with_message(message).paced_by_provider();
     }
     BackendError::unreachable(format!(
         "{} (no request sent: the etcd members have failed for {since:?}; the next is asked in {next:?})",
         refused.cause.message(),
     ))
+    .paced_by_provider()
 }
 
 impl Member {

@@ -97,7 +97,7 @@ impl LockSessions {
             match self.look(attempt) {
                 Step::Use(reservation) => return Ok(Some(reservation)),
                 Step::HeldHere => return Ok(None),
-                Step::Failing(cause) => return Err(cause),
+                Step::Failing(cause) => return Err(cause.paced_by_provider()),
                 Step::Connect => return self.connect(attempt).await.map(Some),
                 Step::Wait => {
                     if tokio::time::timeout_at(give_up, changed).await.is_err() {

@@ -58,10 +58,11 @@ impl Reconnect {
                     now.saturating_duration_since(refusal.since),
                     refusal.retry_at.saturating_duration_since(now),
                 );
-                return Err(refusal.cause.with_message(message));
+                return Err(refusal.cause.with_message(message).paced_by_provider());
             }
         };
-        let result = connect.await;
+        // Whatever fails here is this gate's to pace (see `BackendError::paced_by_provider`).
+        let result = connect.await.map_err(BackendError::paced_by_provider);
         match (&result, probe) {
             (Ok(_), Some(probe)) => {
                 probe.answered();

@@ -231,6 +231,147 @@ async fn a_plain_set_nx_and_the_library_exclude_each_other() {
     held.release().await.expect("release");
 }
 
+/// The published script `name` (`lockingkit/src/providers/redis/lua/{name}.lua`), read as
+/// another program would copy it.
+fn published_script(name: &str) -> String {
+    let path = format!(
+        "{}/../lockingkit/src/providers/redis/lua/{name}.lua",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Runs the published script `name` with `EVAL`, as another program would.
+async fn run_published(
+    client: &mut redis::aio::MultiplexedConnection,
+    name: &str,
+    keys: &[&str],
+    args: &[&str],
+) -> i64 {
+    redis::cmd("EVAL")
+        .arg(published_script(name))
+        .arg(keys.len())
+        .arg(keys)
+        .arg(args)
+        .query_async(client)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Another program with a plain client and only the published Lua files takes the very same
+/// locks in every mode, and hears each release of a lock or a reader — its own or LockingKit's
+/// — as the message `released` on the key's `released` channel; a semaphore release publishes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_program_takes_the_locks_with_the_published_scripts_and_hears_each_release() {
+    use futures_util::StreamExt;
+
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("other-program");
+    let n = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let lock_keys = [n.lock.as_str(), &n.readers, &n.intent, &n.fence];
+    let mut plain = server.client().await;
+    let mut listener = redis::Client::open(server.url())
+        .expect("a Redis URL")
+        .get_async_pubsub()
+        .await
+        .expect("a pub/sub connection");
+    listener.subscribe(&n.released).await.expect("subscribed");
+    let mut heard = listener.into_on_message();
+    let mut next_message = async || {
+        let message = tokio::time::timeout(Duration::from_secs(5), heard.next())
+            .await
+            .expect("a message in time")
+            .expect("the subscription stays");
+        assert_eq!(message.get_channel_name(), n.released);
+        String::from_utf8(message.get_payload_bytes().to_vec()).expect("text")
+    };
+
+    // A reader of the other program's keeps LockingKit's writer out, renews, releases.
+    let token = run_published(&mut plain, "acquire_shared", &lock_keys, &["them", "30000"]).await;
+    assert!(token > 0, "a fencing token: {token}");
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        run_published(
+            &mut plain,
+            "renew_member",
+            &[&n.readers],
+            &["them", "30000"]
+        )
+        .await,
+        1
+    );
+    let released = [n.released.as_str()];
+    let args = ["them", released[0]];
+    assert_eq!(
+        run_published(&mut plain, "release_member", &[&n.readers], &args).await,
+        1
+    );
+    assert_eq!(next_message().await, "released");
+
+    // LockingKit's lock keeps the other program's writer out; its release is heard the same way.
+    let held = locks.try_acquire(&key).await.expect("free again");
+    let args = ["them", "30000", "2000"];
+    assert_eq!(
+        run_published(&mut plain, "acquire", &lock_keys, &args).await,
+        0
+    );
+    let theirs_must_exceed = held.fencing_token();
+    held.release().await.expect("release");
+    assert_eq!(next_message().await, "released");
+
+    // The other program's own lock: a greater token, renewed, released with the message.
+    let token = run_published(&mut plain, "acquire", &lock_keys, &args).await;
+    assert!(
+        token > i64::try_from(theirs_must_exceed).expect("a token"),
+        "{token}"
+    );
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        run_published(&mut plain, "renew", &[&n.lock], &["them", "30000"]).await,
+        1
+    );
+    let args = ["them", released[0]];
+    assert_eq!(
+        run_published(&mut plain, "release", &[&n.lock], &args).await,
+        1
+    );
+    assert_eq!(next_message().await, "released");
+
+    // A semaphore place of the other program's counts against LockingKit's holders.
+    let s = RedisLockKeys::semaphore(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let slot_keys = [s.holders.as_str(), &s.fence];
+    let args = ["them", "30000", "1"];
+    assert!(run_published(&mut plain, "acquire_slot", &slot_keys, &args).await > 0);
+    let slots = locks.semaphore(&key, 1).expect("a semaphore");
+    assert_eq!(kind_of(slots.try_acquire().await), ErrorKind::Busy);
+    assert_eq!(
+        run_published(
+            &mut plain,
+            "renew_member",
+            &[&s.holders],
+            &["them", "30000"]
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        run_published(&mut plain, "release_member", &[&s.holders], &["them", ""]).await,
+        1
+    );
+    // Published nothing: the next message heard is one sent after it.
+    let _: i64 = plain.publish(&n.released, "after").await.expect("publish");
+    assert_eq!(next_message().await, "after");
+    slots
+        .try_acquire()
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_name_of_a_key_is_in_the_slot_the_cluster_computes() {
     let cluster = RedisCluster::start().await;

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use lockingkit::keys::RedisLockKeys;
+use lockingkit::providers::redis::RedisLease;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{
     BackendErrorKind, DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockMode,
@@ -250,6 +251,147 @@ async fn a_plain_set_nx_and_the_library_exclude_each_other() {
         .await
         .expect("free once the other program deleted its key");
     held.release().await.expect("release");
+}
+
+/// The published script `name` (`lockingkit/src/providers/redis/lua/{name}.lua`), read as
+/// another program would copy it.
+fn published_script(name: &str) -> String {
+    let path = format!(
+        "{}/../lockingkit/src/providers/redis/lua/{name}.lua",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Runs the published script `name` with `EVAL`, as another program would.
+async fn run_published(
+    client: &mut redis::aio::MultiplexedConnection,
+    name: &str,
+    keys: &[&str],
+    args: &[&str],
+) -> i64 {
+    redis::cmd("EVAL")
+        .arg(published_script(name))
+        .arg(keys.len())
+        .arg(keys)
+        .arg(args)
+        .query_async(client)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Another program with a plain client and only the published Lua files takes the very same
+/// locks in every mode, and hears each release of a lock or a reader — its own or LockingKit's
+/// — as the message `released` on the key's `released` channel; a semaphore release publishes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_program_takes_the_locks_with_the_published_scripts_and_hears_each_release() {
+    use futures_util::StreamExt;
+
+    let server = RedisServer::start().await;
+    let locks = process(&server);
+    let key = unique_prefix("other-program");
+    let n = RedisLockKeys::lock(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let lock_keys = [n.lock.as_str(), &n.readers, &n.intent, &n.fence];
+    let mut plain = server.client().await;
+    let mut listener = redis::Client::open(server.url())
+        .expect("a Redis URL")
+        .get_async_pubsub()
+        .await
+        .expect("a pub/sub connection");
+    listener.subscribe(&n.released).await.expect("subscribed");
+    let mut heard = listener.into_on_message();
+    let mut next_message = async || {
+        let message = tokio::time::timeout(Duration::from_secs(5), heard.next())
+            .await
+            .expect("a message in time")
+            .expect("the subscription stays");
+        assert_eq!(message.get_channel_name(), n.released);
+        String::from_utf8(message.get_payload_bytes().to_vec()).expect("text")
+    };
+
+    // A reader of the other program's keeps LockingKit's writer out, renews, releases.
+    let token = run_published(&mut plain, "acquire_shared", &lock_keys, &["them", "30000"]).await;
+    assert!(token > 0, "a fencing token: {token}");
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        run_published(
+            &mut plain,
+            "renew_member",
+            &[&n.readers],
+            &["them", "30000"]
+        )
+        .await,
+        1
+    );
+    let released = [n.released.as_str()];
+    let args = ["them", released[0]];
+    assert_eq!(
+        run_published(&mut plain, "release_member", &[&n.readers], &args).await,
+        1
+    );
+    assert_eq!(next_message().await, "released");
+
+    // LockingKit's lock keeps the other program's writer out; its release is heard the same way.
+    let held = locks.try_acquire(&key).await.expect("free again");
+    let args = ["them", "30000", "2000"];
+    assert_eq!(
+        run_published(&mut plain, "acquire", &lock_keys, &args).await,
+        0
+    );
+    let theirs_must_exceed = held.fencing_token();
+    held.release().await.expect("release");
+    assert_eq!(next_message().await, "released");
+
+    // The other program's own lock: a greater token, renewed, released with the message.
+    let token = run_published(&mut plain, "acquire", &lock_keys, &args).await;
+    assert!(
+        token > i64::try_from(theirs_must_exceed).expect("a token"),
+        "{token}"
+    );
+    assert_eq!(kind_of(locks.try_acquire(&key).await), ErrorKind::Busy);
+    assert_eq!(
+        run_published(&mut plain, "renew", &[&n.lock], &["them", "30000"]).await,
+        1
+    );
+    let args = ["them", released[0]];
+    assert_eq!(
+        run_published(&mut plain, "release", &[&n.lock], &args).await,
+        1
+    );
+    assert_eq!(next_message().await, "released");
+
+    // A semaphore place of the other program's counts against LockingKit's holders.
+    let s = RedisLockKeys::semaphore(RedisLockKeys::DEFAULT_PREFIX, &key);
+    let slot_keys = [s.holders.as_str(), &s.fence];
+    let args = ["them", "30000", "1"];
+    assert!(run_published(&mut plain, "acquire_slot", &slot_keys, &args).await > 0);
+    let slots = locks.semaphore(&key, 1).expect("a semaphore");
+    assert_eq!(kind_of(slots.try_acquire().await), ErrorKind::Busy);
+    assert_eq!(
+        run_published(
+            &mut plain,
+            "renew_member",
+            &[&s.holders],
+            &["them", "30000"]
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        run_published(&mut plain, "release_member", &[&s.holders], &["them", ""]).await,
+        1
+    );
+    // Published nothing: the next message heard is one sent after it.
+    let _: i64 = plain.publish(&n.released, "after").await.expect("publish");
+    assert_eq!(next_message().await, "after");
+    slots
+        .try_acquire()
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1185,16 +1327,172 @@ async fn the_server_log_shows_no_errors_after_a_busy_run() {
         read.release().await.expect("release");
     }
     assert_eq!(server.warnings_since_ready(), Vec::<String>::new());
-    // The only error reply a client may get in normal operation: a script the server had not
-    // cached yet (sent by SHA first), at most once per script and concurrent attempt.
-    for (code, count) in server.error_replies() {
+    // Not even NOSCRIPT: each connection loads a script before it first runs it.
+    assert_eq!(server.error_replies(), Vec::<(String, u64)>::new());
+}
+
+// ----------------------------------------------------------------------------------------------
+// What the server sees: the script cache and the connection handshake
+// ----------------------------------------------------------------------------------------------
+
+/// The modes the script-cache cases hold in: between them they run all seven scripts.
+const MODES: [LockMode; 3] = [
+    LockMode::Exclusive,
+    LockMode::Shared,
+    LockMode::Semaphore { max_count: 2 },
+];
+/// How many scripts the protocol has (`lockingkit::providers::redis::lua`).
+const SCRIPTS: u64 = 7;
+
+/// Takes `per_mode` leases in every mode, all at once, on distinct keys under `prefix`.
+async fn take_at_once(backend: &RedisBackend, prefix: &str, per_mode: usize) -> Vec<RedisLease> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (m, mode) in MODES.into_iter().enumerate() {
+        for i in 0..per_mode {
+            let backend = backend.clone();
+            let key = format!("{prefix}/{m}/{i}");
+            tasks.spawn(async move {
+                let taken = backend.try_acquire(&key, mode).await.expect("an attempt");
+                taken.expect("a free key").lease
+            });
+        }
+    }
+    tasks.join_all().await
+}
+
+/// Renews every lease, all at once.
+async fn renew_at_once(backend: &RedisBackend, leases: Vec<RedisLease>) -> Vec<RedisLease> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for lease in leases {
+        let backend = backend.clone();
+        tasks.spawn(async move {
+            backend.renew(&lease).await.expect("a renewal");
+            lease
+        });
+    }
+    tasks.join_all().await
+}
+
+/// Releases every lease, all at once.
+async fn release_at_once(backend: &RedisBackend, leases: Vec<RedisLease>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for lease in leases {
+        let backend = backend.clone();
+        tasks.spawn(async move { backend.release(&lease).await.expect("a release") });
+    }
+    tasks.join_all().await;
+}
+
+/// A connection loads each script (`SCRIPT LOAD`) before it first runs it, once however many
+/// requests need it at that moment, and sends it by SHA from then on: 16 holds in each mode
+/// starting at once on an empty script cache draw no `NOSCRIPT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_loads_each_script_once_however_many_holds_start_at_once() {
+    let server = RedisServer::start().await;
+    // Another process's startup check cached every script; an operator flushed them.
+    backend(&server).verify().await.expect("verify");
+    server.flush_scripts();
+    server.reset_stats();
+    let fresh = backend(&server);
+    let leases = take_at_once(&fresh, &unique_prefix("fresh-cache"), 16).await;
+    let leases = renew_at_once(&fresh, leases).await;
+    release_at_once(&fresh, leases).await;
+    assert_eq!(server.error_replies(), Vec::<(String, u64)>::new());
+    assert_eq!(
+        server.calls_of("script|load"),
+        SCRIPTS,
+        "one load per script"
+    );
+    assert_eq!(
+        server.calls_of("evalsha"),
+        3 * 48,
+        "each request once, by SHA"
+    );
+    assert_eq!(server.calls_of("eval"), 0, "no script sent whole");
+}
+
+/// A `SCRIPT FLUSH` under an open connection: the attempts already sent answer `NOSCRIPT`, each
+/// once (retried after the reload, none draws a second), and the connection then loads every
+/// script again before its next use of it, once each, so the renewals and releases that follow
+/// draw none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_flush_under_an_open_connection_reloads_each_script_once() {
+    let server = RedisServer::start().await;
+    let backend = backend(&server);
+    let prefix = unique_prefix("flushed-cache");
+    let warm = take_at_once(&backend, &prefix, 16).await;
+    release_at_once(&backend, renew_at_once(&backend, warm).await).await;
+    server.flush_scripts();
+    server.reset_stats();
+    let leases = take_at_once(&backend, &prefix, 16).await;
+    let in_flight = server.error_count("NOSCRIPT");
+    assert!(in_flight <= 48, "{in_flight} NOSCRIPT for 48 attempts");
+    let leases = renew_at_once(&backend, leases).await;
+    release_at_once(&backend, leases).await;
+    assert_eq!(
+        server.error_replies(),
+        match in_flight {
+            0 => vec![],
+            n => vec![("NOSCRIPT".to_owned(), n)],
+        },
+        "renewals and releases draw none"
+    );
+    assert_eq!(
+        server.calls_of("script|load"),
+        SCRIPTS,
+        "one reload per script"
+    );
+    assert_eq!(server.calls_of("eval"), 0, "no script sent whole");
+}
+
+/// On a cluster every node's connection loads a script before it first runs it there, and sends
+/// no `CLIENT SETINFO` (which Redis 7.0 answers with `ERR`): a 1,002-key run in every mode
+/// leaves each node with no error reply and seven loads; after a `SCRIPT FLUSH` on every node,
+/// only attempts in flight at the flush draw `NOSCRIPT` (once each), and each node's
+/// connection loads each script once again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_each_node_loads_each_script_once_and_answers_no_handshake_error() {
+    let cluster = RedisCluster::start().await;
+    let backend = RedisBackend::new(options(cluster.urls().join(","), true)).expect("options");
+    let prefix = unique_prefix("cluster-cache");
+    let leases = take_at_once(&backend, &prefix, 334).await;
+    release_at_once(&backend, renew_at_once(&backend, leases).await).await;
+    let replies: Vec<Vec<(String, u64)>> = cluster
+        .nodes()
+        .iter()
+        .map(RedisServer::error_replies)
+        .collect();
+    assert_eq!(replies, vec![vec![]; 3], "each node's error replies");
+    for (n, node) in cluster.nodes().iter().enumerate() {
+        assert_eq!(node.calls_of("script|load"), SCRIPTS, "node {n}");
+        node.flush_scripts();
+        node.reset_stats();
+    }
+    let leases = take_at_once(&backend, &prefix, 334).await;
+    let in_flight: Vec<u64> = cluster
+        .nodes()
+        .iter()
+        .map(|node| node.error_count("NOSCRIPT"))
+        .collect();
+    assert!(in_flight.iter().sum::<u64>() <= 1002, "{in_flight:?}");
+    release_at_once(&backend, renew_at_once(&backend, leases).await).await;
+    backend
+        .verify()
+        .await
+        .expect("verify, on connections of its own");
+    for (n, node) in cluster.nodes().iter().enumerate() {
+        let expected = match in_flight[n] {
+            0 => vec![],
+            count => vec![("NOSCRIPT".to_owned(), count)],
+        };
         assert_eq!(
-            code,
-            "NOSCRIPT",
-            "error replies: {:?}",
-            server.error_replies()
+            node.error_replies(),
+            expected,
+            "node {n}: after the attempts"
         );
-        assert!(count <= 7, "{count} NOSCRIPT replies");
+        // The run's reloads, and the startup check's own loads.
+        assert_eq!(node.calls_of("script|load"), 2 * SCRIPTS, "node {n}");
+        assert_eq!(node.calls_of("eval"), 0, "node {n}");
     }
 }
 
@@ -1657,6 +1955,14 @@ async fn on_a_cluster_a_backend_uses_one_connection_per_node_and_one_to_wait() {
         .expect("the waiter task")
         .expect("the waiter's lock");
     got.release().await.expect("release");
+    // Nor did any of those connections, replicas' and the pub/sub one included, draw an error
+    // reply (`CLIENT SETINFO`, which Redis 7.0 answers with `ERR`, or `NOSCRIPT`).
+    let replies: Vec<Vec<(String, u64)>> = cluster
+        .nodes()
+        .iter()
+        .map(RedisServer::error_replies)
+        .collect();
+    assert_eq!(replies, vec![vec![]; 6], "each node's error replies");
 }
 
 /// A wait that ends leaves no subscription behind, even while releases of other keys keep the

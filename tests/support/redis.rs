@@ -180,6 +180,39 @@ impl RedisServer {
             .collect()
     }
 
+    /// How many error replies with `code` (`NOSCRIPT`, `ERR`, …) the server has sent since it
+    /// started or since [`reset_stats`](Self::reset_stats).
+    pub fn error_count(&self, code: &str) -> u64 {
+        self.error_replies()
+            .into_iter()
+            .find_map(|(found, count)| (found == code).then_some(count))
+            .unwrap_or(0)
+    }
+
+    /// How many times the server ran `command` (as `INFO commandstats` names it: `evalsha`,
+    /// `script|load`, `client|setinfo`) since it started or since
+    /// [`reset_stats`](Self::reset_stats).
+    pub fn calls_of(&self, command: &str) -> u64 {
+        let prefix = format!("cmdstat_{command}:calls=");
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|line| {
+                let rest = line.strip_prefix(&prefix)?;
+                rest.split(',').next()?.parse().ok()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Zeroes the server's statistics (`CONFIG RESETSTAT`): error and command counts.
+    pub fn reset_stats(&self) {
+        assert_eq!(self.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    }
+
+    /// Empties the server's script cache (`SCRIPT FLUSH`), as an operator may.
+    pub fn flush_scripts(&self) {
+        assert_eq!(self.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+
     /// Kills the server (SIGKILL): a crash. Without persistence it comes back empty.
     pub fn kill(&mut self) {
         self.resume();
@@ -290,7 +323,7 @@ impl RedisCluster {
     }
 
     /// Three primaries with `replicas` replicas each; a replica takes over from a primary that
-    /// stops answering for two seconds.
+    /// stops answering for two seconds. Every node's statistics are zeroed once it is ready.
     pub async fn start_with_replicas(replicas: usize) -> RedisCluster {
         let mut nodes = Vec::new();
         for _ in 0..3 * (1 + replicas) {
@@ -327,6 +360,11 @@ impl RedisCluster {
         .await
         .expect("the cluster create task");
         cluster.wait_until_ok().await;
+        // `--cluster create` draws error replies of its own (a `CLUSTER REPLICATE` it retries):
+        // what the statistics count from here is the tests' doing.
+        for node in &cluster.nodes {
+            node.reset_stats();
+        }
         cluster
     }
 

@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, MultiplexedConnection};
-use redis::cluster_async::ClusterConnection;
+use redis::aio::ConnectionLike;
+use redis::cluster_async::{ClusterConnection, Connect};
 use redis::io::tcp::{socket2, TcpSettings};
 use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
 use rustls::ClientConfig;
@@ -28,6 +28,7 @@ use tokio::time::Instant;
 
 use super::errors::{self, Stage};
 use super::locked;
+use super::node::{self, NodeConnection};
 use super::options::RedisOptions;
 use super::tls::Tls;
 use crate::backend::{BackendError, BackendErrorKind};
@@ -145,9 +146,8 @@ fn parse_one(url: &str, cluster: bool) -> Result<ConnectionInfo, String> {
         .into_connection_info()
         .map_err(|error| format!("{FORM} ({})", errors::library_text(&error)))?;
     // `CLIENT SETINFO` (Redis 7.2 and later) would be answered with an error by older servers
-    // on every connection.
-    let settings = info.redis_settings().clone().set_skip_set_lib_name();
-    let info = info.set_redis_settings(settings);
+    // on every connection, the pub/sub one included.
+    let info = node::without_client_setinfo(info);
     if cluster && info.redis_settings().db() != 0 {
         return Err("names a database other than 0, which Redis Cluster does not have".to_owned());
     }
@@ -182,8 +182,8 @@ pub(super) const MOST_DELAY: Duration = Duration::from_secs(5);
 /// The open connections of one backend.
 #[derive(Clone)]
 enum Link {
-    Server(MultiplexedConnection),
-    Cluster(ClusterConnection),
+    Server(NodeConnection),
+    Cluster(ClusterConnection<NodeConnection>),
 }
 
 /// The shared connections of a backend, opened on first use.
@@ -365,15 +365,15 @@ impl Connection {
             Target::Server(Server {
                 info,
                 tls: Some(tls),
-            }) => tls.multiplexed(info, self.timeout).await.map(Link::Server),
+            }) => tls
+                .multiplexed(info, self.timeout)
+                .await
+                .map(|connection| Link::Server(NodeConnection::new(connection))),
             Target::Server(Server { info, tls: None }) => {
-                let client = redis::Client::open(info.clone())
-                    .map_err(|e| errors::request_error(&e, Stage::Connect))?;
                 let config = AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout));
-                client
-                    .get_multiplexed_async_connection_with_config(&config)
+                NodeConnection::connect_with_config(info.clone(), config)
                     .await
                     .map(Link::Server)
                     .map_err(|e| errors::request_error(&e, Stage::Connect))
@@ -385,8 +385,12 @@ impl Connection {
                     .tcp_settings(tcp_settings())
                     .build()
                     .map_err(|e| errors::request_error(&e, Stage::Connect))?;
+                // The node connections are ours (see `node`): the crate's own would send
+                // `CLIENT SETINFO` and could not keep each node's script cache. The crate hides
+                // this entry point from its docs, so an update may change it: the build, and the
+                // cluster test that reads each node's `INFO errorstats`, would say so.
                 client
-                    .get_async_connection()
+                    .get_async_generic_connection::<NodeConnection>()
                     .await
                     .map(Link::Cluster)
                     .map_err(|e| errors::request_error(&e, Stage::Connect))

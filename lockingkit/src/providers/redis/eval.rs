@@ -1,7 +1,8 @@
-//! Running the lock protocol's scripts (see [`lua`](super::lua)): by SHA, sent whole when the
-//! server does not have them cached, and followed by `WAIT` in the same round trip when
-//! replicas must acknowledge.
+//! Running the lock protocol's scripts (see [`lua`](super::lua)): by SHA — each connection
+//! loads a script before it first runs it (see `node`) — and followed by `WAIT` in the same
+//! round trip when replicas must acknowledge.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::Value;
@@ -33,6 +34,9 @@ impl Script {
     }
 }
 
+/// How many scripts the protocol has.
+pub(super) const SCRIPT_COUNT: usize = 7;
+
 /// Every script of the protocol.
 pub(super) struct Scripts {
     pub(super) acquire: Script,
@@ -44,8 +48,18 @@ pub(super) struct Scripts {
     pub(super) release_member: Script,
 }
 
+/// The protocol's scripts with their SHA-1s, computed once: constants, shared by every
+/// backend and by every node connection, which the cluster client opens without a way to hand
+/// them anything of ours (see `node`).
+static PROTOCOL: LazyLock<Scripts> = LazyLock::new(Scripts::new);
+
 impl Scripts {
-    pub(super) fn new() -> Self {
+    /// The protocol's scripts.
+    pub(super) fn protocol() -> &'static Scripts {
+        &PROTOCOL
+    }
+
+    fn new() -> Self {
         Scripts {
             acquire: Script::new(ACQUIRE),
             acquire_shared: Script::new(ACQUIRE_SHARED),
@@ -58,7 +72,7 @@ impl Scripts {
     }
 
     /// Every script, for loading them all at once.
-    pub(super) fn all(&self) -> [&Script; 7] {
+    pub(super) fn all(&self) -> [&Script; SCRIPT_COUNT] {
         [
             &self.acquire,
             &self.acquire_shared,
@@ -68,6 +82,14 @@ impl Scripts {
             &self.release,
             &self.release_member,
         ]
+    }
+
+    /// Where the script whose SHA-1 (in hex) is `sha` is in [`all`](Self::all), if it is one
+    /// of the protocol's.
+    pub(super) fn position(&self, sha: &[u8]) -> Option<usize> {
+        self.all()
+            .iter()
+            .position(|script| script.sha.as_bytes().eq_ignore_ascii_case(sha))
     }
 }
 
@@ -85,9 +107,13 @@ pub(super) struct Answer {
     pub(super) acknowledged: Option<i64>,
 }
 
-/// Runs `script` with `keys` and `args` in one round trip (two only when the server does not
-/// have the script cached yet: it is then sent whole, which caches it), followed by `WAIT` in
-/// the same pipeline when `replication` asks for it.
+/// Runs `script` with `keys` and `args` in one round trip (plus one on the first use of the
+/// script on a connection, which loads it), followed by `WAIT` in the same pipeline when
+/// `replication` asks for it.
+///
+/// A server that answers `NOSCRIPT` lost its script cache under the connection, which then
+/// loads the script again before sending the request once more; only a cache emptied again in
+/// between has the script sent whole.
 ///
 /// A key that holds a value of another type means someone else wrote under the lock's names:
 /// for a renewal or release that is the lease gone; for an attempt, a permanent failure.
@@ -100,7 +126,10 @@ pub(super) async fn run(
     replication: Option<Replication>,
 ) -> Result<Answer, Failed> {
     let by_sha = invocation("EVALSHA", &script.sha, keys, args);
-    let mut answered = send(connection, stage, by_sha, replication).await?;
+    let mut answered = send(connection, stage, by_sha.clone(), replication).await?;
+    if answered.as_ref().is_err_and(errors::is_missing_script) {
+        answered = send(connection, stage, by_sha, replication).await?;
+    }
     if answered.as_ref().is_err_and(errors::is_missing_script) {
         let whole = invocation("EVAL", script.source, keys, args);
         answered = send(connection, stage, whole, replication).await?;

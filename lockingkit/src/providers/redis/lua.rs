@@ -1,7 +1,24 @@
 //! The lock protocol: one Lua script per step, each touching the keys of one hash slot (see
 //! [`RedisLockKeys`](crate::keys::RedisLockKeys)), so every step is one round trip and works
 //! on Redis Cluster. The sources are public so another program can take the very same locks:
-//! run them with `EVAL` (or `EVALSHA`) with the keys and arguments each one names.
+//! each is a plain Lua file in this module's folder (`src/providers/redis/lua/*.lua`, shown
+//! below each constant), complete as it is sent, whose header names its `KEYS[i]`, its
+//! `ARGV[i]`, its answers and what it publishes. Run one with `EVAL`, or load it (`SCRIPT
+//! LOAD`) and run it with `EVALSHA`; its SHA-1 is that of the file.
+//!
+//! | step | exclusive (a writer, or a plain lock) | shared (a reader) | semaphore |
+//! |---|---|---|---|
+//! | take | [`ACQUIRE`] | [`ACQUIRE_SHARED`] | [`ACQUIRE_SLOT`] |
+//! | renew | [`RENEW`] | [`RENEW_MEMBER`] | [`RENEW_MEMBER`] |
+//! | give back | [`RELEASE`] | [`RELEASE_MEMBER`] (publishing) | [`RELEASE_MEMBER`] (silent) |
+//!
+//! # The release message
+//! Releasing a plain lock, a writer or a reader publishes the message `released` (those eight
+//! bytes, nothing else) on the key's channel `<prefix>:{<tag>}:released`
+//! ([`RedisLockNames::released`](crate::keys::RedisLockNames::released)); a waiter subscribes
+//! to it and tries again when it arrives. A release that finds no such holder publishes
+//! nothing, nor does a semaphore release, nor a lease that expires: waiters poll for those.
+//! The startup check publishes `check` on the channel of the empty key, which no lock has.
 //!
 //! A holder is identified by a random *holder id*: the value of the lock's string, or a member
 //! of a readers' or a semaphore's sorted set whose score is its expiry in Unix milliseconds by
@@ -21,129 +38,138 @@
 //! 2^53 − 1 (set so by hand: the clock gets there in 2255) mints nothing: the attempt is
 //! answered with the error `FENCING`, as no greater token would be exact.
 
-/// Helpers every acquiring script starts with: the clock in milliseconds, minting a token, and
-/// holding a member of a sorted set until a time, with the set kept alive as long as its
-/// longest-lived member.
-macro_rules! with_helpers {
-    ($body:expr) => {
-        concat!(
-            "local function now_ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end\n",
-            "local function mint(fence, t)\n",
-            "  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])\n",
-            "  local last = tonumber(redis.call('GET', fence) or '0') or 0\n",
-            "  if last >= 9007199254740991 then\n",
-            "    error(redis.error_reply('FENCING the fencing counter is at 2^53-1: no greater token is exact'))\n",
-            "  end\n",
-            "  local token = math.max(last + 1, floor)\n",
-            "  redis.call('SET', fence, string.format('%d', token), 'PX', 86400000)\n",
-            "  return token\n",
-            "end\n",
-            "local function hold(set, member, until_ms, lease)\n",
-            "  redis.call('ZADD', set, until_ms, member)\n",
-            "  if redis.call('PTTL', set) < tonumber(lease) then redis.call('PEXPIRE', set, lease) end\n",
-            "end\n",
-            $body
-        )
+/// Declares a script from its file, with the file's text in its docs.
+macro_rules! script {
+    ($(#[$doc:meta])* $name:ident = $file:literal) => {
+        $(#[$doc])*
+        ///
+        /// ```lua
+        #[doc = include_str!($file)]
+        /// ```
+        pub const $name: &str = include_str!($file);
     };
 }
 
-/// Takes the lock exclusively (a writer, or a plain lock).
-///
-/// KEYS: `lock`, `readers`, `intent`, `fence` of [`RedisLockKeys::lock`]. ARGV: a holder id (any
-/// string unique to this hold), the lease in milliseconds, the writer's intent in milliseconds.
-/// Answers the fencing token, or 0 when the lock is held or read; finding live readers, it sets
-/// the intent, which refuses new readers until it expires or a writer takes the lock.
-///
-/// [`RedisLockKeys::lock`]: crate::keys::RedisLockKeys::lock
-pub const ACQUIRE: &str = with_helpers!(
-    "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local t = redis.call('TIME')
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms(t))
-  if redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
-    return 0
-  end
-end
-local token = mint(KEYS[4], t)
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('DEL', KEYS[3])
-return token"
+script!(
+    /// Takes the lock exclusively (a writer, or a plain lock): KEYS `lock`, `readers`, `intent`,
+    /// `fence` of [`RedisLockKeys::lock`]; ARGV a holder id, the lease and the writer's intent
+    /// in milliseconds. Answers the fencing token, or 0 when the lock is held or read (setting
+    /// the intent when it found live readers).
+    ///
+    /// [`RedisLockKeys::lock`]: crate::keys::RedisLockKeys::lock
+    ACQUIRE = "lua/acquire.lua"
 );
 
-/// Takes the lock shared (a reader).
-///
-/// KEYS as [`ACQUIRE`]. ARGV: a holder id, the lease in milliseconds. Answers the fencing token,
-/// or 0 while a writer holds the lock or its intent stands. The reader is a member of `readers`
-/// scored by its expiry (Unix ms).
-pub const ACQUIRE_SHARED: &str = with_helpers!(
-    "if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-local t = redis.call('TIME')
-local now = now_ms(t)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local token = mint(KEYS[4], t)
-hold(KEYS[2], ARGV[1], now + tonumber(ARGV[2]), ARGV[2])
-return token"
+script!(
+    /// Takes the lock shared (a reader): KEYS as [`ACQUIRE`]; ARGV a holder id and the lease in
+    /// milliseconds. Answers the fencing token, or 0 while a writer holds the lock or its
+    /// intent stands.
+    ACQUIRE_SHARED = "lua/acquire_shared.lua"
 );
 
-/// Takes a place in a semaphore.
-///
-/// KEYS: `holders`, `fence` of [`RedisLockKeys::semaphore`]. ARGV: a holder id, the lease in
-/// milliseconds, the semaphore's count. Answers the fencing token, or 0 when `count` live holders
-/// are there. Every process must give the semaphore the same count.
-///
-/// [`RedisLockKeys::semaphore`]: crate::keys::RedisLockKeys::semaphore
-pub const ACQUIRE_SLOT: &str = with_helpers!(
-    "local t = redis.call('TIME')
-local now = now_ms(t)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-local token = mint(KEYS[2], t)
-hold(KEYS[1], ARGV[1], now + tonumber(ARGV[2]), ARGV[2])
-return token"
+script!(
+    /// Takes a place in a semaphore: KEYS `holders`, `fence` of [`RedisLockKeys::semaphore`];
+    /// ARGV a holder id, the lease in milliseconds and the semaphore's count. Answers the
+    /// fencing token, or 0 when `count` live holders are there.
+    ///
+    /// [`RedisLockKeys::semaphore`]: crate::keys::RedisLockKeys::semaphore
+    ACQUIRE_SLOT = "lua/acquire_slot.lua"
 );
 
-/// Renews an exclusive hold: KEYS `lock`; ARGV the holder id, the lease in milliseconds.
-/// Answers 1 when extended, 0 when the lock is gone or another holder's.
-pub const RENEW: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0";
-
-/// Renews a reader or a semaphore holder: KEYS `readers` or `holders`; ARGV the holder id, the
-/// lease in milliseconds. Answers 1 when extended, 0 when the member is gone or expired.
-pub const RENEW_MEMBER: &str = with_helpers!(
-    "local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score then return 0 end
-local t = redis.call('TIME')
-local now = now_ms(t)
-if tonumber(score) <= now then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-  return 0
-end
-hold(KEYS[1], ARGV[1], now + tonumber(ARGV[2]), ARGV[2])
-return 1"
+script!(
+    /// Renews an exclusive hold: KEYS `lock`; ARGV the holder id and the lease in milliseconds.
+    /// Answers 1 when extended, 0 when the lock is gone or another holder's.
+    RENEW = "lua/renew.lua"
 );
 
-/// Releases an exclusive hold and publishes `released` on the channel, waking waiters: KEYS
-/// `lock`; ARGV the holder id, the `released` channel. Answers 1 when deleted, 0 when the lock
-/// was gone or another holder's (then nothing is deleted or published). Publishing is best
-/// effort (`redis.pcall`): a user that may not publish on the channel still releases.
-pub const RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  redis.pcall('PUBLISH', ARGV[2], 'released')
-  return 1
-end
-return 0";
+script!(
+    /// Renews a reader or a semaphore holder: KEYS `readers` or `holders`; ARGV the holder id
+    /// and the lease in milliseconds. Answers 1 when extended, 0 when the member is gone or
+    /// expired.
+    RENEW_MEMBER = "lua/renew_member.lua"
+);
 
-/// Releases a reader or a semaphore holder: KEYS `readers` or `holders`; ARGV the holder id and
-/// the channel to publish on (readers: `released`; empty for a semaphore, which publishes
-/// nothing; publishing is best effort, as in [`RELEASE`]). Answers 1 when a live member was
-/// removed, 0 when it was gone or had expired.
-pub const RELEASE_MEMBER: &str = "local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' then redis.pcall('PUBLISH', ARGV[2], 'released') end
-local t = redis.call('TIME')
-if tonumber(score) <= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then return 0 end
-return 1";
+script!(
+    /// Releases an exclusive hold: KEYS `lock`; ARGV the holder id and the key's `released`
+    /// channel. Answers 1 when deleted — and then publishes `released` on the channel, best
+    /// effort — or 0 when the lock was gone or another holder's.
+    RELEASE = "lua/release.lua"
+);
+
+script!(
+    /// Releases a reader or a semaphore holder: KEYS `readers` or `holders`; ARGV the holder id
+    /// and the channel to publish `released` on (a reader's key's `released` channel; empty for
+    /// a semaphore, which publishes nothing). Answers 1 when a live member was removed, 0 when
+    /// it was gone or had expired.
+    RELEASE_MEMBER = "lua/release_member.lua"
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [&str; 7] = [
+        ACQUIRE,
+        ACQUIRE_SHARED,
+        ACQUIRE_SLOT,
+        RENEW,
+        RENEW_MEMBER,
+        RELEASE,
+        RELEASE_MEMBER,
+    ];
+
+    /// The helpers each script that needs them carries whole (so each file runs as it is):
+    /// one text for each, wherever it appears.
+    const HELPERS: [(&str, &str); 3] = [
+        (
+            "now_ms",
+            "local function now_ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end\n",
+        ),
+        (
+            "mint",
+            "local function mint(fence, t)\n\
+             \x20 local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])\n\
+             \x20 local last = tonumber(redis.call('GET', fence) or '0') or 0\n\
+             \x20 if last >= 9007199254740991 then\n\
+             \x20   error(redis.error_reply('FENCING the fencing counter is at 2^53-1: no greater token is exact'))\n\
+             \x20 end\n\
+             \x20 local token = math.max(last + 1, floor)\n\
+             \x20 redis.call('SET', fence, string.format('%d', token), 'PX', 86400000)\n\
+             \x20 return token\n\
+             end\n",
+        ),
+        (
+            "hold",
+            "local function hold(set, member, until_ms, lease)\n\
+             \x20 redis.call('ZADD', set, until_ms, member)\n\
+             \x20 if redis.call('PTTL', set) < tonumber(lease) then redis.call('PEXPIRE', set, lease) end\n\
+             end\n",
+        ),
+    ];
+
+    #[test]
+    fn every_copy_of_a_helper_is_the_same_text() {
+        for (name, text) in HELPERS {
+            let definition = format!("local function {name}(");
+            for script in ALL {
+                if script.contains(&definition) {
+                    assert!(script.contains(text), "a script's copy of {name} differs");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_script_names_its_keys_arguments_and_answers_in_its_header() {
+        for script in ALL {
+            let header: Vec<&str> = script.lines().take_while(|l| l.starts_with("--")).collect();
+            for word in ["-- KEYS[1]", "-- ARGV[1]", "-- Returns"] {
+                assert!(
+                    header.iter().any(|line| line.starts_with(word)),
+                    "a header without {word}: {}",
+                    header.first().unwrap_or(&"")
+                );
+            }
+        }
+    }
+}

@@ -40,6 +40,7 @@ mod connection;
 mod errors;
 mod eval;
 pub mod lua;
+mod node;
 mod options;
 mod tls;
 mod watch;
@@ -96,7 +97,7 @@ pub struct RedisBackend {
 /// What the clones of one [`RedisBackend`] share.
 struct Backend {
     connection: Connection,
-    scripts: Scripts,
+    scripts: &'static Scripts,
     releases: ReleaseWatch,
     prefix: String,
     lease: Duration,
@@ -150,7 +151,7 @@ impl RedisBackend {
             inner: Arc::new(Backend {
                 releases: ReleaseWatch::new(target.clone(), timeout, health.clone()),
                 connection: Connection::new(target, timeout, health),
-                scripts: Scripts::new(),
+                scripts: Scripts::protocol(),
                 prefix: options.key_prefix,
                 lease: options.lease_duration,
                 timeout,
@@ -186,7 +187,7 @@ impl RedisBackend {
         let inner = &*self.inner;
         check::run(
             &inner.connection,
-            &inner.scripts,
+            inner.scripts,
             &inner.prefix,
             inner.timeout,
         )

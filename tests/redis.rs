@@ -545,12 +545,11 @@ async fn a_wait_attempts_again_once_subscribed_and_then_only_when_a_release_is_p
     }
     assert_eq!(
         server.cli(&["PUBSUB", "NUMSUB", &names.released]),
-        format!(
-            "{}
-1",
-            names.released
-        )
+        format!("{}\n1", names.released)
     );
+    // A window to see nothing in: no further attempt without a release (its backoff is 5 s).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(scripts_run(&server), 2, "an attempt nothing woke");
     // Another wait on the subscribed channel: its busy answer and one attempt at once.
     let timed_out = second.acquire(&key, Duration::from_secs(1)).await;
     assert_eq!(kind_of(timed_out), ErrorKind::Timeout);

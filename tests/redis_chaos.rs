@@ -187,6 +187,22 @@ impl Process {
         Watched::new(self.id, handle, acquired)
     }
 
+    /// Holds `key` once an outage this process saw has ended: a wait the outage ends
+    /// (`Unavailable`, at once while the gate still counts Redis as failing) is tried again
+    /// shortly after, as a worker would, for at most `PATIENCE`.
+    async fn hold_watched_after_outage(&self, key: &str) -> Watched {
+        let give_up = Instant::now() + PATIENCE;
+        loop {
+            match self.locks.acquire(key, PATIENCE).await {
+                Ok(handle) => return Watched::new(self.id, handle, Instant::now()),
+                Err(e) if e.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("process {} could not acquire: {e}", self.id),
+            }
+        }
+    }
+
     /// Waits for `key` in the background, as a contender would.
     fn wait_for(&self, key: &str) -> JoinHandle<Result<(LockHandle, Instant), LockError>> {
         let locks = self.locks.clone();
@@ -642,7 +658,7 @@ async fn with_wait_for_one_replica_a_lock_is_refused_until_replicated_and_surviv
     );
     failover.replication.set_fault(Fault::Pass);
     failover.replica.wait_until_replicating().await;
-    let mut watched = failover.service.hold_watched(&key).await;
+    let mut watched = failover.service.hold_watched_after_outage(&key).await;
     failover.service.settle(&watched).await;
     let failed_over = Instant::now();
     failover.fail_over(true).await;

@@ -43,7 +43,7 @@ pub fn lock(server: &RedisServer) -> DistributedLock {
         .expect("lock")
 }
 
-/// The same, with the release hint hidden: waiters in other processes only poll.
+/// The same, with the provider's wait hidden: waiters in other processes only poll.
 pub fn polling_lock(server: &RedisServer) -> DistributedLock {
     DistributedLock::builder(PollingOnly(backend(server)))
         .build()

@@ -2,7 +2,7 @@
 
 pub mod memory;
 
-#[cfg(any(feature = "etcd", feature = "postgres", feature = "redis"))]
+#[cfg(feature = "etcd")]
 mod hinted;
 
 #[cfg(feature = "azure")]

@@ -6,10 +6,12 @@
 //! [`Health`] per backend, shared with the release watch (see `watch`): after a request or a
 //! connection attempt finds Redis unreachable or refusing our credentials, requests fail at once
 //! with that cause, without touching the server, and one at a time is let through as a probe,
-//! first 100 ms after the failure, then less and less often (up to 5 s apart, jittered); the
+//! first 100 ms after the failure, then less and less often (jittered), up to 0.9 s apart; the
 //! first answer ends it. So a thousand renewals of a server that is down cost a few connection
-//! attempts a second at first and one every few seconds after, not a thousand, and one connect
-//! is in flight at a time.
+//! attempts in the first second and about one a second after, not a thousand, one connect is in
+//! flight at a time, and a server that is back is asked again within 0.9 s. These failures are
+//! this gate's to pace (`BackendError::paced_by_provider`): the engine's gate adds no backoff of
+//! its own on top.
 //!
 //! A request that times out on an open connection is not counted: the server is slow or frozen,
 //! nothing reconnects, and what was sent still runs once it answers — including a release,
@@ -252,7 +254,12 @@ impl Connection {
         answered
     }
 
-    /// Opens the link if needed and sends `request` on it, saying what that showed.
+    /// Opens the link if needed and sends `request` on it, saying what that showed. A link
+    /// opened before this request that turns out broken (the server restarted, or closed it
+    /// while idle) is replaced once within the same request timeout: the broken link is news
+    /// about the past, and the server may well be back. What a request may have done on the
+    /// broken link cannot outlive it unless the server kept it (a restart without persistence
+    /// forgets it), and a lease it took then expires like any unanswered one.
     async fn exchange(
         &self,
         stage: Stage,
@@ -260,15 +267,48 @@ impl Connection {
         probe: bool,
     ) -> (Seen, Result<redis::RedisResult<Vec<Value>>, Failed>) {
         let deadline = crate::clock::in_(self.timeout);
+        let opened = self.opened.load(Ordering::Relaxed);
+        let first = self.exchange_once(stage, request, probe, deadline).await;
+        match first {
+            (Seen::Failed(_), Ok(Err(_)), Some(number)) if number < opened => {
+                let (seen, answered, _) = self.exchange_once(stage, request, probe, deadline).await;
+                (seen, answered)
+            }
+            (seen, answered, _) => (seen, answered),
+        }
+    }
+
+    /// One exchange on the open link (or a new one), and the number of the link it broke on
+    /// (a broken link is dropped).
+    async fn exchange_once(
+        &self,
+        stage: Stage,
+        request: Request<'_>,
+        probe: bool,
+        deadline: Instant,
+    ) -> (
+        Seen,
+        Result<redis::RedisResult<Vec<Value>>, Failed>,
+        Option<u64>,
+    ) {
         let (number, link) = match tokio::time::timeout_at(deadline, self.link(probe)).await {
             Ok(Ok(link)) => link,
             Ok(Err(failure)) => {
-                return (Seen::Failed(failure.clone()), Err(Failed::unsent(failure)));
+                let failure = failure.paced_by_provider();
+                return (
+                    Seen::Failed(failure.clone()),
+                    Err(Failed::unsent(failure)),
+                    None,
+                );
             }
             Err(_) => {
                 // Opening the connection took too long: the server is unreachable.
                 let failure = errors::timed_out(Stage::Connect, self.timeout);
-                return (Seen::Failed(failure.clone()), Err(Failed::unsent(failure)));
+                return (
+                    Seen::Failed(failure.clone()),
+                    Err(Failed::unsent(failure)),
+                    None,
+                );
             }
         };
         let answered = match link {
@@ -281,8 +321,9 @@ impl Connection {
         };
         let Ok(answered) = answered else {
             let failure = errors::timed_out(stage, self.timeout);
-            return (Seen::Nothing, Err(Failed::sent(failure)));
+            return (Seen::Nothing, Err(Failed::sent(failure)), None);
         };
+        let mut broke = None;
         let seen = match &answered {
             Ok(_) => Seen::Answered,
             Err(error) if error.is_timeout() => Seen::Nothing,
@@ -298,6 +339,7 @@ impl Connection {
                     // The connection is broken (reset, closed): the next request opens another.
                     if matches!(self.target, Target::Server(_)) {
                         self.drop_link(number);
+                        broke = Some(number);
                     }
                     Seen::Failed(failure)
                 } else {
@@ -305,7 +347,7 @@ impl Connection {
                 }
             }
         };
-        (seen, Ok(answered))
+        (seen, Ok(answered), broke)
     }
 
     /// Forgets link `number`, if it is still the open one.
@@ -458,7 +500,7 @@ fn refused(stage: Stage, refusal: Refusal) -> BackendError {
         now.saturating_duration_since(refusal.since),
         refusal.retry_at.saturating_duration_since(now),
     );
-    refusal.cause.with_message(message)
+    refusal.cause.with_message(message).paced_by_provider()
 }
 
 /// A request to send: one command, or a pipeline of commands.

@@ -43,6 +43,7 @@ pub mod lua;
 mod node;
 mod options;
 mod tls;
+mod wait;
 mod watch;
 
 use std::fmt;
@@ -439,15 +440,15 @@ impl LockBackend for RedisBackend {
         }
     }
 
-    /// Plain locks and readers: the key's `released` channel, on which every release of the
-    /// lock or of a reader is published (see `watch`). Semaphore releases publish nothing, so
-    /// their waiters poll.
+    /// Plain attempts, woken for plain locks and readers by the key's `released` channel, on
+    /// which every release of the lock or of a reader is published (see `watch`). Semaphore
+    /// releases publish nothing, so their waits poll.
     fn wait(
         self: Arc<Self>,
         key: &str,
         mode: LockMode,
     ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
-        crate::providers::hinted::HintedWait::new(self, key, mode)
+        wait::RedisWait::open(self, key, mode)
     }
 }
 
@@ -518,28 +519,6 @@ impl HolderIds {
         let high = self.seed.hash_one((n, 0u8));
         let low = self.seed.hash_one((n, 1u8));
         format!("{high:016x}{low:016x}")
-    }
-}
-
-impl crate::providers::hinted::Hints for RedisBackend {
-    fn hint(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let hint = match mode {
-            LockMode::Semaphore { .. } => None,
-            _ => {
-                let names = RedisLockKeys::lock(&self.inner.prefix, key);
-                Some(self.inner.releases.hint(names.released))
-            }
-        };
-        async move {
-            match hint {
-                Some(hint) => hint.await,
-                None => std::future::pending().await,
-            }
-        }
     }
 }
 

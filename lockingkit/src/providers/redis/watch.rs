@@ -1,27 +1,33 @@
 //! Waking this process's waiters the moment another process releases their key.
 //!
-//! Every release script publishes on the key's channel (`…:released`, see
-//! [`RedisLockKeys`](crate::keys::RedisLockKeys)). For the keys this process waits for, the
-//! backend keeps **one** pub/sub connection, subscribed to their channels, and a message wakes
-//! every waiter of that key in this process, which then attempts at once (see
-//! [`LockBackend::release_hint`](crate::LockBackend::release_hint)). A lock that *expires*
-//! publishes nothing: waiters still learn of it by polling, which stays the fallback.
+//! Every release of a lock or a reader publishes on the key's channel (`…:released`, see
+//! [`RedisLockKeys`](crate::keys::RedisLockKeys)). The backend keeps **one** pub/sub
+//! connection, subscribed to the channels of the keys its waits are for (see `wait`), and a
+//! message wakes every wait of that key in this process, whose caller attempts at once. A lock
+//! that *expires* publishes nothing: waiters still learn of it by polling, which stays the
+//! fallback.
 //!
-//! - **Subscribing costs a round trip, so only waits that met a busy key pay it.** A hint
-//!   registers its interest at once (a release published on a channel already subscribed is
-//!   never missed), but asks for a subscription only when first polled, which the engine does
-//!   after a busy answer; when the server confirms a new subscription, the channel's waiters
-//!   are woken once, so a release that landed between the busy answer and the subscription
-//!   costs one attempt, not a backoff.
-//! - **Channels linger**: the engine asks for a new hint before each attempt, so a channel
-//!   nobody waits on stays subscribed for [`LINGER`] before it is unsubscribed.
+//! - **A wait subscribes when it opens**, which the engine does at its caller's first busy
+//!   answer: its interest is registered and the subscription asked for at once. A release
+//!   published between that busy answer and the subscription being in place goes unheard, and
+//!   one published between the busy answer and the opening cannot be told from one published
+//!   before the attempt. So a wait is woken once when its subscription is in place: when the
+//!   server confirms it, or at once if the channel was subscribed already. That costs each
+//!   wait one attempt, never a backoff.
+//! - **A wait that ends gives its interest up at once.** The channel stays subscribed
+//!   [`LINGER`] as a cache: a contended key is waited for again and again (each hand-off ends
+//!   one wait, and the next busy answer opens another, here or in a clone of this backend), and
+//!   a channel still subscribed spares that wait the `SUBSCRIBE` round trip and the connection
+//!   a pair of commands. A subscription holds nothing on the key, so a lingering one never
+//!   makes an attempt busy.
+//! - **Every wait is woken when its subscription stops telling**: when the connection is lost
+//!   (a release may have been missed as it broke) and again when it is back and subscribed.
 //! - **One connection in all**, opened on the first subscription and closed after [`IDLE`]
 //!   with no channel subscribed. It opens through the backend's outage gate (see
 //!   `connection`): while Redis is failing it waits for the gate's probe like every request,
 //!   and only the server's first answer on it counts as Redis answering again. A lost
 //!   connection is opened again only after a backoff ([`FIRST_DELAY`] doubling to
-//!   [`MOST_DELAY`]) that starts over once a connection stayed subscribed for [`STEADY`]; once
-//!   it is back, every waiter is woken once, as a release may have been missed meanwhile. A
+//!   [`MOST_DELAY`]) that starts over once a connection stayed subscribed for [`STEADY`]. A
 //!   connection that stops answering pings is treated as lost.
 //! - **A refused subscription disables the watch** (a Redis 7 ACL user has no channels unless
 //!   granted `&<key_prefix>:*`): it is logged once, waiters poll, and subscribing is tried
@@ -30,7 +36,6 @@
 //!   releases of every slot (and each release costs every node a cluster-bus message).
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -48,7 +53,7 @@ use crate::backend::{BackendError, BackendErrorKind};
 use crate::backoff::Backoff;
 use crate::health::{Admission, Health, Probe};
 
-/// A channel nobody waits on stays subscribed this long, for the next round of the same wait.
+/// A channel nobody waits on stays subscribed this long, for the next wait of the same key.
 const LINGER: Duration = Duration::from_secs(1);
 
 /// The connection closes after this long without a subscribed channel.
@@ -62,7 +67,7 @@ const PING_EVERY: Duration = Duration::from_secs(5);
 /// starts over.
 const STEADY: Duration = Duration::from_secs(10);
 
-/// The release watch of one backend: the channels its waiters wait on, and the one task that
+/// The release watch of one backend: the channels its waits listen on, and the one task that
 /// keeps the pub/sub connection.
 pub(super) struct ReleaseWatch {
     shared: Arc<Shared>,
@@ -80,6 +85,8 @@ struct Shared {
     refused: AtomicBool,
 }
 
+/// Every channel in `channels` is one the task was asked to subscribe to: a wait asks when it
+/// opens, and a channel leaves the map (to be unsubscribed) only once nobody listens on it.
 #[derive(Default)]
 struct State {
     channels: HashMap<String, Channel>,
@@ -90,13 +97,13 @@ struct State {
 }
 
 struct Channel {
-    /// Bumped whenever the channel's waiters should retry.
+    /// Bumped whenever the channel's waits should retry.
     woken: watch::Sender<u64>,
-    /// Hints alive for this channel.
+    /// Waits open on this channel.
     interest: usize,
-    /// Whether the task was asked to subscribe (and has, unless the connection is down).
-    requested: bool,
-    /// When the last hint went away, while none is alive.
+    /// Whether the server confirmed the subscription on the task's current connection.
+    confirmed: bool,
+    /// When the last wait went away, while none is open.
     unused_since: Option<Instant>,
 }
 
@@ -105,7 +112,7 @@ impl Channel {
         Channel {
             woken: watch::Sender::new(0),
             interest: 0,
-            requested: false,
+            confirmed: false,
             unused_since: None,
         }
     }
@@ -134,11 +141,12 @@ impl ReleaseWatch {
         }
     }
 
-    /// Closes the pub/sub connection for good and wakes every waiter, which polls from now on.
+    /// Closes the pub/sub connection for good and wakes every wait, which polls from now on.
     pub(super) fn stop(&self) {
-        self.shared.stop.cancel();
         let mut state = lock(&self.shared.state);
-        // Dropping a channel's sender wakes its hints.
+        // Under the lock, so no wait opens in between: one that opens later sees the flag.
+        self.shared.stop.cancel();
+        // Dropping a channel's sender wakes its waits (see `Interest::changed`).
         state.channels.clear();
         state.task = None;
     }
@@ -149,87 +157,106 @@ impl ReleaseWatch {
         usize::from(lock(&self.shared.state).connected)
     }
 
-    /// A future that resolves when `channel` may have seen a release: interest is registered
-    /// now; the subscription is asked for on first poll.
-    pub(super) fn hint(&self, channel: String) -> impl Future<Output = ()> + Send + 'static {
-        let mut receiver = {
-            let mut state = lock(&self.shared.state);
-            let entry = state
-                .channels
-                .entry(channel.clone())
-                .or_insert_with(Channel::new);
-            entry.interest += 1;
-            entry.unused_since = None;
-            entry.woken.subscribe()
-        };
-        let interest = Interest {
-            shared: self.shared.clone(),
+    /// One wait's interest in `channel`, registered now, the subscription asked for at once
+    /// (see the module docs). After shutdown the interest hears nothing: the wait polls.
+    pub(super) fn listen(&self, channel: String) -> Interest {
+        let mut state = lock(&self.shared.state);
+        if self.shared.stop.is_cancelled() {
+            drop(state);
+            let (_, woken) = watch::channel(0);
+            return Interest {
+                shared: None,
+                channel,
+                woken,
+                closed: true,
+            };
+        }
+        let mut fresh = false;
+        let entry = state.channels.entry(channel.clone()).or_insert_with(|| {
+            fresh = true;
+            Channel::new()
+        });
+        entry.interest += 1;
+        entry.unused_since = None;
+        let mut woken = entry.woken.subscribe();
+        if entry.confirmed {
+            // Subscribed already: the subscription is in place from the start.
+            woken.mark_changed();
+        }
+        if fresh {
+            self.shared.subscribe(&mut state, &channel);
+        }
+        drop(state);
+        Interest {
+            shared: Some(self.shared.clone()),
             channel,
-        };
-        async move {
-            interest.subscribe();
-            // A closed sender means the channel was dropped from the map: wake, harmlessly.
-            let _ = receiver.changed().await;
-            drop(interest);
+            woken,
+            closed: false,
         }
     }
 }
 
-/// One hint's interest in a channel; dropping it lets the channel linger and then go.
-struct Interest {
-    shared: Arc<Shared>,
-    channel: String,
-}
-
-impl Interest {
-    /// Asks the task to subscribe to the channel unless it was asked already, starting the task
-    /// if none runs.
-    fn subscribe(&self) {
-        if self.shared.stop.is_cancelled() {
-            // Shut down: waits poll.
-            return;
-        }
-        let mut state = lock(&self.shared.state);
-        let requested = match state.channels.get_mut(&self.channel) {
-            Some(entry) => std::mem::replace(&mut entry.requested, true),
-            None => return,
-        };
-        if requested {
-            return;
-        }
+impl Shared {
+    /// Asks the task to subscribe to `channel`, just entered in the map, starting the task if
+    /// none runs (a new task subscribes to every channel in the map once connected).
+    fn subscribe(self: &Arc<Self>, state: &mut State, channel: &str) {
         let sent = state
             .task
             .as_ref()
-            .is_some_and(|task| task.send(self.channel.clone()).is_ok());
-        if !sent {
-            let (commands, receiver) = mpsc::unbounded_channel();
-            let _ = commands.send(self.channel.clone());
-            state.task = Some(commands);
-            drop(state);
-            let stop = self.shared.stop.clone();
-            let task = subscriber(Arc::downgrade(&self.shared), receiver);
-            tokio::spawn(async move {
-                // Dropping the task at shutdown closes its connection.
-                tokio::select! {
-                    _ = stop.cancelled() => {}
-                    () = task => {}
-                }
-            });
+            .is_some_and(|task| task.send(channel.to_owned()).is_ok());
+        if sent {
+            return;
+        }
+        let (commands, receiver) = mpsc::unbounded_channel();
+        state.task = Some(commands);
+        let stop = self.stop.clone();
+        let task = subscriber(Arc::downgrade(self), receiver);
+        tokio::spawn(async move {
+            // Dropping the task at shutdown closes its connection.
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                () = task => {}
+            }
+        });
+    }
+}
+
+/// One wait's interest in a channel; dropping it gives the interest up at once (the channel
+/// lingers, then goes).
+pub(super) struct Interest {
+    /// `None` for an interest opened after shutdown, which nothing registered.
+    shared: Option<Arc<Shared>>,
+    channel: String,
+    woken: watch::Receiver<u64>,
+    /// Whether the channel's sender is gone (the watch stopped): said once, then never again.
+    closed: bool,
+}
+
+impl Interest {
+    /// Resolves when the channel heard a release, the subscription came into place or stopped
+    /// telling since the last call, or the watch stopped (once). Cancel-safe: a wake that
+    /// lands while nobody listens is kept for the next call.
+    pub(super) async fn changed(&mut self) {
+        if self.closed {
+            return std::future::pending().await;
+        }
+        if self.woken.changed().await.is_err() {
+            // Shut down: the wait polls from now on, without a wake-up loop.
+            self.closed = true;
         }
     }
 }
 
 impl Drop for Interest {
     fn drop(&mut self) {
-        let mut state = lock(&self.shared.state);
+        let Some(shared) = &self.shared else {
+            return;
+        };
+        let mut state = lock(&shared.state);
         if let Some(entry) = state.channels.get_mut(&self.channel) {
             entry.interest = entry.interest.saturating_sub(1);
             if entry.interest == 0 {
                 entry.unused_since = Some(Instant::now());
-                if !entry.requested {
-                    // Never subscribed: nothing to linger for.
-                    state.channels.remove(&self.channel);
-                }
             }
         }
     }
@@ -245,7 +272,7 @@ enum Ended {
     Refused,
 }
 
-/// The subscriber task: keeps one pub/sub connection subscribed to every requested channel.
+/// The subscriber task: keeps one pub/sub connection subscribed to every channel in the map.
 ///
 /// After every lost connection it waits before opening the next, [`FIRST_DELAY`] doubling to
 /// [`MOST_DELAY`] (jittered), and the delay starts over only after a connection stayed
@@ -265,9 +292,7 @@ async fn subscriber(shared: Weak<Shared>, mut commands: mpsc::UnboundedReceiver<
             Err(retry_at) => retry_at,
             Ok(opened) => {
                 let (ended, subscribed_for) = serve(&shared, &mut commands, opened, timeout).await;
-                if let Some(strong) = shared.upgrade() {
-                    lock(&strong.state).connected = false;
-                }
+                stopped_telling(&shared);
                 match ended {
                     Ended::Done => return,
                     Ended::Lost => {
@@ -420,8 +445,8 @@ pub(super) async fn open(
     Err(last)
 }
 
-/// Ends the task if no channel is wanted any more (under the state lock, so a hint that comes
-/// later starts a new task). Returns whether it did.
+/// Ends the task if no wait is open any more (under the state lock, so a wait that opens later
+/// starts a new task). Returns whether it did.
 fn stop_if_unwanted(shared: &Weak<Shared>) -> bool {
     let Some(shared) = shared.upgrade() else {
         return true;
@@ -449,9 +474,9 @@ async fn serve(
         report,
     } = opened;
     // Every channel wanted now, subscribed in one command (a ping when none is: the server's
-    // first answer is owed to the health report); their waiters retry once, as a release may
+    // first answer is owed to the health report); their waits retry once, as a release may
     // have gone unheard while the connection was down.
-    let Some(wanted) = requested_channels(shared) else {
+    let Some(wanted) = wanted_channels(shared) else {
         return (Ended::Done, Duration::ZERO);
     };
     let first = if wanted.is_empty() {
@@ -465,11 +490,7 @@ async fn serve(
     if let Err(ended) = checked(first) {
         return (ended, Duration::ZERO);
     }
-    // Counted as open only now that the server has answered on it.
-    if let Some(shared) = shared.upgrade() {
-        lock(&shared.state).connected = true;
-    }
-    wake(shared, &wanted);
+    confirmed(shared, &wanted);
     let subscribed = Instant::now();
     let ended = listen(shared, commands, &mut sink, &mut stream, timeout).await;
     (ended, subscribed.elapsed())
@@ -496,7 +517,7 @@ async fn listen(
                 None => Err(Ended::Done),
                 Some(channel) => {
                     let subscribed = tokio::time::timeout(timeout, sink.subscribe(&channel)).await;
-                    checked(subscribed).map(|()| wake(shared, std::slice::from_ref(&channel)))
+                    checked(subscribed).map(|()| confirmed(shared, std::slice::from_ref(&channel)))
                 }
             },
             message = stream.next() => match message {
@@ -534,7 +555,7 @@ async fn tend(
         checked(tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await)?;
         *quiet_since = Instant::now();
     }
-    let subscribed = requested_channels(shared).ok_or(Ended::Done)?;
+    let subscribed = wanted_channels(shared).ok_or(Ended::Done)?;
     if !subscribed.is_empty() {
         *idle_since = Instant::now();
     } else if idle_since.elapsed() >= IDLE && stop_if_unwanted(shared) {
@@ -556,17 +577,43 @@ fn checked<T>(
 }
 
 /// The channels a subscription was asked for; `None` once the backend is gone.
-fn requested_channels(shared: &Weak<Shared>) -> Option<Vec<String>> {
+fn wanted_channels(shared: &Weak<Shared>) -> Option<Vec<String>> {
     let shared = shared.upgrade()?;
     let state = lock(&shared.state);
-    Some(
-        state
-            .channels
-            .iter()
-            .filter(|(_, c)| c.requested)
-            .map(|(name, _)| name.clone())
-            .collect(),
-    )
+    Some(state.channels.keys().cloned().collect())
+}
+
+/// The server confirmed the subscriptions to `channels` on the task's connection: the
+/// connection counts as open (only now that the server has answered on it), and their waits
+/// retry once, as a release before the subscription went unheard.
+fn confirmed(shared: &Weak<Shared>, channels: &[String]) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let mut state = lock(&shared.state);
+    state.connected = true;
+    for channel in channels {
+        if let Some(entry) = state.channels.get_mut(channel) {
+            entry.confirmed = true;
+            entry.wake();
+        }
+    }
+}
+
+/// The task's connection ended: no subscription is in place any more, and the waits that
+/// relied on one retry once, as a release may have been missed as it broke. They are woken
+/// again once a new connection has subscribed.
+fn stopped_telling(shared: &Weak<Shared>) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let mut state = lock(&shared.state);
+    state.connected = false;
+    for entry in state.channels.values_mut() {
+        if std::mem::replace(&mut entry.confirmed, false) {
+            entry.wake();
+        }
+    }
 }
 
 fn wake(shared: &Weak<Shared>, channels: &[String]) {

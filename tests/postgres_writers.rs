@@ -283,3 +283,57 @@ async fn after_a_hand_off_and_its_release_the_key_is_free_for_everyone_at_once()
         "tries refused after the waiter's release in {ROUNDS} rounds"
     );
 }
+
+/// Reader hand-offs between two processes: a writer holds, a reader in another process waits,
+/// the writer releases, the reader gets the key (from the server, through its wait) and
+/// releases it, confirmed. At once, a plain-SQL `pg_try_advisory_lock` and a LockingKit
+/// exclusive try from a third process must both get in: the reader's process keeps no grant,
+/// no queued request and no second reader's lock for nobody (the waiting reader used to be
+/// granted the key twice, once on a lock session and once on its waiting session, and the
+/// second grant outlived its release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hundred_reader_hand_offs_leave_the_key_free_for_writers_elsewhere() {
+    let server = PostgresServer::start().await;
+    let (writer, reader, third) = (process(&server), process(&server), process(&server));
+    let readers = reader.reader_writer(&unique_prefix("writers/readers")).expect("readers");
+    let key = readers.key().to_owned();
+    let advisory_key = PostgresLockKeys::advisory_key(&key);
+    let admin = server.connect().await;
+    let (mut refused_sql, mut refused_lockingkit) = (Vec::new(), Vec::new());
+    const ROUNDS: usize = 300;
+    for round in 0..ROUNDS {
+        let held = writer.try_acquire(&key).await.expect("the writer takes it");
+        let waiting = tokio::spawn({
+            let readers = readers.clone();
+            async move { readers.read(Duration::from_secs(10)).await }
+        });
+        // Released at every stage of the reader's wait: before its first attempt, between its
+        // busy answer and its watcher's request, and once that request has queued.
+        tokio::time::sleep(Duration::from_micros(500 * (round % 7) as u64)).await;
+        held.release().await.expect("writer release");
+        let taken = waiting.await.expect("reader task").expect("handed over");
+        taken.release().await.expect("reader release");
+        let row = admin
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&advisory_key])
+            .await
+            .expect("plain try");
+        if row.get::<_, bool>(0) {
+            admin
+                .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
+                .await
+                .expect("plain unlock");
+        } else {
+            refused_sql.push(round);
+        }
+        match third.try_acquire(&key).await {
+            Ok(handle) => handle.release().await.expect("third release"),
+            Err(error) if error.kind() == ErrorKind::Busy => refused_lockingkit.push(round),
+            Err(error) => panic!("round {round}: {error}"),
+        }
+    }
+    eprintln!(
+        "{ROUNDS} reader hand-offs: plain SQL refused in rounds {refused_sql:?}, a LockingKit \
+         writer elsewhere in rounds {refused_lockingkit:?}"
+    );
+    assert!(refused_sql.is_empty() && refused_lockingkit.is_empty());
+}

@@ -77,12 +77,17 @@ async fn contend(locks: DistributedLock) -> BTreeMap<(u64, u16), usize> {
 fn assert_contention_only(provider: &str, answers: &BTreeMap<(u64, u16), usize>) {
     eprintln!("{provider}: (wait ms, status) → answers: {answers:?}");
     assert!(
-        answers.keys().all(|(_, status)| matches!(status, 200 | 409)),
+        answers
+            .keys()
+            .all(|(_, status)| matches!(status, 200 | 409)),
         "{provider}: a healthy, contended backend answered something else: {answers:?}"
     );
     // The keys were contended: the callers that do not wait were told so, many times.
     let busy = answers.get(&(0, 409)).copied().unwrap_or(0);
-    assert!(busy > 100, "{provider}: contention was not met: {answers:?}");
+    assert!(
+        busy > 100,
+        "{provider}: contention was not met: {answers:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -295,7 +295,9 @@ async fn after_a_hand_off_and_its_release_the_key_is_free_for_everyone_at_once()
 async fn three_hundred_reader_hand_offs_leave_the_key_free_for_writers_elsewhere() {
     let server = PostgresServer::start().await;
     let (writer, reader, third) = (process(&server), process(&server), process(&server));
-    let readers = reader.reader_writer(&unique_prefix("writers/readers")).expect("readers");
+    let readers = reader
+        .reader_writer(&unique_prefix("writers/readers"))
+        .expect("readers");
     let key = readers.key().to_owned();
     let advisory_key = PostgresLockKeys::advisory_key(&key);
     let admin = server.connect().await;

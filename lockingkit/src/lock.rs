@@ -105,15 +105,18 @@ impl DistributedLock {
     /// retry can fix. Dropping the future cancels the wait and never leaks the lock. Any
     /// `timeout` is accepted: `Duration::MAX` waits as long as it takes.
     ///
-    /// When the time runs out, the latest attempt decides how the wait ends:
-    /// - [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) if the backend answered it "busy";
-    /// - [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) if the backend answered it
-    ///   with a failure (a 5xx, a full lock table) or it could not reach the backend, if no
-    ///   attempt finished, or if the attempt in flight at the deadline had been
-    ///   unanswered for at least `max_retry_delay`. The latest cause is in the message and is
-    ///   the error's `source()`.
+    /// Every wait ends with an answer from the backend, however short (a zero `timeout` makes
+    /// one attempt): an attempt in flight at the deadline is awaited.
+    /// - [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) when the time ran out and the
+    ///   backend's latest answer was "busy".
+    /// - [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) at once when an attempt
+    ///   failed (the backend answered with a failure, a 5xx or a full lock table, or could not
+    ///   be reached), went unanswered for the engine's patience (`max_retry_delay`, and at
+    ///   least 2 s), or was refused because the backend is failing — including while this
+    ///   caller waited behind others or slept between attempts. The cause is in the message
+    ///   and is the error's `source()`; try again after a pause to ride out an outage.
     ///
-    /// So an outage is never mistaken for contention, whichever came first.
+    /// So an outage is never mistaken for contention, nor contention for an outage.
     pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockHandle, LockError> {
         self.engine
             .clone()

@@ -8,7 +8,7 @@
 //! requests, and when the active party leaves (release, loss, timeout, a dropped future) the
 //! turn passes to the next at once, without a backoff sleep. The lanes differ in three answers:
 //!
-//! | lane | a caller enters | the holder keeps | the front waiter wakes on (besides its backoff and the backend's release hint) |
+//! | lane | a caller enters | the holder keeps | the front waiter wakes on (besides its backoff and the backend's wait) |
 //! |---|---|---|---|
 //! | exclusive | the queue's turn when nobody here attempts, holds or waits for the key; else the back of the queue | the queue's turn: nobody else here attempts meanwhile | the turn passing; a local reader's release |
 //! | readers | a turn of its own, attempting in parallel with other readers, unless readers here already wait (the key was busy for them): then the back of their queue | a turn of its own; the queue's turn passes on at once, so the next reader attempts | a local exclusive holder's release |
@@ -22,10 +22,11 @@
 //! told only what there is evidence for. *Contended* needs evidence that someone holds the key:
 //! it is held here, or the backend answered the latest attempt "busy". A failed latest attempt
 //! is reported as that failure, with its cause. With no answer yet since the active party took
-//! its turn, or while a holder's release is on its way, a `try_acquire` waits for that answer
-//! (single flight: it makes no request of its own, and a request of its own would only be
-//! refused the same way), for at most the room's *patience*; a request unanswered for longer
-//! than that is an outage, not contention.
+//! its turn, or while a holder's release is on its way, a `try_acquire` (or a waiter whose time
+//! ran out) waits for that answer (single flight: it makes no request of its own, and a request
+//! of its own would only be refused the same way), for at most the room's *patience*; a request
+//! unanswered for longer than that is an outage, not contention. While the backend is failing,
+//! the engine refuses such a caller at once instead (see `acquire`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -100,23 +100,34 @@ impl<T: Send + 'static, C: Cleanup<T>> Drop for Orphanable<T, C> {
 /// first poll: most releases and in-memory calls complete at once, and a timer (a clock read
 /// and a timer-wheel entry) would be most of their cost. `None` means the limit passed.
 pub(crate) async fn within<F: Future>(limit: std::time::Duration, work: F) -> Option<F::Output> {
-    within_noting(limit, work, || {}).await
+    within_noting(limit, work, || {}, (limit, || {})).await
 }
 
 /// [`within`], calling `pending` once if the work does not finish on its first poll (a request
-/// that is on its way rather than answered at once).
+/// that is on its way rather than answered at once), and `overdue` once if it is still
+/// unanswered after `patience` (the work goes on until the limit).
 pub(crate) async fn within_noting<F: Future>(
     limit: std::time::Duration,
     work: F,
     pending: impl FnOnce(),
+    (patience, overdue): (std::time::Duration, impl FnOnce()),
 ) -> Option<F::Output> {
     let mut work = std::pin::pin!(work);
     let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
     match first {
         Poll::Ready(output) => Some(output),
-        Poll::Pending => {
+        Poll::Pending if patience >= limit => {
             pending();
             tokio::time::timeout(limit, work).await.ok()
+        }
+        Poll::Pending => {
+            pending();
+            let end = crate::clock::in_(limit);
+            if let Ok(output) = tokio::time::timeout(patience, work.as_mut()).await {
+                return Some(output);
+            }
+            overdue();
+            tokio::time::timeout_at(end, work).await.ok()
         }
     }
 }

@@ -2082,3 +2082,41 @@ async fn short_waits_on_a_healthy_busy_backend_are_told_busy_or_timeout_never_un
     assert_eq!(told.values().sum::<i32>(), 200);
     assert_eq!(locks.active_parties(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_release_unanswered_for_the_patience_is_an_outage_to_the_waiters_behind_it() {
+    let store = MemoryStore::new();
+    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let held = locks.try_acquire("k").await.unwrap();
+    let waiter = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.acquire("k", Duration::from_secs(30)).await }
+    });
+    while locks.waiting("k") == 0 {
+        tokio::task::yield_now().await;
+    }
+    // The release hangs, as against a server that froze while the lock was held.
+    let gate = recording.close_release_gate();
+    let start = Instant::now();
+    let releasing = tokio::spawn(held.release());
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains("did not answer a release"),
+        "{err}"
+    );
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(2),
+        "told at the patience, not at its deadline"
+    );
+    // The gate fails: a caller of another key is refused at once, nothing sent.
+    let attempts = recording.attempt_times().len();
+    let err = locks.try_acquire("other").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert_eq!(recording.attempt_times().len(), attempts);
+    *recording.release_gate.lock().unwrap() = None;
+    gate.notify_one();
+    releasing.await.unwrap().unwrap();
+}

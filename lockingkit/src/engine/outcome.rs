@@ -84,6 +84,14 @@ pub(super) fn shut_down_error() -> LockError {
     LockError::new(ErrorKind::Unavailable, "the lock provider was shut down")
 }
 
+/// The cause the outage gate records for a release left unanswered for the engine's
+/// `patience`.
+pub(super) fn unanswered_release(patience: Duration) -> BackendError {
+    BackendError::unreachable(format!(
+        "the backend did not answer a release within {patience:?}"
+    ))
+}
+
 /// What an attempt left unanswered for the engine's `patience` means: the cause the outage gate
 /// records, and what its caller is told.
 pub(super) fn unanswered(patience: Duration) -> (BackendError, LockError) {

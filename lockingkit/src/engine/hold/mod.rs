@@ -216,9 +216,20 @@ impl<B: LockBackend> Hold<B> {
         // would copy the backend's future once more on every release.
         let release = std::pin::pin!(self.engine.backend.release(&self.lease));
         // A release that does not answer at once is on its way: callers that meet the key
-        // learn of it, and one unanswered for longer than the engine's patience is an outage to
-        // them, not a holder they should call busy (see the waiting room).
-        let limited = std::pin::pin!(within_noting(timeout, release, || self.note_releasing()));
+        // learn of it, and one unanswered for longer than the engine's patience is an outage,
+        // to them (not a holder they should call busy, see the waiting room) and to the
+        // outage gate, which then refuses every caller at once rather than let waiters queued
+        // behind the release hang until their deadlines.
+        let overdue = || {
+            let cause = super::outcome::unanswered_release(self.engine.room.patience());
+            self.engine.health.failed(&cause, false);
+        };
+        let limited = std::pin::pin!(within_noting(
+            timeout,
+            release,
+            || self.note_releasing(),
+            (self.engine.room.patience(), overdue),
+        ));
         let result = traced(span.clone(), limited).await;
         let result = match result {
             Some(Ok(())) => Ok(()),

@@ -13,6 +13,14 @@ for setup in scripts/setup-*.sh; do
   [ -e "$setup" ] && bash "$setup"
 done
 
+# The code is formatted and lints clean, and the library builds with each feature on its own
+# (a provider's code must not lean on another's feature).
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+for features in "" postgres deadpool azure redis etcd testing; do
+  cargo check --quiet -p lockingkit --no-default-features ${features:+--features "$features"}
+done
+
 # Examples and benchmarks must keep compiling even though the test run does not execute them.
 cargo build --workspace --all-features --all-targets
 cargo nextest run --workspace --all-features --no-fail-fast

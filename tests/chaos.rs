@@ -35,7 +35,8 @@ use lockingkit::{
 };
 use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
 use lockingkit_tests::chaos::{
-    assert_lost, assert_near, contender_lock, record, Loss, Watched, PATIENCE,
+    acquire_through_outages, assert_lost, assert_near, contender_lock, record, Loss, Watched,
+    PATIENCE,
 };
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
@@ -259,29 +260,6 @@ impl Process {
             let (handle, _) = acquire_through_outages(&locks, &key, PATIENCE).await?;
             Ok((handle, Instant::now()))
         })
-    }
-}
-
-/// Waits for `key` as a service's worker does through an outage: a wait the backend's failure
-/// ends (`Unavailable`, at once while the backend is known to fail) is tried again shortly
-/// after, until `within` has passed. Returns the handle and how many waits an outage ended.
-async fn acquire_through_outages(
-    locks: &DistributedLock,
-    key: &str,
-    within: Duration,
-) -> Result<(LockHandle, usize), LockError> {
-    let give_up = Instant::now() + within;
-    let mut outages = 0;
-    loop {
-        let left = give_up.saturating_duration_since(Instant::now());
-        match locks.acquire(key, left).await {
-            Ok(handle) => return Ok((handle, outages)),
-            Err(error) if error.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
-                outages += 1;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(error) => return Err(error),
-        }
     }
 }
 

@@ -32,7 +32,7 @@ use lockingkit::{
     DistributedLock, ErrorKind, LockError, LockHandle, LossReason, RedisBackend, RedisOptions,
 };
 use lockingkit_tests::chaos::{
-    assert_lost, assert_near, contender_lock, record, Watched, PATIENCE,
+    acquire_through_outages, assert_lost, assert_near, contender_lock, record, Watched, PATIENCE,
 };
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::RedisServer;
@@ -191,15 +191,9 @@ impl Process {
     /// (`Unavailable`, at once while the gate still counts Redis as failing) is tried again
     /// shortly after, as a worker would, for at most `PATIENCE`.
     async fn hold_watched_after_outage(&self, key: &str) -> Watched {
-        let give_up = Instant::now() + PATIENCE;
-        loop {
-            match self.locks.acquire(key, PATIENCE).await {
-                Ok(handle) => return Watched::new(self.id, handle, Instant::now()),
-                Err(e) if e.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("process {} could not acquire: {e}", self.id),
-            }
+        match acquire_through_outages(&self.locks, key, PATIENCE).await {
+            Ok((handle, _)) => Watched::new(self.id, handle, Instant::now()),
+            Err(e) => panic!("process {} could not acquire: {e}", self.id),
         }
     }
 

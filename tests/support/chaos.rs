@@ -1,17 +1,41 @@
-//! What the chaos suites (tests/chaos.rs, tests/redis_chaos.rs) share: watching a hold for
-//! loss, and the assertions every faulted case makes about it.
+//! What the chaos suites (tests/chaos.rs, tests/redis_chaos.rs, tests/etcd_chaos.rs) share:
+//! taking a lock through an outage, watching a hold for loss, and the assertions every faulted
+//! case makes about it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockingkit::testing::{HeldInterval, IntervalChecker};
-use lockingkit::{ErrorKind, LockError, LockHandle, LossReason};
+use lockingkit::{DistributedLock, ErrorKind, LockError, LockHandle, LossReason};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// Long enough for any wait a case expects to finish; a hang fails the case instead of the run.
 pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Takes `key` within `within`, as a worker would through an outage: a call the outage ends
+/// (`Unavailable`, at once while the engine still counts the backend as failing) is made again
+/// 50 ms later. Returns the handle and how many calls an outage ended.
+pub async fn acquire_through_outages(
+    locks: &DistributedLock,
+    key: &str,
+    within: Duration,
+) -> Result<(LockHandle, usize), LockError> {
+    let give_up = Instant::now() + within;
+    let mut outages = 0;
+    loop {
+        let left = give_up.saturating_duration_since(Instant::now());
+        match locks.acquire(key, left).await {
+            Ok(handle) => return Ok((handle, outages)),
+            Err(error) if error.kind() == ErrorKind::Unavailable && Instant::now() < give_up => {
+                outages += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
 
 /// A held lock whose `run` carries work that never finishes by itself, so `run` returns only
 /// when the lock is lost.

@@ -2,9 +2,6 @@
 
 pub mod memory;
 
-#[cfg(feature = "etcd")]
-mod hinted;
-
 #[cfg(feature = "azure")]
 pub mod azure;
 #[cfg(feature = "etcd")]

@@ -51,25 +51,30 @@ pub(super) fn gets(answer: &TxnResponse) -> Vec<Vec<KeyValue>> {
 }
 
 impl Inner {
-    /// One attempt on the lock of `id.key()`, on the side `id` names: through the wait's
-    /// queue place if it has one, else as a newcomer.
+    /// One attempt on the lock of `id.key()`, on the side `id` names: through the place of the
+    /// wait `serial` if it has one, else as a newcomer.
     pub(super) async fn attempt_lock(
         self: &Arc<Self>,
         line: &Line,
         id: &WaitId,
+        serial: Option<u64>,
         generation: &Arc<LeaseGeneration>,
     ) -> Result<Found, BackendError> {
         let directory = LockDirectory::new(&self.key_prefix, id.key());
-        if let Some(claimed) = self.claim(line, id, generation) {
+        if let Some(claimed) = serial.and_then(|serial| self.claim(line, serial, generation)) {
             return self.attempt_in_line(line, &directory, claimed).await;
         }
-        let side = id.side();
-        let found = self.create_if_free(&directory, side, generation).await?;
+        let found = self
+            .create_if_free(&directory, id.side(), generation)
+            .await?;
+        let Some(serial) = serial else {
+            return Ok(found);
+        };
         match &found {
-            Found::Busy => line.wants_place(id),
+            Found::Busy => line.wants_place(serial),
             Found::Held(_) => {
-                if let Some(place) = self.won_without_place(line, id) {
-                    self.delete_place(place).await;
+                if let Some(orphan) = self.won_without_place(line, serial) {
+                    self.delete_orphan_soon(orphan);
                 }
             }
             Found::LeaseGone => {}
@@ -88,7 +93,7 @@ impl Inner {
         let mut orphan = None;
         let held = self.settle(line, claimed, turn.as_ref().ok(), &mut orphan);
         if let Some(orphan) = orphan {
-            self.delete_place(orphan).await;
+            self.delete_orphan_soon(orphan);
         }
         turn?;
         Ok(match held {
@@ -195,8 +200,7 @@ impl Inner {
     }
 
     /// A semaphore holder: a key of its own, kept if it is among the `max_count` oldest.
-    /// Waiters for a semaphore poll: the engine gives them no release hint, since a semaphore's
-    /// key names no lock.
+    /// Waiters for a semaphore poll: a semaphore has no queue places.
     pub(super) async fn attempt_slot(
         self: &Arc<Self>,
         key: &str,

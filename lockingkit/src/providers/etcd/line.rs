@@ -10,49 +10,38 @@
 //!   readers, and a writer that queued before a reader goes first.
 //!
 //! Both stay true once true (newer keys only appear behind), so one read decides. A newcomer's
-//! first attempt creates its key only where it would hold at once (a writer in an empty
-//! directory, a reader where no writer is), so it never overtakes anyone in line, and a busy
-//! answer writes nothing. Neither side starves: every caller is served in the order its key was
-//! created, and readers in line together hold together.
+//! attempt creates its key only where it would hold at once (a writer in an empty directory, a
+//! reader where no writer is), so it never overtakes anyone in line, and a busy answer writes
+//! nothing. Neither side starves: every caller is served in the order its key was created, and
+//! readers in line together hold together.
 //!
 //! # Whose place is it
-//! A place belongs to the **wait** of one engine for one key on one side: the engine's waiting
-//! room lets one front waiter per key and lane talk to the backend, and it makes a release
-//! hint in that lane's mode before each of its attempts (`release_hint(key, mode)`, then
-//! `try_acquire(key, mode)`). So the places of a backend are kept per clone — each
-//! `DistributedLock` owns its clone, so another engine never sees them — and per key and side,
-//! and a wait lives while a hint of its key and side does. An attempt claims the place
-//! exclusively (no other attempt reads or takes it meanwhile). Another engine never sees the
-//! place, and its own engine attempts a key in a mode only through its lane's one active
-//! party, so whichever attempt of this clone claims it stands where this process queued —
-//! including a `try_acquire` right after the wait ended, which would otherwise be told "busy"
-//! by a place nobody waits on. Readers attempting side by side while their
-//! front waiter stands in line may take its place in turn: whichever holds through it, the
-//! others go on in line.
-//!
-//! Nothing tells the backend that a wait ended: a wait whose hints are all gone for [`GRACE`]
-//! has. The local waiter that takes the turn from one that gave up within that instant takes
-//! its place in line too, which is where this process stood when it queued.
+//! A place belongs to one [`EtcdWait`](super::wait::EtcdWait): the engine opens the wait at its
+//! caller's first busy answer and drops it when the caller leaves. The wait wants a place from
+//! the start; it is made when the engine first listens for a change, so a caller that wins
+//! on its next attempt may never need one. Only the wait's own attempts read or take its place;
+//! any other attempt of the process (a `try_acquire`, a reader on a turn of its own) is a
+//! newcomer.
 //!
 //! # A place's life
-//! The place is made when the wait's hint is first polled after a busy answer (so an attempt
-//! that wins costs nothing): one transaction writes the key and reads the key just ahead of
-//! it, which the backend's one watch stream then watches. When that key is deleted the waiter
-//! is woken, and its next attempt reads whether its place holds now (or which key is ahead of it
-//! now). A place made first in line wakes its waiter at once. A wait that ends without its
-//! place becoming the hold (timed out, dropped) leaves no hint behind: [`GRACE`] later its place
-//! is deleted, which in turn wakes whoever is behind it. The backend keeps its lease alive
-//! while it has places (see `lease`).
+//! One transaction writes the key and reads the key just ahead of it, which the backend's one
+//! watch stream then watches. When that key is deleted the wait is woken, and its next attempt
+//! reads whether its place holds now (or which key is ahead of it now). A place made first in
+//! line wakes its wait at once. A place whose read holds becomes the hold as it is.
+//!
+//! A wait dropped with a place (timed out, cancelled, or won without it) has the place
+//! deleted at once — by a task of its own, or by the maker or the attempt that has the place
+//! in hand — which in turn wakes whoever is behind it. Until that delete is answered, every
+//! attempt of this clone for the key waits for it (see [`Line::settled`]), so a caller that
+//! tries right after its wait ended is never told "busy" by the place it left. The backend
+//! keeps its lease alive while it has places (see `lease`).
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use etcd_client::{GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp};
 use tokio::sync::watch;
-use tokio::time::Instant;
 
 use super::attempt::{gets, send_txn};
 use super::layout::{entry, range_end, LockDirectory};
@@ -62,11 +51,6 @@ use super::strays::Stray;
 use super::watch::{Interest, Sink};
 use super::Inner;
 use crate::backend::LockMode;
-
-/// How long a wait with no hint keeps its place: the engine drops a round's hint and makes the
-/// next one in the same step, so a wait between two rounds has none only for an instant; one
-/// that stays without a hint this long has ended.
-pub(super) const GRACE: Duration = Duration::from_millis(100);
 
 /// The side of a reader-writer lock a caller stands on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -103,17 +87,19 @@ impl Side {
     }
 }
 
-/// The queue places of one clone of the backend, by wait.
+/// The open waits of one clone of the backend and their places, and the deletes of places
+/// that waits left behind.
 #[derive(Default)]
 pub(super) struct Line {
-    waits: Mutex<HashMap<WaitId, Wait>>,
-    sweeping: AtomicBool,
+    waits: Mutex<HashMap<u64, Wait>>,
     next_serial: AtomicU64,
+    /// Per LockingKit key: places of ended waits whose delete is not answered yet.
+    leaving: Mutex<HashMap<String, watch::Sender<usize>>>,
     /// Set once this clone is shut down or dropped.
     pub(super) closed: AtomicBool,
 }
 
-/// One wait of this clone's engine: a key, and the side it waits on.
+/// A key and the side it is waited for on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(super) struct WaitId {
     key: String,
@@ -121,7 +107,7 @@ pub(super) struct WaitId {
 }
 
 impl WaitId {
-    /// The wait for `key` on `side`.
+    /// `key` waited for on `side`.
     pub(super) fn new(key: &str, side: Side) -> Self {
         WaitId {
             key: key.to_owned(),
@@ -140,27 +126,30 @@ impl WaitId {
     }
 }
 
+/// One wait of this clone's engine, by its serial in [`Line`].
 struct Wait {
-    /// Tells this wait from a later one with the same id.
-    serial: u64,
-    /// Live release hints: one per attempt round of the front waiter (more while readers
-    /// attempt side by side).
-    hints: usize,
-    /// When the last hint went.
-    idle_since: Option<Instant>,
-    /// Wakes the wait's hint.
+    id: WaitId,
+    /// Whether the engine still has it; an ended wait stays until the maker or the attempt
+    /// that has its place in hand deletes the place.
+    open: bool,
+    /// Wakes the wait.
     wake: Arc<watch::Sender<()>>,
-    /// An attempt of this wait answered busy, so it wants a place.
+    /// The wait has no place yet and wants one.
     wants: bool,
     slot: Slot,
 }
 
 enum Slot {
     Absent,
-    Making,
+    /// Being written; `discard` is set once nobody wants it any more.
+    Making {
+        discard: Option<Leaving>,
+    },
     Ready(Place),
-    /// An attempt has it.
-    Claimed,
+    /// An attempt has it; `discard` is set once its wait ended.
+    Claimed {
+        discard: Option<Leaving>,
+    },
 }
 
 /// A place in line: the waiter's key, its create revision, its lease.
@@ -170,12 +159,6 @@ pub(super) struct Place {
     pub(super) generation: Arc<LeaseGeneration>,
     /// The watch of the key just ahead, if the place has one: its id and that key.
     ahead: Option<(i64, Vec<u8>)>,
-}
-
-/// Which slot a place being made is for: its wait (and which one of that id).
-struct Making {
-    id: WaitId,
-    serial: u64,
 }
 
 /// A place just written: the key just ahead of it, if any, read at revision `after`.
@@ -188,15 +171,21 @@ struct Written {
 /// A place taken by one attempt, to be given back with [`Inner::settle`].
 pub(super) struct Claimed {
     pub(super) place: Place,
-    wait: WaitId,
+    side: Side,
     serial: u64,
 }
 
 impl Claimed {
     /// The side the place stands on.
     pub(super) fn side(&self) -> Side {
-        self.wait.side
+        self.side
     }
+}
+
+/// A place nobody waits on any more, to delete; attempts for its key wait until it is.
+pub(super) struct Orphan {
+    pub(super) place: Place,
+    pub(super) leaving: Option<Leaving>,
 }
 
 /// What a queued attempt read.
@@ -209,10 +198,52 @@ pub(super) enum Turn {
     PlaceGone,
 }
 
+/// Counts one place being deleted for its key until dropped (see [`Line::settled`]).
+pub(super) struct Leaving {
+    counter: watch::Sender<usize>,
+}
+
+impl Drop for Leaving {
+    fn drop(&mut self) {
+        self.counter
+            .send_modify(|count| *count = count.saturating_sub(1));
+    }
+}
+
 impl Line {
-    fn waits(&self) -> MutexGuard<'_, HashMap<WaitId, Wait>> {
+    fn waits(&self) -> MutexGuard<'_, HashMap<u64, Wait>> {
         // Every critical section leaves the map consistent.
         self.waits.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn leaving_counters(&self) -> MutexGuard<'_, HashMap<String, watch::Sender<usize>>> {
+        self.leaving.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts a place of `key` as being deleted until the returned guard is dropped.
+    fn leaving(&self, key: &str) -> Leaving {
+        let mut counters = self.leaving_counters();
+        counters.retain(|_, counter| *counter.borrow() > 0);
+        let counter = counters
+            .entry(key.to_owned())
+            .or_insert_with(|| watch::channel(0).0)
+            .clone();
+        counter.send_modify(|count| *count = count.saturating_add(1));
+        Leaving { counter }
+    }
+
+    /// Resolves once no place an ended wait left for `key` is still being deleted. Each such
+    /// delete is one request (or is handed to the background deletes when it fails), so this
+    /// is bounded by the request timeout.
+    pub(super) async fn settled(&self, key: &str) {
+        let counter = self
+            .leaving_counters()
+            .get(key)
+            .map(watch::Sender::subscribe);
+        if let Some(mut counter) = counter {
+            // The sender lives in the map or in a guard while the count is above zero.
+            let _ = counter.wait_for(|count| *count == 0).await;
+        }
     }
 
     /// Places standing in this clone's line (ready, being read, or being made).
@@ -221,6 +252,25 @@ impl Line {
             .values()
             .filter(|wait| !matches!(wait.slot, Slot::Absent))
             .count()
+    }
+
+    /// Opens a wait for `id`: its serial, and what wakes it. A wait for a lock wants a place
+    /// from the start, since the engine opens it at a busy answer.
+    pub(super) fn open(&self, id: WaitId) -> (u64, watch::Receiver<()>) {
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let wake = Arc::new(watch::channel(()).0);
+        let receiver = wake.subscribe();
+        self.waits().insert(
+            serial,
+            Wait {
+                id,
+                open: true,
+                wake,
+                wants: true,
+                slot: Slot::Absent,
+            },
+        );
+        (serial, receiver)
     }
 
     /// Empties the line (its clone shuts down): the ready places, their watches removed, to be
@@ -240,100 +290,75 @@ impl Line {
         places
     }
 
-    /// The wait `id` answered busy: it wants a place.
-    pub(super) fn wants_place(&self, id: &WaitId) {
-        if let Some(wait) = self.waits().get_mut(id).filter(|w| w.hints > 0) {
+    /// The wait `serial` answered busy without a place: it wants one.
+    pub(super) fn wants_place(&self, serial: u64) {
+        if let Some(wait) = self.waits().get_mut(&serial).filter(|w| w.open) {
             wait.wants = true;
         }
     }
 }
 
 impl Inner {
-    /// The release hint of `key` in `mode` for this clone's wait (see the module docs). A
-    /// semaphore's never resolves: its waiters poll.
-    pub(super) fn hint(
-        self: &Arc<Self>,
-        line: &Arc<Line>,
-        key: &str,
-        mode: LockMode,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        let hint = Side::of(mode).map(|side| self.wait_hint(line, WaitId::new(key, side)));
-        async move {
-            match hint {
-                Some(hint) => hint.await,
-                None => std::future::pending().await,
+    /// Ends the wait `serial` (its engine dropped it): a ready place is deleted now, by a task
+    /// of its own; a place being made or read is deleted by its maker or reader.
+    pub(super) fn close_wait(self: &Arc<Self>, line: &Arc<Line>, serial: u64) {
+        let mut waits = line.waits();
+        let Some(wait) = waits.get_mut(&serial) else {
+            return;
+        };
+        wait.open = false;
+        wait.wants = false;
+        // The place counts as leaving from the moment the wait ends.
+        let leaving = line.leaving(&wait.id.key);
+        match &mut wait.slot {
+            Slot::Making { discard } | Slot::Claimed { discard } => {
+                *discard = Some(leaving);
+                return;
             }
+            Slot::Absent | Slot::Ready(_) => {}
         }
+        let Some(Wait {
+            slot: Slot::Ready(mut place),
+            ..
+        }) = waits.remove(&serial)
+        else {
+            return;
+        };
+        drop(waits);
+        self.unwatch_place(&mut place);
+        self.places_changed();
+        self.delete_orphan_soon(Orphan {
+            place,
+            leaving: Some(leaving),
+        });
     }
 
-    /// The hint of the wait `id`: counts as one live hint of the wait until dropped, makes the
-    /// places the wait wants when first polled, and resolves when its place is woken.
-    fn wait_hint(
-        self: &Arc<Self>,
-        line: &Arc<Line>,
-        id: WaitId,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        let mut receiver = {
-            let mut waits = line.waits();
-            let wait = waits.entry(id.clone()).or_insert_with(|| Wait {
-                serial: line.next_serial.fetch_add(1, Ordering::Relaxed),
-                hints: 0,
-                idle_since: None,
-                wake: Arc::new(watch::channel(()).0),
-                wants: false,
-                slot: Slot::Absent,
-            });
-            wait.hints = wait.hints.saturating_add(1);
-            wait.idle_since = None;
-            wait.wake.subscribe()
-        };
-        let guard = HintGuard {
-            backend: Arc::downgrade(self),
-            line: line.clone(),
-            id,
-        };
-        let backend = self.clone();
-        async move {
-            backend.make_wanted_places(&guard.line, &guard.id);
-            drop(backend);
-            if receiver.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-            drop(guard);
-        }
-    }
-
-    /// Starts making the place the wait `id` wants, if it has none.
-    fn make_wanted_places(self: &Arc<Self>, line: &Arc<Line>, id: &WaitId) {
+    /// Starts making the place the wait `serial` wants, if it has none.
+    pub(super) fn make_wanted_place(self: &Arc<Self>, line: &Arc<Line>, serial: u64) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let mut waits = line.waits();
-        let Some(wait) = waits.get_mut(id) else {
+        let Some(wait) = waits.get_mut(&serial) else {
             return;
         };
-        if wait.wants && matches!(wait.slot, Slot::Absent) {
-            wait.slot = Slot::Making;
-            let ticket = Making {
-                id: id.clone(),
-                serial: wait.serial,
-            };
-            runtime.spawn(self.clone().make_place(line.clone(), ticket));
+        if wait.open && wait.wants && matches!(wait.slot, Slot::Absent) {
+            wait.slot = Slot::Making { discard: None };
+            let (id, serial) = (wait.id.clone(), serial);
+            runtime.spawn(self.clone().make_place(line.clone(), id, serial));
         }
     }
 
-    /// Writes a place and stands it in line, or deletes it if its wait ended meanwhile.
-    async fn make_place(self: Arc<Self>, line: Arc<Line>, ticket: Making) {
-        let directory = LockDirectory::new(&self.key_prefix, &ticket.id.key);
-        let orphan = match self.write_place(&directory, ticket.id.side).await {
-            Some(written) => self.stand_in_line(&line, &ticket, written),
-            None => {
-                self.unmake(&line, &ticket);
-                None
+    /// Writes a place and stands it in line, or deletes it if nobody wants it any more.
+    async fn make_place(self: Arc<Self>, line: Arc<Line>, id: WaitId, serial: u64) {
+        let directory = LockDirectory::new(&self.key_prefix, &id.key);
+        match self.write_place(&directory, id.side).await {
+            Some(written) => {
+                if let Some(orphan) = self.stand_in_line(&line, serial, written) {
+                    self.delete_orphan(orphan).await;
+                }
             }
-        };
-        if let Some(place) = orphan {
-            self.delete_place(place).await;
+            None => self.unmake(&line, serial),
         }
     }
 
@@ -399,26 +424,46 @@ impl Inner {
         })
     }
 
-    /// Records a written place if its wait goes on, watching the key ahead (or waking the
-    /// waiter if none is); returns it to be deleted if the wait ended meanwhile.
+    /// Records a written place if its wait still wants it, watching the key ahead (or waking
+    /// the wait if none is); returns it to be deleted otherwise.
     fn stand_in_line(
         self: &Arc<Self>,
         line: &Arc<Line>,
-        ticket: &Making,
+        serial: u64,
         written: Written,
-    ) -> Option<Place> {
+    ) -> Option<Orphan> {
         let Written {
             mut place,
             ahead,
             after,
         } = written;
         let mut waits = line.waits();
-        let Some(wait) = waits
-            .get_mut(&ticket.id)
-            .filter(|w| w.serial == ticket.serial && matches!(w.slot, Slot::Making))
-        else {
-            return Some(place);
+        let Some(wait) = waits.get_mut(&serial) else {
+            // The clone shut down.
+            return Some(Orphan {
+                place,
+                leaving: None,
+            });
         };
+        match std::mem::replace(&mut wait.slot, Slot::Absent) {
+            Slot::Making { discard: None } => {}
+            Slot::Making { discard } => {
+                if !wait.open {
+                    waits.remove(&serial);
+                }
+                return Some(Orphan {
+                    place,
+                    leaving: discard,
+                });
+            }
+            other => {
+                wait.slot = other;
+                return Some(Orphan {
+                    place,
+                    leaving: None,
+                });
+            }
+        }
         match ahead {
             Some(ahead) => self.watch_ahead(&mut place, &wait.wake, ahead, after),
             None => {
@@ -432,16 +477,17 @@ impl Inner {
         None
     }
 
-    /// A place could not be made: the slot is free for the next round to try again, and the
-    /// waiter polls meanwhile.
-    fn unmake(&self, line: &Line, ticket: &Making) {
+    /// A place could not be made: the slot is free for the wait to want one again, and it
+    /// polls meanwhile.
+    fn unmake(&self, line: &Line, serial: u64) {
         let mut waits = line.waits();
-        if let Some(wait) = waits
-            .get_mut(&ticket.id)
-            .filter(|w| w.serial == ticket.serial)
-        {
-            if matches!(wait.slot, Slot::Making) {
-                wait.slot = Slot::Absent;
+        let Some(wait) = waits.get_mut(&serial) else {
+            return;
+        };
+        if matches!(wait.slot, Slot::Making { .. }) {
+            wait.slot = Slot::Absent;
+            if !wait.open {
+                waits.remove(&serial);
             }
         }
     }
@@ -468,30 +514,26 @@ impl Inner {
         place.ahead = Some((id, ahead));
     }
 
-    /// Takes the place of the wait `id`, exclusively, if it has a place on `generation` (see
-    /// the module documentation). A wait with no hint left has ended, or is between two
-    /// rounds; in neither case does its engine attempt the key in that mode meanwhile except
-    /// through the attempt asking here (its waiting room lets one party of a lane talk to the
-    /// backend), so that attempt stands where this process queued. Refusing it would answer
-    /// "busy" for a key nobody holds until [`GRACE`] deleted the place.
+    /// Takes the place of the wait `serial`, exclusively, if it has one on `generation`.
     pub(super) fn claim(
         self: &Arc<Self>,
         line: &Line,
-        id: &WaitId,
+        serial: u64,
         generation: &LeaseGeneration,
     ) -> Option<Claimed> {
         let mut waits = line.waits();
-        let wait = waits.get_mut(id)?;
-        let slot = &mut wait.slot;
-        match std::mem::replace(slot, Slot::Claimed) {
+        let wait = waits.get_mut(&serial)?;
+        let side = wait.id.side;
+        match std::mem::replace(&mut wait.slot, Slot::Claimed { discard: None }) {
             Slot::Ready(place) if place.generation.id == generation.id => Some(Claimed {
                 place,
-                wait: id.clone(),
-                serial: wait.serial,
+                side,
+                serial,
             }),
             Slot::Ready(mut place) => {
-                // Its lease is gone, and the place with it.
-                *slot = Slot::Absent;
+                // Its lease is gone, and the place with it: the wait wants a new one.
+                wait.slot = Slot::Absent;
+                wait.wants = wait.open;
                 if let Some((watch, _)) = place.ahead.take() {
                     self.watches.remove(watch);
                 }
@@ -500,80 +542,109 @@ impl Inner {
                 None
             }
             other => {
-                *slot = other;
+                wait.slot = other;
                 None
             }
         }
     }
 
     /// Gives a claimed place back after its attempt read `turn` (`None`: the read failed).
-    /// Returns the place when it is the hold now; a place whose wait ended meanwhile is
-    /// returned to the caller to delete through `orphan`.
+    /// Returns the place when it is the hold now; a place whose wait ended meanwhile is left in
+    /// `orphan`, to delete.
     pub(super) fn settle(
         self: &Arc<Self>,
         line: &Line,
         claimed: Claimed,
         turn: Option<&Turn>,
-        orphan: &mut Option<Place>,
+        orphan: &mut Option<Orphan>,
     ) -> Option<Place> {
         let Claimed {
-            mut place,
-            wait,
-            serial,
+            mut place, serial, ..
         } = claimed;
-        let mut waits = line.waits();
-        let current = waits.get_mut(&wait).filter(|w| w.serial == serial);
         let held = matches!(turn, Some(Turn::Held));
         let gone = matches!(turn, Some(Turn::PlaceGone));
-        if held || gone || current.is_none() {
-            if let Some(wait) = current {
-                wait.slot = Slot::Absent;
-                wait.wants &= gone;
-            }
+        let mut waits = line.waits();
+        let Some(wait) = waits.get_mut(&serial) else {
+            // The clone shut down.
             drop(waits);
-            if let Some((watch, _)) = place.ahead.take() {
-                self.watches.remove(watch);
+            self.unwatch_place(&mut place);
+            if !(held || gone) {
+                *orphan = Some(Orphan {
+                    place,
+                    leaving: None,
+                });
             }
-            self.places_changed();
-            return match (held, gone) {
-                (true, _) => Some(place),
-                (false, true) => None,
-                (false, false) => {
-                    *orphan = Some(place);
-                    None
-                }
-            };
-        }
-        if let Some(wait) = current {
+            return None;
+        };
+        let discard = match std::mem::replace(&mut wait.slot, Slot::Absent) {
+            Slot::Claimed { discard } => discard,
+            other => {
+                // Never: a claimed slot stays claimed until settled.
+                wait.slot = other;
+                None
+            }
+        };
+        let open = wait.open;
+        if open && !(held || gone) {
             if let Some(Turn::Waiting { ahead, after }) = turn {
                 self.watch_ahead(&mut place, &wait.wake, ahead.clone(), *after);
             }
             wait.slot = Slot::Ready(place);
+            return None;
+        }
+        wait.wants = open && gone;
+        if !open {
+            waits.remove(&serial);
+        }
+        drop(waits);
+        self.unwatch_place(&mut place);
+        self.places_changed();
+        if held {
+            // The place is the hold now: whoever has the lease releases it.
+            return Some(place);
+        }
+        if !gone {
+            *orphan = Some(Orphan {
+                place,
+                leaving: discard,
+            });
         }
         None
     }
 
-    /// A newcomer attempt of the wait `id` won: a place it was making or had made is not
-    /// needed any more.
-    pub(super) fn won_without_place(self: &Arc<Self>, line: &Line, id: &WaitId) -> Option<Place> {
+    /// An attempt of the wait `serial` won as a newcomer: a place it was making or had made is
+    /// not needed any more, and is returned (or left to its maker) to delete.
+    pub(super) fn won_without_place(self: &Arc<Self>, line: &Line, serial: u64) -> Option<Orphan> {
         let mut waits = line.waits();
-        let wait = waits.get_mut(id)?;
+        let wait = waits.get_mut(&serial)?;
         wait.wants = false;
+        let wait_key = wait.id.key.clone();
         match std::mem::replace(&mut wait.slot, Slot::Absent) {
             Slot::Ready(mut place) => {
+                let leaving = Some(line.leaving(&wait_key));
                 drop(waits);
-                if let Some((watch, _)) = place.ahead.take() {
-                    self.watches.remove(watch);
-                }
+                self.unwatch_place(&mut place);
                 self.places_changed();
-                Some(place)
+                Some(Orphan { place, leaving })
             }
-            // Its maker finds the slot gone and deletes it.
-            Slot::Making | Slot::Absent => None,
-            Slot::Claimed => {
-                wait.slot = Slot::Claimed;
+            Slot::Making { discard } => {
+                let leaving = discard.unwrap_or_else(|| line.leaving(&wait.id.key));
+                wait.slot = Slot::Making {
+                    discard: Some(leaving),
+                };
                 None
             }
+            other => {
+                wait.slot = other;
+                None
+            }
+        }
+    }
+
+    /// Removes the watch of the key ahead of `place`, if it has one.
+    fn unwatch_place(&self, place: &mut Place) {
+        if let Some((watch, _)) = place.ahead.take() {
+            self.watches.remove(watch);
         }
     }
 
@@ -582,24 +653,30 @@ impl Inner {
         self.delete_or_later(place.into_stray()).await;
     }
 
+    /// Deletes a place nobody waits on; attempts for its key go on once it is done.
+    pub(super) async fn delete_orphan(self: Arc<Self>, orphan: Orphan) {
+        let Orphan { place, leaving } = orphan;
+        self.delete_place(place).await;
+        drop(leaving);
+    }
+
+    /// Deletes a place nobody waits on in a task of its own, so that the attempt that found
+    /// it is answered without waiting for the delete.
+    pub(super) fn delete_orphan_soon(self: &Arc<Self>, orphan: Orphan) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(self.clone().delete_orphan(orphan));
+            }
+            // No runtime left to send it: the shared lease ends with the process.
+            Err(_) => self.delete_later(orphan.place.into_stray()),
+        }
+    }
+
     /// The line's places changed: the lease keeper runs while there are any.
     fn places_changed(self: &Arc<Self>) {
         if self.places() > 0 {
             self.keep_places_alive();
         }
-    }
-
-    /// Removes, [`GRACE`] after their last hint went, the waits that made no new one, and
-    /// deletes their places. One sweeper per clone, while any wait is idle.
-    fn sweep_later(self: &Arc<Self>, line: &Arc<Line>) {
-        if line.sweeping.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            line.sweeping.store(false, Ordering::Release);
-            return;
-        };
-        runtime.spawn(sweep(Arc::downgrade(self), line.clone()));
     }
 }
 
@@ -609,81 +686,6 @@ impl Place {
             key: self.key,
             generation: self.generation,
             created: Some(self.revision),
-        }
-    }
-}
-
-async fn sweep(backend: Weak<Inner>, line: Arc<Line>) {
-    loop {
-        tokio::time::sleep(GRACE).await;
-        let (ended, idle_left) = ended_waits(&line);
-        let Some(backend) = backend.upgrade() else {
-            line.sweeping.store(false, Ordering::Release);
-            return;
-        };
-        for mut place in ended {
-            if let Some((watch, _)) = place.ahead.take() {
-                backend.watches.remove(watch);
-            }
-            backend.delete_place(place).await;
-        }
-        backend.places_changed();
-        if !idle_left {
-            line.sweeping.store(false, Ordering::Release);
-            // A wait that went idle since the check starts a sweeper of its own.
-            if line.waits().values().any(|w| w.hints == 0) {
-                backend.sweep_later(&line);
-            }
-            return;
-        }
-    }
-}
-
-/// Removes the waits idle for [`GRACE`] or more; returns their ready places, and whether any
-/// idle wait is left for a later sweep. A place being made or read is left to its maker or
-/// reader, which find the wait gone.
-fn ended_waits(line: &Line) -> (Vec<Place>, bool) {
-    let now = Instant::now();
-    let mut waits = line.waits();
-    let ended: Vec<WaitId> = waits
-        .iter()
-        .filter(|(_, w)| w.hints == 0 && w.idle_since.is_some_and(|at| now - at >= GRACE))
-        .map(|(id, _)| id.clone())
-        .collect();
-    let mut places = Vec::new();
-    for id in ended {
-        if let Some(Slot::Ready(place)) = waits.remove(&id).map(|wait| wait.slot) {
-            places.push(place);
-        }
-    }
-    let idle_left = waits.values().any(|w| w.hints == 0);
-    (places, idle_left)
-}
-
-/// Held by each hint: when the last one of a wait goes, the wait may have ended.
-struct HintGuard {
-    backend: Weak<Inner>,
-    line: Arc<Line>,
-    id: WaitId,
-}
-
-impl Drop for HintGuard {
-    fn drop(&mut self) {
-        let idle = {
-            let mut waits = self.line.waits();
-            match waits.get_mut(&self.id) {
-                Some(wait) => {
-                    wait.hints = wait.hints.saturating_sub(1);
-                    if wait.hints == 0 {
-                        wait.idle_since = Some(Instant::now());
-                    }
-                    wait.hints == 0
-                }
-                None => false,
-            }
-        };
-        if let (true, Some(backend)) = (idle, self.backend.upgrade()) {
-            backend.sweep_later(&self.line);
         }
     }
 }

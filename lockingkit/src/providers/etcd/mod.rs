@@ -37,6 +37,7 @@ mod line;
 mod members;
 mod options;
 mod strays;
+mod wait;
 mod watch;
 
 use std::fmt;
@@ -207,20 +208,27 @@ impl EtcdBackend {
         &self,
         key: &str,
         mode: LockMode,
+        wait: Option<u64>,
     ) -> Result<Option<Acquired<EtcdLease>>, BackendError> {
         let inner = &self.inner;
+        // A place an ended wait left for the key is deleted first: it would answer "busy".
+        self.line.settled(key).await;
         // A lease the server dropped while nothing renewed it is found by the first write on
         // it; the attempt then runs once more on a new lease.
         for _ in 0..2 {
             let generation = inner.lease.fresh(&inner.members).await?;
             let found = match mode {
                 LockMode::Exclusive => {
-                    let wait = WaitId::new(key, Side::Writer);
-                    inner.attempt_lock(&self.line, &wait, &generation).await?
+                    let id = WaitId::new(key, Side::Writer);
+                    inner
+                        .attempt_lock(&self.line, &id, wait, &generation)
+                        .await?
                 }
                 LockMode::Shared => {
-                    let wait = WaitId::new(key, Side::Reader);
-                    inner.attempt_lock(&self.line, &wait, &generation).await?
+                    let id = WaitId::new(key, Side::Reader);
+                    inner
+                        .attempt_lock(&self.line, &id, wait, &generation)
+                        .await?
                 }
                 LockMode::Semaphore { max_count } => {
                     inner.attempt_slot(key, max_count, &generation).await?
@@ -478,7 +486,7 @@ impl LockBackend for EtcdBackend {
                 "an etcd semaphore has 1 to {MAX_SEMAPHORE_COUNT} holders"
             )));
         }
-        self.attempt(key, mode).await
+        self.attempt(key, mode, None).await
     }
 
     /// One keep-alive of the backend's lease vouches for every hold on it (see `lease`). A
@@ -507,7 +515,7 @@ impl LockBackend for EtcdBackend {
         key: &str,
         mode: LockMode,
     ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
-        crate::providers::hinted::HintedWait::new(self, key, mode)
+        wait::EtcdWait::open(self, key, mode)
     }
 
     /// A hold's key is watched: someone else deleting or overwriting it is loss at once.
@@ -641,11 +649,5 @@ impl Drop for EtcdLease {
         if !self.settled.load(Ordering::Acquire) {
             backend.delete_later(self.stray());
         }
-    }
-}
-
-impl crate::providers::hinted::Hints for EtcdBackend {
-    fn hint(&self, key: &str, mode: LockMode) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.hint(&self.line, key, mode)
     }
 }

@@ -26,9 +26,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use lockingkit::config::Problem;
 use lockingkit::registry::ProviderSection;
-use lockingkit::{Acquired, BackendError, LeaseTiming, LockBackend, LockError, LockMode};
+use lockingkit::{LockError, LockMode};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 

@@ -9,11 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use file_lock::{FileLockBackend, FileLockOptions, PROVIDER};
+use lockingkit::backend::LockBackend;
 use lockingkit::config::format_duration;
 use lockingkit::testing::ContractBackend;
-use lockingkit::{
-    DistributedLock, ErrorKind, LockBackend, LockMode, LockOptions, Locking, LockingConfig,
-};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, LockOptions, Locking, LockingConfig};
 use serde_json::json;
 
 /// Long enough that a busy 2-core machine never delays a renewal past the loss deadline.
@@ -106,7 +105,10 @@ async fn an_abandoned_lease_expires_and_the_next_token_is_higher() {
     assert!(next.fencing_token > abandoned.fencing_token);
     // The old holder finds out at its next renewal.
     let gone = crashed.renew(&abandoned.lease).await.unwrap_err();
-    assert_eq!(gone.kind(), lockingkit::BackendErrorKind::LeaseGone);
+    assert_eq!(
+        gone.kind(),
+        lockingkit::backend::BackendErrorKind::LeaseGone
+    );
 }
 
 /// Fencing tokens live in the lock files, so a restarted process continues above them.

@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use lockingkit::PostgresTransactionLocks;
+use lockingkit::providers::postgres::PostgresTransactionLocks;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 

@@ -4,13 +4,13 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use lockingkit::keys::azure_blob_name;
-use lockingkit::providers::azure::azure_core::http::RequestContent;
-use lockingkit::providers::azure::azure_storage_blob::models::{
+use azure_core::http::RequestContent;
+use azure_storage_blob::models::{
     BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResultHeaders,
     BlobClientBreakLeaseOptions, BlobClientGetPropertiesResultHeaders, BlobClientUploadOptions,
 };
-use lockingkit::providers::azure::azure_storage_blob::BlobClient;
+use azure_storage_blob::BlobClient;
+use lockingkit::keys::azure_blob_name;
 use lockingkit::providers::azure::{
     AzureBlobBackend, AzureBlobOptions, AzureRequestError, FENCING_TOKEN_METADATA,
 };
@@ -49,7 +49,7 @@ fn request_error(error: &LockError) -> Option<&AzureRequestError> {
     std::error::Error::source(error).and_then(|s| s.downcast_ref::<AzureRequestError>())
 }
 
-fn status_of(error: &lockingkit::providers::azure::azure_core::Error) -> Option<u16> {
+fn status_of(error: &azure_core::Error) -> Option<u16> {
     error.http_status().map(u16::from)
 }
 
@@ -322,12 +322,10 @@ async fn a_remembered_token_is_never_reused_after_another_process_wrote() {
     guard
         .set_metadata(
             &metadata,
-            Some(
-                lockingkit::providers::azure::azure_storage_blob::models::BlobClientSetMetadataOptions {
-                    lease_id: Some(lease.clone()),
-                    ..Default::default()
-                },
-            ),
+            Some(azure_storage_blob::models::BlobClientSetMetadataOptions {
+                lease_id: Some(lease.clone()),
+                ..Default::default()
+            }),
         )
         .await
         .expect("plain metadata write");
@@ -664,9 +662,10 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
 /// it: every holder is one lease on one slot blob.
 mod semaphore {
     use super::*;
-    use lockingkit::providers::azure::azure_storage_blob::models::LeaseState;
+    use azure_storage_blob::models::LeaseState;
+    use lockingkit::backend::LockBackend;
     use lockingkit::providers::azure::{AzureBlobLease, MAX_SEMAPHORE_SLOTS};
-    use lockingkit::{LockBackend, LockMode};
+    use lockingkit::LockMode;
     use lockingkit_tests::proxy::FaultProxy;
 
     const THREE: LockMode = LockMode::Semaphore { max_count: 3 };
@@ -912,7 +911,7 @@ mod semaphore {
         let error = holder.renew(&lease).await.unwrap_err();
         assert_eq!(
             error.kind(),
-            lockingkit::BackendErrorKind::LeaseGone,
+            lockingkit::backend::BackendErrorKind::LeaseGone,
             "{error}"
         );
         let next = try_slot(&other, &key, one)
@@ -941,7 +940,10 @@ mod semaphore {
             .try_acquire(&key, LockMode::Shared)
             .await
             .unwrap_err();
-        assert_eq!(shared.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        assert_eq!(
+            shared.kind(),
+            lockingkit::backend::BackendErrorKind::Misconfigured
+        );
         assert!(shared.message().contains("reader-writer"), "{shared}");
         let too_many = backend
             .try_acquire(
@@ -952,12 +954,18 @@ mod semaphore {
             )
             .await
             .unwrap_err();
-        assert_eq!(too_many.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        assert_eq!(
+            too_many.kind(),
+            lockingkit::backend::BackendErrorKind::Misconfigured
+        );
         let none = backend
             .try_acquire(&key, LockMode::Semaphore { max_count: 0 })
             .await
             .unwrap_err();
-        assert_eq!(none.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        assert_eq!(
+            none.kind(),
+            lockingkit::backend::BackendErrorKind::Misconfigured
+        );
         // Nothing was sent: no guard and no slot blob exists.
         assert!(!plain_guard(&azurite, &key).exists().await.expect("exists"));
         assert!(leased_slots(&azurite, &key, 1).await.is_empty());

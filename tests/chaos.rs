@@ -25,13 +25,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use azure_storage_blob::models::BlobClientBreakLeaseOptions;
+use lockingkit::backend::{BackendErrorKind, LockBackend};
 use lockingkit::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
-use lockingkit::providers::azure::azure_storage_blob::models::BlobClientBreakLeaseOptions;
 use lockingkit::providers::azure::AzureBlobLease;
 use lockingkit::testing::{quick_polling, unique_prefix, IntervalChecker};
 use lockingkit::{
-    AzureBlobBackend, AzureBlobOptions, BackendErrorKind, DistributedLock, ErrorKind, LockBackend,
-    LockError, LockHandle, LockMode, LossReason, PostgresBackend, PostgresOptions,
+    AzureBlobBackend, AzureBlobOptions, DistributedLock, ErrorKind, LockError, LockHandle,
+    LockMode, LossReason, PostgresBackend, PostgresOptions,
 };
 use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
 use lockingkit_tests::chaos::{
@@ -966,9 +967,7 @@ async fn fenced_write(lease: &AzureBlobLease) -> Result<(), u16> {
     lease
         .blob_client()
         .upload(
-            lockingkit::providers::azure::azure_core::http::RequestContent::from(
-                b"written under a slot".to_vec(),
-            ),
+            azure_core::http::RequestContent::from(b"written under a slot".to_vec()),
             Some(lease.upload_options()),
         )
         .await

@@ -9,11 +9,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use config::{Config, Environment, File};
+use lockingkit::backend::{LeaseTiming, LockBackend};
+use lockingkit::providers::memory::MemoryOptions;
 use lockingkit::registry::ProviderSection;
-use lockingkit::MemoryOptions;
 use lockingkit::{
-    AzureBlobOptions, ErrorKind, LeaseTiming, LockBackend, LockError, LockOptions, Locking,
-    LockingConfig, MemoryBackend, MemoryStore, PostgresOptions,
+    AzureBlobOptions, ErrorKind, LockError, LockOptions, Locking, LockingConfig, MemoryBackend,
+    MemoryStore, PostgresOptions,
 };
 
 const PG_PASSWORD: &str = "pg-hunter2-from-file";

@@ -6,11 +6,9 @@
 
 use std::time::Duration;
 
+use lockingkit::providers::postgres::PostgresTransactionLocks;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
-use lockingkit::{
-    DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, PostgresBackend,
-    PostgresTransactionLocks,
-};
+use lockingkit::{DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, PostgresBackend};
 use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
 use lockingkit_tests::postgres::PostgresServer;
 use tokio::time::Instant;
@@ -521,6 +519,10 @@ mod contract {
 
         fn lease_period(&self) -> Duration {
             CONTRACT_CHECK
+        }
+
+        fn leases_held_by_connection(&self) -> bool {
+            true
         }
     }
 

@@ -77,6 +77,10 @@ mod contract {
         fn lease_period(&self) -> Duration {
             CHECK
         }
+
+        fn leases_held_by_connection(&self) -> bool {
+            true
+        }
     }
 
     lockingkit::contract_tests!(async {
@@ -1503,8 +1507,9 @@ async fn one_check_per_session_per_interval_vouches_for_every_lock_on_it() {
 
 mod modes {
     use super::*;
+    use lockingkit::backend::{Acquired, LockBackend};
     use lockingkit::providers::postgres::PostgresLease;
-    use lockingkit::{Acquired, LockBackend, LockMode};
+    use lockingkit::LockMode;
 
     const SHARED: LockMode = LockMode::Shared;
     const EXCLUSIVE: LockMode = LockMode::Exclusive;
@@ -1877,13 +1882,16 @@ mod modes {
         let server = PostgresServer::start().await;
         let backend = backend_with(&server, 1);
         assert!(!backend.supports(semaphore(0)));
-        assert!(backend.supports(semaphore(lockingkit::MAX_SEMAPHORE_COUNT)));
-        assert!(!backend.supports(semaphore(lockingkit::MAX_SEMAPHORE_COUNT + 1)));
+        assert!(backend.supports(semaphore(lockingkit::backend::MAX_SEMAPHORE_COUNT)));
+        assert!(!backend.supports(semaphore(lockingkit::backend::MAX_SEMAPHORE_COUNT + 1)));
         let refused = backend
             .try_acquire("modes/too-big", semaphore(u32::MAX))
             .await
             .unwrap_err();
-        assert_eq!(refused.kind(), lockingkit::BackendErrorKind::Misconfigured);
+        assert_eq!(
+            refused.kind(),
+            lockingkit::backend::BackendErrorKind::Misconfigured
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,11 +7,11 @@
 use std::time::Duration;
 
 use lockingkit::keys::PostgresLockKeys;
-use lockingkit::testing::{quick_polling, unique_prefix};
-use lockingkit::{
-    DistributedLock, ErrorKind, LockError, PostgresBackend, PostgresTransactionLock,
-    PostgresTransactionLocks, PostgresTransactionOptions,
+use lockingkit::providers::postgres::{
+    PostgresTransactionLock, PostgresTransactionLocks, PostgresTransactionOptions,
 };
+use lockingkit::testing::{quick_polling, unique_prefix};
+use lockingkit::{DistributedLock, ErrorKind, LockError, PostgresBackend};
 use lockingkit_tests::bench_postgres::raw_pool;
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::FaultProxy;

@@ -7,12 +7,13 @@
 
 use std::time::Duration;
 
+use lockingkit::backend::{BackendErrorKind, LockBackend};
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::providers::redis::RedisLease;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{
-    BackendErrorKind, DistributedLock, ErrorKind, LockBackend, LockError, LockHandle, LockMode,
-    LockOptions, RedisBackend, RedisOptions,
+    DistributedLock, ErrorKind, LockError, LockHandle, LockMode, LockOptions, RedisBackend,
+    RedisOptions,
 };
 use lockingkit_tests::field_log::FieldLog;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
@@ -1637,7 +1638,10 @@ async fn the_backend_answers_through_the_trait_without_the_engine() {
         .renew(&first.lease)
         .await
         .expect_err("renew after release");
-    assert_eq!(gone.kind(), lockingkit::BackendErrorKind::LeaseGone);
+    assert_eq!(
+        gone.kind(),
+        lockingkit::backend::BackendErrorKind::LeaseGone
+    );
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -376,12 +376,12 @@ async fn a_server_frozen_past_the_lease_frees_the_key_and_late_renewals_never_br
         .locks
         .backend::<RedisBackend>()
         .expect("a Redis backend");
-    let late = lockingkit::LockBackend::renew(backend, lease)
+    let late = lockingkit::backend::LockBackend::renew(backend, lease)
         .await
         .expect_err("the lost lease is gone");
     assert_eq!(
         late.kind(),
-        lockingkit::BackendErrorKind::LeaseGone,
+        lockingkit::backend::BackendErrorKind::LeaseGone,
         "{late}"
     );
     let mut kept = Watched::new(other.id, handle, start);

@@ -238,30 +238,30 @@ struct Unverifiable {
     checks: Arc<AtomicUsize>,
 }
 
-impl lockingkit::LockBackend for Unverifiable {
+impl lockingkit::backend::LockBackend for Unverifiable {
     type Lease = ();
     fn provider(&self) -> &str {
         "unverifiable"
     }
-    fn timing(&self) -> lockingkit::LeaseTiming {
-        lockingkit::LeaseTiming::Expiring(Duration::from_secs(30))
+    fn timing(&self) -> lockingkit::backend::LeaseTiming {
+        lockingkit::backend::LeaseTiming::Expiring(Duration::from_secs(30))
     }
     async fn try_acquire(
         &self,
         _key: &str,
         _mode: LockMode,
-    ) -> Result<Option<lockingkit::Acquired<()>>, lockingkit::BackendError> {
+    ) -> Result<Option<lockingkit::backend::Acquired<()>>, lockingkit::backend::BackendError> {
         Ok(None)
     }
-    async fn renew(&self, _lease: &()) -> Result<(), lockingkit::BackendError> {
+    async fn renew(&self, _lease: &()) -> Result<(), lockingkit::backend::BackendError> {
         Ok(())
     }
-    async fn release(&self, _lease: &()) -> Result<(), lockingkit::BackendError> {
+    async fn release(&self, _lease: &()) -> Result<(), lockingkit::backend::BackendError> {
         Ok(())
     }
-    async fn verify(&self) -> Result<(), lockingkit::BackendError> {
+    async fn verify(&self) -> Result<(), lockingkit::backend::BackendError> {
         self.checks.fetch_add(1, Ordering::SeqCst);
-        Err(lockingkit::BackendError::misconfigured(
+        Err(lockingkit::backend::BackendError::misconfigured(
             "the container does not exist",
         ))
     }

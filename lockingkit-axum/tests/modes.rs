@@ -10,10 +10,8 @@ use std::time::Duration;
 use axum::routing::{get, post};
 use axum::Router;
 use http::StatusCode;
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode,
-    MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 use lockingkit_axum::{lock_route, lock_route_waiting, HeldLock};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 

@@ -13,10 +13,8 @@ use http::request::Parts;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode,
-    MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 use lockingkit_tower::{LockLayer, RequestLock};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tower::{service_fn, ServiceBuilder};
@@ -339,7 +337,7 @@ async fn a_provider_without_shared_locks_or_semaphores_refuses_the_layer_when_it
 
     // Out-of-range counts are refused even where semaphores exist.
     let memory = LockLayer::new(DistributedLock::in_memory(), path_key);
-    for count in [0, lockingkit::MAX_SEMAPHORE_COUNT + 1] {
+    for count in [0, lockingkit::backend::MAX_SEMAPHORE_COUNT + 1] {
         let error = memory.clone().semaphore(count).expect_err("out of range");
         assert_eq!(error.kind(), ErrorKind::Misconfigured);
     }

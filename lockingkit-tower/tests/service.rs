@@ -15,10 +15,8 @@ use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use http_body_util::Full;
-use lockingkit::{
-    BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode, MemoryBackend,
-    MemoryStore,
-};
+use lockingkit::backend::{BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 use lockingkit_tower::{LockKey, LockLayer, RequestLock};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
@@ -68,8 +66,8 @@ impl LockBackend for GatedRelease {
         &self,
         key: &str,
         mode: LockMode,
-    ) -> impl Future<Output = Result<Option<lockingkit::Acquired<Self::Lease>>, BackendError>> + Send
-    {
+    ) -> impl Future<Output = Result<Option<lockingkit::backend::Acquired<Self::Lease>>, BackendError>>
+           + Send {
         self.inner.try_acquire(key, mode)
     }
 

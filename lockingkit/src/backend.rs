@@ -11,6 +11,8 @@ use tokio::time::Instant;
 
 use crate::error::{ErrorKind, LockError, SharedSource};
 
+pub use crate::semaphore::MAX_SEMAPHORE_COUNT;
+
 /// How a backend keeps a lease alive, which decides how the engine detects loss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseTiming {

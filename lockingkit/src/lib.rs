@@ -58,7 +58,7 @@ pub mod testing;
 #[cfg(any(feature = "postgres", feature = "redis"))]
 mod tls;
 
-pub use backend::{Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode};
+pub use backend::LockMode;
 pub use engine::LockOptions;
 pub use error::{ErrorKind, LockError};
 pub use handle::{LockHandle, LockView};
@@ -69,17 +69,14 @@ pub use multi::{MultiLockHandle, MultiLockView};
 pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 #[cfg(feature = "etcd")]
 pub use providers::etcd::{EtcdBackend, EtcdOptions};
-pub use providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
+pub use providers::memory::{MemoryBackend, MemoryStore};
 #[cfg(feature = "postgres")]
-pub use providers::postgres::{
-    LockableTransaction, PostgresBackend, PostgresOptions, PostgresTransactionLock,
-    PostgresTransactionLocks, PostgresTransactionOptions,
-};
+pub use providers::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "redis")]
 pub use providers::redis::{RedisBackend, RedisOptions};
 pub use reader_writer::ReaderWriterLock;
 pub use registry::{Locking, LockingConfig};
-pub use semaphore::{DistributedSemaphore, MAX_SEMAPHORE_COUNT};
+pub use semaphore::DistributedSemaphore;
 pub use telemetry::LossReason;
 pub use tokio_util::sync::CancellationToken;
 

@@ -131,7 +131,7 @@ impl DistributedLock {
     ///
     /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured) before any
     /// request if the provider cannot hold locks in `mode` (see [`supports`](Self::supports)),
-    /// and for a semaphore of 0 or more than [`MAX_SEMAPHORE_COUNT`](crate::MAX_SEMAPHORE_COUNT)
+    /// and for a semaphore of 0 or more than [`MAX_SEMAPHORE_COUNT`](crate::backend::MAX_SEMAPHORE_COUNT)
     /// holders.
     pub async fn try_acquire_in(&self, key: &str, mode: LockMode) -> Result<LockHandle, LockError> {
         self.ensure_supports(mode)?;
@@ -162,12 +162,12 @@ impl DistributedLock {
     /// refusing a configuration at startup rather than on every request).
     pub fn ensure_supports(&self, mode: LockMode) -> Result<(), LockError> {
         if let LockMode::Semaphore { max_count } = mode {
-            if !(1..=crate::MAX_SEMAPHORE_COUNT).contains(&max_count) {
+            if !(1..=crate::backend::MAX_SEMAPHORE_COUNT).contains(&max_count) {
                 return Err(LockError::new(
                     crate::ErrorKind::Misconfigured,
                     format!(
                         "a semaphore admits between 1 and {} holders, not {max_count}",
-                        crate::MAX_SEMAPHORE_COUNT
+                        crate::backend::MAX_SEMAPHORE_COUNT
                     ),
                 ));
             }
@@ -208,7 +208,7 @@ impl DistributedLock {
     ///
     /// Fails with [`ErrorKind::InvalidKey`](crate::ErrorKind::InvalidKey) for a key outside
     /// 1–512 characters, and with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured)
-    /// if `max_count` is 0 or above [`MAX_SEMAPHORE_COUNT`](crate::MAX_SEMAPHORE_COUNT), or the
+    /// if `max_count` is 0 or above [`MAX_SEMAPHORE_COUNT`](crate::backend::MAX_SEMAPHORE_COUNT), or the
     /// provider cannot hold semaphores of that size. Nothing is sent to the backend.
     pub fn semaphore(&self, key: &str, max_count: u32) -> Result<DistributedSemaphore, LockError> {
         validate_key(key)?;

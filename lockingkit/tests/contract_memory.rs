@@ -5,11 +5,9 @@
 
 use std::time::Duration;
 
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use lockingkit::testing::ContractBackend;
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, LeaseTiming, LockBackend, LockMode, LockOptions,
-    MemoryBackend, MemoryStore,
-};
+use lockingkit::{DistributedLock, LockMode, LockOptions, MemoryBackend, MemoryStore};
 
 /// Short leases so the renewal case covers three lease periods in a few seconds.
 const LEASE: Duration = Duration::from_millis(600);

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use lockingkit::backend::{PollingWait, Wait, Woken};
 use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
-    Acquired, BackendError, CancellationToken, DistributedLock, ErrorKind, LeaseTiming,
-    LockBackend, LockMode, LossReason, MemoryBackend, MemoryStore,
+    CancellationToken, DistributedLock, ErrorKind, LockMode, LossReason, MemoryBackend, MemoryStore,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -1875,7 +1875,7 @@ async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphore
     );
     assert_eq!(
         locks
-            .semaphore("k", lockingkit::MAX_SEMAPHORE_COUNT + 1)
+            .semaphore("k", lockingkit::backend::MAX_SEMAPHORE_COUNT + 1)
             .unwrap_err()
             .kind(),
         ErrorKind::Misconfigured
@@ -1885,7 +1885,7 @@ async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphore
         ErrorKind::InvalidKey
     );
     assert!(locks
-        .semaphore("k", lockingkit::MAX_SEMAPHORE_COUNT)
+        .semaphore("k", lockingkit::backend::MAX_SEMAPHORE_COUNT)
         .is_ok());
 }
 

@@ -6,10 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaderState, LeaseTiming, LockBackend,
-    LockMode, MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, ErrorKind, LeaderState, LockMode, MemoryBackend, MemoryStore};
 use tokio::sync::watch;
 
 const KEY: &str = "jobs/outbox-relay";

@@ -6,10 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode,
-    MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 
 const LEASE: Duration = Duration::from_secs(30);
 

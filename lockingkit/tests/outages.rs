@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockError,
-    LockHandle, LockMode, MemoryBackend, MemoryStore,
+    DistributedLock, ErrorKind, LockError, LockHandle, LockMode, MemoryBackend, MemoryStore,
 };
 use tokio::time::Instant;
 

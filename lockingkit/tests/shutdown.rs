@@ -7,10 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode,
-    MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 use tokio::time::Instant;
 
 /// An in-memory backend that counts releases and can make them hang, and notes its own

@@ -16,11 +16,11 @@ use std::sync::{Arc, Weak};
 use std::task::Poll;
 use std::time::Duration;
 
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use lockingkit::providers::memory::MemoryLease;
 use lockingkit::providers::memory::RenewalFault;
 use lockingkit::{
-    Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockHandle,
-    LockMode, LossReason, MemoryBackend, MemoryStore,
+    DistributedLock, ErrorKind, LockHandle, LockMode, LossReason, MemoryBackend, MemoryStore,
 };
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};

@@ -12,11 +12,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use azure_core::http::{ClientOptions, Transport, Url};
+use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 use lockingkit::config::SecretString;
-use lockingkit::providers::azure::azure_core::http::{ClientOptions, Transport, Url};
-use lockingkit::providers::azure::azure_storage_blob::{
-    BlobContainerClient, BlobContainerClientOptions,
-};
 use lockingkit::providers::azure::SharedKeyPolicy;
 
 /// The environment variable naming an external Azurite or storage account.

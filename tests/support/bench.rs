@@ -7,9 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lockingkit::{
-    Acquired, BackendError, DistributedLock, LeaseTiming, LockBackend, MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
+use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
 
 /// How a harness-less benchmark binary was invoked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

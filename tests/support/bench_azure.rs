@@ -11,14 +11,14 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use lockingkit::keys::azure_blob_name;
-use lockingkit::providers::azure::azure_core::http::RequestContent;
-use lockingkit::providers::azure::azure_core::Uuid;
-use lockingkit::providers::azure::azure_storage_blob::models::{
+use azure_core::http::RequestContent;
+use azure_core::Uuid;
+use azure_storage_blob::models::{
     BlobClientAcquireLeaseOptions, BlobClientGetPropertiesOptions,
     BlobClientGetPropertiesResultHeaders, BlobClientSetMetadataOptions,
 };
-use lockingkit::providers::azure::azure_storage_blob::BlobClient;
+use azure_storage_blob::BlobClient;
+use lockingkit::keys::azure_blob_name;
 use lockingkit::providers::azure::{AzureBlobBackend, AzureBlobOptions, FENCING_TOKEN_METADATA};
 use lockingkit::DistributedLock;
 
@@ -87,9 +87,10 @@ impl RawPair {
             .acquire_lease(30, Some(acquire))
             .await
             .expect("raw acquire");
-        let lease_id = lockingkit::providers::azure::azure_storage_blob::models::BlobClientAcquireLeaseResultHeaders::lease_id(&answer)
-            .expect("lease id header")
-            .expect("lease id");
+        let lease_id =
+            azure_storage_blob::models::BlobClientAcquireLeaseResultHeaders::lease_id(&answer)
+                .expect("lease id header")
+                .expect("lease id");
         if read_metadata {
             let properties = self
                 .blob

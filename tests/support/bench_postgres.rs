@@ -25,9 +25,10 @@
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use lockingkit::backend::LockBackend;
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::providers::postgres::{DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
-use lockingkit::{DistributedLock, LockBackend, LockMode, PostgresBackend};
+use lockingkit::{DistributedLock, LockMode, PostgresBackend};
 
 use crate::postgres::PostgresServer;
 

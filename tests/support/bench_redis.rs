@@ -15,9 +15,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lockingkit::backend::LockBackend;
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::providers::redis::lua;
-use lockingkit::{DistributedLock, LockBackend, LockMode, RedisBackend, RedisOptions};
+use lockingkit::{DistributedLock, LockMode, RedisBackend, RedisOptions};
 use redis::aio::MultiplexedConnection;
 use tokio::sync::Mutex;
 

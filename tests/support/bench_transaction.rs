@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, Pool};
 use lockingkit::keys::PostgresLockKeys;
-use lockingkit::{LockableTransaction, PostgresTransactionLocks, PostgresTransactionOptions};
+use lockingkit::providers::postgres::{
+    LockableTransaction, PostgresTransactionLocks, PostgresTransactionOptions,
+};
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 

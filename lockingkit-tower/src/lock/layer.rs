@@ -227,7 +227,7 @@ impl<M> LockLayer<M> {
     ///
     /// # Errors
     /// [`ErrorKind::Misconfigured`](lockingkit::ErrorKind::Misconfigured) if `max_count` is 0
-    /// or above [`MAX_SEMAPHORE_COUNT`](lockingkit::MAX_SEMAPHORE_COUNT), or if the provider
+    /// or above [`MAX_SEMAPHORE_COUNT`](lockingkit::backend::MAX_SEMAPHORE_COUNT), or if the provider
     /// cannot hold a semaphore of that size — when the layer is built, not on every request.
     ///
     /// ```

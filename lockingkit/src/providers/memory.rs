@@ -21,18 +21,26 @@ use crate::config::Problem;
 /// The default in-memory lease, as for Azure.
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-/// What renewals do, for tests of loss handling.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RenewalFault {
-    /// Renewals work.
-    #[default]
-    None,
-    /// Renewals fail with a transient error (the lease runs out at its deadline).
-    Fail,
-    /// Renewals never answer (the deadline timer must declare loss).
-    Hang,
+mod fault {
+    /// What renewals do, for tests of loss handling (with the `testing` feature).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    #[non_exhaustive]
+    #[cfg_attr(not(feature = "testing"), allow(unreachable_pub))]
+    pub enum RenewalFault {
+        /// Renewals work.
+        #[default]
+        None,
+        /// Renewals fail with a transient error (the lease runs out at its deadline).
+        Fail,
+        /// Renewals never answer (the deadline timer must declare loss).
+        Hang,
+    }
 }
+
+#[cfg(feature = "testing")]
+pub use fault::RenewalFault;
+#[cfg(not(feature = "testing"))]
+use fault::RenewalFault;
 
 /// A shared in-memory lock store. Cloning shares it.
 #[derive(Clone, Default)]
@@ -178,7 +186,8 @@ impl MemoryStore {
             .is_some()
     }
 
-    /// Makes renewals work, fail or hang from now on.
+    /// Makes renewals work, fail or hang from now on (with the `testing` feature).
+    #[cfg(feature = "testing")]
     pub fn set_renewal_fault(&self, fault: RenewalFault) {
         let value = match fault {
             RenewalFault::None => 0,

@@ -1,4 +1,4 @@
-//! Backends behind the [`LockBackend`](crate::LockBackend) trait.
+//! Backends behind the [`LockBackend`](crate::backend::LockBackend) trait.
 
 pub mod memory;
 

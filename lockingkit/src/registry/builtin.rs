@@ -117,7 +117,8 @@ fn postgres(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResu
     if options.is_none() {
         // Its locks are connection-held whatever the options say: the engine's renewal rules
         // for such a backend apply even when its options are bad, so they join this error.
-        let timing = crate::LeaseTiming::ConnectionHeld(PostgresOptions::default().check_interval);
+        let timing =
+            crate::backend::LeaseTiming::ConnectionHeld(PostgresOptions::default().check_interval);
         let rules = crate::engine::problems_with(&setup.options, timing, "postgres");
         problems.extend(rules.into_iter().map(|problem| problem.at(section.path())));
     }

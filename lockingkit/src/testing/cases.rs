@@ -59,11 +59,17 @@ async fn until_queued(lock: &DistributedLock, key: &str, count: usize) {
 }
 
 /// How long a process may take to give a key up at the backend once its holder is gone
-/// (released, dropped, or an attempt whose caller went away): a quarter of a lease period.
-/// A leaked lease frees the key only when it expires — or never, on a connection-held backend,
-/// whose lease period is only the check interval — so it cannot pass for a release in this time.
+/// (released, dropped, or an attempt whose caller went away): a quarter of a lease period on an
+/// expiring backend, where a leaked lease frees the key when it expires, so it cannot pass for a
+/// release in this time. A connection-held backend never frees a leaked lease, and its lease
+/// period is only the check interval: there the bound only catches a hang (5 s), and the tries
+/// that follow catch a leak.
 pub(super) fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
-    backend.lease_period() / 4
+    if backend.leases_held_by_connection() {
+        Duration::from_secs(5)
+    } else {
+        backend.lease_period() / 4
+    }
 }
 
 /// Waits, yielding, until `lock` holds, attempts and queues for nothing, failing the case after

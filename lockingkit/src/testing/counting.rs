@@ -3,8 +3,9 @@
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use crate::backend::{Wait, Woken};
-use crate::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::LockMode;
 
 /// Wraps a [`LockBackend`] and counts, for every lease it grants, the releases sent for it.
 ///

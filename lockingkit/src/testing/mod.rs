@@ -94,8 +94,17 @@ pub trait ContractBackend: Send + Sync {
 
     /// One lease period: the lease duration of an expiring backend, or the check interval of a
     /// connection-held one. The renewal case holds a lock for more than three of these, and a
-    /// process whose holder is gone must have given the key back within a quarter of one.
+    /// process whose holder is gone must have given the key back within a quarter of one on an
+    /// expiring backend (a leaked lease would free the key only when it expires).
     fn lease_period(&self) -> Duration;
+
+    /// Whether the backend's leases live as long as a connection
+    /// ([`LeaseTiming::ConnectionHeld`](crate::backend::LeaseTiming::ConnectionHeld)): a lease
+    /// such a backend leaked is never freed, so a process is given 5 s, not a quarter of a
+    /// check interval, to give a key back, which only a hang exceeds. `false` unless overridden.
+    fn leases_held_by_connection(&self) -> bool {
+        false
+    }
 }
 
 /// Options that poll quickly, so contention cases finish in seconds.

@@ -7,7 +7,8 @@ use tokio::time::Instant;
 
 use super::cases::{required, until_idle};
 use super::{abandon_after_polls, quick_polling, unique_prefix, CountingBackend};
-use crate::{DistributedLock, LockBackend, LockHandle};
+use crate::backend::LockBackend;
+use crate::{DistributedLock, LockHandle};
 
 fn process<B: LockBackend>(backend: B) -> DistributedLock {
     required(

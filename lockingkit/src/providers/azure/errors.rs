@@ -189,7 +189,7 @@ pub(crate) fn unexpected(operation: &'static str, detail: &'static str) -> Backe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::BackendErrorKind;
+    use crate::backend::BackendErrorKind;
     use azure_core::http::StatusCode;
 
     fn http(status: StatusCode, code: Option<&str>) -> azure_core::Error {

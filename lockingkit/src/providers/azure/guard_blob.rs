@@ -432,14 +432,14 @@ fn in_context(path: &GuardPath) -> ClientMethodOptions<'static> {
 fn error_reached(error: &BackendError) -> bool {
     !matches!(
         error.kind(),
-        crate::BackendErrorKind::Transient { reached: false }
+        crate::backend::BackendErrorKind::Transient { reached: false }
     )
 }
 
 /// A lease lost between being granted and getting its token is not a lost lock (the caller
 /// never held it): report it as a failed attempt that may be retried.
 fn during_acquire(error: BackendError) -> BackendError {
-    if error.kind() == crate::BackendErrorKind::LeaseGone {
+    if error.kind() == crate::backend::BackendErrorKind::LeaseGone {
         BackendError::transient(format!(
             "the lease was lost while the fencing token was written ({error})"
         ))

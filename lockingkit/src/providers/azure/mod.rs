@@ -48,9 +48,6 @@ mod guard_blob;
 mod options;
 mod semaphore;
 
-/// The SDK crates this provider is built on, re-exported so callers use the same versions.
-pub use azure_core;
-pub use azure_storage_blob;
 pub use client::SharedKeyPolicy;
 pub use errors::AzureRequestError;
 pub use guard_blob::FENCING_TOKEN_METADATA;
@@ -315,7 +312,7 @@ impl LockBackend for AzureBlobBackend {
 /// overwrite the guard blob however late its write arrives.
 ///
 /// ```no_run
-/// # use lockingkit::providers::azure::azure_core::Bytes;
+/// # use azure_core::Bytes;
 /// # async fn demo(handle: lockingkit::LockHandle) -> Result<(), Box<dyn std::error::Error>> {
 /// let lease = handle.azure_blob_lease().expect("an Azure lock");
 /// lease

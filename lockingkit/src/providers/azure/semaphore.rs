@@ -19,7 +19,7 @@ use crate::backend::BackendError;
 use crate::keys::azure_semaphore_slot_blob_name;
 
 /// The largest `max_count` a semaphore may have on Azure, below the engine's own limit
-/// ([`MAX_SEMAPHORE_COUNT`](crate::MAX_SEMAPHORE_COUNT)) because every slot is a blob an attempt
+/// ([`MAX_SEMAPHORE_COUNT`](crate::backend::MAX_SEMAPHORE_COUNT)) because every slot is a blob an attempt
 /// may have to try.
 ///
 /// An attempt when every slot is taken costs one request per slot, sent one after another (a

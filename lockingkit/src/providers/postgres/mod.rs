@@ -87,11 +87,11 @@ pub use transaction::{
     PostgresTransactionOptions,
 };
 
+use crate::backend::MAX_SEMAPHORE_COUNT;
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::Problem;
 use crate::error::LockError;
 use crate::keys::PostgresLockKeys;
-use crate::MAX_SEMAPHORE_COUNT;
 use errors::Stage;
 use lock_sessions::LockSessions;
 use session::{Advisory, Attempt, Bounded, Prepared, Session, SessionSettings};

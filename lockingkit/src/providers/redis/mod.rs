@@ -54,6 +54,7 @@ use std::time::Duration;
 
 pub use options::{RedisOptions, MAX_KEY_PREFIX_LEN, MAX_LEASE_DURATION, MIN_LEASE_DURATION};
 
+use crate::backend::MAX_SEMAPHORE_COUNT;
 use crate::backend::{
     Acquired, BackendError, BackendErrorKind, LeaseTiming, LockBackend, LockMode,
 };
@@ -61,7 +62,6 @@ use crate::config::Problem;
 use crate::error::LockError;
 use crate::health::{Health, OUTAGE_FIRST, OUTAGE_MOST};
 use crate::keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
-use crate::MAX_SEMAPHORE_COUNT;
 use connection::{Connection, Target};
 use errors::Stage;
 use eval::{Answer, Replication, Script, Scripts};

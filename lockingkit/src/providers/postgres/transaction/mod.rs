@@ -42,7 +42,7 @@ use statement::Answer;
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use lockingkit::PostgresTransactionLocks;
+/// use lockingkit::providers::postgres::PostgresTransactionLocks;
 ///
 /// # #[cfg(feature = "deadpool")]
 /// # async fn ship(pool: &deadpool_postgres::Pool, locks: &PostgresTransactionLocks)

@@ -20,7 +20,8 @@ use crate::engine::LockOptions;
 /// timeout) from a [`PostgresOptions`].
 ///
 /// ```
-/// use lockingkit::{PostgresOptions, PostgresTransactionOptions};
+/// use lockingkit::{PostgresOptions};
+/// use lockingkit::providers::postgres::{PostgresTransactionOptions};
 ///
 /// let session = PostgresOptions {
 ///     fencing_schema: "locks".into(),

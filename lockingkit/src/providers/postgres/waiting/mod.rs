@@ -526,8 +526,9 @@ mod tests {
     use std::time::Duration;
 
     use super::super::{PostgresBackend, PostgresOptions};
+    use crate::backend::LockBackend;
     use crate::backend::{Wait, Woken};
-    use crate::{LockBackend, LockMode};
+    use crate::LockMode;
 
     fn unreachable_backend() -> Arc<PostgresBackend> {
         // Nothing listens on port 1 of loopback: connecting is refused at once.

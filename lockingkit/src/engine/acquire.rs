@@ -18,6 +18,7 @@
 //!   gate starts failing, and the attempt finishes in the background.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,6 +100,7 @@ impl<B: LockBackend> Engine<B> {
         request: impl Future<Output = Result<Option<Acquired<B::Lease>>, BackendError>> + Send + 'static,
         probe: Option<Probe>,
         again: bool,
+        gone: Arc<AtomicBool>,
     ) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
         let health = self.health.clone();
         let work = async move {
@@ -131,7 +133,11 @@ impl<B: LockBackend> Engine<B> {
                     health.answered();
                 }
             }
-            turn.note_attempt(answer);
+            if gone.load(Ordering::Acquire) {
+                turn.note_abandoned_attempt(&answer);
+            } else {
+                turn.note_attempt(answer);
+            }
             (turn, sent, result)
         };
         Orphanable::new(
@@ -163,8 +169,16 @@ impl<B: LockBackend> Engine<B> {
         };
         *attempts += 1;
         let give_up = crate::clock::in_(self.room.patience());
-        let answered = tokio::time::timeout_at(give_up, self.attempt(turn, request, probe, again));
-        match answered.await {
+        let gone = Arc::new(AtomicBool::new(false));
+        // Dropped with this future, or kept when the attempt goes unanswered: see
+        // `CallerLeaving`.
+        let leaving = turn.leaving(gone.clone());
+        let attempt = self.attempt(turn, request, probe, again, gone);
+        let answered = tokio::time::timeout_at(give_up, attempt).await;
+        if answered.is_ok() {
+            leaving.stayed();
+        }
+        match answered {
             Ok((turn, sent, Ok(Some(acquired)))) => Ok(Attempted::Took(turn, acquired, sent)),
             Ok((turn, _, Ok(None))) => Ok(Attempted::Busy(turn)),
             Ok((_, _, Err(error))) => Err(attempt_error(error)),

@@ -29,7 +29,7 @@
 //! the engine refuses such a caller at once instead (see `acquire`).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -585,6 +585,40 @@ impl Turn {
             .update(self.lane, &self.key, self.id, |slot| slot.sent = Some(at));
     }
 
+    /// What the caller of this turn's attempt in flight leaves behind if it goes away before
+    /// the answer (see [`CallerLeaving`]).
+    pub(crate) fn leaving(&self, gone: Arc<AtomicBool>) -> CallerLeaving {
+        CallerLeaving {
+            room: self.room.clone(),
+            key: self.key.clone(),
+            id: self.id,
+            lane: self.lane,
+            front: self.place == Place::Front,
+            gone,
+            armed: true,
+        }
+    }
+
+    /// Records the answer to an attempt whose caller went away before it came: the key's state
+    /// is recorded (held or not), but the answer is no evidence for anyone. It was read before
+    /// callers waiting now arrived, and their own attempt, when the turn reaches them, tells
+    /// them the truth; a release elsewhere since then would make it stale.
+    pub(crate) fn note_abandoned_attempt(&self, answer: &Answer) {
+        if self.place != Place::Front {
+            return;
+        }
+        self.room.update(self.lane, &self.key, self.id, |slot| {
+            // A lock won for nobody is released at once: callers that meet the key wait for
+            // that release's answer, as for a holder's.
+            slot.held = matches!(answer, Answer::Took);
+            slot.sent = slot.held.then(Instant::now);
+            // Callers waiting for an answer look again: the turn reaches them next.
+            slot.answers = None;
+            slot.last_answer = None;
+            slot.inherited = false;
+        });
+    }
+
     /// Records the answer to the latest attempt, for callers that meet the key and queued
     /// waiters that time out, and whether the key is now held here. One lookup, since this
     /// runs on every attempt.
@@ -683,6 +717,42 @@ impl EvidenceProbe {
         match slots.get(self.lane, &self.key) {
             Some(slot) => slot.occupied(patience),
             None => Occupied::Known(WaitEvidence::Contended),
+        }
+    }
+}
+
+/// Held by the caller while its attempt is in flight. If the caller goes away first (dropped,
+/// or gave up on an unanswered attempt), the answers it had recorded for the key stop being
+/// evidence for callers arriving later, and the attempt, finishing in the background, records
+/// its answer with [`Turn::note_abandoned_attempt`].
+pub(crate) struct CallerLeaving {
+    room: Arc<WaitingRoom>,
+    key: Arc<str>,
+    id: u64,
+    lane: Lane,
+    front: bool,
+    gone: Arc<AtomicBool>,
+    armed: bool,
+}
+
+impl CallerLeaving {
+    /// The caller took the answer: nothing is left behind.
+    pub(crate) fn stayed(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CallerLeaving {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.gone.store(true, Ordering::Release);
+        if self.front {
+            self.room.update(self.lane, &self.key, self.id, |slot| {
+                slot.last_answer = None;
+                slot.inherited = false;
+            });
         }
     }
 }

@@ -79,7 +79,13 @@ impl Inner {
             }
             Found::LeaseGone => {}
         }
-        Ok(found)
+        // A place the wait no longer needs may still be on its way out: the hold's release is
+        // confirmed only once it is gone too, so nothing this process left refuses the next
+        // caller anywhere.
+        Ok(match found {
+            Found::Held(lease) => Found::Held(lease.settling_first(line.leaving_now(id.key()))),
+            other => other,
+        })
     }
 
     /// An attempt through a claimed place: one read decides.
@@ -98,11 +104,14 @@ impl Inner {
         turn?;
         Ok(match held {
             // A place is written once (never sent again), and becomes the hold as it is.
-            Some(place) => Found::Held(self.lease(
-                place.key,
-                (place.revision, place.revision),
-                place.generation,
-            )),
+            Some((place, leaving)) => Found::Held(
+                self.lease(
+                    place.key,
+                    (place.revision, place.revision),
+                    place.generation,
+                )
+                .keeping(leaving),
+            ),
             None => Found::Busy,
         })
     }
@@ -338,7 +347,9 @@ impl Inner {
                 lease.held.created,
             )])
             .and_then([TxnOp::delete(key.clone(), None)]);
-        match send_txn(&self.members, "release", Resend::Idempotent, delete).await {
+        let answered = send_txn(&self.members, "release", Resend::Idempotent, delete).await;
+        lease.places_gone().await;
+        match answered {
             Ok(answer) => {
                 lease.settle();
                 if answer.succeeded() {

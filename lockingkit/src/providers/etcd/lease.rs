@@ -208,7 +208,9 @@ impl SharedLease {
         match revoked {
             Ok(_) => Ok(()),
             // Expired already: the same result.
-            Err(failure) if failure.error.kind() == crate::BackendErrorKind::LeaseGone => Ok(()),
+            Err(failure) if failure.error.kind() == crate::backend::BackendErrorKind::LeaseGone => {
+                Ok(())
+            }
             Err(failure) => Err(failure.error),
         }
     }

@@ -246,6 +246,14 @@ impl Line {
         }
     }
 
+    /// The count of places of `key` still being deleted, to wait for, if there are any.
+    pub(super) fn leaving_now(&self, key: &str) -> Option<watch::Receiver<usize>> {
+        self.leaving_counters()
+            .get(key)
+            .filter(|counter| *counter.borrow() > 0)
+            .map(watch::Sender::subscribe)
+    }
+
     /// Places standing in this clone's line (ready, being read, or being made).
     pub(super) fn places(&self) -> usize {
         self.waits()
@@ -389,7 +397,7 @@ impl Inner {
         let answer = match send_txn(&self.members, "queue place", Resend::IfUnapplied, txn).await {
             Ok(answer) => answer,
             Err(failure) => {
-                if failure.error.kind() == crate::BackendErrorKind::LeaseGone {
+                if failure.error.kind() == crate::backend::BackendErrorKind::LeaseGone {
                     generation.mark_gone();
                 } else if !failure.had_no_effect() {
                     self.delete_later(Stray {
@@ -549,15 +557,17 @@ impl Inner {
     }
 
     /// Gives a claimed place back after its attempt read `turn` (`None`: the read failed).
-    /// Returns the place when it is the hold now; a place whose wait ended meanwhile is left in
-    /// `orphan`, to delete.
+    /// Returns the place when it is the hold now — with what keeps the clone's attempts for the
+    /// key waiting, if the wait ended meanwhile: that hold is released at once by the engine,
+    /// and is what the wait left. A place whose wait ended meanwhile and that does not hold is
+    /// left in `orphan`, to delete.
     pub(super) fn settle(
         self: &Arc<Self>,
         line: &Line,
         claimed: Claimed,
         turn: Option<&Turn>,
         orphan: &mut Option<Orphan>,
-    ) -> Option<Place> {
+    ) -> Option<(Place, Option<Leaving>)> {
         let Claimed {
             mut place, serial, ..
         } = claimed;
@@ -568,7 +578,10 @@ impl Inner {
             // The clone shut down.
             drop(waits);
             self.unwatch_place(&mut place);
-            if !(held || gone) {
+            if held {
+                return Some((place, None));
+            }
+            if !gone {
                 *orphan = Some(Orphan {
                     place,
                     leaving: None,
@@ -601,7 +614,7 @@ impl Inner {
         self.places_changed();
         if held {
             // The place is the hold now: whoever has the lease releases it.
-            return Some(place);
+            return Some((place, discard));
         }
         if !gone {
             *orphan = Some(Orphan {

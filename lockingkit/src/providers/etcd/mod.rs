@@ -52,14 +52,14 @@ use tokio_util::sync::CancellationToken;
 
 pub use options::{EtcdOptions, DEFAULT_KEY_PREFIX, MAX_LEASE_TTL, MIN_LEASE_TTL};
 
+use crate::backend::MAX_SEMAPHORE_COUNT;
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::Problem;
 use crate::error::LockError;
-use crate::MAX_SEMAPHORE_COUNT;
 use attempt::Found;
 use held::HeldKey;
 use lease::{LeaseGeneration, SharedLease};
-use line::{Line, Side, WaitId};
+use line::{Leaving, Line, Side, WaitId};
 use members::{Members, Resend};
 use strays::{Stray, Strays};
 use watch::{Interest, Sink, WatchHub};
@@ -305,6 +305,8 @@ impl Inner {
             release_started: AtomicBool::new(false),
             settled: AtomicBool::new(false),
             backend: Arc::downgrade(self),
+            leaving: None,
+            places_leaving: Mutex::new(None),
         }
     }
 
@@ -564,9 +566,43 @@ pub struct EtcdLease {
     /// background deletes.
     settled: AtomicBool,
     backend: Weak<Inner>,
+    /// For a hold an ended wait's place became: keeps the clone's attempts for the key waiting
+    /// until the hold is released (or dropped), as for the place (see `line`).
+    leaving: Option<Leaving>,
+    /// Places of the key the hold's wait left, still being deleted when it was won: its release
+    /// is answered once they are gone too.
+    places_leaving: Mutex<Option<tokio::sync::watch::Receiver<usize>>>,
 }
 
 impl EtcdLease {
+    /// Has the release wait for `leaving` (see `places_leaving`).
+    fn settling_first(self, leaving: Option<tokio::sync::watch::Receiver<usize>>) -> Self {
+        *self
+            .places_leaving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = leaving;
+        self
+    }
+
+    /// Resolves once the places the hold's wait left are deleted (each is one request, or is
+    /// handed to the background deletes).
+    async fn places_gone(&self) {
+        let leaving = self
+            .places_leaving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(mut leaving) = leaving {
+            let _ = leaving.wait_for(|count| *count == 0).await;
+        }
+    }
+
+    /// Keeps `leaving` until the lease is dropped.
+    fn keeping(mut self, leaving: Option<Leaving>) -> Self {
+        self.leaving = leaving;
+        self
+    }
+
     /// The etcd key of the hold (under
     /// [`EtcdLockKeys::lock_directory`](crate::keys::EtcdLockKeys::lock_directory) or
     /// [`EtcdLockKeys::semaphore_directory`](crate::keys::EtcdLockKeys::semaphore_directory)).

@@ -7,7 +7,9 @@
 //!   patience (2 s), no request gets `409`; every refusal is `503` (`500` when the server
 //!   refuses our credentials);
 //! - an outage is answered at once: from then on, 99% of the requests of either route, waiting
-//!   ones included, are answered within 50 ms;
+//!   ones included, are answered within 50 ms, or (on a machine busy with other work) no slower
+//!   than twice the 99th percentile of the one-attempt route while the server was healthy, in the
+//!   same run: a refusal that waited for the probe's timeout (a second or more) fails either way;
 //! - service resumes within a second of the server's return;
 //! - the server is not hammered: the connections it sees (counted by a proxy in front of it, or
 //!   as failed logins in its log) stay a handful however many requests arrive;
@@ -38,7 +40,9 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// gate refuses callers at once (`LockOptions::max_retry_delay`, and at least 2 s).
 const PATIENCE: Duration = Duration::from_secs(2);
 
-/// How soon a request is answered while the backend is known to be failing: 99% of them.
+/// How soon a request is answered while the backend is known to be failing: 99% of them, on an
+/// idle machine. On a loaded one the bound is twice the healthy one-attempt p99 of the same run
+/// (see [`Run::at_once`]).
 const ANSWERED_AT_ONCE: Duration = Duration::from_millis(50);
 
 /// How soon after the server's return the first request succeeds.
@@ -210,6 +214,8 @@ struct Run {
     /// patience, for the route that makes one attempt and the one that waits.
     one_attempt: (Duration, Duration),
     waiting: (Duration, Duration),
+    /// The one-attempt route's 99th percentile in the second before the fault, server healthy.
+    healthy: Duration,
     /// How long after the server's return the first request succeeded.
     resumed_after: Option<Duration>,
     connections: usize,
@@ -221,12 +227,13 @@ impl Run {
         let answered: usize = self.during.values().sum();
         eprintln!(
             "{fault}: after the patience {:?} ({answered} answers); first {PATIENCE:?} {:?}; \
-             after recovery {:?}; one-attempt route p99 {:?} max {:?}; waiting route p99 {:?} \
-             max {:?}; first success {:?} after the return; {} connections reached the \
-             server; {} warning lines",
+             after recovery {:?}; healthy one-attempt p99 {:?}; one-attempt route p99 {:?} \
+             max {:?}; waiting route p99 {:?} max {:?}; first success {:?} after the return; \
+             {} connections reached the server; {} warning lines",
             self.during,
             self.first_second,
             self.after,
+            self.healthy,
             self.one_attempt.0,
             self.one_attempt.1,
             self.waiting.0,
@@ -237,17 +244,25 @@ impl Run {
         );
     }
 
+    /// How soon "at once" is in this run: [`ANSWERED_AT_ONCE`], or twice the healthy
+    /// one-attempt p99 when the machine made even healthy answers slower than that. A refusal
+    /// is local work, never slower than a round trip to a healthy server.
+    fn at_once(&self) -> Duration {
+        ANSWERED_AT_ONCE.max(self.healthy.saturating_mul(2))
+    }
+
     /// Once the gate knows, every route's refusals come at once, and service resumes within a
     /// second of the server's return.
     fn assert_answered_at_once_and_resumed(&self) {
+        let at_once = self.at_once();
         assert!(
-            self.one_attempt.0 <= ANSWERED_AT_ONCE,
-            "one-attempt route: p99 {:?}",
+            self.one_attempt.0 <= at_once,
+            "one-attempt route: p99 {:?} (at once: {at_once:?})",
             self.one_attempt.0
         );
         assert!(
-            self.waiting.0 <= ANSWERED_AT_ONCE,
-            "waiting route: p99 {:?}",
+            self.waiting.0 <= at_once,
+            "waiting route: p99 {:?} (at once: {at_once:?})",
             self.waiting.0
         );
         let resumed = self.resumed_after.expect("service resumed");
@@ -314,6 +329,7 @@ async fn experiment(outage: Outage, length: Duration, recovered_by: Duration) ->
     let proxy = FaultProxy::to_port(server.port()).await;
     let locks = locks_through(&proxy, &server);
     let clients = Clients::start(locks.clone()).await;
+    let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (connections, warnings) = (
         proxy.connections_accepted(),
@@ -336,6 +352,8 @@ async fn experiment(outage: Outage, length: Duration, recovered_by: Duration) ->
         after: statuses(&answers, ended + recovered_by, Instant::now()),
         one_attempt: latencies(&answers, false, during, ended),
         waiting: latencies(&answers, true, during, ended),
+        // After the first round of connects.
+        healthy: latencies(&answers, false, started + Duration::from_millis(200), began).0,
         resumed_after: first_success_after(&answers, ended),
         connections,
         warnings,

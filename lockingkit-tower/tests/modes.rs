@@ -5,13 +5,10 @@ mod support;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::request::Parts;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use lockingkit::{
     Acquired, BackendError, DistributedLock, ErrorKind, LeaseTiming, LockBackend, LockMode,
@@ -21,67 +18,7 @@ use lockingkit_tower::{LockLayer, RequestLock};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tower::{service_fn, ServiceBuilder};
 
-use support::{send, serve};
-
-/// A bound on how long a test may hang if the code under test deadlocks; never a way to wait
-/// for something to happen.
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
-
-fn path_key(parts: &Parts) -> Option<String> {
-    Some(parts.uri.path().trim_start_matches('/').to_owned())
-}
-
-/// A response as the client saw it, body read to the end.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    content_type: Option<String>,
-    retry_after: Option<String>,
-    body: Bytes,
-}
-
-impl Reply {
-    fn code(&self) -> String {
-        assert_eq!(
-            self.content_type.as_deref(),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
-        let doc: serde_json::Value = serde_json::from_slice(&self.body).expect("JSON");
-        assert_eq!(doc["status"], self.status.as_u16());
-        doc["code"].as_str().expect("code").to_owned()
-    }
-}
-
-async fn call(addr: std::net::SocketAddr, method: Method, path: &str) -> Reply {
-    let response = send(addr, method, path).await;
-    let header = |name| {
-        response
-            .headers()
-            .get(name)
-            .map(|value: &http::HeaderValue| value.to_str().unwrap_or_default().to_owned())
-    };
-    let (status, content_type, retry_after) =
-        (response.status(), header(CONTENT_TYPE), header(RETRY_AFTER));
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    Reply {
-        status,
-        content_type,
-        retry_after,
-        body,
-    }
-}
+use support::{call, guarded, path_key, serve, short_lease_locks};
 
 /// A handler that reports its lock mode on `entered`, then parks until `open` has a permit
 /// (which it hands back, so one permit lets every parked handler through).
@@ -234,12 +171,7 @@ async fn a_semaphore_layer_of_two_admits_two_and_answers_the_third_429() {
 async fn losing_a_semaphore_slot_mid_request_drops_the_handler_and_answers_outcome_unknown() {
     let store = MemoryStore::new();
     // A short lease makes renewals notice the broken slot quickly.
-    let locks = DistributedLock::builder(MemoryBackend::with_lease(
-        store.clone(),
-        Duration::from_millis(300),
-    ))
-    .build()
-    .expect("lock provider");
+    let locks = short_lease_locks(&store);
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
     let addr = serve(

@@ -15,7 +15,7 @@ use lockingkit_tower::{LockLayer, RequestLock};
 use tokio::sync::mpsc;
 use tower::{service_fn, ServiceBuilder};
 
-use support::{call, guarded, path_key, send, serve, short_lease_locks, ChannelBody};
+use support::{call, guarded, path_key, send, serve, serve_behind, short_lease_locks, ChannelBody};
 
 type Body = BoxBody<Bytes, Infallible>;
 
@@ -35,7 +35,7 @@ async fn stream_through(
         let _ = senders_tx.send(tx);
         async move { Ok::<_, Infallible>(Response::new(ChannelBody(rx).boxed())) }
     });
-    let addr = serve(ServiceBuilder::new().layer(layer).service(handler)).await;
+    let addr = serve_behind(layer, handler).await;
     let response = guarded(send(addr, Method::GET, path)).await;
     let body_tx = guarded(senders.recv()).await.expect("handler ran");
     (response, body_tx)
@@ -139,18 +139,9 @@ async fn requests_without_a_key_are_400_unless_passed_through() {
         let locked = request.extensions().get::<RequestLock>().is_some();
         Ok::<_, Infallible>(text(if locked { "locked" } else { "unlocked" }))
     });
-    let strict = serve(
-        ServiceBuilder::new()
-            .layer(LockLayer::new(locks.clone(), writes_only))
-            .service(handler),
-    )
-    .await;
-    let lenient = serve(
-        ServiceBuilder::new()
-            .layer(LockLayer::new(locks, writes_only).pass_through_without_key())
-            .service(handler),
-    )
-    .await;
+    let strict = serve_behind(LockLayer::new(locks.clone(), writes_only), handler).await;
+    let lenient = LockLayer::new(locks, writes_only).pass_through_without_key();
+    let lenient = serve_behind(lenient, handler).await;
 
     let reply = guarded(call(strict, Method::GET, "/orders/1")).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);

@@ -21,9 +21,10 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+use lockingkit_tower::LockLayer;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tower::Service;
+use tower::{Layer, Service};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -78,6 +79,19 @@ where
         }
     });
     addr
+}
+
+/// Serves `service` behind `layer`, as [`serve`] does.
+pub async fn serve_behind<S, B>(layer: LockLayer, service: S) -> SocketAddr
+where
+    S: Service<Request<Incoming>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + Send,
+    B: Body + Send + 'static,
+    B::Data: From<Bytes> + Send,
+    B::Error: Into<BoxError>,
+{
+    serve(layer.layer(service)).await
 }
 
 /// Sends one request on a fresh connection and returns the response as soon as its head

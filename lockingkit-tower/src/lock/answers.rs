@@ -241,6 +241,28 @@ mod tests {
     }
 
     #[test]
+    fn the_code_of_an_acquire_error_is_its_kinds_in_every_mode() {
+        let kinds = [
+            ErrorKind::Busy,
+            ErrorKind::Timeout,
+            ErrorKind::Unavailable,
+            ErrorKind::Lost,
+            ErrorKind::InvalidKey,
+            ErrorKind::Misconfigured,
+            ErrorKind::Backend,
+        ];
+        let modes = [
+            LockMode::Exclusive,
+            LockMode::Shared,
+            LockMode::Semaphore { max_count: 2 },
+        ];
+        for (kind, mode) in kinds.into_iter().flat_map(|k| modes.map(|m| (k, m))) {
+            let answer = Situation::of_acquire(kind, mode).answer();
+            assert_eq!(answer.code, kind.code(), "{kind:?} in {mode:?}");
+        }
+    }
+
+    #[test]
     fn the_crate_docs_and_docs_http_md_quote_the_table_whole() {
         for (file, text, prefix) in [
             ("src/lib.rs", include_str!("../lib.rs"), "//! "),

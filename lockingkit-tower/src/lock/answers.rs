@@ -68,8 +68,8 @@ pub(crate) struct Answer {
     pub(crate) when: &'static str,
     pub(crate) status: StatusCode,
     pub(crate) retry_after: Option<RetryAfter>,
-    /// The problem document's `code`.
-    pub(crate) code: &'static str,
+    /// The kind whose code is the problem document's `code`.
+    pub(crate) kind: ErrorKind,
     /// The sentence for the client: it names neither the key nor backend internals.
     pub(crate) detail: &'static str,
 }
@@ -105,7 +105,7 @@ const ANSWERS: [Answer; 11] = [
         when: "another request holds the lock",
         status: StatusCode::CONFLICT,
         retry_after: Some(RetryAfter::Busy),
-        code: ErrorKind::Busy.code(),
+        kind: ErrorKind::Busy,
         detail: "The resource is locked by another request. Retry later.",
     },
     Answer {
@@ -113,7 +113,7 @@ const ANSWERS: [Answer; 11] = [
         when: "waited the whole timeout (wait mode)",
         status: StatusCode::CONFLICT,
         retry_after: Some(RetryAfter::Busy),
-        code: ErrorKind::Timeout.code(),
+        kind: ErrorKind::Timeout,
         detail: "The resource stayed locked by another request for the whole wait. Retry later.",
     },
     Answer {
@@ -121,7 +121,7 @@ const ANSWERS: [Answer; 11] = [
         when: "every slot of a `.semaphore(n)` layer taken",
         status: StatusCode::TOO_MANY_REQUESTS,
         retry_after: Some(RetryAfter::Busy),
-        code: ErrorKind::Busy.code(),
+        kind: ErrorKind::Busy,
         detail: "Too many requests for this resource are in progress. Retry later.",
     },
     Answer {
@@ -129,7 +129,7 @@ const ANSWERS: [Answer; 11] = [
         when: "every slot of a `.semaphore(n)` layer taken for the whole wait",
         status: StatusCode::TOO_MANY_REQUESTS,
         retry_after: Some(RetryAfter::Busy),
-        code: ErrorKind::Timeout.code(),
+        kind: ErrorKind::Timeout,
         detail: "Too many requests for this resource stayed in progress for the whole wait. \
                  Retry later.",
     },
@@ -138,7 +138,7 @@ const ANSWERS: [Answer; 11] = [
         when: "lock backend down, frozen or failing (never for contention)",
         status: StatusCode::SERVICE_UNAVAILABLE,
         retry_after: Some(RetryAfter::Unavailable),
-        code: ErrorKind::Unavailable.code(),
+        kind: ErrorKind::Unavailable,
         detail: "The lock service is unavailable. Retry later.",
     },
     Answer {
@@ -146,7 +146,7 @@ const ANSWERS: [Answer; 11] = [
         when: "no key derivable from the request",
         status: StatusCode::BAD_REQUEST,
         retry_after: None,
-        code: ErrorKind::InvalidKey.code(),
+        kind: ErrorKind::InvalidKey,
         detail: "No lock key could be derived from the request.",
     },
     Answer {
@@ -154,7 +154,7 @@ const ANSWERS: [Answer; 11] = [
         when: "the derived key is empty or over 512 characters",
         status: StatusCode::BAD_REQUEST,
         retry_after: None,
-        code: ErrorKind::InvalidKey.code(),
+        kind: ErrorKind::InvalidKey,
         detail: "The lock key derived from the request is not valid.",
     },
     // Not 503, and no `Retry-After`: the handler may have applied some or all of its
@@ -164,7 +164,7 @@ const ANSWERS: [Answer; 11] = [
         when: "lock lost while the handler ran (handler dropped): the outcome is unknown",
         status: StatusCode::INTERNAL_SERVER_ERROR,
         retry_after: None,
-        code: ErrorKind::Lost.code(),
+        kind: ErrorKind::Lost,
         detail: "The lock protecting this request was lost while the request was being \
                  processed. The outcome is unknown: some or all of its effects may have been \
                  applied. Check the resource's state before retrying.",
@@ -174,7 +174,7 @@ const ANSWERS: [Answer; 11] = [
         when: "misconfigured backend (credentials refused, missing container)",
         status: StatusCode::INTERNAL_SERVER_ERROR,
         retry_after: None,
-        code: ErrorKind::Misconfigured.code(),
+        kind: ErrorKind::Misconfigured,
         detail: "The lock service failed.",
     },
     Answer {
@@ -182,7 +182,7 @@ const ANSWERS: [Answer; 11] = [
         when: "the backend failed in a way no retry fixes",
         status: StatusCode::INTERNAL_SERVER_ERROR,
         retry_after: None,
-        code: ErrorKind::Backend.code(),
+        kind: ErrorKind::Backend,
         detail: "The lock service failed.",
     },
     Answer {
@@ -191,7 +191,7 @@ const ANSWERS: [Answer; 11] = [
                  parameter its route does not capture), logged once",
         status: StatusCode::INTERNAL_SERVER_ERROR,
         retry_after: None,
-        code: ErrorKind::Misconfigured.code(),
+        kind: ErrorKind::Misconfigured,
         detail: "The server is configured so that this request cannot be locked.",
     },
 ];
@@ -231,7 +231,9 @@ mod tests {
             };
             lines.push(format!(
                 "| {} | {} | {retry_after} | `{}` |",
-                answer.when, answer.status, answer.code
+                answer.when,
+                answer.status,
+                answer.kind.code()
             ));
         }
         lines
@@ -242,15 +244,8 @@ mod tests {
 
     #[test]
     fn the_code_of_an_acquire_error_is_its_kinds_in_every_mode() {
-        let kinds = [
-            ErrorKind::Busy,
-            ErrorKind::Timeout,
-            ErrorKind::Unavailable,
-            ErrorKind::Lost,
-            ErrorKind::InvalidKey,
-            ErrorKind::Misconfigured,
-            ErrorKind::Backend,
-        ];
+        // Every kind has a row, so the table's kinds are all of them.
+        let kinds = ANSWERS.map(|answer| answer.kind);
         let modes = [
             LockMode::Exclusive,
             LockMode::Shared,
@@ -258,7 +253,7 @@ mod tests {
         ];
         for (kind, mode) in kinds.into_iter().flat_map(|k| modes.map(|m| (k, m))) {
             let answer = Situation::of_acquire(kind, mode).answer();
-            assert_eq!(answer.code, kind.code(), "{kind:?} in {mode:?}");
+            assert_eq!(answer.kind, kind, "{kind:?} in {mode:?}");
         }
     }
 
@@ -288,7 +283,7 @@ mod tests {
             let row = ANSWERS.iter().find(|answer| {
                 document["status"] == answer.status.as_u16()
                     && document["title"] == answer.status.canonical_reason().unwrap()
-                    && document["code"] == answer.code
+                    && document["code"] == answer.kind.code()
                     && document["detail"] == answer.detail
             });
             assert!(row.is_some(), "not a row of the table: {document}");

@@ -104,7 +104,7 @@ impl LockRejection {
 
     /// The stable error code, such as `locking.busy`.
     pub fn code(&self) -> &'static str {
-        self.answer().code
+        self.answer().kind.code()
     }
 
     /// The mode of the layer that refused: [`LockMode::Semaphore`] for a concurrency limit
@@ -169,7 +169,7 @@ impl LockRejection {
     /// and `code`.
     pub fn problem(&self) -> ProblemDocument {
         let answer = self.answer();
-        ProblemDocument::new(answer.status, answer.detail, answer.code)
+        ProblemDocument::new(answer.status, answer.detail, answer.kind.code())
     }
 
     /// The [problem document](Self::problem) as JSON.

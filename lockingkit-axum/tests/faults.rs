@@ -12,30 +12,13 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use lockingkit::{DistributedLock, LockMode, MemoryBackend, MemoryStore};
+use lockingkit::{DistributedLock, LockMode, MemoryStore};
 use lockingkit_axum::{lock_route, HeldLock};
 use lockingkit_tower::OnLoss;
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
 
-use support::{post as http_post, serve};
-
-const HANG_GUARD: Duration = Duration::from_secs(10);
-
-async fn guarded<F: std::future::Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
-
-/// Locks with a short lease, so that a broken lease is noticed within 100 ms.
-fn short_leases(store: &MemoryStore) -> DistributedLock {
-    DistributedLock::builder(MemoryBackend::with_lease(
-        store.clone(),
-        Duration::from_millis(300),
-    ))
-    .build()
-    .expect("lock provider")
-}
+use support::{guarded, post as http_post, serve, short_lease_locks, Reply};
 
 /// A "database" that applies a write once it is sent, whether or not the caller is still
 /// there to hear back — as a server commits a statement whose client future was dropped.
@@ -91,18 +74,41 @@ fn deposit_route(
     (app, in_flight)
 }
 
-#[tokio::test]
-async fn a_lock_lost_while_the_write_is_in_flight_is_answered_outcome_unknown() {
+/// A deposit whose write is in flight when the test breaks its lock's lease.
+struct LostMidWrite {
+    database: Database,
+    request: JoinHandle<Reply>,
+    /// Lets the database apply the write.
+    commit: oneshot::Sender<()>,
+}
+
+/// Serves the deposit route with `on_loss`, sends a deposit to `account`, and breaks the lease
+/// of its lock once the handler's write is in flight.
+async fn lose_the_lock_mid_write(on_loss: OnLoss, account: u32) -> LostMidWrite {
     let (store, database) = (MemoryStore::new(), Database::default());
-    let (app, mut in_flight) =
-        deposit_route(short_leases(&store), database.clone(), OnLoss::Cancel);
+    let (app, mut in_flight) = deposit_route(short_lease_locks(&store), database.clone(), on_loss);
     let addr = serve(app).await;
 
-    let request = tokio::spawn(http_post(addr, "/accounts/7/deposits"));
+    let path = format!("/accounts/{account}/deposits");
+    let request = tokio::spawn(async move { http_post(addr, &path).await });
     let commit = guarded(in_flight.recv())
         .await
         .expect("the write is in flight");
-    assert!(store.break_lease("accounts/7"));
+    assert!(store.break_lease(&format!("accounts/{account}")));
+    LostMidWrite {
+        database,
+        request,
+        commit,
+    }
+}
+
+#[tokio::test]
+async fn a_lock_lost_while_the_write_is_in_flight_is_answered_outcome_unknown() {
+    let LostMidWrite {
+        database,
+        request,
+        commit,
+    } = lose_the_lock_mid_write(OnLoss::Cancel, 7).await;
     let reply = guarded(request).await.expect("reply");
     // The database applies the write after all: the answer must not have claimed it stopped.
     commit.send(()).expect("the database is still there");
@@ -130,16 +136,11 @@ async fn a_lock_lost_while_the_write_is_in_flight_is_answered_outcome_unknown() 
 
 #[tokio::test]
 async fn with_on_loss_signal_the_handler_finishes_its_write_and_answers_itself() {
-    let (store, database) = (MemoryStore::new(), Database::default());
-    let (app, mut in_flight) =
-        deposit_route(short_leases(&store), database.clone(), OnLoss::Signal);
-    let addr = serve(app).await;
-
-    let request = tokio::spawn(http_post(addr, "/accounts/8/deposits"));
-    let commit = guarded(in_flight.recv())
-        .await
-        .expect("the write is in flight");
-    assert!(store.break_lease("accounts/8"));
+    let LostMidWrite {
+        database,
+        request,
+        commit,
+    } = lose_the_lock_mid_write(OnLoss::Signal, 8).await;
     // The loss is noticed by the next renewal (every 100 ms), while the write is in flight.
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!request.is_finished(), "the handler was not dropped");
@@ -166,9 +167,12 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ErrorCount {
 }
 
 impl ErrorCount {
-    fn install(&self) -> tracing::subscriber::DefaultGuard {
+    /// A count installed for as long as the guard lives.
+    fn installed() -> (Self, tracing::subscriber::DefaultGuard) {
         use tracing_subscriber::layer::SubscriberExt;
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+        let count = ErrorCount::default();
+        let registry = tracing_subscriber::registry().with(count.clone());
+        (count, tracing::subscriber::set_default(registry))
     }
 
     fn count(&self) -> usize {
@@ -176,19 +180,23 @@ impl ErrorCount {
     }
 }
 
-#[tokio::test]
-async fn two_layers_locking_one_key_are_a_500_logged_once_and_lock_nothing() {
-    let errors = ErrorCount::default();
-    let _log = errors.install();
-    let locks = DistributedLock::in_memory();
-    // `route_layer` wraps every route added before it: the ship route gets both layers.
-    let app = Router::new()
+/// `POST /orders/{id}/ship` locked twice on `orders/{id}`: by a route layer of `inner` on the
+/// route, and by a route layer of `outer` added after it, which (as `route_layer` wraps every
+/// route added before it) wraps the route too.
+fn doubly_locked(inner: DistributedLock, outer: DistributedLock) -> Router {
+    Router::new()
         .route(
             "/orders/{id}/ship",
-            post(|| async { "shipped" }).route_layer(lock_route(locks.clone(), "orders/{id}")),
+            post(|| async { "shipped" }).route_layer(lock_route(inner, "orders/{id}")),
         )
-        .route_layer(lock_route(locks.clone(), "orders/{id}"));
-    let addr = serve(app).await;
+        .route_layer(lock_route(outer, "orders/{id}"))
+}
+
+#[tokio::test]
+async fn two_layers_locking_one_key_are_a_500_logged_once_and_lock_nothing() {
+    let (errors, _log) = ErrorCount::installed();
+    let locks = DistributedLock::in_memory();
+    let addr = serve(doubly_locked(locks.clone(), locks.clone())).await;
     for _ in 0..3 {
         let reply = guarded(http_post(addr, "/orders/1/ship")).await;
         assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
@@ -198,22 +206,14 @@ async fn two_layers_locking_one_key_are_a_500_logged_once_and_lock_nothing() {
     // The outer layer's lock was released with the response; nothing stays held.
     assert_eq!(locks.active_parties(), 0);
     // Another provider's lock on the same key is no mistake: they are different locks.
-    let other = DistributedLock::in_memory();
-    let app = Router::new()
-        .route(
-            "/orders/{id}/ship",
-            post(|| async { "shipped" }).route_layer(lock_route(other, "orders/{id}")),
-        )
-        .route_layer(lock_route(locks, "orders/{id}"));
-    let addr = serve(app).await;
+    let addr = serve(doubly_locked(DistributedLock::in_memory(), locks)).await;
     let reply = guarded(http_post(addr, "/orders/1/ship")).await;
     assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
 }
 
 #[tokio::test]
 async fn a_template_naming_a_parameter_the_route_lacks_is_a_500_logged_once() {
-    let errors = ErrorCount::default();
-    let _log = errors.install();
+    let (errors, _log) = ErrorCount::installed();
     let locks = DistributedLock::in_memory();
     let app = Router::new()
         .route("/orders/{id}/ship", post(|| async { "shipped" }))

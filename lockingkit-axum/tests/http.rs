@@ -8,27 +8,17 @@ use std::time::Duration;
 
 use axum::extract::{FromRef, Path, Request};
 use axum::middleware::{self, Next};
-use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use http::StatusCode;
-use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
-use lockingkit_axum::{
-    lock_route, lock_route_from_state, lock_route_waiting, HeldLock, LockRejection,
-};
+use lockingkit::{DistributedLock, MemoryStore};
+use lockingkit_axum::{lock_route, lock_route_from_state, lock_route_waiting, HeldLock};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 
-use support::{get as http_get, post as http_post, serve, Reply};
-
-/// A bound on how long a test may hang if the code under test deadlocks; never a way to wait
-/// for something to happen.
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: std::future::Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
+use support::{
+    get as http_get, guarded, post as http_post, serve, serve_ship_route, short_lease_locks,
+    show_lock, Reply,
+};
 
 /// Sends a drop notice when the handler's future is dropped.
 struct DropSignal(mpsc::UnboundedSender<&'static str>);
@@ -48,8 +38,16 @@ fn token_in(reply: &Reply) -> u64 {
         .unwrap_or_else(|| panic!("no token in {reply:?}"))
 }
 
-async fn show_lock(lock: HeldLock) -> String {
-    format!("{} {}", lock.key(), lock.fencing_token())
+/// `POST` answered by a handler that reports its fencing token on `entered`, then waits until
+/// `open` has a permit (which it hands back, so one permit lets every waiting handler through)
+/// and answers "shipped {token}".
+fn parked_ship(entered: mpsc::UnboundedSender<u64>, open: Arc<Semaphore>) -> MethodRouter {
+    post(move |lock: HeldLock| async move {
+        let _ = entered.send(lock.fencing_token());
+        let _permit = open.acquire().await;
+        open.add_permits(1);
+        format!("shipped {}", lock.fencing_token())
+    })
 }
 
 #[tokio::test]
@@ -57,16 +55,8 @@ async fn concurrent_requests_for_one_key_get_one_200_and_409_busy_for_the_rest()
     let locks = DistributedLock::in_memory();
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let open = Arc::new(Semaphore::new(0));
-    let handler = {
-        let open = open.clone();
-        move |lock: HeldLock| async move {
-            let _ = entered_tx.send(lock.fencing_token());
-            let _permit = open.acquire().await;
-            format!("shipped {}", lock.fencing_token())
-        }
-    };
     let app = Router::new()
-        .route("/orders/{id}/ship", post(handler))
+        .route("/orders/{id}/ship", parked_ship(entered_tx, open.clone()))
         .route_layer(lock_route(locks.clone(), "orders/{id}"));
     let addr = serve(app).await;
 
@@ -83,15 +73,7 @@ async fn concurrent_requests_for_one_key_get_one_200_and_409_busy_for_the_rest()
     let holder_token = guarded(entered.recv()).await.expect("a handler ran");
     for _ in 1..CLIENTS {
         let reply = guarded(replies.recv()).await.expect("a reply");
-        assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
-        let problem = reply.problem();
-        assert_eq!(problem["code"], "locking.busy");
-        assert_eq!(problem["title"], "Conflict");
-        assert!(
-            !reply.text().contains("orders/7"),
-            "the key leaked: {reply:?}"
-        );
-        assert_eq!(reply.retry_after().as_deref(), Some("1"));
+        reply.assert_busy_without("orders/7");
     }
     open.add_permits(1);
     let reply = guarded(replies.recv()).await.expect("the holder's reply");
@@ -139,17 +121,8 @@ async fn wait_mode_serves_the_second_request_after_the_first() {
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<()>();
     let open = Arc::new(Semaphore::new(0));
-    let handler = {
-        let open = open.clone();
-        move |lock: HeldLock| async move {
-            let _ = entered_tx.send(lock.fencing_token());
-            let _permit = open.acquire().await;
-            open.add_permits(1);
-            format!("shipped {}", lock.fencing_token())
-        }
-    };
     let app = Router::new()
-        .route("/orders/{id}/ship", post(handler))
+        .route("/orders/{id}/ship", parked_ship(entered_tx, open.clone()))
         .route_layer(lock_route_waiting(
             locks,
             "orders/{id}",
@@ -186,18 +159,13 @@ async fn wait_mode_serves_the_second_request_after_the_first() {
 #[tokio::test]
 async fn wait_mode_times_out_with_409_timeout() {
     let locks = DistributedLock::in_memory();
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .route_layer(lock_route_waiting(
-            locks.clone(),
-            "orders/{id}",
-            Duration::from_millis(100),
-        ));
-    let addr = serve(app).await;
-    let held = locks
-        .try_acquire("orders/4")
-        .await
-        .expect("test holds the key");
+    let addr = serve_ship_route(lock_route_waiting(
+        locks.clone(),
+        "orders/{id}",
+        Duration::from_millis(100),
+    ))
+    .await;
+    let held = locks.try_acquire("orders/4").await.expect("free");
 
     let reply = guarded(http_post(addr, "/orders/4/ship")).await;
     assert_eq!(reply.status, StatusCode::CONFLICT, "{reply:?}");
@@ -209,13 +177,7 @@ async fn wait_mode_times_out_with_409_timeout() {
 #[tokio::test]
 async fn losing_the_lock_mid_handler_stops_the_handler_and_says_the_outcome_is_unknown() {
     let store = MemoryStore::new();
-    // A short lease makes renewals (every 100 ms) notice the broken lease quickly.
-    let locks = DistributedLock::builder(MemoryBackend::with_lease(
-        store.clone(),
-        Duration::from_millis(300),
-    ))
-    .build()
-    .expect("lock provider");
+    let locks = short_lease_locks(&store);
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let finished = Arc::new(AtomicBool::new(false));
     let slow = {
@@ -283,10 +245,7 @@ async fn invalid_keys_are_400_and_a_template_naming_an_uncaptured_parameter_is_5
 async fn an_unavailable_backend_is_503_with_retry_after() {
     let store = MemoryStore::new();
     let locks = DistributedLock::in_memory_shared(&store);
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .route_layer(lock_route(locks, "orders/{id}"));
-    let addr = serve(app).await;
+    let addr = serve_ship_route(lock_route(locks, "orders/{id}")).await;
 
     store.set_unavailable(true);
     let reply = guarded(http_post(addr, "/orders/1/ship")).await;
@@ -313,48 +272,9 @@ async fn an_unavailable_backend_is_503_with_retry_after() {
 }
 
 #[tokio::test]
-async fn a_custom_rejection_mapper_replaces_the_problem_documents() {
-    let locks = DistributedLock::in_memory();
-    let layer =
-        lock_route(locks.clone(), "orders/{id}").map_rejection(|rejection: LockRejection| {
-            match rejection.kind() {
-                ErrorKind::Busy => {
-                    (StatusCode::LOCKED, format!("custom {}", rejection.code())).into_response()
-                }
-                _ => rejection.problem_response(),
-            }
-        });
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .route_layer(layer);
-    let addr = serve(app).await;
-    let held = locks
-        .try_acquire("orders/5")
-        .await
-        .expect("test holds the key");
-
-    let reply = guarded(http_post(addr, "/orders/5/ship")).await;
-    assert_eq!(reply.status, StatusCode::LOCKED, "{reply:?}");
-    assert_eq!(reply.text(), "custom locking.busy");
-
-    // Cases the mapper passes on keep the default problem document.
-    let reply = guarded(http_post(
-        addr,
-        &format!("/orders/{}/ship", "y".repeat(513)),
-    ))
-    .await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert_eq!(reply.code(), "locking.invalid_key");
-    held.release().await.expect("release");
-}
-
-#[tokio::test]
 async fn the_handler_sees_the_key_and_a_growing_fencing_token() {
     let locks = DistributedLock::in_memory();
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .route_layer(lock_route(locks.clone(), "orders/{id}"));
-    let addr = serve(app).await;
+    let addr = serve_ship_route(lock_route(locks.clone(), "orders/{id}")).await;
 
     let first = guarded(http_post(addr, "/orders/42/ship")).await;
     // Percent-encoded path parameters lock the same key as their decoded form.
@@ -372,10 +292,7 @@ async fn the_handler_sees_the_key_and_a_growing_fencing_token() {
 async fn the_lock_is_free_as_soon_as_the_response_is_sent() {
     let store = MemoryStore::new();
     let locks = DistributedLock::in_memory_shared(&store);
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .route_layer(lock_route(locks.clone(), "orders/{id}"));
-    let addr = serve(app).await;
+    let addr = serve_ship_route(lock_route(locks.clone(), "orders/{id}")).await;
 
     for _ in 0..10 {
         let reply = guarded(http_post(addr, "/orders/8/ship")).await;

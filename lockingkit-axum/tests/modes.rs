@@ -15,17 +15,7 @@ use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStor
 use lockingkit_axum::{lock_route, lock_route_waiting, HeldLock};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 
-use support::{get as http_get, post as http_post, serve};
-
-/// A bound on how long a test may hang if the code under test deadlocks; never a way to wait
-/// for something to happen.
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
+use support::{get as http_get, guarded, post as http_post, serve};
 
 /// What a handler reports when it starts: its lock's mode and fencing token.
 type Entered = mpsc::UnboundedSender<(LockMode, u64)>;

@@ -3,28 +3,13 @@
 
 mod support;
 
-use std::time::Duration;
-
 use axum::routing::{get, post};
 use axum::Router;
 use http::StatusCode;
 use lockingkit::DistributedLock;
-use lockingkit_axum::{lock_route, HeldLock};
+use lockingkit_axum::lock_route;
 
-use support::{get as http_get, post as http_post, serve, Reply};
-
-/// A bound on how long a test may hang if the code under test deadlocks.
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: std::future::Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
-
-async fn show_lock(lock: HeldLock) -> String {
-    format!("{} {}", lock.key(), lock.fencing_token())
-}
+use support::{get as http_get, guarded, post as http_post, serve, ship_router, show_lock, Reply};
 
 fn assert_not_found(reply: &Reply) {
     assert_eq!(reply.status, StatusCode::NOT_FOUND, "{reply:?}");
@@ -71,8 +56,7 @@ async fn router_layer_on_a_merged_router_keeps_404_for_unknown_paths_and_locks_i
 #[tokio::test]
 async fn router_layer_over_a_custom_fallback_leaves_the_fallback_answer_alone() {
     let locks = DistributedLock::in_memory();
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
+    let app = ship_router()
         .fallback(|| async { (StatusCode::IM_A_TEAPOT, "no such page") })
         .layer(lock_route(locks.clone(), "orders/{id}"));
     let addr = serve(app).await;
@@ -116,9 +100,7 @@ async fn router_layer_on_a_nested_router_keeps_404_for_unknown_paths_and_locks_i
 #[tokio::test]
 async fn a_layered_router_nested_as_a_service_keeps_404_for_unknown_paths() {
     let locks = DistributedLock::in_memory();
-    let api = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
-        .layer(lock_route(locks.clone(), "orders/{id}"));
+    let api = ship_router().layer(lock_route(locks.clone(), "orders/{id}"));
     let app = Router::new().nest_service("/api", api);
     let addr = serve(app).await;
 
@@ -136,8 +118,7 @@ async fn router_layer_still_refuses_a_matched_route_that_lacks_a_template_parame
     // mutual exclusion; the layer refuses it as the server bug it is and logs the missing
     // parameter instead.
     let locks = DistributedLock::in_memory();
-    let app = Router::new()
-        .route("/orders/{id}/ship", post(show_lock))
+    let app = ship_router()
         .route("/orders/{order_id}/pay", post(show_lock))
         .layer(lock_route(locks.clone(), "orders/{id}"));
     let addr = serve(app).await;

@@ -15,7 +15,7 @@ use http::StatusCode;
 use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
 use lockingkit_axum::{lock_route_all, HeldLocks};
 
-use support::{post as http_post, serve};
+use support::{post as http_post, serve, short_lease_locks};
 
 /// A bound on how long a test may hang if the code under test deadlocks.
 const HANG_GUARD: Duration = Duration::from_secs(60);
@@ -143,12 +143,7 @@ async fn a_busy_account_is_409_and_the_other_account_is_not_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_lost_mid_request_drops_the_handler_and_answers_500_lost() {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(MemoryBackend::with_lease(
-        store.clone(),
-        Duration::from_millis(300),
-    ))
-    .build()
-    .expect("valid options");
+    let locks = short_lease_locks(&store);
     let (entered_tx, entered) = tokio::sync::oneshot::channel::<()>();
     let entered_tx = Arc::new(Mutex::new(Some(entered_tx)));
     let (dropped_tx, dropped) = tokio::sync::oneshot::channel::<()>();

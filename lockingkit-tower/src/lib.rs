@@ -9,15 +9,23 @@
 //! layer into a fleet-wide concurrency limit of N requests per key. Requests it cannot serve
 //! get RFC 9457 `application/problem+json` responses with a stable error code:
 //!
-//! | situation | status | `code` |
-//! |---|---|---|
-//! | someone else holds the lock | 409 + `Retry-After` | `locking.busy` |
-//! | waited the whole timeout (wait mode) | 409 + `Retry-After` | `locking.timeout` |
-//! | every slot of a semaphore layer taken (or for the whole wait) | 429 + `Retry-After` | `locking.busy` (`locking.timeout`) |
-//! | lock backend down | 503 + `Retry-After` | `locking.unavailable` |
-//! | no key / invalid key | 400 | `locking.invalid_key` |
-//! | lock lost while handling: the outcome is unknown | 500 | `locking.lost` |
-//! | misconfigured or failing backend, or the layer wired wrong | 500 | `locking.misconfigured`, `locking.backend` |
+//! | situation | status | `Retry-After` | `code` |
+//! |---|---|---|---|
+//! | another request holds the lock | 409 Conflict | 1 s (`busy_retry_after`) | `locking.busy` |
+//! | waited the whole timeout (wait mode) | 409 Conflict | 1 s (`busy_retry_after`) | `locking.timeout` |
+//! | every slot of a `.semaphore(n)` layer taken | 429 Too Many Requests | 1 s (`busy_retry_after`) | `locking.busy` |
+//! | every slot of a `.semaphore(n)` layer taken for the whole wait | 429 Too Many Requests | 1 s (`busy_retry_after`) | `locking.timeout` |
+//! | lock backend down, frozen or failing (never for contention) | 503 Service Unavailable | 5 s (`unavailable_retry_after`) | `locking.unavailable` |
+//! | no key derivable from the request | 400 Bad Request | no | `locking.invalid_key` |
+//! | the derived key is empty or over 512 characters | 400 Bad Request | no | `locking.invalid_key` |
+//! | lock lost while the handler ran (handler dropped): the outcome is unknown | 500 Internal Server Error | no | `locking.lost` |
+//! | misconfigured backend (credentials refused, missing container) | 500 Internal Server Error | no | `locking.misconfigured` |
+//! | the backend failed in a way no retry fixes | 500 Internal Server Error | no | `locking.backend` |
+//! | the server is wired wrong (two layers locking one key, a template naming a parameter its route does not capture), logged once | 500 Internal Server Error | no | `locking.misconfigured` |
+//!
+//! The `Retry-After`s are the defaults; [`LockLayer::busy_retry_after`] and
+//! [`LockLayer::unavailable_retry_after`] change them. Each rejection's problem document carries
+//! the situation's own `detail` sentence, and [`LockRejection`] tells the situations apart.
 //!
 //! A custom mapper ([`LockLayer::map_rejection`]) can replace these responses. The layer works
 //! with `tower::ServiceBuilder`, axum's `Router::route_layer` and `Router::layer`, and any

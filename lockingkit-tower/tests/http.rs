@@ -3,7 +3,6 @@
 mod support;
 
 use std::convert::Infallible;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -11,24 +10,12 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
+use lockingkit::{DistributedLock, ErrorKind, MemoryStore};
 use lockingkit_tower::{LockLayer, RequestLock};
 use tokio::sync::mpsc;
 use tower::{service_fn, ServiceBuilder};
 
-use support::{send, serve, ChannelBody};
-
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: std::future::Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
-
-fn path_key(parts: &Parts) -> Option<String> {
-    Some(parts.uri.path().trim_start_matches('/').to_owned())
-}
+use support::{call, guarded, path_key, send, serve, serve_behind, short_lease_locks, ChannelBody};
 
 type Body = BoxBody<Bytes, Infallible>;
 
@@ -36,23 +23,22 @@ fn text(body: impl Into<Bytes>) -> Response<Body> {
     Response::new(Full::new(body.into()).boxed())
 }
 
-/// A handler that streams a body fed by the test, handing the test its sender.
-fn streaming_handler(
-    senders: mpsc::UnboundedSender<mpsc::UnboundedSender<Bytes>>,
-) -> impl tower::Service<
-    Request<Incoming>,
-    Response = Response<Body>,
-    Error = Infallible,
-    Future = impl Send,
-> + Clone {
-    service_fn(move |_request: Request<Incoming>| {
-        let senders = senders.clone();
-        async move {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let _ = senders.send(tx);
-            Ok::<_, Infallible>(Response::new(ChannelBody(rx).boxed()))
-        }
-    })
+/// Serves, behind `layer`, a handler that streams a body the test feeds; sends `GET path` and
+/// returns the response as soon as its head arrives, with the sender of its body.
+async fn stream_through(
+    layer: LockLayer,
+    path: &str,
+) -> (Response<Incoming>, mpsc::UnboundedSender<Bytes>) {
+    let (senders_tx, mut senders) = mpsc::unbounded_channel();
+    let handler = service_fn(move |_request: Request<Incoming>| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = senders_tx.send(tx);
+        async move { Ok::<_, Infallible>(Response::new(ChannelBody(rx).boxed())) }
+    });
+    let addr = serve_behind(layer, handler).await;
+    let response = guarded(send(addr, Method::GET, path)).await;
+    let body_tx = guarded(senders.recv()).await.expect("handler ran");
+    (response, body_tx)
 }
 
 #[tokio::test]
@@ -67,31 +53,15 @@ async fn a_plain_hyper_server_serves_the_locked_service() {
         }));
     let addr = serve(service).await;
 
-    let response = guarded(send(addr, Method::POST, "/orders/1")).await;
-    assert_eq!(response.status(), StatusCode::OK);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    assert_eq!(&body[..], b"token 1");
+    let reply = guarded(call(addr, Method::POST, "/orders/1")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(&reply.body[..], b"token 1");
 
     let held = locks.try_acquire("orders/1").await.expect("free");
-    let response = guarded(send(addr, Method::POST, "/orders/1")).await;
-    assert_eq!(response.status(), StatusCode::CONFLICT);
-    assert_eq!(
-        response.headers()["content-type"],
-        "application/problem+json"
-    );
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    let problem: serde_json::Value = serde_json::from_slice(&body).expect("json");
-    assert_eq!(problem["code"], "locking.busy");
+    let reply = guarded(call(addr, Method::POST, "/orders/1")).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT);
+    // `code()` checks the problem+json content type too.
+    assert_eq!(reply.code(), "locking.busy");
     held.release().await.expect("release");
 }
 
@@ -99,15 +69,9 @@ async fn a_plain_hyper_server_serves_the_locked_service() {
 async fn by_default_the_lock_is_released_before_a_streamed_body_starts() {
     let store = MemoryStore::new();
     let locks = DistributedLock::in_memory_shared(&store);
-    let (senders_tx, mut senders) = mpsc::unbounded_channel();
-    let service = ServiceBuilder::new()
-        .layer(LockLayer::new(locks.clone(), path_key))
-        .service(streaming_handler(senders_tx));
-    let addr = serve(service).await;
-
-    let response = guarded(send(addr, Method::GET, "/reports/1")).await;
+    let layer = LockLayer::new(locks.clone(), path_key);
+    let (response, body_tx) = stream_through(layer, "/reports/1").await;
     assert_eq!(response.status(), StatusCode::OK);
-    let body_tx = guarded(senders.recv()).await.expect("handler ran");
     assert!(!store.is_locked("reports/1"), "released with the head");
     drop(body_tx);
     guarded(response.into_body().collect()).await.expect("body");
@@ -117,15 +81,9 @@ async fn by_default_the_lock_is_released_before_a_streamed_body_starts() {
 async fn hold_until_body_ends_keeps_the_lock_until_the_last_frame() {
     let store = MemoryStore::new();
     let locks = DistributedLock::in_memory_shared(&store);
-    let (senders_tx, mut senders) = mpsc::unbounded_channel();
-    let service = ServiceBuilder::new()
-        .layer(LockLayer::new(locks.clone(), path_key).hold_until_body_ends())
-        .service(streaming_handler(senders_tx));
-    let addr = serve(service).await;
-
-    let response = guarded(send(addr, Method::GET, "/reports/2")).await;
+    let layer = LockLayer::new(locks.clone(), path_key).hold_until_body_ends();
+    let (response, body_tx) = stream_through(layer, "/reports/2").await;
     assert_eq!(response.status(), StatusCode::OK);
-    let body_tx = guarded(senders.recv()).await.expect("handler ran");
     let mut body = response.into_body();
 
     body_tx.send(Bytes::from_static(b"part 1")).expect("send");
@@ -150,20 +108,9 @@ async fn hold_until_body_ends_keeps_the_lock_until_the_last_frame() {
 #[tokio::test]
 async fn losing_the_lock_while_streaming_breaks_the_body() {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(MemoryBackend::with_lease(
-        store.clone(),
-        Duration::from_millis(300),
-    ))
-    .build()
-    .expect("lock provider");
-    let (senders_tx, mut senders) = mpsc::unbounded_channel();
-    let service = ServiceBuilder::new()
-        .layer(LockLayer::new(locks.clone(), path_key).hold_until_body_ends())
-        .service(streaming_handler(senders_tx));
-    let addr = serve(service).await;
-
-    let response = guarded(send(addr, Method::GET, "/reports/3")).await;
-    let body_tx = guarded(senders.recv()).await.expect("handler ran");
+    let locks = short_lease_locks(&store);
+    let layer = LockLayer::new(locks.clone(), path_key).hold_until_body_ends();
+    let (response, body_tx) = stream_through(layer, "/reports/3").await;
     let mut body = response.into_body();
     body_tx.send(Bytes::from_static(b"part 1")).expect("send");
     guarded(body.frame()).await.expect("frame").expect("data");
@@ -192,39 +139,17 @@ async fn requests_without_a_key_are_400_unless_passed_through() {
         let locked = request.extensions().get::<RequestLock>().is_some();
         Ok::<_, Infallible>(text(if locked { "locked" } else { "unlocked" }))
     });
-    let strict = serve(
-        ServiceBuilder::new()
-            .layer(LockLayer::new(locks.clone(), writes_only))
-            .service(handler),
-    )
-    .await;
-    let lenient = serve(
-        ServiceBuilder::new()
-            .layer(LockLayer::new(locks, writes_only).pass_through_without_key())
-            .service(handler),
-    )
-    .await;
+    let strict = serve_behind(LockLayer::new(locks.clone(), writes_only), handler).await;
+    let lenient = LockLayer::new(locks, writes_only).pass_through_without_key();
+    let lenient = serve_behind(lenient, handler).await;
 
-    let response = guarded(send(strict, Method::GET, "/orders/1")).await;
-    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    let problem: serde_json::Value = serde_json::from_slice(&body).expect("json");
-    assert_eq!(problem["code"], "locking.invalid_key");
+    let reply = guarded(call(strict, Method::GET, "/orders/1")).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.code(), "locking.invalid_key");
 
     for (method, expected) in [(Method::GET, "unlocked"), (Method::POST, "locked")] {
-        let response = guarded(send(lenient, method, "/orders/1")).await;
-        assert_eq!(response.status(), StatusCode::OK);
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        assert_eq!(&body[..], expected.as_bytes());
+        let reply = guarded(call(lenient, method, "/orders/1")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(&reply.body[..], expected.as_bytes());
     }
 }

@@ -5,81 +5,18 @@ mod support;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::request::Parts;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
 use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 use lockingkit_tower::{LockLayer, RequestLock};
 use tokio::sync::{mpsc, Barrier, Semaphore};
-use tower::{service_fn, ServiceBuilder};
+use tower::service_fn;
 
-use support::{send, serve};
-
-/// A bound on how long a test may hang if the code under test deadlocks; never a way to wait
-/// for something to happen.
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
-
-fn path_key(parts: &Parts) -> Option<String> {
-    Some(parts.uri.path().trim_start_matches('/').to_owned())
-}
-
-/// A response as the client saw it, body read to the end.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    content_type: Option<String>,
-    retry_after: Option<String>,
-    body: Bytes,
-}
-
-impl Reply {
-    fn code(&self) -> String {
-        assert_eq!(
-            self.content_type.as_deref(),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
-        let doc: serde_json::Value = serde_json::from_slice(&self.body).expect("JSON");
-        assert_eq!(doc["status"], self.status.as_u16());
-        doc["code"].as_str().expect("code").to_owned()
-    }
-}
-
-async fn call(addr: std::net::SocketAddr, method: Method, path: &str) -> Reply {
-    let response = send(addr, method, path).await;
-    let header = |name| {
-        response
-            .headers()
-            .get(name)
-            .map(|value: &http::HeaderValue| value.to_str().unwrap_or_default().to_owned())
-    };
-    let (status, content_type, retry_after) =
-        (response.status(), header(CONTENT_TYPE), header(RETRY_AFTER));
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    Reply {
-        status,
-        content_type,
-        retry_after,
-        body,
-    }
-}
+use support::{call, guarded, path_key, serve_behind, short_lease_locks};
 
 /// A handler that reports its lock mode on `entered`, then parks until `open` has a permit
 /// (which it hands back, so one permit lets every parked handler through).
@@ -129,21 +66,12 @@ async fn readers_of_one_key_are_in_flight_together_and_a_writer_is_refused_meanw
             }
         })
     };
-    let reads = serve(
-        ServiceBuilder::new()
-            .layer(
-                LockLayer::new(locks.clone(), path_key)
-                    .shared()
-                    .expect("in-memory reads"),
-            )
-            .service(reader),
-    )
-    .await;
+    let shared = LockLayer::new(locks.clone(), path_key).shared();
+    let reads = serve_behind(shared.expect("in-memory reads"), reader).await;
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
-    let writes = serve(
-        ServiceBuilder::new()
-            .layer(LockLayer::new(locks.clone(), path_key))
-            .service(parked(entered_tx, open.clone())),
+    let writes = serve_behind(
+        LockLayer::new(locks.clone(), path_key),
+        parked(entered_tx, open.clone()),
     )
     .await;
 
@@ -178,16 +106,9 @@ async fn a_semaphore_layer_of_two_admits_two_and_answers_the_third_429() {
     let locks = DistributedLock::in_memory_shared(&store);
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let open = Arc::new(Semaphore::new(0));
-    let addr = serve(
-        ServiceBuilder::new()
-            .layer(
-                LockLayer::new(locks, path_key)
-                    .semaphore(2)
-                    .expect("in-memory semaphores"),
-            )
-            .service(parked(entered_tx, open.clone())),
-    )
-    .await;
+    let slots = LockLayer::new(locks, path_key).semaphore(2);
+    let slots = slots.expect("in-memory semaphores");
+    let addr = serve_behind(slots, parked(entered_tx, open.clone())).await;
 
     let first = tokio::spawn(call(addr, Method::POST, "/exports/acme"));
     let second = tokio::spawn(call(addr, Method::POST, "/exports/acme"));
@@ -232,28 +153,20 @@ async fn a_semaphore_layer_of_two_admits_two_and_answers_the_third_429() {
 async fn losing_a_semaphore_slot_mid_request_drops_the_handler_and_answers_outcome_unknown() {
     let store = MemoryStore::new();
     // A short lease makes renewals notice the broken slot quickly.
-    let locks = DistributedLock::builder(MemoryBackend::with_lease(
-        store.clone(),
-        Duration::from_millis(300),
-    ))
-    .build()
-    .expect("lock provider");
+    let locks = short_lease_locks(&store);
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
-    let addr = serve(
-        ServiceBuilder::new()
-            .layer(LockLayer::new(locks, path_key).semaphore(1).expect("slots"))
-            .service(service_fn(move |_request: Request<Incoming>| {
-                let (entered_tx, dropped_tx) = (entered_tx.clone(), dropped_tx.clone());
-                async move {
-                    let _signal = DropSignal(dropped_tx);
-                    let _ = entered_tx.send(());
-                    std::future::pending::<()>().await;
-                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
-                }
-            })),
-    )
-    .await;
+    let handler = service_fn(move |_request: Request<Incoming>| {
+        let (entered_tx, dropped_tx) = (entered_tx.clone(), dropped_tx.clone());
+        async move {
+            let _signal = DropSignal(dropped_tx);
+            let _ = entered_tx.send(());
+            std::future::pending::<()>().await;
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+        }
+    });
+    let slot = LockLayer::new(locks, path_key).semaphore(1).expect("slots");
+    let addr = serve_behind(slot, handler).await;
 
     let request = tokio::spawn(call(addr, Method::POST, "/exports/acme"));
     guarded(entered.recv()).await.expect("inside");
@@ -326,12 +239,10 @@ async fn a_provider_without_shared_locks_or_semaphores_refuses_the_layer_when_it
     assert!(slots.to_string().contains("semaphore"), "{slots}");
     // The exclusive layer it started from still works.
     assert_eq!(layer.mode(), LockMode::Exclusive);
-    let addr = serve(ServiceBuilder::new().layer(layer).service(service_fn(
-        |_request: Request<Incoming>| async {
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("ok"))))
-        },
-    )))
-    .await;
+    let ok = service_fn(|_request: Request<Incoming>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("ok"))))
+    });
+    let addr = serve_behind(layer, ok).await;
     let reply = guarded(call(addr, Method::POST, "/orders/1")).await;
     assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
 

@@ -21,19 +21,7 @@ use lockingkit_tower::{LockKey, LockLayer, RequestLock};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
 
-use support::ChannelBody;
-
-const HANG_GUARD: Duration = Duration::from_secs(20);
-
-async fn guarded<F: Future>(future: F) -> F::Output {
-    tokio::time::timeout(HANG_GUARD, future)
-        .await
-        .expect("the test hung")
-}
-
-fn path_key(parts: &Parts) -> Option<String> {
-    Some(parts.uri.path().trim_start_matches('/').to_owned())
-}
+use support::{guarded, path_key, ChannelBody, HANG_GUARD};
 
 fn request(path: &str) -> Request<()> {
     Request::builder().uri(path).body(()).expect("request")

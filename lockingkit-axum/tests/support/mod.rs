@@ -1,16 +1,70 @@
-//! A real HTTP client and server on 127.0.0.1 for the HTTP tests.
+//! What the axum tests share: a real HTTP client and server on 127.0.0.1, the hang guard, the
+//! handler that shows its lock, the route most tests lock, and a lock with short leases.
 
 #![allow(dead_code)]
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::time::Duration;
 
+use axum::extract::Request as AxumRequest;
+use axum::response::IntoResponse;
+use axum::routing::{post as route_post, Route};
 use axum::Router;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HOST, RETRY_AFTER};
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
+use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+use lockingkit_axum::HeldLock;
 use tokio::net::{TcpListener, TcpStream};
+use tower::{Layer, Service};
+
+/// A bound on how long a test may hang if the code under test deadlocks; never a way to wait
+/// for something to happen.
+pub const HANG_GUARD: Duration = Duration::from_secs(20);
+
+/// `future`, failing the test if it hangs past [`HANG_GUARD`].
+pub async fn guarded<F: Future>(future: F) -> F::Output {
+    tokio::time::timeout(HANG_GUARD, future)
+        .await
+        .expect("the test hung")
+}
+
+/// A handler that answers with its lock's key and fencing token, "orders/7 3".
+pub async fn show_lock(lock: HeldLock) -> String {
+    format!("{} {}", lock.key(), lock.fencing_token())
+}
+
+/// Serves `POST /orders/{id}/ship`, answered by [`show_lock`], behind `layer` (a route layer).
+pub async fn serve_ship_route<L>(layer: L) -> SocketAddr
+where
+    L: Layer<Route> + Clone + Send + Sync + 'static,
+    L::Service: Service<AxumRequest> + Clone + Send + Sync + 'static,
+    <L::Service as Service<AxumRequest>>::Response: IntoResponse + 'static,
+    <L::Service as Service<AxumRequest>>::Error: Into<Infallible> + 'static,
+    <L::Service as Service<AxumRequest>>::Future: Send + 'static,
+{
+    serve(ship_router().route_layer(layer)).await
+}
+
+/// `POST /orders/{id}/ship`, answered by [`show_lock`], unlocked.
+pub fn ship_router() -> Router {
+    Router::new().route("/orders/{id}/ship", route_post(show_lock))
+}
+
+/// In-memory locks on `store` with 300 ms leases, so that renewals (every 100 ms) notice a
+/// broken lease quickly.
+pub fn short_lease_locks(store: &MemoryStore) -> DistributedLock {
+    DistributedLock::builder(MemoryBackend::with_lease(
+        store.clone(),
+        Duration::from_millis(300),
+    ))
+    .build()
+    .expect("lock provider")
+}
 
 /// Serves `app` on a free loopback port until the test's runtime ends.
 pub async fn serve(app: Router) -> SocketAddr {
@@ -58,6 +112,17 @@ impl Reply {
         self.headers
             .get(RETRY_AFTER)
             .map(|v| v.to_str().unwrap().to_owned())
+    }
+
+    /// Checks that this is the default answer to a busy lock: `409 Conflict` with code
+    /// `locking.busy` and `Retry-After: 1`, naming nothing of `key`.
+    pub fn assert_busy_without(&self, key: &str) {
+        assert_eq!(self.status, StatusCode::CONFLICT, "{self:?}");
+        let problem = self.problem();
+        assert_eq!(problem["code"], "locking.busy");
+        assert_eq!(problem["title"], "Conflict");
+        assert!(!self.text().contains(key), "the key leaked: {self:?}");
+        assert_eq!(self.retry_after().as_deref(), Some("1"));
     }
 }
 

@@ -8,12 +8,12 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
-use lockingkit::{ErrorKind, LockError};
+use lockingkit::LockError;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use super::acquire::{Acquisition, Derived};
 use super::held::Held;
-use super::key::{Acquisition, Derived};
 use super::layer::{LockConfig, OnLoss};
 use super::rejection::RejectionResponse;
 use super::until_lost::UntilLost;
@@ -188,20 +188,16 @@ where
         }),
         Derived::Miswired { explanation } => {
             report_miswiring(config, &explanation);
-            let error = LockError::new(
-                ErrorKind::Misconfigured,
-                format!("the lock layer is wired wrong: {explanation}"),
-            );
+            let mode = config.mode.mode();
             Step::Finish(Outcome::Rejected(LockRejection::miswired(
-                error,
-                config.mode.mode(),
+                &explanation,
+                mode,
             )))
         }
         Derived::Refused { error } => Step::Finish(Outcome::Rejected(LockRejection::acquire(
             error,
             config.mode.mode(),
-            config.busy_retry_after,
-            config.unavailable_retry_after,
+            config.retry_after,
         ))),
     })
 }
@@ -324,27 +320,15 @@ where
 /// Refusals are logged at debug level: contention is routine, an outage is logged once by the
 /// provider when it starts and once when it ends (not per request, which would flood the log
 /// exactly when it matters), and a loss and a wiring mistake are logged where they are found.
+/// The line names the rejection's situation as the table in `answers.rs` words it.
 fn log_rejection(config: &LockConfig, rejection: &LockRejection) {
-    let lock = config.locks.name();
-    let code = rejection.code();
-    match rejection.kind() {
-        ErrorKind::Busy | ErrorKind::Timeout if rejection.is_concurrency_limit() => {
-            tracing::debug!(
-                lock,
-                code,
-                "request refused: every slot of the semaphore is taken"
-            );
-        }
-        ErrorKind::Busy | ErrorKind::Timeout => {
-            tracing::debug!(lock, code, "request refused: the lock is busy");
-        }
-        ErrorKind::InvalidKey => {
-            tracing::debug!(lock, code, "request refused: no valid lock key");
-        }
-        _ => {
-            tracing::debug!(lock, code, error = ?rejection.error(), "request refused: {}", rejection.detail());
-        }
-    }
+    tracing::debug!(
+        lock = config.locks.name(),
+        code = rejection.code(),
+        error = ?rejection.error(),
+        "request refused: {}",
+        rejection.answer().when
+    );
 }
 
 impl<S, ReqBody, M> fmt::Debug for ResponseFuture<S, ReqBody, M>

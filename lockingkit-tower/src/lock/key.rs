@@ -1,16 +1,9 @@
-//! How a request names the lock it needs, and the one boxed future per request that derives
-//! the key and takes the lock.
+//! How a request names the lock it needs ([`LockKey`]) or the locks it needs together
+//! ([`LockKeys`]).
 
 use std::future::{ready, Future};
-use std::pin::Pin;
-use std::sync::Arc;
 
 use http::request::Parts;
-use lockingkit::LockError;
-
-use super::held::Held;
-use super::keys::{held_by_an_outer_layer, NESTED};
-use super::layer::LockConfig;
 
 /// Derives the lock key of a request.
 ///
@@ -81,66 +74,41 @@ where
     }
 }
 
-/// What deriving the key and taking the lock came to, for one request.
-pub(crate) enum Derived {
-    /// [`LockKey::applies_to`] said no: the request goes on unlocked.
-    NotApplicable,
-    /// No key could be derived.
-    NoKey,
-    Acquired {
-        handle: Held,
-    },
-    Refused {
-        error: LockError,
-    },
-    /// The service is wired so that the request cannot be locked: a server bug, told here.
-    Miswired {
-        explanation: String,
-    },
-}
+/// Derives the keys a request locks together, for [`LockLayer::all`](crate::LockLayer::all)
+/// and [`LockLayer::with_keys`](crate::LockLayer::with_keys).
+///
+/// The multi-key form of [`LockKey`](crate::LockKey), with the same three questions:
+/// `Some(keys)` are the keys to hold as one (in any order, duplicates allowed: they are taken
+/// in their canonical order and folded, see
+/// [`DistributedLock::acquire_all`](lockingkit::DistributedLock::acquire_all)); `None`, or no
+/// keys at all, means the request names none, which the layer rejects with `400` unless built
+/// with [`pass_through_without_key`](crate::LockLayer::pass_through_without_key).
+///
+/// Any `Fn(&Parts) -> Option<Vec<String>>` is a `LockKeys`.
+pub trait LockKeys: Send + Sync + 'static {
+    /// The keys to lock together for this request, or `None` if the request names none.
+    fn lock_keys(&self, request: &mut Parts) -> impl Future<Output = Option<Vec<String>>> + Send;
 
-pub(crate) type Acquisition = Pin<Box<dyn Future<Output = (Parts, Derived)> + Send>>;
+    /// Whether the layer handles this request at all (see
+    /// [`LockKey::applies_to`](crate::LockKey::applies_to)). The default is `true`.
+    fn applies_to(&self, request: &mut Parts) -> impl Future<Output = bool> + Send {
+        let _ = request;
+        ready(true)
+    }
 
-/// A [`LockKey`] with its type erased, so that the layer can hold any key: it boxes the whole
-/// per-request work (key derivation and acquisition) in one allocation.
-pub(crate) trait AcquireForRequest: Send + Sync + 'static {
-    /// Takes `parts` for the duration and hands them back with the outcome.
-    /// The layer's `config` says on which provider, in which mode and how long to wait.
-    fn acquire_for(self: Arc<Self>, parts: Parts, config: Arc<LockConfig>) -> Acquisition;
-}
-
-impl<K: LockKey> AcquireForRequest for K {
-    fn acquire_for(self: Arc<Self>, mut parts: Parts, config: Arc<LockConfig>) -> Acquisition {
-        Box::pin(async move {
-            let derived = derive_and_acquire(&*self, &mut parts, &config).await;
-            (parts, derived)
-        })
+    /// Why the service is wired so that this request cannot be locked, if it is (see
+    /// [`LockKey::miswired`](crate::LockKey::miswired)). The default finds nothing.
+    fn miswired(&self, request: &mut Parts) -> impl Future<Output = Option<String>> + Send {
+        let _ = request;
+        ready(None)
     }
 }
 
-async fn derive_and_acquire<K: LockKey>(
-    key: &K,
-    parts: &mut Parts,
-    config: &LockConfig,
-) -> Derived {
-    if !key.applies_to(parts).await {
-        return Derived::NotApplicable;
-    }
-    if let Some(explanation) = key.miswired(parts).await {
-        return Derived::Miswired { explanation };
-    }
-    let Some(key) = key.lock_key(parts).await else {
-        return Derived::NoKey;
-    };
-    if held_by_an_outer_layer(parts, &key, config.mode.mode(), &config.locks) {
-        return Derived::Miswired {
-            explanation: NESTED.to_owned(),
-        };
-    }
-    match config.mode.take(&config.locks, &key, config.wait).await {
-        Ok(handle) => Derived::Acquired {
-            handle: Held::One(handle),
-        },
-        Err(error) => Derived::Refused { error },
+impl<F> LockKeys for F
+where
+    F: Fn(&Parts) -> Option<Vec<String>> + Send + Sync + 'static,
+{
+    fn lock_keys(&self, request: &mut Parts) -> impl Future<Output = Option<Vec<String>>> + Send {
+        ready(self(request))
     }
 }

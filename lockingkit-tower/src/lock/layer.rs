@@ -9,11 +9,11 @@ use http::request::Parts;
 use lockingkit::{DistributedLock, LockError, LockMode};
 use tower_layer::Layer;
 
-use super::key::{AcquireForRequest, LockKey};
+use super::acquire::{AcquireForRequest, AllKeys, OneKey};
+use super::answers::RetryAfters;
+use super::key::{LockKey, LockKeys};
 use super::mode::RequestMode;
-use super::rejection::{
-    LockRejection, ProblemDetails, DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER,
-};
+use super::rejection::{LockRejection, ProblemDetails};
 use super::LockService;
 
 /// Holds a distributed lock for each request.
@@ -104,8 +104,7 @@ pub(crate) struct LockConfig {
     pub(crate) pass_through_without_key: bool,
     pub(crate) hold_until_body_ends: bool,
     pub(crate) on_loss: OnLoss,
-    pub(crate) busy_retry_after: Duration,
-    pub(crate) unavailable_retry_after: Duration,
+    pub(crate) retry_after: RetryAfters,
     /// The wiring mistakes already logged, so each is logged once, not on every request.
     pub(crate) miswirings: Arc<Mutex<HashSet<String>>>,
 }
@@ -142,7 +141,58 @@ impl LockLayer {
 
     /// A layer that locks the key a custom [`LockKey`] derives from each request.
     pub fn with_key(locks: DistributedLock, key: impl LockKey) -> Self {
-        Self::deriving(locks, Arc::new(key))
+        Self::deriving(locks, Arc::new(OneKey(key)))
+    }
+
+    /// A layer that locks every key `keys` derives from each request's head, together, on
+    /// `locks` — for a route that touches several resources, such as a transfer between two
+    /// accounts.
+    ///
+    /// The keys are held as one (see
+    /// [`DistributedLock::acquire_all`](lockingkit::DistributedLock::acquire_all)): taken in
+    /// their canonical order, so requests that name them in opposite orders never deadlock, and
+    /// all or nothing. Everything else is as for a single key: one attempt per request unless
+    /// [`wait`](Self::wait) (one timeout for all the keys), `409` while any key is busy, `503`
+    /// when the backend is unavailable, the handler dropped and `500` with `locking.lost` if
+    /// any key is lost mid-request, every key released when the response is produced. The
+    /// handler finds a [`RequestLocks`](crate::RequestLocks) in the request extensions.
+    ///
+    /// ```
+    /// use http::{request::Parts, Request, Response};
+    /// use lockingkit::DistributedLock;
+    /// use lockingkit_tower::{LockLayer, RequestLocks};
+    /// use tower::{service_fn, ServiceBuilder, ServiceExt};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// // "/transfers/7/3" locks "accounts/7" and "accounts/3".
+    /// let accounts = |parts: &Parts| {
+    ///     let mut ids = parts.uri.path().strip_prefix("/transfers/")?.split('/');
+    ///     let (from, to) = (ids.next()?, ids.next()?);
+    ///     Some(vec![format!("accounts/{from}"), format!("accounts/{to}")])
+    /// };
+    /// let service = ServiceBuilder::new()
+    ///     .layer(LockLayer::all(DistributedLock::in_memory(), accounts))
+    ///     .service(service_fn(|request: Request<String>| async move {
+    ///         let locks = request.extensions().get::<RequestLocks>().cloned();
+    ///         let held = locks.map_or(0, |locks| locks.members().len());
+    ///         Ok::<_, std::convert::Infallible>(Response::new(format!("{held} accounts")))
+    ///     }));
+    /// let request = Request::builder().uri("/transfers/7/3").body(String::new())?;
+    /// assert_eq!(service.oneshot(request).await?.status(), 200);
+    /// # Ok(()) }
+    /// ```
+    pub fn all<F>(locks: DistributedLock, keys: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<Vec<String>> + Send + Sync + 'static,
+    {
+        Self::with_keys(locks, keys)
+    }
+
+    /// A layer that locks the keys a custom [`LockKeys`] derives from each request, together
+    /// (see [`all`](Self::all)).
+    pub fn with_keys(locks: DistributedLock, keys: impl LockKeys) -> Self {
+        Self::deriving(locks, Arc::new(AllKeys(keys)))
     }
 
     /// A layer whose per-request work (derive the key or keys, take the locks) is `key`.
@@ -156,8 +206,7 @@ impl LockLayer {
                 pass_through_without_key: false,
                 hold_until_body_ends: false,
                 on_loss: OnLoss::Cancel,
-                busy_retry_after: DEFAULT_BUSY_RETRY_AFTER,
-                unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
+                retry_after: RetryAfters::DEFAULT,
                 miswirings: Arc::default(),
             }),
             mapper: Arc::new(ProblemDetails),
@@ -310,13 +359,13 @@ impl<M> LockLayer<M> {
     /// The `Retry-After` sent with busy and timeout rejections (1 s by default; whole seconds,
     /// rounded up).
     pub fn busy_retry_after(self, after: Duration) -> Self {
-        self.configure(|config| config.busy_retry_after = after)
+        self.configure(|config| config.retry_after.busy = after)
     }
 
     /// The `Retry-After` sent when the lock backend is unavailable (5 s by default; whole
     /// seconds, rounded up).
     pub fn unavailable_retry_after(self, after: Duration) -> Self {
-        self.configure(|config| config.unavailable_retry_after = after)
+        self.configure(|config| config.retry_after.unavailable = after)
     }
 
     /// Replaces the problem documents with responses of your own.

@@ -1,30 +1,35 @@
-//! The lock-per-request middleware: `LockService` here, `LockLayer` in `layer.rs`, the response
-//! future in `future.rs`, rejections, their mapper and the problem document in `rejection.rs`,
-//! the mode each request's key is held in (exclusive, shared, semaphore slot) in `mode.rs`,
-//! and the multi-key form (several keys per request, held as one) in `keys.rs`, `held.rs` and
-//! `request_locks.rs`.
+//! The lock-per-request middleware: `LockService` here, `LockLayer` and its constructors in
+//! `layer.rs`, the response future in `future.rs`. How a request names its key or keys is in
+//! `key.rs`; the one per-request path that derives them and takes the lock is `acquire.rs`, with
+//! the refusal of a layer nested in another that locks the same key in `nesting.rs`. The mode
+//! each key is held in (exclusive, shared, semaphore slot) is `mode.rs`, the hold itself
+//! (one key or several held as one) `held.rs`, and what the handler sees of it
+//! `request_lock.rs` and `request_locks.rs`. Refusals: `rejection.rs` (why, and the mapper),
+//! `answers.rs` (the one table of status, `Retry-After`, code and detail), `problem.rs` (the
+//! problem document).
 
+mod acquire;
+mod answers;
 mod body;
 mod future;
 mod held;
 mod key;
-mod keys;
 mod layer;
 mod mode;
+mod nesting;
+mod problem;
 mod rejection;
 mod request_lock;
 mod request_locks;
 mod until_lost;
 
+pub use self::answers::{DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER};
 pub use self::body::LockBody;
 pub use self::future::ResponseFuture;
-pub use self::key::LockKey;
-pub use self::keys::LockKeys;
+pub use self::key::{LockKey, LockKeys};
 pub use self::layer::{LockLayer, OnLoss};
-pub use self::rejection::{
-    LockRejection, ProblemDetails, ProblemDocument, RejectionResponse, DEFAULT_BUSY_RETRY_AFTER,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
-};
+pub use self::problem::{ProblemDocument, PROBLEM_JSON};
+pub use self::rejection::{LockRejection, ProblemDetails, RejectionResponse};
 pub use self::request_lock::RequestLock;
 pub use self::request_locks::RequestLocks;
 

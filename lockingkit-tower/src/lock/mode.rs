@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lockingkit::{DistributedLock, LockError, LockHandle, LockMode};
+use lockingkit::{DistributedLock, LockError, LockHandle, LockMode, MultiLockHandle};
 
 /// The mode a [`LockLayer`](crate::LockLayer) takes each request's key in, known to be one its
 /// provider can hold.
@@ -36,6 +36,20 @@ impl RequestMode {
         match wait {
             None => locks.try_acquire_in(key, self.0).await,
             Some(timeout) => locks.acquire_in(key, self.0, timeout).await,
+        }
+    }
+
+    /// Takes every one of `keys` in this mode, as one hold: one attempt, or waiting up to
+    /// `wait` (one timeout for all of them).
+    pub(crate) async fn take_all(
+        self,
+        locks: &DistributedLock,
+        keys: &[String],
+        wait: Option<Duration>,
+    ) -> Result<MultiLockHandle, LockError> {
+        match wait {
+            None => locks.try_acquire_all_in(keys, self.0).await,
+            Some(timeout) => locks.acquire_all_in(keys, self.0, timeout).await,
         }
     }
 }

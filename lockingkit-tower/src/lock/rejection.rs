@@ -1,107 +1,25 @@
-//! Why a request was refused, how a refusal becomes a response, and the RFC 9457 problem
-//! document every refusal of the HTTP crates is written as.
+//! Why a request was refused, and how a refusal becomes a response.
 
 use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::header::RETRY_AFTER;
 use http::{HeaderValue, Response, StatusCode};
 use lockingkit::{ErrorKind, LockError, LockMode};
-use serde::Serialize;
 
-use super::LockBody;
-
-/// The media type of a problem document (RFC 9457).
-pub const PROBLEM_JSON: &str = "application/problem+json";
-
-/// How long a client is told to wait after a busy or timed-out lock, by default.
-pub const DEFAULT_BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
-/// How long a client is told to wait after the lock backend was unavailable, by default.
-pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
-
-/// An RFC 9457 problem document, as LockingKit's HTTP crates send it.
-///
-/// `type` is always `about:blank`, so `title` is the status's reason phrase; clients tell the
-/// cases apart by the `code` extension member, one of the stable [`ErrorKind`] codes. The
-/// members are serialized in the order `type`, `title`, `status`, `detail`, `code`:
-///
-/// ```text
-/// {"type":"about:blank","title":"Conflict","status":409,"detail":"…","code":"locking.busy"}
-/// ```
-///
-/// A document never carries the lock key, so it is safe to show to clients.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct ProblemDocument {
-    #[serde(rename = "type")]
-    problem_type: &'static str,
-    title: &'static str,
-    status: u16,
-    detail: &'static str,
-    code: &'static str,
-}
-
-impl ProblemDocument {
-    /// The document for `status`, with a sentence for the client and a stable error `code`.
-    pub fn new(status: StatusCode, detail: &'static str, code: &'static str) -> Self {
-        ProblemDocument {
-            problem_type: "about:blank",
-            title: status.canonical_reason().unwrap_or("Error"),
-            status: status.as_u16(),
-            detail,
-            code,
-        }
-    }
-
-    /// The HTTP status the document describes.
-    pub fn status(&self) -> StatusCode {
-        StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
-    }
-
-    /// The stable error code, such as `locking.busy`.
-    pub fn code(&self) -> &'static str {
-        self.code
-    }
-
-    /// The sentence for the client.
-    pub fn detail(&self) -> &'static str {
-        self.detail
-    }
-
-    /// The document as JSON.
-    pub fn to_json(&self) -> Bytes {
-        // Serializing a struct of strings and a number cannot fail; the empty fallback only
-        // keeps library code free of panics.
-        serde_json::to_vec(self)
-            .map(Bytes::from)
-            .unwrap_or_default()
-    }
-
-    /// A response with the document's status, `Content-Type: application/problem+json` and the
-    /// document as its body.
-    pub fn response<B: From<Bytes>>(&self) -> Response<B> {
-        let mut response = Response::new(B::from(self.to_json()));
-        *response.status_mut() = self.status();
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        response
-    }
-}
+use super::answers::{Answer, RetryAfters, Situation};
+use super::{LockBody, ProblemDocument};
 
 /// Why a [`LockLayer`](crate::LockLayer) refused or stopped a request.
 ///
 /// The layer turns a rejection into a response through its rejection mapper; by default that
-/// is [`ProblemDetails`](crate::ProblemDetails), which sends [`problem_response`](Self::problem_response):
-///
-/// | kind | status | `Retry-After` |
-/// |---|---|---|
-/// | `Busy`, `Timeout` | 409 Conflict | yes |
-/// | `Busy`, `Timeout` of a [semaphore](crate::LockLayer::semaphore) layer | 429 Too Many Requests | yes |
-/// | `Unavailable` | 503 Service Unavailable | yes |
-/// | `InvalidKey` (also: no key derivable) | 400 Bad Request | no |
-/// | `Lost` mid-request: the outcome is unknown | 500 Internal Server Error | no |
-/// | `Misconfigured`, `Backend` (also: the layer is wired wrong) | 500 Internal Server Error | no |
+/// is [`ProblemDetails`](crate::ProblemDetails), which sends
+/// [`problem_response`](Self::problem_response): the status, `Retry-After` and problem `code`
+/// of the table in the [crate docs](crate), whose situations [`kind`](Self::kind),
+/// [`is_concurrency_limit`](Self::is_concurrency_limit),
+/// [`is_lost_mid_request`](Self::is_lost_mid_request), [`is_miswired`](Self::is_miswired) and
+/// [`is_missing_key`](Self::is_missing_key) tell apart.
 ///
 /// A lock lost mid-request is not `503`: the handler may have applied some or all of its
 /// effects before it was stopped (a database commits a statement whose future was dropped),
@@ -118,8 +36,9 @@ impl ProblemDocument {
 /// — turns it into the layer's own answer with `?` or `LockRejection::from`.
 pub struct LockRejection {
     cause: Cause,
-    retry_after: Option<Duration>,
     mode: LockMode,
+    situation: Situation,
+    retry_after: Option<Duration>,
 }
 
 enum Cause {
@@ -131,46 +50,48 @@ enum Cause {
 }
 
 impl LockRejection {
+    /// No key could be derived from the request.
     pub(crate) fn no_key(mode: LockMode) -> Self {
-        LockRejection {
-            cause: Cause::NoKey,
-            retry_after: None,
-            mode,
-        }
+        Self::new(Cause::NoKey, mode, RetryAfters::DEFAULT)
     }
 
-    pub(crate) fn acquire(
-        error: LockError,
-        mode: LockMode,
-        busy_retry: Duration,
-        down_retry: Duration,
-    ) -> Self {
-        let retry_after = match error.kind() {
-            ErrorKind::Busy | ErrorKind::Timeout => Some(busy_retry),
-            ErrorKind::Unavailable => Some(down_retry),
-            _ => None,
+    /// Taking the lock failed with `error`; `retry` are the layer's `Retry-After`s.
+    pub(crate) fn acquire(error: LockError, mode: LockMode, retry: RetryAfters) -> Self {
+        Self::new(Cause::Acquire(error), mode, retry)
+    }
+
+    /// The lock was lost while the inner service handled the request.
+    pub(crate) fn lost(error: LockError, mode: LockMode) -> Self {
+        Self::new(Cause::Lost(error), mode, RetryAfters::DEFAULT)
+    }
+
+    /// The service is wired so that the request cannot be locked, as `explanation` says.
+    pub(crate) fn miswired(explanation: &str, mode: LockMode) -> Self {
+        let error = LockError::new(
+            ErrorKind::Misconfigured,
+            format!("the lock layer is wired wrong: {explanation}"),
+        );
+        Self::new(Cause::Miswired(error), mode, RetryAfters::DEFAULT)
+    }
+
+    fn new(cause: Cause, mode: LockMode, retry: RetryAfters) -> Self {
+        let situation = match &cause {
+            Cause::NoKey => Situation::NoKey,
+            Cause::Acquire(error) => Situation::of_acquire(error.kind(), mode),
+            Cause::Lost(_) => Situation::LostMidRequest,
+            Cause::Miswired(_) => Situation::Miswired,
         };
         LockRejection {
-            cause: Cause::Acquire(error),
-            retry_after,
+            cause,
             mode,
+            situation,
+            retry_after: situation.answer().retry_after.map(|after| retry.of(after)),
         }
     }
 
-    pub(crate) fn lost(error: LockError, mode: LockMode) -> Self {
-        LockRejection {
-            cause: Cause::Lost(error),
-            retry_after: None,
-            mode,
-        }
-    }
-
-    pub(crate) fn miswired(error: LockError, mode: LockMode) -> Self {
-        LockRejection {
-            cause: Cause::Miswired(error),
-            retry_after: None,
-            mode,
-        }
+    /// Its row of the table of answers.
+    pub(crate) fn answer(&self) -> &'static Answer {
+        self.situation.answer()
     }
 
     /// The kind of failure; [`ErrorKind::InvalidKey`] when no key could be derived.
@@ -183,7 +104,7 @@ impl LockRejection {
 
     /// The stable error code, such as `locking.busy`.
     pub fn code(&self) -> &'static str {
-        self.kind().code()
+        self.answer().kind.code()
     }
 
     /// The mode of the layer that refused: [`LockMode::Semaphore`] for a concurrency limit
@@ -195,8 +116,10 @@ impl LockRejection {
     /// Whether every slot of a [semaphore](crate::LockLayer::semaphore) layer was taken (for
     /// the whole wait, in wait mode): a capacity limit rather than a conflict.
     pub fn is_concurrency_limit(&self) -> bool {
-        matches!(self.mode, LockMode::Semaphore { .. })
-            && matches!(self.kind(), ErrorKind::Busy | ErrorKind::Timeout)
+        matches!(
+            self.situation,
+            Situation::SlotsTaken | Situation::SlotsTakenForTheWait
+        )
     }
 
     /// Whether the lock was lost while the inner service was handling the request: the
@@ -234,56 +157,19 @@ impl LockRejection {
 
     /// The HTTP status of the default response.
     pub fn status(&self) -> StatusCode {
-        if self.is_concurrency_limit() {
-            return StatusCode::TOO_MANY_REQUESTS;
-        }
-        if self.is_miswired() {
-            return StatusCode::INTERNAL_SERVER_ERROR;
-        }
-        match self.kind() {
-            ErrorKind::Busy | ErrorKind::Timeout => StatusCode::CONFLICT,
-            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            ErrorKind::InvalidKey => StatusCode::BAD_REQUEST,
-            // Lost mid-request: the outcome is unknown, so nothing here invites a retry.
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        self.answer().status
     }
 
     /// A sentence for the client. It names neither the key nor backend internals.
     pub fn detail(&self) -> &'static str {
-        if self.is_concurrency_limit() {
-            return match self.kind() {
-                ErrorKind::Timeout => {
-                    "Too many requests for this resource stayed in progress for the whole wait. \
-                     Retry later."
-                }
-                _ => "Too many requests for this resource are in progress. Retry later.",
-            };
-        }
-        match (&self.cause, self.kind()) {
-            (Cause::NoKey, _) => "No lock key could be derived from the request.",
-            (Cause::Miswired(_), _) => {
-                "The server is configured so that this request cannot be locked."
-            }
-            (_, ErrorKind::Busy) => "The resource is locked by another request. Retry later.",
-            (_, ErrorKind::Timeout) => {
-                "The resource stayed locked by another request for the whole wait. Retry later."
-            }
-            (_, ErrorKind::Unavailable) => "The lock service is unavailable. Retry later.",
-            (_, ErrorKind::Lost) => {
-                "The lock protecting this request was lost while the request was being \
-                 processed. The outcome is unknown: some or all of its effects may have been \
-                 applied. Check the resource's state before retrying."
-            }
-            (_, ErrorKind::InvalidKey) => "The lock key derived from the request is not valid.",
-            _ => "The lock service failed.",
-        }
+        self.answer().detail
     }
 
     /// The RFC 9457 [`ProblemDocument`] of this rejection: `type`, `title`, `status`, `detail`
     /// and `code`.
     pub fn problem(&self) -> ProblemDocument {
-        ProblemDocument::new(self.status(), self.detail(), self.code())
+        let answer = self.answer();
+        ProblemDocument::new(answer.status, answer.detail, answer.kind.code())
     }
 
     /// The [problem document](Self::problem) as JSON.
@@ -339,17 +225,13 @@ where
 impl From<LockError> for LockRejection {
     /// The rejection an exclusive layer would send for `error`: a [`ErrorKind::Lost`] error
     /// is the lost-mid-request rejection, any other an acquisition's, with the default
-    /// `Retry-After`s ([`DEFAULT_BUSY_RETRY_AFTER`], [`DEFAULT_UNAVAILABLE_RETRY_AFTER`]). A
+    /// `Retry-After`s ([`DEFAULT_BUSY_RETRY_AFTER`](crate::DEFAULT_BUSY_RETRY_AFTER),
+    /// [`DEFAULT_UNAVAILABLE_RETRY_AFTER`](crate::DEFAULT_UNAVAILABLE_RETRY_AFTER)). A
     /// busy error is therefore `409`, also when it came from a semaphore.
     fn from(error: LockError) -> Self {
         match error.kind() {
             ErrorKind::Lost => Self::lost(error, LockMode::Exclusive),
-            _ => Self::acquire(
-                error,
-                LockMode::Exclusive,
-                DEFAULT_BUSY_RETRY_AFTER,
-                DEFAULT_UNAVAILABLE_RETRY_AFTER,
-            ),
+            _ => Self::acquire(error, LockMode::Exclusive, RetryAfters::DEFAULT),
         }
     }
 }
@@ -398,6 +280,10 @@ impl std::error::Error for LockRejection {
 
 #[cfg(test)]
 mod tests {
+    use http::header::CONTENT_TYPE;
+
+    use super::super::answers::{DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER};
+    use super::super::PROBLEM_JSON;
     use super::*;
 
     fn rejection(kind: ErrorKind) -> LockRejection {
@@ -405,12 +291,11 @@ mod tests {
     }
 
     fn rejection_in(kind: ErrorKind, mode: LockMode) -> LockRejection {
-        LockRejection::acquire(
-            LockError::new(kind, "test"),
-            mode,
-            Duration::from_millis(1500),
-            Duration::from_secs(5),
-        )
+        let retry = RetryAfters {
+            busy: Duration::from_millis(1500),
+            unavailable: Duration::from_secs(5),
+        };
+        LockRejection::acquire(LockError::new(kind, "test"), mode, retry)
     }
 
     #[test]
@@ -437,10 +322,7 @@ mod tests {
         assert_eq!(lost.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert!(lost.retry_after().is_none());
         assert!(lost.detail().contains("outcome is unknown"));
-        let miswired = LockRejection::miswired(
-            LockError::new(ErrorKind::Misconfigured, "two layers"),
-            LockMode::Exclusive,
-        );
+        let miswired = LockRejection::miswired("two layers", LockMode::Exclusive);
         assert_eq!(miswired.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(
             LockRejection::no_key(LockMode::Exclusive).status(),

@@ -76,6 +76,16 @@ fn campaign(locks: &DistributedLock, works: &Works) -> Leadership {
         .expect("started")
 }
 
+/// A campaign on `store` whose work runs until it is dropped, once it leads: its works, the
+/// leadership and its state.
+async fn leading(store: &MemoryStore) -> (Works, Leadership, watch::Receiver<LeaderState>) {
+    let works = Works::default();
+    let leadership = campaign(&locks(store), &works);
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    (works, leadership, state)
+}
+
 #[tokio::test(start_paused = true)]
 async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_term() {
     let store = MemoryStore::new();
@@ -104,10 +114,7 @@ async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_
 #[tokio::test(start_paused = true)]
 async fn the_work_stops_within_the_renewal_that_finds_the_lease_gone() {
     let store = MemoryStore::new();
-    let works = Works::default();
-    let leadership = campaign(&locks(&store), &works);
-    let mut state = leadership.state();
-    until(&mut state, "leads", LeaderState::is_leading).await;
+    let (works, leadership, mut state) = leading(&store).await;
     let broken = tokio::time::Instant::now();
     store.break_lease(KEY);
     until(&mut state, "deposed", |s| !s.is_leading()).await;
@@ -274,10 +281,7 @@ async fn a_misconfiguration_stops_the_campaign_with_that_error_instead_of_spinni
 #[tokio::test(start_paused = true)]
 async fn dropping_the_leadership_resigns_in_the_background() {
     let store = MemoryStore::new();
-    let works = Works::default();
-    let leadership = campaign(&locks(&store), &works);
-    let mut state = leadership.state();
-    until(&mut state, "leads", LeaderState::is_leading).await;
+    let (works, leadership, mut state) = leading(&store).await;
     drop(leadership);
     until(&mut state, "stopped", LeaderState::is_stopped).await;
     assert!(!store.is_locked(KEY));

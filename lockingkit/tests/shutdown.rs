@@ -3,12 +3,17 @@
 //! outlives the process), attempts whose callers left finish first, and a release that hangs
 //! makes the shutdown report what was left rather than wait forever.
 
+mod support {
+    pub mod queue;
+}
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockingkit::testing::Intercept;
 use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
+use support::queue::queued_waiter;
 use tokio::time::Instant;
 
 /// What the backends of [`Counting::backend`] saw: the releases sent, whether releases hang,
@@ -40,24 +45,23 @@ impl Counting {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
-    let store = MemoryStore::new();
-    let counting = Counting::default();
+/// A store, a [`Counting`] and a lock on its backend.
+fn counted_pair() -> (MemoryStore, Counting, DistributedLock) {
+    let (store, counting) = (MemoryStore::new(), Counting::default());
     let locks = DistributedLock::builder(counting.backend(&store))
         .build()
         .unwrap();
+    (store, counting, locks)
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
+    let (store, counting, locks) = counted_pair();
     // One hold whose keeper has started (held past its first renewal), one whose has not.
     let long = locks.try_acquire("jobs/long").await.unwrap();
     tokio::time::sleep(Duration::from_secs(11)).await;
     let short = locks.try_acquire("jobs/short").await.unwrap();
-    let waiter = tokio::spawn({
-        let locks = locks.clone();
-        async move { locks.acquire("jobs/short", Duration::from_secs(60)).await }
-    });
-    while locks.waiting("jobs/short") == 0 {
-        tokio::task::yield_now().await;
-    }
+    let waiter = queued_waiter(&locks, "jobs/short", Duration::from_secs(60)).await;
     let lost = (long.lost_token(), short.lost_token());
 
     let started = Instant::now();
@@ -102,11 +106,7 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
 
 #[tokio::test(start_paused = true)]
 async fn a_release_that_hangs_is_reported_when_the_shutdown_times_out() {
-    let store = MemoryStore::new();
-    let counting = Counting::default();
-    let locks = DistributedLock::builder(counting.backend(&store))
-        .build()
-        .unwrap();
+    let (_store, counting, locks) = counted_pair();
     let held = locks.try_acquire("k").await.unwrap();
     counting.hang_releases.store(true, Ordering::SeqCst);
     let started = Instant::now();
@@ -125,11 +125,7 @@ async fn a_release_that_hangs_is_reported_when_the_shutdown_times_out() {
 async fn a_dropped_handle_is_released_before_the_shutdown_returns() {
     // The handle dropped just before the process exits: its background release must finish
     // before shutdown returns, or the lease outlives the process.
-    let store = MemoryStore::new();
-    let counting = Counting::default();
-    let locks = DistributedLock::builder(counting.backend(&store))
-        .build()
-        .unwrap();
+    let (store, counting, locks) = counted_pair();
     drop(locks.try_acquire("k").await.unwrap());
     locks.shutdown(Duration::from_secs(1)).await.unwrap();
     assert_eq!(counting.releases.load(Ordering::SeqCst), 1);

@@ -36,8 +36,9 @@ type Opened = Arc<dyn Fn(&str, LockMode) + Send + Sync>;
 ///
 /// Waits go through the hooks too: the engine's attempts while it waits are this wrapper's
 /// [`try_acquire`](LockBackend::try_acquire) calls, and nothing wakes a waiter early unless
-/// [`wake_waits_on`](Self::wake_waits_on) says what does. `supports`, `verify` and (unless
-/// set) `lease_ended` and `shutdown` are the wrapped backend's. Clones share the wrapped backend
+/// [`wake_waits_on`](Self::wake_waits_on) says what does. `verify`, and unless set `supports`
+/// and `lease_ended`, are the wrapped backend's; `shutdown` reaches it after
+/// [`on_shutdown`](Self::on_shutdown)'s hook. Clones share the wrapped backend
 /// and the hooks.
 ///
 /// ```
@@ -69,6 +70,7 @@ pub struct Intercept<B: LockBackend> {
     timing: Option<LeaseTiming>,
     writer_intent: Option<Option<Duration>>,
     watches_leases: Option<bool>,
+    supports: Option<fn(LockMode) -> bool>,
     try_acquire: Hook<Option<Acquired<B::Lease>>>,
     renew: Hook<()>,
     release: Hook<()>,
@@ -86,6 +88,7 @@ impl<B: LockBackend> Clone for Intercept<B> {
             timing: self.timing,
             writer_intent: self.writer_intent,
             watches_leases: self.watches_leases,
+            supports: self.supports,
             try_acquire: self.try_acquire.clone(),
             renew: self.renew.clone(),
             release: self.release.clone(),
@@ -119,6 +122,7 @@ impl<B: LockBackend> Intercept<B> {
             timing: None,
             writer_intent: None,
             watches_leases: None,
+            supports: None,
             try_acquire: unchanged(),
             renew: unchanged(),
             release: unchanged(),
@@ -191,6 +195,13 @@ impl<B: LockBackend> Intercept<B> {
         self
     }
 
+    /// Answers [`supports`](LockBackend::supports) with `supports` instead of the wrapped
+    /// backend, as a backend without readers or semaphores would.
+    pub fn supporting(mut self, supports: fn(LockMode) -> bool) -> Self {
+        self.supports = Some(supports);
+        self
+    }
+
     /// States `intent` as the writer's intent ([`LockBackend::writer_intent`]).
     pub fn writer_intent(mut self, intent: Option<Duration>) -> Self {
         self.writer_intent = Some(intent);
@@ -260,7 +271,8 @@ impl<B: LockBackend> LockBackend for Intercept<B> {
     }
 
     fn supports(&self, mode: LockMode) -> bool {
-        self.inner.supports(mode)
+        self.supports
+            .map_or_else(|| self.inner.supports(mode), |supports| supports(mode))
     }
 
     fn writer_intent(&self) -> Option<Duration> {

@@ -3,18 +3,24 @@
 //! Timer note: tokio's timer wheel has millisecond resolution, so an instant computed from a
 //! send time can fire up to 1 ms after it. Assertions on "exactly" allow that 1 ms and no more.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::backend::{PollingWait, Wait, Woken};
-use lockingkit::providers::memory::RenewalFault;
+use lockingkit::providers::memory::{MemoryLease, RenewalFault};
+use lockingkit::testing::{Call, Intercept};
 use lockingkit::{
     CancellationToken, DistributedLock, ErrorKind, LockMode, LossReason, MemoryBackend, MemoryStore,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+mod support {
+    pub mod queue;
+}
+
+use support::queue::queued_waiter;
 
 const TIMER_RESOLUTION: Duration = Duration::from_millis(1);
 
@@ -40,10 +46,9 @@ fn assert_at(actual: Duration, expected: Duration) {
     );
 }
 
-/// A backend that wraps another and records what reaches it, for counting request streams.
+/// What reaches the backend of [`Recording::backend`], for counting request streams.
 #[derive(Clone)]
-struct Recording<B> {
-    inner: B,
+struct Recording {
     attempts: Arc<Mutex<Vec<Instant>>>,
     in_flight: Arc<AtomicUsize>,
     max_in_flight: Arc<AtomicUsize>,
@@ -58,10 +63,9 @@ struct Recording<B> {
     release_gate: Arc<Mutex<Option<Arc<Notify>>>>,
 }
 
-impl<B> Recording<B> {
-    fn new(inner: B) -> Self {
+impl Recording {
+    fn new() -> Self {
         Recording {
-            inner,
             attempts: Arc::default(),
             in_flight: Arc::default(),
             max_in_flight: Arc::default(),
@@ -71,6 +75,45 @@ impl<B> Recording<B> {
             gate: Arc::default(),
             release_gate: Arc::default(),
         }
+    }
+
+    /// The in-memory backend on `store`, its attempts and releases recorded here.
+    fn backend(&self, store: &MemoryStore) -> Intercept<MemoryBackend> {
+        let (attempts, releases) = (self.clone(), self.clone());
+        Intercept::new(MemoryBackend::new(store.clone()))
+            .on_try_acquire(move |attempt| {
+                let recording = attempts.clone();
+                Box::pin(async move { recording.attempt(attempt).await })
+            })
+            .on_release(move |release| {
+                let recording = releases.clone();
+                Box::pin(async move { recording.release(release).await })
+            })
+    }
+
+    async fn attempt<T>(&self, attempt: Call<'_, T>) -> Result<T, BackendError> {
+        self.attempts.lock().unwrap().push(Instant::now());
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let gate = self.gate.lock().unwrap().clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
+        let result = attempt.await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+
+    async fn release(&self, release: Call<'_, ()>) -> Result<(), BackendError> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        let gate = self.release_gate.lock().unwrap().clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
+        let result = release.await;
+        self.released.notify_one();
+        self.answered.send_modify(|n| *n += 1);
+        result
     }
 
     fn releases(&self) -> usize {
@@ -104,49 +147,25 @@ impl<B> Recording<B> {
     }
 }
 
-impl<B: LockBackend> LockBackend for Recording<B> {
-    type Lease = B::Lease;
+/// A store, a [`Recording`] and a lock on the recorded backend.
+fn recorded_pair() -> (MemoryStore, Recording, DistributedLock) {
+    let (store, recording) = (MemoryStore::new(), Recording::new());
+    let locks = DistributedLock::builder(recording.backend(&store))
+        .build()
+        .unwrap();
+    (store, recording, locks)
+}
 
-    fn provider(&self) -> &str {
-        "recording"
-    }
-
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<B::Lease>>, BackendError> {
-        self.attempts.lock().unwrap().push(Instant::now());
-        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
-        let gate = self.gate.lock().unwrap().clone();
-        if let Some(gate) = gate {
-            gate.notified().await;
-        }
-        let result = self.inner.try_acquire(key, mode).await;
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        result
-    }
-
-    async fn renew(&self, lease: &B::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-
-    async fn release(&self, lease: &B::Lease) -> Result<(), BackendError> {
-        self.releases.fetch_add(1, Ordering::SeqCst);
-        let gate = self.release_gate.lock().unwrap().clone();
-        if let Some(gate) = gate {
-            gate.notified().await;
-        }
-        let result = self.inner.release(lease).await;
-        self.released.notify_one();
-        self.answered.send_modify(|n| *n += 1);
-        result
-    }
+/// A backend whose every attempt `answer` answers in place of the in-memory store (whose
+/// 30 s leases it reports).
+fn answering<F>(answer: impl Fn() -> F + Send + Sync + 'static) -> Intercept<MemoryBackend>
+where
+    F: std::future::Future<Output = Result<Option<Acquired<MemoryLease>>, BackendError>>
+        + Send
+        + 'static,
+{
+    Intercept::new(MemoryBackend::new(MemoryStore::new()))
+        .on_try_acquire(move |_attempt| Box::pin(answer()))
 }
 
 /// How long a test waits for something the engine does without any time passing: on paused
@@ -207,44 +226,21 @@ async fn lease_is_lost_27s_after_last_renewal_sent_when_renewal_hangs() {
     assert_eq!(handle.loss_reason(), Some(LossReason::Deadline));
 }
 
-/// An in-memory backend whose renewals take [`RENEWAL_LATENCY`] (on tokio's clock) to answer,
-/// as a slow network's would.
-struct SlowRenewals(MemoryBackend);
-
+/// How long a renewal of [`loss_with_slow_renewals`] takes to answer, as a slow network's would.
 const RENEWAL_LATENCY: Duration = Duration::from_secs(4);
-
-impl LockBackend for SlowRenewals {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "slow_renewals"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.0.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        tokio::time::sleep(RENEWAL_LATENCY).await;
-        self.0.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.release(lease).await
-    }
-}
 
 /// Holds "report" with renewals that take 4 s to answer: the renewal sent at 10 s succeeds at
 /// 14 s, then `fault` applies to the one sent at 20 s and every retry. Returns when the lock
 /// was lost, counted from the acquire's send.
 async fn loss_with_slow_renewals(fault: RenewalFault) -> Duration {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(SlowRenewals(MemoryBackend::new(store.clone())))
-        .build()
-        .unwrap();
+    let slow = Intercept::new(MemoryBackend::new(store.clone())).on_renew(|renewal| {
+        Box::pin(async move {
+            tokio::time::sleep(RENEWAL_LATENCY).await;
+            renewal.await
+        })
+    });
+    let locks = DistributedLock::builder(slow).build().unwrap();
     let start = Instant::now();
     let handle = locks.try_acquire("report").await.unwrap();
     let lost = handle.lost_token();
@@ -543,9 +539,9 @@ async fn after_a_loss_local_callers_reach_the_backend_while_its_release_still_ha
 #[tokio::test(start_paused = true)]
 async fn twenty_local_waiters_make_one_stream_of_attempts_and_are_served_fifo() {
     let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let recording = Recording::new();
     let min = Duration::from_millis(50);
-    let locks = DistributedLock::builder(recording.clone())
+    let locks = DistributedLock::builder(recording.backend(&store))
         .min_retry_delay(min)
         .max_retry_delay(Duration::from_millis(200))
         .build()
@@ -635,9 +631,7 @@ async fn a_local_release_wakes_the_next_waiter_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn locks_are_not_reentrant_and_busy_needs_no_backend_call() {
-    let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let (_store, recording, locks) = recorded_pair();
     let handle = locks.try_acquire("k").await.unwrap();
     let err = locks.try_acquire("k").await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Busy);
@@ -719,41 +713,21 @@ async fn a_wait_that_starts_during_an_outage_is_refused_at_once_then_contention_
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
 }
 
-/// Answers busy once, then never answers again: an outage that hangs requests.
-struct BusyThenHanging(AtomicUsize);
-
-impl LockBackend for BusyThenHanging {
-    type Lease = ();
-    fn provider(&self) -> &str {
-        "busy_then_hanging"
-    }
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::Expiring(Duration::from_secs(30))
-    }
-    async fn try_acquire(
-        &self,
-        _key: &str,
-        _mode: LockMode,
-    ) -> Result<Option<Acquired<()>>, BackendError> {
-        if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
-            Ok(None)
-        } else {
-            std::future::pending().await
-        }
-    }
-    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_backend_that_stops_answering_after_a_busy_answer_is_unavailable_not_busy() {
-    let locks = DistributedLock::builder(BusyThenHanging(AtomicUsize::new(0)))
-        .build()
-        .unwrap();
+    // Answers busy once, then never answers again: an outage that hangs requests.
+    let calls = AtomicUsize::new(0);
+    let busy_then_hanging = answering(move || {
+        let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                Ok(None)
+            } else {
+                std::future::pending().await
+            }
+        }
+    });
+    let locks = DistributedLock::builder(busy_then_hanging).build().unwrap();
     let err = locks
         .acquire("k", Duration::from_secs(5))
         .await
@@ -761,39 +735,16 @@ async fn a_backend_that_stops_answering_after_a_busy_answer_is_unavailable_not_b
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
 }
 
-/// A backend that refuses every request as misconfigured.
-struct Refusing(Arc<AtomicUsize>);
-
-impl LockBackend for Refusing {
-    type Lease = ();
-    fn provider(&self) -> &str {
-        "refusing"
-    }
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::Expiring(Duration::from_secs(30))
-    }
-    async fn try_acquire(
-        &self,
-        _key: &str,
-        _mode: LockMode,
-    ) -> Result<Option<Acquired<()>>, BackendError> {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        Err(BackendError::misconfigured("credentials refused"))
-    }
-    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_waiter_stops_at_the_first_failure_no_retry_can_fix() {
     let calls = Arc::new(AtomicUsize::new(0));
-    let locks = DistributedLock::builder(Refusing(calls.clone()))
-        .build()
-        .unwrap();
+    let counted = calls.clone();
+    // Refuses every request as misconfigured.
+    let refusing = answering(move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err(BackendError::misconfigured("credentials refused")) }
+    });
+    let locks = DistributedLock::builder(refusing).build().unwrap();
     let start = Instant::now();
     let err = locks
         .acquire("k", Duration::from_secs(60))
@@ -840,40 +791,12 @@ async fn builder_refuses_bad_options_with_every_problem_listed() {
     assert!(text.contains("release_timeout"), "{text}");
 }
 
-/// The in-memory backend, stating a writer's intent of its own (or none).
-struct Intent(MemoryBackend, Option<Duration>);
-
-impl LockBackend for Intent {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "intent"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.0.timing()
-    }
-    fn writer_intent(&self) -> Option<Duration> {
-        self.1
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.release(lease).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn builder_refuses_a_retry_delay_a_writers_intent_would_lapse_in() {
     // A writer retrying 10 s apart would let new readers in between its attempts.
     let store = MemoryStore::new();
-    let intent = |intent| Intent(MemoryBackend::new(store.clone()), intent);
+    // The in-memory backend, stating a writer's intent of its own (or none).
+    let intent = |intent| Intercept::new(MemoryBackend::new(store.clone())).writer_intent(intent);
     let err = DistributedLock::builder(intent(Some(Duration::from_secs(10))))
         .max_retry_delay(Duration::from_secs(10))
         .build()
@@ -915,9 +838,7 @@ async fn cancelling_a_queued_waiter_leaks_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn cancelling_during_an_attempt_releases_what_it_won() {
-    let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let (store, recording, locks) = recorded_pair();
     let gate = recording.close_gate();
     let attempt = locks.try_acquire("k");
     // The attempt reaches the backend and waits at the gate; then its caller goes away.
@@ -948,9 +869,7 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
 
 #[tokio::test(start_paused = true)]
 async fn cancelling_after_the_attempt_means_dropping_the_handle_which_releases_it() {
-    let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let (store, recording, locks) = recorded_pair();
     let handle = locks.try_acquire("k").await.unwrap();
     let lost = handle.lost_token();
     let released = recording.released.notified();
@@ -984,9 +903,7 @@ async fn release_is_confirmed_fires_the_lost_token_and_happens_once() {
 
 #[tokio::test(start_paused = true)]
 async fn every_way_a_hold_ends_sends_exactly_one_release() {
-    let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let (store, recording, locks) = recorded_pair();
 
     locks
         .try_acquire("k")
@@ -1026,9 +943,7 @@ async fn every_way_a_hold_ends_sends_exactly_one_release() {
 
 #[tokio::test(start_paused = true)]
 async fn a_late_release_of_a_lost_lock_cannot_free_the_next_holder() {
-    let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let (store, recording, locks) = recorded_pair();
     let start = Instant::now();
     let first = locks.try_acquire("k").await.unwrap();
     store.set_renewal_fault(RenewalFault::Hang);
@@ -1123,76 +1038,33 @@ async fn fencing_tokens_grow_across_processes() {
     }
 }
 
-/// An in-memory backend whose releases wake waiters, as a LISTEN/NOTIFY backend would.
-struct Hinting {
-    inner: MemoryBackend,
-    released: tokio::sync::watch::Sender<u64>,
-}
-
-impl LockBackend for Hinting {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "hinting"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        let result = self.inner.release(lease).await;
-        self.released.send_modify(|n| *n += 1);
-        result
-    }
-    fn wait(self: Arc<Self>, key: &str, mode: LockMode) -> impl Wait<Lease = Self::Lease> + use<> {
-        // Subscribed when the wait opens, right after the busy answer.
-        let released = self.released.subscribe();
-        HintingWait {
-            polling: PollingWait::new(self, key, mode),
-            released,
-        }
-    }
-}
-
-/// The wait of [`Hinting`]: plain attempts, woken by any release.
-struct HintingWait {
-    polling: PollingWait<Hinting>,
-    released: tokio::sync::watch::Receiver<u64>,
-}
-
-impl Wait for HintingWait {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn try_acquire(
-        &mut self,
-    ) -> impl std::future::Future<Output = Result<Option<Acquired<Self::Lease>>, BackendError>>
-           + Send
-           + 'static {
-        self.polling.try_acquire()
-    }
-    async fn changed(&mut self) -> Woken<Self::Lease> {
-        let _ = self.released.changed().await;
-        Woken::Retry
-    }
+/// An in-memory backend whose releases wake the waits of every backend sharing `released`, as
+/// a LISTEN/NOTIFY backend's would: plain attempts, woken by any release.
+fn hinting(
+    store: &MemoryStore,
+    released: &tokio::sync::watch::Sender<()>,
+) -> Intercept<MemoryBackend> {
+    let signal = released.clone();
+    Intercept::new(MemoryBackend::new(store.clone()))
+        .on_release(move |release| {
+            let signal = signal.clone();
+            Box::pin(async move {
+                let result = release.await;
+                signal.send_replace(());
+                result
+            })
+        })
+        .wake_waits_on(released.clone())
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_wait_that_sees_a_release_wakes_the_front_waiter_before_its_backoff_ends() {
     let store = MemoryStore::new();
-    let (released, _) = tokio::sync::watch::channel(0);
-    let hinting = || Hinting {
-        inner: MemoryBackend::new(store.clone()),
-        released: released.clone(),
-    };
-    let remote = DistributedLock::builder(hinting()).build().unwrap();
-    let local = DistributedLock::builder(hinting())
+    let (released, _) = tokio::sync::watch::channel(());
+    let remote = DistributedLock::builder(hinting(&store, &released))
+        .build()
+        .unwrap();
+    let local = DistributedLock::builder(hinting(&store, &released))
         .min_retry_delay(Duration::from_secs(10))
         .max_retry_delay(Duration::from_secs(10))
         .build()
@@ -1224,55 +1096,22 @@ async fn a_connection_the_backend_sees_close_is_lost_at_once_not_at_the_next_che
     assert_eq!(handle.loss_reason(), Some(LossReason::ConnectionLost));
 }
 
-/// An in-memory backend that, like a backend watching its holders' records, can see a lease
-/// taken away without renewing it (`LockBackend::lease_ended`), if it says it watches.
-struct Watching {
-    inner: MemoryBackend,
-    watches: bool,
-    taken_away: tokio::sync::watch::Sender<bool>,
-}
-
-impl LockBackend for Watching {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "watching"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.release(lease).await
-    }
-    fn lease_ended(&self, _lease: &Self::Lease) -> impl std::future::Future<Output = ()> + Send {
-        let mut taken_away = self.taken_away.subscribe();
-        async move {
-            let _ = taken_away.wait_for(|gone| *gone).await;
-        }
-    }
-    fn watches_leases(&self) -> bool {
-        self.watches
-    }
-}
-
 /// When a 30 s lease is taken away 1.5 s after the acquire, and when the holder learns of it.
 async fn expiring_lease_taken_away_at_1500ms(watches: bool) -> (Duration, Option<LossReason>) {
-    let backend = Watching {
-        inner: MemoryBackend::new(MemoryStore::new()),
+    // An in-memory backend that, like a backend watching its holders' records, can see a lease
+    // taken away without renewing it (`LockBackend::lease_ended`), if it says it watches.
+    let taken_away = tokio::sync::watch::channel(false).0;
+    let signal = taken_away.clone();
+    let watching = Intercept::new(MemoryBackend::new(MemoryStore::new())).lease_ended_when(
         watches,
-        taken_away: tokio::sync::watch::channel(false).0,
-    };
-    let taken_away = backend.taken_away.clone();
-    let locks = DistributedLock::builder(backend).build().unwrap();
+        move || {
+            let mut taken_away = signal.subscribe();
+            async move {
+                let _ = taken_away.wait_for(|gone| *gone).await;
+            }
+        },
+    );
+    let locks = DistributedLock::builder(watching).build().unwrap();
     let start = Instant::now();
     let handle = locks.try_acquire("k").await.unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -1295,9 +1134,9 @@ async fn an_expiring_lease_the_backend_sees_taken_away_is_lost_at_once() {
 #[tokio::test(start_paused = true)]
 async fn an_attempt_unanswered_for_the_patience_is_an_outage_while_it_still_runs() {
     let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
+    let recording = Recording::new();
     // The engine's patience: its longest retry delay, and at least 2 s.
-    let locks = DistributedLock::builder(recording.clone())
+    let locks = DistributedLock::builder(recording.backend(&store))
         .options(lockingkit::LockOptions {
             min_retry_delay: Duration::from_millis(100),
             max_retry_delay: Duration::from_millis(100),
@@ -1341,37 +1180,18 @@ async fn an_attempt_unanswered_for_the_patience_is_an_outage_while_it_still_runs
     gate.notify_one();
 }
 
-/// Answers every attempt with the same failure.
-struct Failing(fn() -> BackendError);
-
-impl LockBackend for Failing {
-    type Lease = ();
-    fn provider(&self) -> &str {
-        "failing"
-    }
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::Expiring(Duration::from_secs(30))
-    }
-    async fn try_acquire(
-        &self,
-        _key: &str,
-        _mode: LockMode,
-    ) -> Result<Option<Acquired<()>>, BackendError> {
-        // A round trip, so that other callers can meet the attempt in flight.
+/// Answers every attempt with the same failure, after a round trip so that other callers can
+/// meet the attempt in flight.
+fn failing(error: fn() -> BackendError) -> Intercept<MemoryBackend> {
+    answering(move || async move {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        Err((self.0)())
-    }
-    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
+        Err(error())
+    })
 }
 
 #[tokio::test(start_paused = true)]
 async fn lease_gone_before_any_lease_exists_is_unavailable_not_lost() {
-    let locks = DistributedLock::builder(Failing(|| BackendError::lease_gone("connection reset")))
+    let locks = DistributedLock::builder(failing(|| BackendError::lease_gone("connection reset")))
         .build()
         .unwrap();
     let err = locks.try_acquire("k").await.unwrap_err();
@@ -1383,19 +1203,13 @@ async fn a_wait_whose_backend_answers_with_failures_ends_unavailable_with_the_ca
     // The backend answered every attempt, but with a failure it reported itself (a 5xx, a full
     // lock table): the lock service is out, not contended, and the caller learns why. A local
     // waiter queued behind the attempting caller reads the same evidence.
-    let locks = DistributedLock::builder(Failing(|| {
+    let locks = DistributedLock::builder(failing(|| {
         BackendError::transient("out of shared memory; raise max_locks_per_transaction")
     }))
     .build()
     .unwrap();
     let start = Instant::now();
-    let front = tokio::spawn({
-        let locks = locks.clone();
-        async move { locks.acquire("k", Duration::from_secs(3)).await }
-    });
-    while locks.waiting("k") == 0 {
-        tokio::task::yield_now().await;
-    }
+    let front = queued_waiter(&locks, "k", Duration::from_secs(3)).await;
     let queued = locks
         .acquire("k", Duration::from_secs(2))
         .await
@@ -1427,8 +1241,7 @@ async fn a_wait_ends_at_its_first_failure_and_is_not_held_until_its_timeout() {
     // A failure is an outage until the backend answers again: the waiter is told at once,
     // with the cause, rather than left to hang for its timeout.
     let store = MemoryStore::new();
-    let remote = Remote::new(&store, Duration::ZERO);
-    let failing = remote.failing.clone();
+    let (remote, failing) = over_network(&store, Duration::ZERO);
     failing.store(true, Ordering::SeqCst);
     let locks = DistributedLock::builder(remote).build().unwrap();
     let _remote = DistributedLock::in_memory_shared(&store)
@@ -1482,51 +1295,14 @@ async fn dropping_the_last_lock_of_an_engine_ends_its_schedule_driver() {
     );
 }
 
-/// The in-memory backend in every mode, noting the mode of each wait the engine opens.
-struct HintCounting {
-    inner: MemoryBackend,
-    hints: Arc<Mutex<Vec<LockMode>>>,
-}
-
-impl LockBackend for HintCounting {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "hint_counting"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    fn supports(&self, mode: LockMode) -> bool {
-        self.inner.supports(mode)
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.release(lease).await
-    }
-    fn wait(self: Arc<Self>, key: &str, mode: LockMode) -> impl Wait<Lease = Self::Lease> + use<> {
-        self.hints.lock().unwrap().push(mode);
-        PollingWait::new(self, key, mode)
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn every_wait_is_opened_in_its_own_mode() {
+    // The in-memory backend in every mode, noting the mode of each wait the engine opens.
     let hints = Arc::new(Mutex::new(Vec::new()));
-    let locks = DistributedLock::builder(HintCounting {
-        inner: MemoryBackend::new(MemoryStore::new()),
-        hints: hints.clone(),
-    })
-    .build()
-    .unwrap();
+    let noted = hints.clone();
+    let hint_counting = Intercept::new(MemoryBackend::new(MemoryStore::new()))
+        .on_wait(move |_key, mode| noted.lock().unwrap().push(mode));
+    let locks = DistributedLock::builder(hint_counting).build().unwrap();
     let asked = |mode: LockMode| hints.lock().unwrap().iter().filter(|m| **m == mode).count();
 
     let semaphore = locks.semaphore("k", 1).unwrap();
@@ -1613,66 +1389,33 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
 }
 
 /// An in-memory backend seen over a network: each attempt takes `latency` to answer, and
-/// while `failing` is set it answers with a failure the backend reports itself.
-struct Remote {
-    inner: MemoryBackend,
+/// while the flag returned is set it answers with a failure the backend reports itself.
+fn over_network(
+    store: &MemoryStore,
     latency: Duration,
-    failing: Arc<std::sync::atomic::AtomicBool>,
+) -> (Intercept<MemoryBackend>, Arc<AtomicBool>) {
+    let failing = Arc::new(AtomicBool::new(false));
+    let down = failing.clone();
+    let remote = Intercept::new(MemoryBackend::new(store.clone())).on_try_acquire(move |attempt| {
+        let down = down.clone();
+        Box::pin(async move {
+            tokio::time::sleep(latency).await;
+            if down.load(Ordering::SeqCst) {
+                return Err(BackendError::transient("server error"));
+            }
+            attempt.await
+        })
+    });
+    (remote, failing)
 }
 
-/// How long a [`Remote`] attempt takes in the tests that give it one.
+/// How long an [`over_network`] attempt takes in the tests that give it one.
 const ATTEMPT_TIME: Duration = Duration::from_millis(10);
-
-impl Remote {
-    fn new(store: &MemoryStore, latency: Duration) -> Self {
-        Remote {
-            inner: MemoryBackend::new(store.clone()),
-            latency,
-            failing: Arc::default(),
-        }
-    }
-
-    /// What the network and the server do before the store sees an attempt.
-    async fn reach(&self) -> Result<(), BackendError> {
-        tokio::time::sleep(self.latency).await;
-        if self.failing.load(Ordering::SeqCst) {
-            return Err(BackendError::transient("server error"));
-        }
-        Ok(())
-    }
-}
-
-impl LockBackend for Remote {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "remote"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    fn supports(&self, mode: LockMode) -> bool {
-        self.inner.supports(mode)
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.reach().await?;
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.release(lease).await
-    }
-}
 
 #[tokio::test(start_paused = true)]
 async fn callers_of_a_semaphore_with_room_get_in_together() {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(Remote::new(&store, ATTEMPT_TIME))
+    let locks = DistributedLock::builder(over_network(&store, ATTEMPT_TIME).0)
         .build()
         .unwrap();
     let semaphore = locks.semaphore("exports", 5).unwrap();
@@ -1784,7 +1527,7 @@ async fn a_slot_freed_here_at_a_semaphore_waiters_deadline_is_not_taken_late() {
 #[tokio::test(start_paused = true)]
 async fn when_the_front_semaphore_waiter_takes_a_slot_the_next_tries_at_once() {
     let store = MemoryStore::new();
-    let locks = DistributedLock::builder(Remote::new(&store, ATTEMPT_TIME))
+    let locks = DistributedLock::builder(over_network(&store, ATTEMPT_TIME).0)
         .build()
         .unwrap();
     let remote = DistributedLock::in_memory_shared(&store)
@@ -1860,9 +1603,9 @@ async fn a_semaphore_waiter_that_gives_up_passes_the_polling_on() {
 
 #[tokio::test]
 async fn a_backend_that_holds_only_exclusive_locks_refuses_readers_and_semaphores() {
-    let locks = DistributedLock::builder(Failing(|| BackendError::transient("unused")))
-        .build()
-        .unwrap();
+    let exclusive_only = failing(|| BackendError::transient("unused"))
+        .supporting(|mode| mode == LockMode::Exclusive);
+    let locks = DistributedLock::builder(exclusive_only).build().unwrap();
     let err = locks.reader_writer("k").unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
     let err = locks.semaphore("k", 2).unwrap_err();
@@ -1894,13 +1637,7 @@ async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_used_for_one_attempt() 
     let store = MemoryStore::new();
     let locks = DistributedLock::in_memory_shared(&store);
     let holder = locks.try_acquire("k").await.unwrap();
-    let waiter = {
-        let locks = locks.clone();
-        tokio::spawn(async move { locks.acquire("k", Duration::from_secs(1)).await })
-    };
-    while locks.waiting("k") == 0 {
-        tokio::task::yield_now().await;
-    }
+    let waiter = queued_waiter(&locks, "k", Duration::from_secs(1)).await;
     let attempts = store.attempts();
     // The release lands at the waiter's deadline. The waiter learns nothing but "the holder
     // has gone" before its time is up, and the truth is one attempt away: it makes that one
@@ -2016,41 +1753,17 @@ async fn the_last_local_readers_release_lets_the_waiting_writer_in_at_once() {
     written.release().await.unwrap();
 }
 
-/// A healthy backend whose key is always taken, answering "busy" after a round trip.
-struct SlowBusy(Duration);
-
-impl LockBackend for SlowBusy {
-    type Lease = ();
-    fn provider(&self) -> &str {
-        "slow_busy"
-    }
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::Expiring(Duration::from_secs(30))
-    }
-    async fn try_acquire(
-        &self,
-        _key: &str,
-        _mode: LockMode,
-    ) -> Result<Option<Acquired<()>>, BackendError> {
-        tokio::time::sleep(self.0).await;
-        Ok(None)
-    }
-    async fn renew(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn release(&self, _lease: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn short_waits_on_a_healthy_busy_backend_are_told_busy_or_timeout_never_unavailable() {
     // Every caller's wait ends with an answer from the backend: its own attempt's, or that of
     // the attempt in flight for its key, however short the wait and however many callers meet
     // one another mid-attempt.
-    let locks = DistributedLock::builder(SlowBusy(Duration::from_millis(3)))
-        .build()
-        .unwrap();
+    // A healthy backend whose key is always taken, answering "busy" after a round trip.
+    let slow_busy = answering(|| async {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        Ok(None)
+    });
+    let locks = DistributedLock::builder(slow_busy).build().unwrap();
     let waits = [0, 1, 5, 20, 60].map(Duration::from_millis);
     let callers: Vec<_> = (0..200)
         .map(|caller| {
@@ -2085,17 +1798,9 @@ async fn short_waits_on_a_healthy_busy_backend_are_told_busy_or_timeout_never_un
 
 #[tokio::test(start_paused = true)]
 async fn a_release_unanswered_for_the_patience_is_an_outage_to_the_waiters_behind_it() {
-    let store = MemoryStore::new();
-    let recording = Recording::new(MemoryBackend::new(store.clone()));
-    let locks = DistributedLock::builder(recording.clone()).build().unwrap();
+    let (_store, recording, locks) = recorded_pair();
     let held = locks.try_acquire("k").await.unwrap();
-    let waiter = tokio::spawn({
-        let locks = locks.clone();
-        async move { locks.acquire("k", Duration::from_secs(30)).await }
-    });
-    while locks.waiting("k") == 0 {
-        tokio::task::yield_now().await;
-    }
+    let waiter = queued_waiter(&locks, "k", Duration::from_secs(30)).await;
     // The release hangs, as against a server that froze while the lock was held.
     let gate = recording.close_release_gate();
     let start = Instant::now();

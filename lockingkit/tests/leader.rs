@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::{DistributedLock, ErrorKind, LeaderState, LockMode, MemoryBackend, MemoryStore};
+use lockingkit::backend::BackendError;
+use lockingkit::testing::Intercept;
+use lockingkit::{DistributedLock, ErrorKind, LeaderState, Leadership, MemoryBackend, MemoryStore};
 use tokio::sync::watch;
 
 const KEY: &str = "jobs/outbox-relay";
@@ -65,15 +66,30 @@ async fn until(
     panic!("never: {what}; state {:?}", *state.borrow())
 }
 
+/// A campaign for `KEY` on `locks` whose leader work runs until it is dropped.
+fn campaign(locks: &DistributedLock, works: &Works) -> Leadership {
+    locks
+        .leader(KEY)
+        .expect("key")
+        .start(works.forever())
+        .expect("started")
+}
+
+/// A campaign on `store` whose work runs until it is dropped, once it leads: its works, the
+/// leadership and its state.
+async fn leading(store: &MemoryStore) -> (Works, Leadership, watch::Receiver<LeaderState>) {
+    let works = Works::default();
+    let leadership = campaign(&locks(store), &works);
+    let mut state = leadership.state();
+    until(&mut state, "leads", LeaderState::is_leading).await;
+    (works, leadership, state)
+}
+
 #[tokio::test(start_paused = true)]
 async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_term() {
     let store = MemoryStore::new();
     let works = Works::default();
-    let leadership = locks(&store)
-        .leader(KEY)
-        .expect("valid key")
-        .start(works.forever())
-        .expect("started");
+    let leadership = campaign(&locks(&store), &works);
     let mut state = leadership.state();
     let first = until(&mut state, "leads", LeaderState::is_leading).await;
     assert_eq!(works.running.load(Ordering::SeqCst), 1);
@@ -97,14 +113,7 @@ async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_
 #[tokio::test(start_paused = true)]
 async fn the_work_stops_within_the_renewal_that_finds_the_lease_gone() {
     let store = MemoryStore::new();
-    let works = Works::default();
-    let leadership = locks(&store)
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
-    let mut state = leadership.state();
-    until(&mut state, "leads", LeaderState::is_leading).await;
+    let (works, leadership, mut state) = leading(&store).await;
     let broken = tokio::time::Instant::now();
     store.break_lease(KEY);
     until(&mut state, "deposed", |s| !s.is_leading()).await;
@@ -118,48 +127,24 @@ async fn the_work_stops_within_the_renewal_that_finds_the_lease_gone() {
     drop(leadership);
 }
 
-/// The in-memory backend with releases that take `RELEASE_TRIP` to be answered.
-struct SlowRelease(MemoryBackend);
-
+/// How long the releases of the test below take to be answered.
 const RELEASE_TRIP: Duration = Duration::from_millis(50);
-
-impl LockBackend for SlowRelease {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        self.0.provider()
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.0.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        tokio::time::sleep(RELEASE_TRIP).await;
-        self.0.release(lease).await
-    }
-}
 
 #[tokio::test(start_paused = true)]
 async fn resigning_drops_the_work_and_waits_for_the_release_to_be_confirmed() {
     let store = MemoryStore::new();
     let works = Works::default();
-    let locks =
-        DistributedLock::builder(SlowRelease(MemoryBackend::with_lease(store.clone(), LEASE)))
-            .build()
-            .expect("valid options");
-    let leadership = locks
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
+    let slow_release =
+        Intercept::new(MemoryBackend::with_lease(store.clone(), LEASE)).on_release(|release| {
+            Box::pin(async move {
+                tokio::time::sleep(RELEASE_TRIP).await;
+                release.await
+            })
+        });
+    let locks = DistributedLock::builder(slow_release)
+        .build()
+        .expect("valid options");
+    let leadership = campaign(&locks, &works);
     let mut state = leadership.state();
     until(&mut state, "leads", LeaderState::is_leading).await;
     let started = tokio::time::Instant::now();
@@ -185,18 +170,10 @@ async fn resigning_drops_the_work_and_waits_for_the_release_to_be_confirmed() {
 async fn a_follower_leads_once_the_leader_resigns_and_its_term_is_greater() {
     let store = MemoryStore::new();
     let works = Works::default();
-    let first = locks(&store)
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
+    let first = campaign(&locks(&store), &works);
     let mut leader = first.state();
     let led = until(&mut leader, "first leads", LeaderState::is_leading).await;
-    let second = locks(&store)
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
+    let second = campaign(&locks(&store), &works);
     let mut follower = second.state();
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(!follower.borrow().is_leading(), "two leaders at once");
@@ -250,11 +227,7 @@ async fn an_outage_is_retried_at_the_backoff_and_the_campaign_leads_once_it_ends
     let store = MemoryStore::new();
     store.set_unavailable(true);
     let works = Works::default();
-    let leadership = locks(&store)
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
+    let leadership = campaign(&locks(&store), &works);
     let mut state = leadership.state();
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert!(!state.borrow().is_leading() && !state.borrow().is_stopped());
@@ -272,48 +245,21 @@ async fn an_outage_is_retried_at_the_backoff_and_the_campaign_leads_once_it_ends
     leadership.resign().await.expect("resigned");
 }
 
-/// A backend whose every attempt fails with `kind`.
-struct Failing(fn(&str) -> BackendError, Arc<AtomicUsize>);
-
-impl LockBackend for Failing {
-    type Lease = ();
-    fn provider(&self) -> &str {
-        "failing"
-    }
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::Expiring(LEASE)
-    }
-    async fn try_acquire(
-        &self,
-        _: &str,
-        _: LockMode,
-    ) -> Result<Option<Acquired<()>>, BackendError> {
-        self.1.fetch_add(1, Ordering::SeqCst);
-        Err((self.0)("no such container"))
-    }
-    async fn renew(&self, _: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-    async fn release(&self, _: &()) -> Result<(), BackendError> {
-        Ok(())
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_misconfiguration_stops_the_campaign_with_that_error_instead_of_spinning() {
     let attempts = Arc::new(AtomicUsize::new(0));
-    let locks = DistributedLock::builder(Failing(
-        |m| BackendError::misconfigured(m),
-        attempts.clone(),
-    ))
-    .build()
-    .expect("valid options");
+    let counted = attempts.clone();
+    // Every attempt fails as misconfigured.
+    let failing = Intercept::new(MemoryBackend::with_lease(MemoryStore::new(), LEASE))
+        .on_try_acquire(move |_attempt| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Err(BackendError::misconfigured("no such container")) })
+        });
+    let locks = DistributedLock::builder(failing)
+        .build()
+        .expect("valid options");
     let works = Works::default();
-    let leadership = locks
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
+    let leadership = campaign(&locks, &works);
     let mut state = leadership.state();
     let stopped = until(&mut state, "stops", LeaderState::is_stopped).await;
     let LeaderState::Stopped { error: Some(error) } = stopped else {
@@ -334,14 +280,7 @@ async fn a_misconfiguration_stops_the_campaign_with_that_error_instead_of_spinni
 #[tokio::test(start_paused = true)]
 async fn dropping_the_leadership_resigns_in_the_background() {
     let store = MemoryStore::new();
-    let works = Works::default();
-    let leadership = locks(&store)
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
-    let mut state = leadership.state();
-    until(&mut state, "leads", LeaderState::is_leading).await;
+    let (works, leadership, mut state) = leading(&store).await;
     drop(leadership);
     until(&mut state, "stopped", LeaderState::is_stopped).await;
     assert!(!store.is_locked(KEY));
@@ -404,38 +343,11 @@ impl Notes {
         *self.campaign.lock().expect("not poisoned") = Some(state);
     }
 
-    fn taken(&self) -> Vec<AtRelease> {
-        self.at_release.lock().expect("not poisoned").clone()
-    }
-}
-
-/// The in-memory backend, noting how the campaign reads when a release is sent: the body of
-/// `release` runs on its first poll, in the same poll as the engine's call.
-struct NotedRelease(MemoryBackend, Arc<Notes>);
-
-impl LockBackend for NotedRelease {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        self.0.provider()
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.0.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        if let Some(state) = &*self.1.campaign.lock().expect("not poisoned") {
+    /// Notes how the campaign watched reads now, as a release is sent.
+    fn note_release(&self) {
+        if let Some(state) = &*self.campaign.lock().expect("not poisoned") {
             let state = state.borrow();
-            self.1
-                .at_release
+            self.at_release
                 .lock()
                 .expect("not poisoned")
                 .push(AtRelease {
@@ -443,18 +355,27 @@ impl LockBackend for NotedRelease {
                     campaigning: matches!(*state, LeaderState::Campaigning),
                 });
         }
-        self.0.release(lease).await
+    }
+
+    fn taken(&self) -> Vec<AtRelease> {
+        self.at_release.lock().expect("not poisoned").clone()
     }
 }
 
+/// The in-memory backend, noting how the campaign reads when a release is sent: the hook
+/// runs on the release's first poll, in the same poll as the engine's call.
 fn noted(store: &MemoryStore) -> (DistributedLock, Arc<Notes>) {
     let notes = Arc::new(Notes::default());
-    let locks = DistributedLock::builder(NotedRelease(
-        MemoryBackend::with_lease(store.clone(), LEASE),
-        notes.clone(),
-    ))
-    .build()
-    .expect("valid options");
+    let noting = notes.clone();
+    let backend = Intercept::new(MemoryBackend::with_lease(store.clone(), LEASE)).on_release(
+        move |release| {
+            noting.note_release();
+            release
+        },
+    );
+    let locks = DistributedLock::builder(backend)
+        .build()
+        .expect("valid options");
     (locks, notes)
 }
 
@@ -489,11 +410,7 @@ async fn a_term_lost_at_its_deadline_is_not_leading_when_the_best_effort_release
     let store = MemoryStore::new();
     let (locks, notes) = noted(&store);
     let works = Works::default();
-    let leadership = locks
-        .leader(KEY)
-        .expect("key")
-        .start(works.forever())
-        .expect("started");
+    let leadership = campaign(&locks, &works);
     notes.watch(leadership.state());
     let mut state = leadership.state();
     until(&mut state, "leads", LeaderState::is_leading).await;

@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
+use lockingkit::backend::BackendError;
+use lockingkit::testing::Intercept;
+use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -93,50 +94,23 @@ async fn one_timeout_covers_every_key() {
     assert_eq!(mine.active_parties(), 0);
 }
 
-/// The in-memory backend, with its `fail_at`-th attempt failing as an unreachable backend.
-struct FaultAt {
-    inner: MemoryBackend,
-    attempts: Arc<AtomicUsize>,
-    fail_at: usize,
-}
-
-impl LockBackend for FaultAt {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        self.inner.provider()
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        if self.attempts.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at {
-            return Err(BackendError::unreachable("connection reset"));
-        }
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.release(lease).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_fault_between_the_first_and_the_second_key_leaves_nothing_held() {
     let store = MemoryStore::new();
     let attempts = Arc::new(AtomicUsize::new(0));
-    let locks = DistributedLock::builder(FaultAt {
-        inner: MemoryBackend::with_lease(store.clone(), LEASE),
-        attempts: attempts.clone(),
-        fail_at: 2,
-    })
-    .build()
-    .expect("valid options");
+    let counted = attempts.clone();
+    // The second attempt fails as an unreachable backend.
+    let backend = Intercept::new(MemoryBackend::with_lease(store.clone(), LEASE)).on_try_acquire(
+        move |attempt| {
+            if counted.fetch_add(1, Ordering::SeqCst) + 1 == 2 {
+                return Box::pin(async { Err(BackendError::unreachable("connection reset")) });
+            }
+            attempt
+        },
+    );
+    let locks = DistributedLock::builder(backend)
+        .build()
+        .expect("valid options");
     let failed = locks.try_acquire_all(&["accounts/9", "accounts/10"]).await;
     assert_eq!(failed.expect_err("fault").kind(), ErrorKind::Unavailable);
     assert_eq!(
@@ -148,46 +122,24 @@ async fn a_fault_between_the_first_and_the_second_key_leaves_nothing_held() {
     assert_eq!(locks.active_parties(), 0);
 }
 
-/// The in-memory backend, whose releases wait for the test to open `gate`.
-struct GatedRelease {
-    inner: MemoryBackend,
-    gate: Arc<tokio::sync::Semaphore>,
-}
-
-impl LockBackend for GatedRelease {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        self.inner.provider()
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        let _open = self.gate.acquire().await;
-        self.inner.release(lease).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn releasing_a_lost_hold_returns_only_after_the_other_members_are_released() {
     let store = MemoryStore::new();
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let locks = DistributedLock::builder(GatedRelease {
-        inner: MemoryBackend::with_lease(store.clone(), LEASE),
-        gate: gate.clone(),
-    })
-    .build()
-    .expect("valid options");
+    let opened = gate.clone();
+    // Releases wait for the test to open `gate`.
+    let backend = Intercept::new(MemoryBackend::with_lease(store.clone(), LEASE)).on_release(
+        move |release| {
+            let gate = opened.clone();
+            Box::pin(async move {
+                let _open = gate.acquire().await;
+                release.await
+            })
+        },
+    );
+    let locks = DistributedLock::builder(backend)
+        .build()
+        .expect("valid options");
     let hold = locks
         .try_acquire_all(&["accounts/1", "accounts/2"])
         .await

@@ -7,10 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::{
-    DistributedLock, ErrorKind, LockError, LockHandle, LockMode, MemoryBackend, MemoryStore,
-};
+use lockingkit::backend::BackendError;
+use lockingkit::testing::{Call, Intercept};
+use lockingkit::{DistributedLock, ErrorKind, LockError, LockHandle, MemoryBackend, MemoryStore};
 use tokio::time::Instant;
 
 /// How the [`Flaky`] backend fails while it is down.
@@ -28,8 +27,8 @@ enum Fault {
 /// How long a hung attempt waits for its statement timeout.
 const HUNG_FOR: Duration = Duration::from_secs(5);
 
-/// An in-memory backend behind a network of `latency`, which can go down in the ways of
-/// [`Fault`]; it counts the attempts that reach it.
+/// An in-memory backend behind a network of `latency` ([`Flaky::backend`]), which can go down
+/// in the ways of [`Fault`]; it counts the attempts that reach it.
 #[derive(Clone)]
 struct Flaky {
     inner: MemoryBackend,
@@ -63,24 +62,17 @@ impl Flaky {
     fn attempts(&self) -> usize {
         self.attempts.load(Ordering::SeqCst)
     }
-}
 
-impl LockBackend for Flaky {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-
-    fn provider(&self) -> &str {
-        "flaky"
+    /// The backend whose attempts go through [`Flaky::attempt`].
+    fn backend(&self) -> Intercept<MemoryBackend> {
+        let flaky = self.clone();
+        Intercept::new(self.inner.clone()).on_try_acquire(move |attempt| {
+            let flaky = flaky.clone();
+            Box::pin(async move { flaky.attempt(attempt).await })
+        })
     }
 
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
+    async fn attempt<T>(&self, attempt: Call<'_, Option<T>>) -> Result<Option<T>, BackendError> {
         self.attempts.fetch_add(1, Ordering::SeqCst);
         let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -88,7 +80,7 @@ impl LockBackend for Flaky {
         let result = match fault {
             None => {
                 tokio::time::sleep(self.latency).await;
-                self.inner.try_acquire(key, mode).await
+                attempt.await
             }
             Some(Fault::Unreachable) => {
                 tokio::time::sleep(self.latency).await;
@@ -107,14 +99,6 @@ impl LockBackend for Flaky {
         };
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         result
-    }
-
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.release(lease).await
     }
 }
 
@@ -170,7 +154,7 @@ impl LogCount {
 async fn callers_that_meet_an_attempt_in_flight_wait_for_its_answer_and_are_told_it() {
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(100));
-    let locks = DistributedLock::builder(flaky.clone()).build().unwrap();
+    let locks = DistributedLock::builder(flaky.backend()).build().unwrap();
     flaky.go_down(Fault::Unreachable);
 
     let first = tokio::spawn({
@@ -227,7 +211,7 @@ async fn callers_that_meet_an_attempt_in_flight_wait_for_its_answer_and_are_told
 async fn an_attempt_that_hangs_is_an_outage_to_the_callers_that_meet_it() {
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(1));
-    let locks = DistributedLock::builder(flaky.clone()).build().unwrap();
+    let locks = DistributedLock::builder(flaky.backend()).build().unwrap();
     flaky.go_down(Fault::Hung);
     let start = Instant::now();
     let first = tokio::spawn({
@@ -292,7 +276,7 @@ async fn under_an_outage_no_caller_is_told_busy_and_the_backend_is_asked_once_at
     let _log = log.install();
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(2));
-    let locks = DistributedLock::builder(flaky.clone()).build().unwrap();
+    let locks = DistributedLock::builder(flaky.backend()).build().unwrap();
 
     flaky.go_down(Fault::Unreachable);
     let (refusals, taken) = clients_for(&locks, Duration::from_secs(5)).await;
@@ -353,7 +337,7 @@ async fn under_an_outage_no_caller_is_told_busy_and_the_backend_is_asked_once_at
 async fn refused_credentials_are_misconfigured_for_every_caller_and_the_server_is_spared() {
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(2));
-    let locks = DistributedLock::builder(flaky.clone()).build().unwrap();
+    let locks = DistributedLock::builder(flaky.backend()).build().unwrap();
     flaky.go_down(Fault::BadPassword);
     let (refusals, _) = clients_for(&locks, Duration::from_secs(5)).await;
     assert!(refusals
@@ -372,7 +356,7 @@ async fn refused_credentials_are_misconfigured_for_every_caller_and_the_server_i
 async fn a_refusal_says_why_and_when_the_backend_is_asked_again() {
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(2));
-    let locks = DistributedLock::builder(flaky.clone()).build().unwrap();
+    let locks = DistributedLock::builder(flaky.backend()).build().unwrap();
     flaky.go_down(Fault::Unreachable);
     assert_eq!(kind(locks.try_acquire("a").await), ErrorKind::Unavailable);
     let refused = locks.try_acquire("b").await.unwrap_err();
@@ -392,7 +376,7 @@ async fn a_refusal_says_why_and_when_the_backend_is_asked_again() {
 async fn waiters_during_an_outage_end_unavailable_with_the_cause_and_send_one_probe_at_a_time() {
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(2));
-    let locks = DistributedLock::builder(flaky.clone()).build().unwrap();
+    let locks = DistributedLock::builder(flaky.backend()).build().unwrap();
     flaky.go_down(Fault::Unreachable);
     let waiters: Vec<_> = (0..20)
         .map(|i| {
@@ -421,7 +405,7 @@ async fn waiters_during_an_outage_end_unavailable_with_the_cause_and_send_one_pr
 async fn a_backend_that_answers_again_is_used_again_within_the_longest_outage_delay() {
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(2));
-    let locks = DistributedLock::builder(flaky.clone())
+    let locks = DistributedLock::builder(flaky.backend())
         .options(lockingkit::LockOptions {
             max_outage_retry_delay: Duration::from_secs(2),
             ..lockingkit::LockOptions::default()

@@ -3,81 +3,65 @@
 //! outlives the process), attempts whose callers left finish first, and a release that hangs
 //! makes the shutdown report what was left rather than wait forever.
 
+mod support {
+    pub mod queue;
+}
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
+use lockingkit::testing::Intercept;
+use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
+use support::queue::queued_waiter;
 use tokio::time::Instant;
 
-/// An in-memory backend that counts releases and can make them hang, and notes its own
-/// shutdown.
-#[derive(Clone)]
+/// What the backends of [`Counting::backend`] saw: the releases sent, whether releases hang,
+/// and whether the backend was shut down.
+#[derive(Clone, Default)]
 struct Counting {
-    inner: MemoryBackend,
     releases: Arc<AtomicUsize>,
     hang_releases: Arc<AtomicBool>,
     closed: Arc<AtomicBool>,
 }
 
 impl Counting {
-    fn new(store: &MemoryStore) -> Self {
-        Counting {
-            inner: MemoryBackend::new(store.clone()),
-            releases: Arc::default(),
-            hang_releases: Arc::default(),
-            closed: Arc::default(),
-        }
+    /// An in-memory backend that counts releases and can make them hang, and notes its own
+    /// shutdown.
+    fn backend(&self, store: &MemoryStore) -> Intercept<MemoryBackend> {
+        let (seen, closed) = (self.clone(), self.closed.clone());
+        Intercept::new(MemoryBackend::new(store.clone()))
+            .on_release(move |release| {
+                let seen = seen.clone();
+                Box::pin(async move {
+                    if seen.hang_releases.load(Ordering::SeqCst) {
+                        std::future::pending::<()>().await;
+                    }
+                    seen.releases.fetch_add(1, Ordering::SeqCst);
+                    release.await
+                })
+            })
+            .on_shutdown(move || closed.store(true, Ordering::SeqCst))
     }
 }
 
-impl LockBackend for Counting {
-    type Lease = <MemoryBackend as LockBackend>::Lease;
-    fn provider(&self) -> &str {
-        "counting"
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.inner.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.inner.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        if self.hang_releases.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-        self.releases.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(lease).await
-    }
-    async fn shutdown(&self) {
-        self.closed.store(true, Ordering::SeqCst);
-    }
+/// A store, a [`Counting`] and a lock on its backend.
+fn counted_pair() -> (MemoryStore, Counting, DistributedLock) {
+    let (store, counting) = (MemoryStore::new(), Counting::default());
+    let locks = DistributedLock::builder(counting.backend(&store))
+        .build()
+        .unwrap();
+    (store, counting, locks)
 }
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
-    let store = MemoryStore::new();
-    let backend = Counting::new(&store);
-    let locks = DistributedLock::builder(backend.clone()).build().unwrap();
+    let (store, counting, locks) = counted_pair();
     // One hold whose keeper has started (held past its first renewal), one whose has not.
     let long = locks.try_acquire("jobs/long").await.unwrap();
     tokio::time::sleep(Duration::from_secs(11)).await;
     let short = locks.try_acquire("jobs/short").await.unwrap();
-    let waiter = tokio::spawn({
-        let locks = locks.clone();
-        async move { locks.acquire("jobs/short", Duration::from_secs(60)).await }
-    });
-    while locks.waiting("jobs/short") == 0 {
-        tokio::task::yield_now().await;
-    }
+    let waiter = queued_waiter(&locks, "jobs/short", Duration::from_secs(60)).await;
     let lost = (long.lost_token(), short.lost_token());
 
     let started = Instant::now();
@@ -96,12 +80,12 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
     );
     assert!(!long.is_held() && !short.is_held());
     assert_eq!(
-        backend.releases.load(Ordering::SeqCst),
+        counting.releases.load(Ordering::SeqCst),
         2,
         "both released at the backend"
     );
     assert!(
-        backend.closed.load(Ordering::SeqCst),
+        counting.closed.load(Ordering::SeqCst),
         "the backend closed last"
     );
     assert_eq!(locks.active_parties(), 0);
@@ -114,7 +98,7 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
     assert_eq!(long.release().await.unwrap_err().kind(), ErrorKind::Lost);
     drop(short);
     tokio::task::yield_now().await;
-    assert_eq!(backend.releases.load(Ordering::SeqCst), 2);
+    assert_eq!(counting.releases.load(Ordering::SeqCst), 2);
     // Other processes may take the keys at once, not after a lease.
     let other = DistributedLock::in_memory_shared(&store);
     other.try_acquire("jobs/long").await.expect("free at once");
@@ -122,11 +106,9 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
 
 #[tokio::test(start_paused = true)]
 async fn a_release_that_hangs_is_reported_when_the_shutdown_times_out() {
-    let store = MemoryStore::new();
-    let backend = Counting::new(&store);
-    let locks = DistributedLock::builder(backend.clone()).build().unwrap();
+    let (_store, counting, locks) = counted_pair();
     let held = locks.try_acquire("k").await.unwrap();
-    backend.hang_releases.store(true, Ordering::SeqCst);
+    counting.hang_releases.store(true, Ordering::SeqCst);
     let started = Instant::now();
     let error = locks.shutdown(Duration::from_secs(2)).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Unavailable);
@@ -143,12 +125,10 @@ async fn a_release_that_hangs_is_reported_when_the_shutdown_times_out() {
 async fn a_dropped_handle_is_released_before_the_shutdown_returns() {
     // The handle dropped just before the process exits: its background release must finish
     // before shutdown returns, or the lease outlives the process.
-    let store = MemoryStore::new();
-    let backend = Counting::new(&store);
-    let locks = DistributedLock::builder(backend.clone()).build().unwrap();
+    let (store, counting, locks) = counted_pair();
     drop(locks.try_acquire("k").await.unwrap());
     locks.shutdown(Duration::from_secs(1)).await.unwrap();
-    assert_eq!(backend.releases.load(Ordering::SeqCst), 1);
+    assert_eq!(counting.releases.load(Ordering::SeqCst), 1);
     assert!(!store.is_locked("k"), "nothing left at the backend");
 }
 

@@ -16,12 +16,10 @@ use std::sync::{Arc, Weak};
 use std::task::Poll;
 use std::time::Duration;
 
-use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::providers::memory::MemoryLease;
+use lockingkit::backend::{LeaseTiming, LockBackend};
 use lockingkit::providers::memory::RenewalFault;
-use lockingkit::{
-    DistributedLock, ErrorKind, LockHandle, LockMode, LossReason, MemoryBackend, MemoryStore,
-};
+use lockingkit::testing::Intercept;
+use lockingkit::{DistributedLock, ErrorKind, LockHandle, LossReason, MemoryBackend, MemoryStore};
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -119,6 +117,20 @@ impl Recording {
             store.clone(),
             Duration::from_secs(3),
         ))
+    }
+
+    /// A recording, a store and a lock on it ([`Recording::lock`]).
+    fn with_lock() -> (Self, MemoryStore, DistributedLock) {
+        let (rec, store) = (Recording::start(), MemoryStore::new());
+        let locks = rec.lock(&store);
+        (rec, store, locks)
+    }
+
+    /// A recording, a store and a lock on it with 3 s leases ([`Recording::short_lease_lock`]).
+    fn with_short_lease_lock() -> (Self, MemoryStore, DistributedLock) {
+        let (rec, store) = (Recording::start(), MemoryStore::new());
+        let locks = rec.short_lease_lock(&store);
+        (rec, store, locks)
     }
 
     fn finished_spans(&self) -> Vec<SpanData> {
@@ -360,38 +372,11 @@ fn other_process(store: &MemoryStore) -> DistributedLock {
 }
 
 /// A session-held backend (like PostgreSQL): the in-memory store checked every second, so a
-/// failed check is `connection_lost`. Built on the public trait as a user's own backend would be.
-struct SessionStore(MemoryBackend);
-
-impl LockBackend for SessionStore {
-    type Lease = MemoryLease;
-
-    fn provider(&self) -> &str {
-        "session_store"
-    }
-
-    fn timing(&self) -> LeaseTiming {
-        LeaseTiming::ConnectionHeld(Duration::from_secs(1))
-    }
-
-    fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> impl Future<Output = Result<Option<Acquired<MemoryLease>>, BackendError>> + Send {
-        self.0.try_acquire(key, mode)
-    }
-
-    fn renew(&self, lease: &MemoryLease) -> impl Future<Output = Result<(), BackendError>> + Send {
-        self.0.renew(lease)
-    }
-
-    fn release(
-        &self,
-        lease: &MemoryLease,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send {
-        self.0.release(lease)
-    }
+/// failed check is `connection_lost`, under a provider name of its own.
+fn session_store(store: &MemoryStore) -> Intercept<MemoryBackend> {
+    Intercept::new(MemoryBackend::new(store.clone()))
+        .provider("session_store")
+        .timing(LeaseTiming::ConnectionHeld(Duration::from_secs(1)))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -400,9 +385,7 @@ impl LockBackend for SessionStore {
 
 #[tokio::test(start_paused = true)]
 async fn try_acquire_and_release_are_client_spans_named_after_the_lock() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
 
     let handle = locks.try_acquire(KEY).await.expect("free");
     let token = handle.fencing_token();
@@ -436,9 +419,7 @@ async fn try_acquire_and_release_are_client_spans_named_after_the_lock() {
 
 #[tokio::test(start_paused = true)]
 async fn readers_and_semaphore_holders_are_recorded_with_their_mode() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
 
     let writer = locks.try_acquire(KEY).await.expect("free");
     let span = rec.span("try_acquire Jobs");
@@ -492,9 +473,7 @@ async fn readers_and_semaphore_holders_are_recorded_with_their_mode() {
 
 #[tokio::test(start_paused = true)]
 async fn acquire_span_records_attempts_and_token_of_a_wait_that_succeeds() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     let holder = other_process(&store).try_acquire(KEY).await.expect("free");
 
     let before = store.attempts();
@@ -531,9 +510,7 @@ async fn acquire_span_records_attempts_and_token_of_a_wait_that_succeeds() {
 
 #[tokio::test(start_paused = true)]
 async fn a_semaphore_wait_records_every_attempt() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     let holder = other_process(&store)
         .semaphore(KEY, 1)
         .expect("in-memory semaphores")
@@ -559,9 +536,7 @@ async fn a_semaphore_wait_records_every_attempt() {
 
 #[tokio::test(start_paused = true)]
 async fn busy_is_an_outcome_not_an_error() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     let _elsewhere = other_process(&store).try_acquire(KEY).await.expect("free");
 
     let err = locks.try_acquire(KEY).await.expect_err("held elsewhere");
@@ -579,9 +554,7 @@ async fn busy_is_an_outcome_not_an_error() {
 
 #[tokio::test(start_paused = true)]
 async fn busy_through_the_same_lock_makes_no_backend_attempt() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
     let _held = locks.try_acquire(KEY).await.expect("free");
 
     let err = locks.try_acquire(KEY).await.expect_err("not reentrant");
@@ -597,9 +570,7 @@ async fn busy_through_the_same_lock_makes_no_backend_attempt() {
 
 #[tokio::test(start_paused = true)]
 async fn timeout_is_an_outcome_not_an_error() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     let _elsewhere = other_process(&store).try_acquire(KEY).await.expect("free");
 
     let before = store.attempts();
@@ -644,9 +615,7 @@ async fn timeout_is_an_outcome_not_an_error() {
 
 #[tokio::test(start_paused = true)]
 async fn an_unreachable_backend_is_a_failure_with_error_type_and_kind() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     store.set_unavailable(true);
 
     let err = locks.try_acquire(KEY).await.expect_err("down");
@@ -696,9 +665,7 @@ async fn an_invalid_key_is_a_failure_without_attempts() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_acquire_queued_behind_a_local_holder_is_cancelled() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
     let _held = locks.try_acquire(KEY).await.expect("free");
 
     {
@@ -734,9 +701,7 @@ async fn a_dropped_acquire_queued_behind_a_local_holder_is_cancelled() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dropped_acquire_that_was_retrying_is_cancelled_with_its_attempts() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     let _elsewhere = other_process(&store).try_acquire(KEY).await.expect("free");
 
     let before = store.attempts();
@@ -768,9 +733,7 @@ async fn a_dropped_acquire_that_was_retrying_is_cancelled_with_its_attempts() {
 
 #[tokio::test(start_paused = true)]
 async fn a_release_the_backend_refuses_is_a_failure_span() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, store, locks) = Recording::with_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
     assert!(store.break_lease(KEY));
 
@@ -783,9 +746,7 @@ async fn a_release_the_backend_refuses_is_a_failure_span() {
 
 #[tokio::test(start_paused = true)]
 async fn releasing_a_lock_already_lost_is_a_failure_span() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
     assert!(store.break_lease(KEY));
     loss_recorded(&locks, &handle).await;
@@ -799,9 +760,7 @@ async fn releasing_a_lock_already_lost_is_a_failure_span() {
 
 #[tokio::test(start_paused = true)]
 async fn dropping_a_handle_records_the_background_release() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
     let token = handle.fencing_token();
     drop(handle);
@@ -831,9 +790,7 @@ async fn dropping_a_handle_records_the_background_release() {
 
 #[tokio::test(start_paused = true)]
 async fn every_instrument_has_the_specified_name_shape_and_unit() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
     {
         let waiter = locks.acquire(KEY, Duration::from_secs(30));
@@ -883,9 +840,7 @@ async fn every_instrument_has_the_specified_name_shape_and_unit() {
 
 #[tokio::test(start_paused = true)]
 async fn a_released_hold_is_measured_and_leaves_locks_held() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
 
     let handle = locks.try_acquire(KEY).await.expect("free");
     let metrics = rec.collect();
@@ -931,9 +886,7 @@ async fn a_released_hold_is_measured_and_leaves_locks_held() {
 
 #[tokio::test(start_paused = true)]
 async fn waiters_counts_local_callers_queued_for_a_key() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.lock(&store);
+    let (rec, _store, locks) = Recording::with_lock();
     let holder = locks.try_acquire(KEY).await.expect("free");
 
     let first = locks.acquire(KEY, Duration::from_secs(30));
@@ -957,9 +910,7 @@ async fn waiters_counts_local_callers_queued_for_a_key() {
 
 #[tokio::test(start_paused = true)]
 async fn renewals_are_counted_and_failing_renewals_end_in_a_deadline_loss() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
 
     // Renewals at 1 s and 2 s succeed; from 2.5 s on they fail, so the lock is lost 2.7 s
@@ -1003,9 +954,7 @@ async fn renewals_are_counted_and_failing_renewals_end_in_a_deadline_loss() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hung_renewal_is_lost_at_the_deadline_and_counted_as_failed() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     store.set_renewal_fault(RenewalFault::Hang);
     let handle = locks.try_acquire(KEY).await.expect("free");
 
@@ -1036,9 +985,7 @@ async fn a_hung_renewal_is_lost_at_the_deadline_and_counted_as_failed() {
 
 #[tokio::test(start_paused = true)]
 async fn an_unreachable_backend_while_held_is_a_deadline_loss() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
     store.set_unavailable(true);
 
@@ -1053,9 +1000,7 @@ async fn an_unreachable_backend_while_held_is_a_deadline_loss() {
 
 #[tokio::test(start_paused = true)]
 async fn a_broken_lease_is_lost_with_reason_lease_gone() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     let handle = locks.try_acquire(KEY).await.expect("free");
     assert!(store.break_lease(KEY));
 
@@ -1087,7 +1032,7 @@ async fn a_broken_lease_is_lost_with_reason_lease_gone() {
 async fn a_failed_connection_check_is_lost_with_reason_connection_lost() {
     let rec = Recording::start();
     let store = MemoryStore::new();
-    let locks = rec.lock_on(SessionStore(MemoryBackend::new(store.clone())));
+    let locks = rec.lock_on(session_store(&store));
     let handle = locks.try_acquire(KEY).await.expect("free");
     tokio::time::sleep(Duration::from_millis(1500)).await; // one good check
     store.set_unavailable(true);
@@ -1122,9 +1067,7 @@ async fn a_failed_connection_check_is_lost_with_reason_connection_lost() {
 
 #[tokio::test(start_paused = true)]
 async fn the_key_appears_in_no_span_event_or_metric() {
-    let rec = Recording::start();
-    let store = MemoryStore::new();
-    let locks = rec.short_lease_lock(&store);
+    let (rec, store, locks) = Recording::with_short_lease_lock();
     let elsewhere = other_process(&store);
 
     // acquired, busy (local and remote), timeout, cancelled, failure, released, dropped,

@@ -66,6 +66,7 @@
 mod cases;
 mod counting;
 mod election;
+mod intercept;
 mod intervals;
 mod multi_key;
 mod release;
@@ -77,6 +78,7 @@ use std::time::Duration;
 pub use cases::*;
 pub use counting::{CountedLease, CountingBackend};
 pub use election::*;
+pub use intercept::{Call, Intercept};
 pub use intervals::{HeldInterval, IntervalChecker};
 pub use multi_key::*;
 pub use release::{

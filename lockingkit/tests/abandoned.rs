@@ -1,0 +1,79 @@
+//! An attempt whose caller went away: what it finds is no evidence for callers that come later.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockingkit::testing::Intercept;
+use lockingkit::{DistributedLock, ErrorKind, LockOptions, MemoryBackend, MemoryStore};
+use tokio::sync::{watch, Notify};
+
+/// A process on `store` whose attempts after the first read the store at once but answer only
+/// once `open` says so; `reached` is told when such an answer is held back.
+fn held_back_answers(
+    store: &MemoryStore,
+    reached: Arc<Notify>,
+    open: watch::Receiver<bool>,
+) -> DistributedLock {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let backend = Intercept::new(MemoryBackend::new(store.clone())).on_try_acquire(move |call| {
+        let (attempts, reached, mut open) = (attempts.clone(), reached.clone(), open.clone());
+        Box::pin(async move {
+            let answer = call.await;
+            if attempts.fetch_add(1, Ordering::SeqCst) > 0 && !*open.borrow() {
+                reached.notify_one();
+                let _ = open.wait_for(|open| *open).await;
+            }
+            answer
+        })
+    });
+    DistributedLock::builder(backend)
+        .options(LockOptions {
+            min_retry_delay: Duration::from_millis(5),
+            max_retry_delay: Duration::from_millis(20),
+            ..LockOptions::default()
+        })
+        .build()
+        .expect("valid options")
+}
+
+/// A waiter's attempt reads "busy" and its caller goes away before the answer arrives; the
+/// holder (another process) then releases, confirmed. A try in the waiter's process right
+/// after must not be told "busy" by that read from before the release: it waits for the turn
+/// and asks the backend itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_after_a_confirmed_release_is_not_told_busy_by_an_abandoned_read() {
+    let store = MemoryStore::new();
+    let reached = Arc::new(Notify::new());
+    let (open, gate) = watch::channel(false);
+    let waiters = held_back_answers(&store, reached.clone(), gate);
+    let holder = DistributedLock::in_memory_shared(&store);
+
+    let held = holder.try_acquire("jobs").await.expect("the holder");
+    let waiter = tokio::spawn({
+        let waiters = waiters.clone();
+        async move { waiters.acquire("jobs", Duration::from_secs(30)).await }
+    });
+    // The waiter's second attempt has read "busy" and waits to be answered.
+    reached.notified().await;
+    waiter.abort();
+    let _ = waiter.await;
+    held.release().await.expect("the holder's release");
+
+    let tried = tokio::spawn({
+        let waiters = waiters.clone();
+        async move { waiters.try_acquire("jobs").await }
+    });
+    // Whatever the try does before the held-back answer arrives, it must not end with it.
+    tokio::task::yield_now().await;
+    open.send_replace(true);
+    let handle = tokio::time::timeout(Duration::from_secs(10), tried)
+        .await
+        .expect("the try ends once the abandoned attempt is answered")
+        .expect("the try's task")
+        .unwrap_or_else(|error| {
+            assert_ne!(error.kind(), ErrorKind::Busy, "told busy by a read from before");
+            panic!("the try failed: {error}")
+        });
+    handle.release().await.expect("release");
+}

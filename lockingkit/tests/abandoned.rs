@@ -72,7 +72,11 @@ async fn a_try_after_a_confirmed_release_is_not_told_busy_by_an_abandoned_read()
         .expect("the try ends once the abandoned attempt is answered")
         .expect("the try's task")
         .unwrap_or_else(|error| {
-            assert_ne!(error.kind(), ErrorKind::Busy, "told busy by a read from before");
+            assert_ne!(
+                error.kind(),
+                ErrorKind::Busy,
+                "told busy by a read from before"
+            );
             panic!("the try failed: {error}")
         });
     handle.release().await.expect("release");

@@ -6,11 +6,11 @@
 
 use std::time::Duration;
 
-use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
+use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{
-    DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, PostgresBackend,
-    PostgresTransactionLocks,
+    DistributedLock, ErrorKind, LockError, LockHandle, PostgresBackend, PostgresTransactionLocks,
 };
+use lockingkit_tests::contract::FixtureContract;
 use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
 use lockingkit_tests::postgres::PostgresServer;
 use tokio::time::Instant;
@@ -498,38 +498,21 @@ async fn prepared_attempts_through_a_pooler_without_prepared_statements_are_misc
 mod contract {
     use super::*;
 
-    /// Each "process" is a `DistributedLock` with its own sessions, all through one
-    /// session-mode PgBouncer in front of one server.
-    pub(super) struct ThroughSessionPooling {
-        bouncer: PgBouncer,
-        _server: PostgresServer,
-    }
-
     /// The check interval of the suite, as on a direct connection (tests/postgres.rs): the
     /// kit gives a release a quarter of it to settle, and PgBouncer adds a hop.
     const CONTRACT_CHECK: Duration = Duration::from_millis(500);
 
-    impl ContractBackend for ThroughSessionPooling {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            let postgres = self.bouncer.options(CONTRACT_CHECK);
-            let backend = PostgresBackend::new(postgres).expect("options");
-            DistributedLock::builder(backend)
-                .options(options)
-                .build()
-                .expect("lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            CONTRACT_CHECK
-        }
-    }
-
+    // Each "process" is a `DistributedLock` with its own sessions, all through one
+    // session-mode PgBouncer in front of one server (dropped after the PgBouncer).
     lockingkit::contract_tests!(async {
         let server = PostgresServer::start_local().await;
         let bouncer = PgBouncer::start(&server, PoolMode::Session).await;
-        ThroughSessionPooling {
-            bouncer,
-            _server: server,
-        }
+        FixtureContract::new(
+            (bouncer, server),
+            CONTRACT_CHECK,
+            |(bouncer, _): &(PgBouncer, PostgresServer)| {
+                PostgresBackend::new(bouncer.options(CONTRACT_CHECK)).expect("options")
+            },
+        )
     });
 }

@@ -55,35 +55,17 @@ fn status_of(error: &azure_core::Error) -> Option<u16> {
 
 mod contract {
     use super::*;
-    use lockingkit::testing::ContractBackend;
-    use lockingkit::LockOptions;
+    use lockingkit_tests::contract::FixtureContract;
 
     /// Each "process" is its own backend: its own HTTP client, pipeline and token memory.
-    pub struct AzuriteContract {
-        azurite: Azurite,
-    }
-
-    impl ContractBackend for AzuriteContract {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            let backend =
-                AzureBlobBackend::new(super::options(&self.azurite)).expect("valid Azure options");
-            DistributedLock::builder(backend)
-                .options(options)
-                .build()
-                .expect("valid lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            LEASE
-        }
+    fn backend(azurite: &Azurite) -> AzureBlobBackend {
+        AzureBlobBackend::new(super::options(azurite)).expect("valid Azure options")
     }
 
     // Blob leases have no shared mode: the reader-writer cases check the refusal instead.
     lockingkit::contract_tests!(
         async {
-            AzuriteContract {
-                azurite: Azurite::start().await,
-            }
+            FixtureContract::new(Azurite::start().await, LEASE, backend)
         },
         without: [readers]
     );

@@ -31,13 +31,13 @@ use lockingkit::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
 use lockingkit::providers::azure::AzureBlobLease;
 use lockingkit::testing::{quick_polling, unique_prefix, IntervalChecker};
 use lockingkit::{
-    AzureBlobBackend, AzureBlobOptions, DistributedLock, ErrorKind, LockError, LockHandle,
-    LockMode, LossReason, PostgresBackend, PostgresOptions,
+    AzureBlobBackend, AzureBlobOptions, DistributedLock, ErrorKind, LockError, LockMode,
+    LossReason, PostgresBackend, PostgresOptions,
 };
 use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
 use lockingkit_tests::chaos::{
-    acquire_through_outages, assert_lost, assert_near, contender_lock, record, Loss, Watched,
-    PATIENCE,
+    acquire_through_outages, assert_lost, assert_near, contender_lock, record, Loss, Process,
+    Watched, PATIENCE,
 };
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
@@ -161,12 +161,7 @@ impl Server {
     async fn process(&self, id: usize) -> Process {
         let proxy = FaultProxy::to_port(self.port()).await;
         let locks = lock_through(self.kind(), proxy.port());
-        Process {
-            id,
-            kind: self.kind(),
-            proxy,
-            locks,
-        }
+        Process { id, proxy, locks }
     }
 
     /// How long after the last answered renewal or check a hang is declared loss: Azure at 90%
@@ -229,55 +224,9 @@ fn lock_through(kind: Kind, port: u16) -> DistributedLock {
     }
 }
 
-/// One "process": its own engine and client, behind its own proxy.
-struct Process {
-    id: usize,
-    kind: Kind,
-    proxy: FaultProxy,
-    locks: DistributedLock,
-}
-
-impl Process {
-    async fn acquire(&self, key: &str) -> (LockHandle, Instant) {
-        let handle = self
-            .locks
-            .acquire(key, PATIENCE)
-            .await
-            .unwrap_or_else(|e| panic!("process {} could not acquire: {e}", self.id));
-        (handle, Instant::now())
-    }
-
-    /// Acquires, then watches the hold for loss.
-    async fn hold_watched(&self, key: &str) -> Watched {
-        let (handle, acquired) = self.acquire(key).await;
-        Watched::new(self.id, handle, acquired)
-    }
-
-    /// Starts waiting for `key` in the background, as a contender would.
-    fn wait_for(&self, key: &str) -> JoinHandle<Result<(LockHandle, Instant), LockError>> {
-        let locks = self.locks.clone();
-        let key = key.to_owned();
-        tokio::spawn(async move {
-            let (handle, _) = acquire_through_outages(&locks, &key, PATIENCE).await?;
-            Ok((handle, Instant::now()))
-        })
-    }
-}
-
 // ----------------------------------------------------------------------------------------------
 // After a fault (watching a hold for loss: `lockingkit_tests::chaos`)
 // ----------------------------------------------------------------------------------------------
-
-/// The faulted process takes the lock again once the fault is gone, with a higher token.
-async fn usable_again(process: &Process, key: &str, checker: &IntervalChecker, previous: u64) {
-    let (handle, start) = process.acquire(key).await;
-    assert!(
-        handle.fencing_token() > previous,
-        "tokens keep growing after the fault"
-    );
-    record(checker, key, process.id, handle.fencing_token(), start);
-    handle.release().await.expect("a confirmed release");
-}
 
 /// Checks the hand-over after a PostgreSQL session ended under its holder (terminated, or its
 /// connection reset). The server frees the lock the instant the session ends, and the holder
@@ -303,14 +252,12 @@ fn assert_session_handover(ended: Instant, lost_at: Instant, contender_start: In
 /// renewal or check, not from the acquire: one Azure renewal (a single request), or two
 /// PostgreSQL checks (the first also prepares its statement, a round trip of its own, so only
 /// from the second on is one answered request one successful check).
-async fn settle(process: &Process, watched: &Watched) {
-    let after = match process.kind {
+async fn settle(kind: Kind, process: &Process, watched: &Watched) {
+    let after = match kind {
         Kind::Postgres => watched.acquired + CHECK * 3 / 2,
         Kind::Azure => watched.acquired,
     };
-    tokio::time::timeout(PATIENCE, process.proxy.exchange_after(after))
-        .await
-        .expect("a renewal or check answered");
+    process.answered_after(after).await;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -322,7 +269,7 @@ async fn killed_backend(mut server: Server) {
     let checker = IntervalChecker::new();
     let (holder, other) = (server.process(0).await, server.process(1).await);
     let watched = holder.hold_watched(&key).await;
-    settle(&holder, &watched).await;
+    settle(server.kind(), &holder, &watched).await;
     if server.kind() == Kind::Azure {
         // Azurite's on-disk store is saved every 5 s (LokiJS autosave), so a crash loses the
         // last few seconds of writes; real Azure never loses an acknowledged write. Wait until
@@ -390,7 +337,7 @@ async fn killed_backend(mut server: Server) {
     let token = handle.fencing_token();
     record(&checker, &key, other.id, token, start);
     handle.release().await.expect("release after the restart");
-    usable_again(&holder, &key, &checker, token).await;
+    holder.usable_again(&key, &checker, token).await;
     checker.assert_consistent();
 }
 
@@ -403,8 +350,8 @@ async fn paused_backend(mut server: Server) {
     let checker = IntervalChecker::new();
     let (holder, other) = (server.process(0).await, server.process(1).await);
     let watched = holder.hold_watched(&key).await;
-    settle(&holder, &watched).await;
-    let contender = other.wait_for(&key);
+    settle(server.kind(), &holder, &watched).await;
+    let contender = other.wait_through_outages_for(&key);
     let holder_token = watched.token;
     let paused = Instant::now();
     server.pause();
@@ -442,7 +389,7 @@ async fn paused_backend(mut server: Server) {
     let token = handle.fencing_token();
     record(&checker, &key, other.id, token, start);
     handle.release().await.expect("release after the resume");
-    usable_again(&holder, &key, &checker, token).await;
+    holder.usable_again(&key, &checker, token).await;
     checker.assert_consistent();
 }
 
@@ -567,8 +514,8 @@ async fn proxy_fault(server: Server, fault: Fault) {
     let checker = IntervalChecker::new();
     let (holder, other) = (server.process(0).await, server.process(1).await);
     let watched = holder.hold_watched(&key).await;
-    settle(&holder, &watched).await;
-    let contender = other.wait_for(&key);
+    settle(server.kind(), &holder, &watched).await;
+    let contender = other.wait_through_outages_for(&key);
     let holder_token = watched.token;
     let connections_before = holder.proxy.connections_accepted();
     let faulted = Instant::now();
@@ -628,7 +575,7 @@ async fn proxy_fault(server: Server, fault: Fault) {
     let token = handle.fencing_token();
     record(&checker, &key, other.id, token, start);
     handle.release().await.expect("release");
-    usable_again(&holder, &key, &checker, token).await;
+    holder.usable_again(&key, &checker, token).await;
     if fault == Fault::Reset {
         // Reset connections are gone for good: the holder's process came back on new ones.
         assert!(holder.proxy.connections_accepted() > connections_before);
@@ -873,7 +820,7 @@ async fn slow_network(server: Server) {
         Kind::Azure => RENEW_EVERY * 2 + RENEW_EVERY / 2,
     };
     let (handle, start) = holder.acquire(&key).await;
-    let contender = other.wait_for(&key);
+    let contender = other.wait_through_outages_for(&key);
     handle
         .run(tokio::time::sleep(hold_for))
         .await
@@ -1333,8 +1280,8 @@ mod postgres {
         let checker = IntervalChecker::new();
         let (holder, other) = (server.process(0).await, server.process(1).await);
         let watched = holder.hold_watched(&key).await;
-        settle(&holder, &watched).await;
-        let contender = other.wait_for(&key);
+        settle(server.kind(), &holder, &watched).await;
+        let contender = other.wait_through_outages_for(&key);
         let holder_token = watched.token;
         let terminated = Instant::now();
         assert_eq!(pg.terminate_lock_holders(&key).await, 1);
@@ -1357,7 +1304,7 @@ mod postgres {
         let token = handle.fencing_token();
         record(&checker, &key, other.id, token, start);
         handle.release().await.expect("release");
-        usable_again(&holder, &key, &checker, token).await;
+        holder.usable_again(&key, &checker, token).await;
         checker.assert_consistent();
     }
 
@@ -1399,7 +1346,7 @@ mod postgres {
         // The holder's session ends under it (a failover, a kill, an operator), and another
         // process takes the lock, as it may before the holder can know.
         assert_eq!(pg.terminate_lock_holders(&key).await, 1);
-        let (new, _) = contender_lock(other.wait_for(&key)).await;
+        let (new, _) = contender_lock(other.wait_through_outages_for(&key)).await;
         assert!(new.fencing_token() > old.fencing_token());
         assert_eq!(
             write(new.fencing_token(), "new").await,
@@ -1499,7 +1446,7 @@ mod azure {
             .await
             .expect("a plain SDK client breaks the lease");
         let broken = Instant::now();
-        let contender = other.wait_for(&key);
+        let contender = other.wait_through_outages_for(&key);
 
         let (loss, _) = watched.lost_within(PATIENCE).await;
         assert_lost(&loss, LossReason::LeaseGone);
@@ -1530,7 +1477,7 @@ mod azure {
         record(&checker, &key, other.id, handle.fencing_token(), start);
         let token = handle.fencing_token();
         handle.release().await.expect("release");
-        usable_again(&holder, &key, &checker, token).await;
+        holder.usable_again(&key, &checker, token).await;
         checker.assert_consistent();
     }
 

@@ -10,7 +10,8 @@ use std::time::Duration;
 use lockingkit::keys::EtcdLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions, LockOptions};
-use lockingkit_tests::etcd::{Auth, EtcdCluster};
+use lockingkit_tests::etcd::{add_user, Auth, EtcdCluster};
+use lockingkit_tests::polling::eventually;
 use tokio::time::Instant;
 
 /// The lease of every case whose subject is not the lease itself: long enough that a loaded
@@ -31,18 +32,6 @@ fn process(cluster: &EtcdCluster) -> DistributedLock {
 
 fn backend(lock: &DistributedLock) -> &EtcdBackend {
     lock.backend::<EtcdBackend>().expect("an etcd-backed lock")
-}
-
-/// Waits for `condition`, polling: for state only the cluster can report.
-async fn eventually(what: &str, within: Duration, mut condition: impl AsyncFnMut() -> bool) {
-    let give_up = Instant::now() + within;
-    while !condition().await {
-        assert!(
-            Instant::now() < give_up,
-            "{what} did not happen within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Each "process" is a `DistributedLock` with its own etcd client, lease and watch stream.
@@ -821,14 +810,7 @@ async fn verify_refuses_a_user_without_permission_under_the_prefix() {
         )
         .await
         .expect("grant");
-    admin
-        .user_add("locks", "locks-password", None)
-        .await
-        .expect("user");
-    admin
-        .user_grant_role("locks", "elsewhere")
-        .await
-        .expect("grant role");
+    add_user(&mut admin, "locks", "locks-password", "elsewhere").await;
     let options = EtcdOptions {
         user: Some("locks".into()),
         password: Some("locks-password".into()),

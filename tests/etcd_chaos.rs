@@ -267,10 +267,7 @@ struct Holder(Child);
 
 impl Holder {
     fn signal(&self, signal: i32) {
-        // SAFETY: kill has no memory-safety preconditions.
-        unsafe {
-            libc::kill(self.0.id() as i32, signal);
-        }
+        lockingkit_tests::os::signal(self.0.id(), signal);
     }
 
     fn wait(&mut self) {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::testing::unique_prefix;
-use lockingkit::{DistributedLock, LeaderState, LockOptions, PostgresBackend, Term};
+use lockingkit::{DistributedLock, LeaderState, Leadership, LockOptions, PostgresBackend, Term};
+use lockingkit_tests::polling::eventually;
 use lockingkit_tests::postgres::PostgresServer;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
@@ -109,15 +110,46 @@ async fn follower_is_queued(server: &PostgresServer, key: &str) -> bool {
     row.get::<_, i64>(0) > 0
 }
 
-/// Polls the server (which sends no signal for it) until the follower waits for `key`.
-async fn until_follower_queued(server: &PostgresServer, key: &str) {
-    let give_up = Instant::now() + Duration::from_secs(30);
-    while !follower_is_queued(server, key).await {
-        assert!(
-            Instant::now() < give_up,
-            "the follower never queued for the key"
+/// A second campaign on a key another instance leads, its watcher queued in the server.
+struct Follower {
+    leadership: Leadership,
+    state: watch::Receiver<LeaderState>,
+    events: mpsc::UnboundedReceiver<Work>,
+}
+
+impl Follower {
+    /// Starts campaigning on `key` and waits until the watcher queues: one leader at a time.
+    async fn queued(server: &PostgresServer, key: &str) -> Follower {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let leadership = instance(server)
+            .leader(key)
+            .expect("valid key")
+            .start(reporting_work(events_tx))
+            .expect("started");
+        let state = leadership.state();
+        eventually(
+            "the follower's queue place",
+            Duration::from_secs(30),
+            async || follower_is_queued(server, key).await,
+        )
+        .await;
+        assert!(!leadership.is_leading(), "one leader at a time");
+        Follower {
+            leadership,
+            state,
+            events,
+        }
+    }
+
+    /// Waits (up to `within`) until the follower leads and its term's work started; returns
+    /// the term.
+    async fn takes_over_within(&mut self, within: Duration) -> u64 {
+        let term = leads_within(&mut self.state, within).await;
+        assert_eq!(
+            next_event(&mut self.events, "follower's term").await,
+            Work::Started(term)
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        term
     }
 }
 
@@ -141,15 +173,7 @@ async fn a_leader_whose_session_is_terminated_is_followed_within_the_bound_and_c
         Work::Started(first_term)
     );
 
-    let (follower_tx, mut follower_events) = mpsc::unbounded_channel();
-    let follower = instance(&server)
-        .leader(&key)
-        .expect("valid key")
-        .start(reporting_work(follower_tx))
-        .expect("started");
-    let mut follower_state = follower.state();
-    until_follower_queued(&server, &key).await;
-    assert!(!follower.is_leading(), "one leader at a time");
+    let mut follower = Follower::queued(&server, &key).await;
 
     assert_eq!(
         server.terminate_lock_holders(&key).await,
@@ -158,7 +182,7 @@ async fn a_leader_whose_session_is_terminated_is_followed_within_the_bound_and_c
     );
     let lost = Instant::now();
     let bound = MAX_RETRY_DELAY + HEADROOM;
-    let follower_term = leads_within(&mut follower_state, bound).await;
+    let follower_term = follower.takes_over_within(bound).await;
     let took = lost.elapsed();
     assert_eq!(
         next_event(&mut events, "first leader's work dropped").await,
@@ -167,10 +191,6 @@ async fn a_leader_whose_session_is_terminated_is_followed_within_the_bound_and_c
     );
     assert!(!first.is_leading(), "the deposed leader no longer leads");
     assert!(follower_term > first_term, "{follower_term} > {first_term}");
-    assert_eq!(
-        next_event(&mut follower_events, "follower's term").await,
-        Work::Started(follower_term)
-    );
     eprintln!("failover after pg_terminate_backend: {took:?}");
 
     // The deposed leader campaigns again (it did not stop): it leads once the follower resigns,
@@ -180,7 +200,7 @@ async fn a_leader_whose_session_is_terminated_is_followed_within_the_bound_and_c
         "{:?}",
         *first_state.borrow()
     );
-    follower.resign().await.expect("resigned");
+    follower.leadership.resign().await.expect("resigned");
     let third_term = leads_within(&mut first_state, Duration::from_secs(30)).await;
     assert!(third_term > follower_term, "{third_term} > {follower_term}");
     assert_eq!(
@@ -222,30 +242,18 @@ async fn a_leader_process_killed_with_sigkill_is_followed_within_the_bound_in_a_
         "the child holds the key"
     );
 
-    let (follower_tx, mut follower_events) = mpsc::unbounded_channel();
-    let follower = instance(&server)
-        .leader(&key)
-        .expect("valid key")
-        .start(reporting_work(follower_tx))
-        .expect("started");
-    let mut follower_state = follower.state();
-    until_follower_queued(&server, &key).await;
-    assert!(!follower.is_leading(), "one leader at a time");
+    let mut follower = Follower::queued(&server, &key).await;
 
     child.start_kill().expect("SIGKILL");
     let killed = Instant::now();
     let bound = MAX_RETRY_DELAY + HEADROOM;
-    let follower_term = leads_within(&mut follower_state, bound).await;
+    let follower_term = follower.takes_over_within(bound).await;
     let took = killed.elapsed();
     assert!(follower_term > child_term, "{follower_term} > {child_term}");
-    assert_eq!(
-        next_event(&mut follower_events, "follower's term").await,
-        Work::Started(follower_term)
-    );
     let status = child.wait().await.expect("exit status");
     assert!(!status.success(), "killed, not exited: {status}");
     eprintln!("failover after SIGKILL of the leader process: {took:?}");
-    follower.resign().await.expect("resigned");
+    follower.leadership.resign().await.expect("resigned");
     assert!(
         server.lock_holders(&key).await.is_empty(),
         "resigning freed the key"

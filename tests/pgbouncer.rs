@@ -7,8 +7,9 @@
 use std::time::Duration;
 
 use lockingkit::providers::postgres::PostgresTransactionLocks;
-use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
-use lockingkit::{DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, PostgresBackend};
+use lockingkit::testing::{quick_polling, unique_prefix};
+use lockingkit::{DistributedLock, ErrorKind, LockError, LockHandle, PostgresBackend};
+use lockingkit_tests::contract::FixtureContract;
 use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
 use lockingkit_tests::postgres::PostgresServer;
 use tokio::time::Instant;
@@ -141,11 +142,7 @@ async fn round_robin_transaction_pooling_over_two_idle_backends_is_refused_too()
     let mut open = Vec::new();
     for client in &mut clients {
         let transaction = client.transaction().await.unwrap();
-        let pid: i32 = transaction
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let pid = backend_pid(&transaction).await;
         open.push((transaction, pid));
     }
     let pids: std::collections::HashSet<i32> = open.iter().map(|(_, pid)| *pid).collect();
@@ -206,6 +203,12 @@ async fn session_pooling_is_accepted_and_its_locks_exclude_each_other() {
     next.release().await.unwrap();
 }
 
+/// Takes `key` and releases it: one whole hold.
+async fn take_and_release(locks: &DistributedLock, key: &str) {
+    let held = locks.try_acquire(key).await.expect("a free key");
+    held.release().await.expect("a confirmed release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verifying_a_session_opens_no_extra_connection_when_direct_and_one_through_a_pooler() {
     let server = PostgresServer::start_local().await;
@@ -216,13 +219,7 @@ async fn verifying_a_session_opens_no_extra_connection_when_direct_and_one_throu
         proxy.port()
     )));
     let key = unique_prefix("pgbouncer/cost");
-    direct
-        .try_acquire(&key)
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    take_and_release(&direct, &key).await;
     assert_eq!(proxy.connections_accepted(), 1);
 
     // Through PgBouncer (its own cancel keys), the second connection is opened once per session.
@@ -231,13 +228,7 @@ async fn verifying_a_session_opens_no_extra_connection_when_direct_and_one_throu
     let before = logins(&bouncer);
     let pooled = lock_through(&bouncer);
     for _ in 0..3 {
-        pooled
-            .try_acquire(&key)
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
+        take_and_release(&pooled, &key).await;
     }
     assert_eq!(sessions(&pooled), 1);
     assert_eq!(logins(&bouncer) - before, 2, "{}", bouncer.log());
@@ -385,8 +376,10 @@ async fn pooling_that_starts_later_is_loss_for_the_held_locks_and_then_refused()
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transaction_scoped_locks_work_through_transaction_pooling() {
+/// A transaction-mode PgBouncer in front of a new local server, and transaction-scoped locks
+/// whose fencing sequence was created through it.
+async fn transaction_locks_through_transaction_pooling(
+) -> (PostgresServer, PgBouncer, PostgresTransactionLocks) {
     let server = PostgresServer::start_local().await;
     let bouncer = PgBouncer::start(&server, PoolMode::Transaction).await;
     let locks = PostgresTransactionLocks::default();
@@ -394,6 +387,12 @@ async fn transaction_scoped_locks_work_through_transaction_pooling() {
         .create_fencing_sequence(&bouncer.connect().await)
         .await
         .expect("the fencing sequence through the pooler");
+    (server, bouncer, locks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_scoped_locks_work_through_transaction_pooling() {
+    let (server, bouncer, locks) = transaction_locks_through_transaction_pooling().await;
     let key = unique_prefix("pgbouncer/transaction");
     let (mut a, mut b) = (bouncer.connect().await, bouncer.connect().await);
 
@@ -422,6 +421,15 @@ async fn transaction_scoped_locks_work_through_transaction_pooling() {
     );
 }
 
+/// The server process that `client`'s statements run on now, through the pooler.
+async fn backend_pid(client: &impl tokio_postgres::GenericClient) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// Pins server process `wanted` in a transaction of a fresh client (kept in `pinned`): opens
 /// transactions on fresh clients, keeping each open, until one runs on `wanted`. The pooler
 /// hands out its idle processes before opening new ones, so `wanted`, idle, is reached
@@ -430,11 +438,7 @@ async fn pin_until(bouncer: &PgBouncer, wanted: i32, pinned: &mut Vec<tokio_post
     for _ in 0..50 {
         let client = bouncer.connect().await;
         client.batch_execute("BEGIN").await.unwrap();
-        let pid: i32 = client
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let pid = backend_pid(&client).await;
         pinned.push(client);
         if pid == wanted {
             return;
@@ -445,13 +449,7 @@ async fn pin_until(bouncer: &PgBouncer, wanted: i32, pinned: &mut Vec<tokio_post
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prepared_attempts_through_a_pooler_without_prepared_statements_are_misconfigured() {
-    let server = PostgresServer::start_local().await;
-    let bouncer = PgBouncer::start(&server, PoolMode::Transaction).await;
-    let locks = PostgresTransactionLocks::default();
-    locks
-        .create_fencing_sequence(&bouncer.connect().await)
-        .await
-        .unwrap();
+    let (_server, bouncer, locks) = transaction_locks_through_transaction_pooling().await;
     let config: tokio_postgres::Config = bouncer.connection_string().parse().unwrap();
     let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
     let pool = deadpool_postgres::Pool::builder(manager)
@@ -463,11 +461,7 @@ async fn prepared_attempts_through_a_pooler_without_prepared_statements_are_misc
 
     // Prepared on the server process of the first transaction.
     let first = client.transaction().await.unwrap();
-    let prepared_on: i32 = first
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let prepared_on = backend_pid(&*first).await;
     locks.try_acquire(&first, &key).await.expect("prepared");
     first.commit().await.unwrap();
 
@@ -496,42 +490,21 @@ async fn prepared_attempts_through_a_pooler_without_prepared_statements_are_misc
 mod contract {
     use super::*;
 
-    /// Each "process" is a `DistributedLock` with its own sessions, all through one
-    /// session-mode PgBouncer in front of one server.
-    pub(super) struct ThroughSessionPooling {
-        bouncer: PgBouncer,
-        _server: PostgresServer,
-    }
-
     /// The check interval of the suite, as on a direct connection (tests/postgres.rs): the
     /// kit gives a release a quarter of it to settle, and PgBouncer adds a hop.
     const CONTRACT_CHECK: Duration = Duration::from_millis(500);
 
-    impl ContractBackend for ThroughSessionPooling {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            let postgres = self.bouncer.options(CONTRACT_CHECK);
-            let backend = PostgresBackend::new(postgres).expect("options");
-            DistributedLock::builder(backend)
-                .options(options)
-                .build()
-                .expect("lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            CONTRACT_CHECK
-        }
-
-        fn leases_held_by_connection(&self) -> bool {
-            true
-        }
-    }
-
+    // Each "process" is a `DistributedLock` with its own sessions, all through one
+    // session-mode PgBouncer in front of one server (dropped after the PgBouncer).
     lockingkit::contract_tests!(async {
         let server = PostgresServer::start_local().await;
         let bouncer = PgBouncer::start(&server, PoolMode::Session).await;
-        ThroughSessionPooling {
-            bouncer,
-            _server: server,
-        }
+        FixtureContract::new(
+            (bouncer, server),
+            CONTRACT_CHECK,
+            |(bouncer, _): &(PgBouncer, PostgresServer)| {
+                PostgresBackend::new(bouncer.options(CONTRACT_CHECK)).expect("options")
+            },
+        )
     });
 }

@@ -7,11 +7,13 @@
 use std::time::Duration;
 
 use lockingkit::keys::PostgresLockKeys;
-use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
+use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{
     DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, LossReason, PostgresBackend,
     PostgresOptions,
 };
+use lockingkit_tests::contract::FixtureContract;
+use lockingkit_tests::polling::eventually;
 use lockingkit_tests::postgres::PostgresServer;
 use tokio::time::Instant;
 
@@ -43,50 +45,16 @@ fn kind_of(result: Result<LockHandle, LockError>) -> ErrorKind {
     }
 }
 
-/// Waits for `condition`, polling: for state that only the server can report.
-async fn eventually(what: &str, within: Duration, mut condition: impl AsyncFnMut() -> bool) {
-    let give_up = Instant::now() + within;
-    while !condition().await {
-        assert!(
-            Instant::now() < give_up,
-            "{what} did not happen within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 mod contract {
     use super::*;
 
-    /// Each "process" is a `DistributedLock` with its own pool on one server.
-    pub(super) struct PostgresContract {
-        server: PostgresServer,
-    }
-
-    impl ContractBackend for PostgresContract {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            // Default session budget: the look-alike case holds 26 locks at once in one process
-            // on at most four shared sessions.
-            let backend = PostgresBackend::new(self.server.options(CHECK)).expect("options");
-            DistributedLock::builder(backend)
-                .options(options)
-                .build()
-                .expect("lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            CHECK
-        }
-
-        fn leases_held_by_connection(&self) -> bool {
-            true
-        }
-    }
-
+    // Each "process" is a `DistributedLock` with its own pool on one server, with the default
+    // session budget: the look-alike case holds 26 locks at once in one process on at most
+    // four shared sessions.
     lockingkit::contract_tests!(async {
-        PostgresContract {
-            server: PostgresServer::start().await,
-        }
+        FixtureContract::new(PostgresServer::start().await, CHECK, |server| {
+            PostgresBackend::new(server.options(CHECK)).expect("options")
+        })
     });
 }
 

@@ -3,6 +3,7 @@
 //! of every kind (plain SQL blocking or retrying, LockingKit readers elsewhere) queue behind a
 //! waiting writer, and no session holds the key for nobody after a hand-off.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +12,7 @@ use lockingkit::keys::PostgresLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{DistributedLock, ErrorKind, PostgresBackend};
 use lockingkit_tests::postgres::PostgresServer;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 /// How long each reader holds the key.
@@ -43,6 +45,34 @@ async fn writer_queued(admin: &tokio_postgres::Client, key: &str) -> bool {
         > 0
 }
 
+/// Runs two readers' turn loops side by side, `reader(0)` and `reader(1)`; the task returns
+/// the turns granted to both.
+fn two_readers<F>(reader: impl Fn(u32) -> F) -> JoinHandle<usize>
+where
+    F: Future<Output = usize> + Send + 'static,
+{
+    let mut turns = JoinSet::new();
+    for client in 0..2 {
+        turns.spawn(reader(client));
+    }
+    tokio::spawn(async move {
+        let mut total = 0;
+        while let Some(granted) = turns.join_next().await {
+            total += granted.expect("reader task");
+        }
+        total
+    })
+}
+
+/// A plain tokio-postgres session on `url`, as another program's reader would open.
+async fn plain_session(url: &str) -> tokio_postgres::Client {
+    let (sql, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("reader connects");
+    tokio::spawn(connection);
+    sql
+}
+
 /// Two plain-SQL clients take `key` shared in overlapping turns with blocking
 /// `pg_advisory_lock_shared`, each holding [`READ`], until `stop`: some reader always holds
 /// the key unless a writer queued ahead of them. Returns the turns granted.
@@ -50,40 +80,31 @@ fn blocking_sql_readers(
     server: &PostgresServer,
     key: &str,
     stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<usize> {
-    let (server_url, key) = (server.connection_string(), key.to_owned());
-    tokio::spawn(async move {
-        let mut turns = tokio::task::JoinSet::new();
-        for client in 0..2u32 {
-            let (url, key, stop) = (server_url.clone(), key.clone(), stop.clone());
-            turns.spawn(async move {
-                let (sql, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+) -> JoinHandle<usize> {
+    let (url, k) = (
+        server.connection_string(),
+        PostgresLockKeys::advisory_key(key),
+    );
+    two_readers(move |client| {
+        let (url, stop) = (url.clone(), stop.clone());
+        async move {
+            let sql = plain_session(&url).await;
+            tokio::time::sleep(READ / 2 * client).await;
+            let mut granted = 0;
+            while !stop.load(Ordering::SeqCst) {
+                sql.execute("SELECT pg_advisory_lock_shared($1)", &[&k])
                     .await
-                    .expect("reader connects");
-                tokio::spawn(connection);
-                let k = PostgresLockKeys::advisory_key(&key);
-                tokio::time::sleep(READ / 2 * client).await;
-                let mut granted = 0;
-                while !stop.load(Ordering::SeqCst) {
-                    sql.execute("SELECT pg_advisory_lock_shared($1)", &[&k])
-                        .await
-                        .expect("blocking shared lock");
-                    granted += 1;
-                    tokio::time::sleep(READ).await;
-                    sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
-                        .await
-                        .expect("unlock");
-                    // The other client holds meanwhile; take the next turn before it ends.
-                    tokio::time::sleep(READ / 4).await;
-                }
-                granted
-            });
+                    .expect("blocking shared lock");
+                granted += 1;
+                tokio::time::sleep(READ).await;
+                sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
+                    .await
+                    .expect("unlock");
+                // The other client holds meanwhile; take the next turn before it ends.
+                tokio::time::sleep(READ / 4).await;
+            }
+            granted
         }
-        let mut total = 0;
-        while let Some(granted) = turns.join_next().await {
-            total += granted.expect("reader task");
-        }
-        total
     })
 }
 
@@ -92,43 +113,34 @@ fn retrying_sql_readers(
     server: &PostgresServer,
     key: &str,
     stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<usize> {
-    let (server_url, key) = (server.connection_string(), key.to_owned());
-    tokio::spawn(async move {
-        let mut turns = tokio::task::JoinSet::new();
-        for client in 0..2u64 {
-            let (url, key, stop) = (server_url.clone(), key.clone(), stop.clone());
-            turns.spawn(async move {
-                let (sql, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+) -> JoinHandle<usize> {
+    let (url, k) = (
+        server.connection_string(),
+        PostgresLockKeys::advisory_key(key),
+    );
+    two_readers(move |client| {
+        let (url, stop) = (url.clone(), stop.clone());
+        async move {
+            let sql = plain_session(&url).await;
+            tokio::time::sleep(READ / 2 * client).await;
+            let (mut granted, mut round) = (0, u64::from(client));
+            while !stop.load(Ordering::SeqCst) {
+                let row = sql
+                    .query_one("SELECT pg_try_advisory_lock_shared($1)", &[&k])
                     .await
-                    .expect("reader connects");
-                tokio::spawn(connection);
-                let k = PostgresLockKeys::advisory_key(&key);
-                tokio::time::sleep(READ / 2 * client as u32).await;
-                let (mut granted, mut round) = (0, client);
-                while !stop.load(Ordering::SeqCst) {
-                    let row = sql
-                        .query_one("SELECT pg_try_advisory_lock_shared($1)", &[&k])
+                    .expect("try shared");
+                if row.get::<_, bool>(0) {
+                    granted += 1;
+                    tokio::time::sleep(READ).await;
+                    sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
                         .await
-                        .expect("try shared");
-                    if row.get::<_, bool>(0) {
-                        granted += 1;
-                        tokio::time::sleep(READ).await;
-                        sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
-                            .await
-                            .expect("unlock");
-                    }
-                    round += 1;
-                    tokio::time::sleep(Duration::from_millis(1 + round * 7 % 10)).await;
+                        .expect("unlock");
                 }
-                granted
-            });
+                round += 1;
+                tokio::time::sleep(Duration::from_millis(1 + round * 7 % 10)).await;
+            }
+            granted
         }
-        let mut total = 0;
-        while let Some(granted) = turns.join_next().await {
-            total += granted.expect("reader task");
-        }
-        total
     })
 }
 
@@ -137,37 +149,31 @@ fn lockingkit_readers(
     server: &PostgresServer,
     key: &str,
     stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<usize> {
+) -> JoinHandle<usize> {
     let processes = [process(server), process(server)];
     let key = key.to_owned();
-    tokio::spawn(async move {
-        let mut turns = tokio::task::JoinSet::new();
-        for (client, lock) in processes.into_iter().enumerate() {
-            let (key, stop) = (key.clone(), stop.clone());
-            turns.spawn(async move {
-                let readers = lock.reader_writer(&key).expect("reader_writer");
-                tokio::time::sleep(READ / 2 * client as u32).await;
-                let mut granted = 0;
-                while !stop.load(Ordering::SeqCst) {
-                    match readers.try_read().await {
-                        Ok(read) => {
-                            granted += 1;
-                            tokio::time::sleep(READ).await;
-                            read.release().await.expect("reader release");
-                        }
-                        Err(error) if error.kind() == ErrorKind::Busy => {}
-                        Err(error) => panic!("reader: {error}"),
+    two_readers(move |client| {
+        let readers = processes[client as usize]
+            .reader_writer(&key)
+            .expect("reader_writer");
+        let stop = stop.clone();
+        async move {
+            tokio::time::sleep(READ / 2 * client).await;
+            let mut granted = 0;
+            while !stop.load(Ordering::SeqCst) {
+                match readers.try_read().await {
+                    Ok(read) => {
+                        granted += 1;
+                        tokio::time::sleep(READ).await;
+                        read.release().await.expect("reader release");
                     }
-                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    Err(error) if error.kind() == ErrorKind::Busy => {}
+                    Err(error) => panic!("reader: {error}"),
                 }
-                granted
-            });
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            granted
         }
-        let mut total = 0;
-        while let Some(granted) = turns.join_next().await {
-            total += granted.expect("reader task");
-        }
-        total
     })
 }
 
@@ -176,7 +182,7 @@ fn lockingkit_readers(
 /// more covers a reader that got in before the writer's watcher queued), with headroom for a
 /// loaded machine.
 async fn writer_gets_in_behind(
-    readers: fn(&PostgresServer, &str, Arc<AtomicBool>) -> tokio::task::JoinHandle<usize>,
+    readers: fn(&PostgresServer, &str, Arc<AtomicBool>) -> JoinHandle<usize>,
     name: &str,
 ) {
     let server = PostgresServer::start().await;

@@ -10,11 +10,12 @@ use std::time::Duration;
 use lockingkit::backend::{BackendErrorKind, LockBackend};
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::providers::redis::RedisLease;
-use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
+use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{
     DistributedLock, ErrorKind, LockError, LockHandle, LockMode, LockOptions, RedisBackend,
     RedisOptions,
 };
+use lockingkit_tests::contract::FixtureContract;
 use lockingkit_tests::field_log::FieldLog;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::{RedisCluster, RedisServer, TlsRedisServer};
@@ -79,29 +80,10 @@ fn kind_of(result: Result<LockHandle, LockError>) -> ErrorKind {
 mod contract {
     use super::*;
 
-    /// Each "process" is a `DistributedLock` with its own backend (its own connections) on
-    /// one server.
-    pub(super) struct ServerContract {
-        pub(super) server: RedisServer,
-    }
-
-    impl ContractBackend for ServerContract {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            DistributedLock::builder(backend(&self.server))
-                .options(options)
-                .build()
-                .expect("lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            LEASE
-        }
-    }
-
+    // Each "process" is a `DistributedLock` with its own backend (its own connections) on
+    // one server.
     lockingkit::contract_tests!(async {
-        ServerContract {
-            server: RedisServer::start().await,
-        }
+        FixtureContract::new(RedisServer::start().await, LEASE, backend)
     });
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,50 +106,26 @@ mod cluster_contract {
     use super::*;
 
     /// Each "process" has its own cluster client on one three-primary cluster.
-    pub(super) struct ClusterContract {
-        cluster: RedisCluster,
-    }
-
-    impl ClusterContract {
-        fn backend(&self) -> RedisBackend {
-            RedisBackend::new(options(self.cluster.urls().join(","), true))
+    async fn cluster_contract() -> FixtureContract<RedisCluster, fn(&RedisCluster) -> RedisBackend>
+    {
+        FixtureContract::new(RedisCluster::start().await, LEASE, |cluster| {
+            RedisBackend::new(options(cluster.urls().join(","), true))
                 .expect("valid Redis Cluster options")
-        }
+        })
     }
 
-    impl ContractBackend for ClusterContract {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            DistributedLock::builder(self.backend())
-                .options(options)
-                .build()
-                .expect("lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            LEASE
-        }
-    }
-
-    lockingkit::contract_tests!(async {
-        ClusterContract {
-            cluster: RedisCluster::start().await,
-        }
-    });
+    lockingkit::contract_tests!(cluster_contract());
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn each_lease_is_released_exactly_once() {
-        let contract = ClusterContract {
-            cluster: RedisCluster::start().await,
-        };
+        let contract = cluster_contract().await;
         lockingkit::testing::each_lease_is_released_exactly_once(|| contract.backend(), LEASE)
             .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_repeated_or_late_release_never_frees_the_next_holder() {
-        let contract = ClusterContract {
-            cluster: RedisCluster::start().await,
-        };
+        let contract = cluster_contract().await;
         lockingkit::testing::a_repeated_or_late_release_never_frees_the_next_holder(|| {
             contract.backend()
         })
@@ -2178,30 +2136,11 @@ fn clients_on_port(node: &RedisServer, port: u16) -> usize {
 mod tls_contract {
     use super::*;
 
-    /// Each "process" has its own backend on the TLS port of one server.
-    pub(super) struct TlsContract {
-        server: TlsRedisServer,
-    }
-
-    impl ContractBackend for TlsContract {
-        async fn new_process(&self, options: LockOptions) -> DistributedLock {
-            DistributedLock::builder(
-                RedisBackend::new(tls_options(&self.server)).expect("valid TLS options"),
-            )
-            .options(options)
-            .build()
-            .expect("lock options")
-        }
-
-        fn lease_period(&self) -> Duration {
-            LEASE
-        }
-    }
-
+    // Each "process" has its own backend on the TLS port of one server.
     lockingkit::contract_tests!(async {
-        TlsContract {
-            server: TlsRedisServer::start().await,
-        }
+        FixtureContract::new(TlsRedisServer::start().await, LEASE, |server| {
+            RedisBackend::new(tls_options(server)).expect("valid TLS options")
+        })
     });
 }
 

@@ -28,11 +28,9 @@ use std::time::Duration;
 
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, IntervalChecker};
-use lockingkit::{
-    DistributedLock, ErrorKind, LockError, LockHandle, LossReason, RedisBackend, RedisOptions,
-};
+use lockingkit::{DistributedLock, ErrorKind, LossReason, RedisBackend, RedisOptions};
 use lockingkit_tests::chaos::{
-    acquire_through_outages, assert_lost, assert_near, contender_lock, record, Watched, PATIENCE,
+    self, assert_lost, assert_near, contender_lock, record, Watched, PATIENCE,
 };
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::RedisServer;
@@ -42,7 +40,6 @@ use opentelemetry_sdk::metrics::reader::MetricReader;
 use opentelemetry_sdk::metrics::{
     InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
 };
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// The lease: short, so each case takes seconds. Renewed every second.
@@ -140,12 +137,18 @@ impl Renewals {
     }
 }
 
-/// One "process": its own engine and connections, behind its own proxy.
+/// A chaos [`Process`](chaos::Process) that also reads its own engine's renewal counts.
 struct Process {
-    id: usize,
-    proxy: FaultProxy,
-    locks: DistributedLock,
+    process: chaos::Process,
     renewals: Renewals,
+}
+
+impl std::ops::Deref for Process {
+    type Target = chaos::Process;
+
+    fn deref(&self) -> &chaos::Process {
+        &self.process
+    }
 }
 
 impl Process {
@@ -166,72 +169,18 @@ impl Process {
             .build()
             .expect("valid lock options");
         Process {
-            id,
-            proxy,
-            locks,
+            process: chaos::Process { id, proxy, locks },
             renewals,
         }
-    }
-
-    async fn acquire(&self, key: &str) -> (LockHandle, Instant) {
-        let handle = self
-            .locks
-            .acquire(key, PATIENCE)
-            .await
-            .unwrap_or_else(|e| panic!("process {} could not acquire: {e}", self.id));
-        (handle, Instant::now())
-    }
-
-    async fn hold_watched(&self, key: &str) -> Watched {
-        let (handle, acquired) = self.acquire(key).await;
-        Watched::new(self.id, handle, acquired)
-    }
-
-    /// Holds `key` once an outage this process saw has ended: a wait the outage ends
-    /// (`Unavailable`, at once while the gate still counts Redis as failing) is tried again
-    /// shortly after, as a worker would, for at most `PATIENCE`.
-    async fn hold_watched_after_outage(&self, key: &str) -> Watched {
-        match acquire_through_outages(&self.locks, key, PATIENCE).await {
-            Ok((handle, _)) => Watched::new(self.id, handle, Instant::now()),
-            Err(e) => panic!("process {} could not acquire: {e}", self.id),
-        }
-    }
-
-    /// Waits for `key` in the background, as a contender would.
-    fn wait_for(&self, key: &str) -> JoinHandle<Result<(LockHandle, Instant), LockError>> {
-        let locks = self.locks.clone();
-        let key = key.to_owned();
-        tokio::spawn(async move {
-            let handle = locks.acquire(&key, PATIENCE).await?;
-            Ok((handle, Instant::now()))
-        })
     }
 
     /// Waits until the hold has reached a steady state: its second renewal was answered, so the
     /// loss a case provokes is measured from a renewal. (The first may be two requests: the
     /// server answers "no such script" to the script's SHA, and it is then sent whole.)
     async fn settle(&self, watched: &Watched) {
-        self.renewed_after(watched.acquired + RENEW_EVERY + RENEW_EVERY / 2)
+        self.answered_after(watched.acquired + RENEW_EVERY + RENEW_EVERY / 2)
             .await;
     }
-
-    /// Waits until this process's request sent after `after` was answered.
-    async fn renewed_after(&self, after: Instant) {
-        tokio::time::timeout(PATIENCE, self.proxy.exchange_after(after))
-            .await
-            .expect("a renewal answered");
-    }
-}
-
-/// The process takes the lock again once the fault is gone, with a higher token.
-async fn usable_again(process: &Process, key: &str, checker: &IntervalChecker, previous: u64) {
-    let (handle, start) = process.acquire(key).await;
-    assert!(
-        handle.fencing_token() > previous,
-        "tokens keep growing after the fault"
-    );
-    record(checker, key, process.id, handle.fencing_token(), start);
-    handle.release().await.expect("a confirmed release");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -252,7 +201,7 @@ async fn a_server_restarted_without_persistence_loses_every_holder_at_its_next_r
         watched.push(holder.hold_watched(key).await);
     }
     let highest = watched.iter().map(|w| w.token).max().unwrap_or(0);
-    holder.renewed_after(Instant::now()).await;
+    holder.answered_after(Instant::now()).await;
     server.kill();
     let killed = Instant::now();
     server.start_again().await;
@@ -276,7 +225,7 @@ async fn a_server_restarted_without_persistence_loses_every_holder_at_its_next_r
         checker.record(hold);
     }
     for key in &keys {
-        usable_again(&other, key, &checker, highest).await;
+        other.usable_again(key, &checker, highest).await;
     }
     checker.assert_consistent();
 }
@@ -319,7 +268,7 @@ async fn a_frozen_server_is_loss_at_the_deadline_and_frees_the_key_after_the_los
     assert!(handle.fencing_token() > token);
     record(&checker, &key, other.id, handle.fencing_token(), start);
     handle.release().await.expect("release");
-    usable_again(&holder, &key, &checker, token).await;
+    holder.usable_again(&key, &checker, token).await;
     checker.assert_consistent();
 }
 
@@ -475,7 +424,7 @@ async fn a_reset_connection_is_transient_and_the_lock_stays_held() {
     holder.proxy.set_fault(Fault::Pass);
     let healed = Instant::now();
     eprintln!("reset for {:?}", healed - reset);
-    holder.renewed_after(healed).await;
+    holder.answered_after(healed).await;
     assert!(
         holder.proxy.connections_accepted() > before,
         "the holder reconnected"
@@ -502,7 +451,7 @@ async fn a_line_blackholed_for_less_than_the_deadline_is_transient() {
     tokio::time::sleep_until(last + Duration::from_millis(1800)).await;
     holder.proxy.set_fault(Fault::Pass);
     let healed = Instant::now();
-    holder.renewed_after(healed).await;
+    holder.answered_after(healed).await;
     for _ in 0..4 {
         watched.still_held_after(LEASE / 2).await;
         let error = other.locks.try_acquire(&key).await.expect_err("held");
@@ -543,7 +492,7 @@ async fn a_line_blackholed_past_the_deadline_is_loss_on_time_and_the_key_frees_a
     record(&checker, &key, other.id, handle.fencing_token(), start);
     handle.release().await.expect("release");
     holder.proxy.set_fault(Fault::Pass);
-    usable_again(&holder, &key, &checker, token).await;
+    holder.usable_again(&key, &checker, token).await;
     checker.assert_consistent();
 }
 
@@ -658,7 +607,7 @@ async fn with_wait_for_one_replica_a_lock_is_refused_until_replicated_and_surviv
     failover.fail_over(true).await;
     // The promoted replica had the lock: renewals go on there, acknowledged by its new replica
     // (those sent before it caught up are retried), with no loss.
-    failover.service.renewed_after(failed_over).await;
+    failover.service.answered_after(failed_over).await;
     watched.still_held_after(LEASE).await;
     assert_eq!(failover.replica.cli(&["EXISTS", &name]), "1");
     watched.end().await;

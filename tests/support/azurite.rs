@@ -5,7 +5,6 @@
 //! that is already running instead; process control (kill, pause, restart) is then refused.
 
 use std::io::{BufRead, BufReader, Read};
-use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -16,6 +15,8 @@ use azure_core::http::{ClientOptions, Transport, Url};
 use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 use lockingkit::config::SecretString;
 use lockingkit::providers::azure::SharedKeyPolicy;
+
+use crate::os::{free_port, relaunch, signal};
 
 /// The environment variable naming an external Azurite or storage account.
 pub const EXTERNAL_ENV: &str = "LOCKINGKIT_TEST_AZURE_CONNECTION_STRING";
@@ -94,7 +95,7 @@ impl Azurite {
                 let dir = std::env::temp_dir().join(format!(
                     "lockingkit-azurite-{}-{}",
                     std::process::id(),
-                    free_port()
+                    free_port().expect("a free loopback port")
                 ));
                 std::fs::create_dir_all(&dir).expect("create the Azurite workspace");
                 Some(dir)
@@ -103,7 +104,7 @@ impl Azurite {
         let mut last_error = String::new();
         // A free port can be taken between our probe and Azurite's bind: try a few.
         for _ in 0..5 {
-            let port = free_port();
+            let port = free_port().expect("a free loopback port");
             match launch(port, workspace.as_deref()) {
                 Ok(child) => {
                     return Azurite {
@@ -241,13 +242,13 @@ impl Azurite {
     /// Freezes Azurite (SIGSTOP): connections are accepted by the kernel but never answered.
     pub fn pause(&mut self) {
         let pid = self.child().id();
-        signal("-STOP", pid);
+        signal(pid, libc::SIGSTOP);
     }
 
     /// Thaws a paused Azurite (SIGCONT).
     pub fn resume(&mut self) {
         let pid = self.child().id();
-        signal("-CONT", pid);
+        signal(pid, libc::SIGCONT);
     }
 
     /// Stops Azurite gracefully (SIGTERM, so an on-disk workspace is saved) and waits for it.
@@ -255,8 +256,8 @@ impl Azurite {
         let child = self.child();
         let pid = child.id();
         // A paused process must be thawed to act on the signal.
-        signal("-CONT", pid);
-        signal("-TERM", pid);
+        signal(pid, libc::SIGCONT);
+        signal(pid, libc::SIGTERM);
         for _ in 0..100 {
             if matches!(child.try_wait(), Ok(Some(_))) {
                 self.child = None;
@@ -282,16 +283,7 @@ impl Azurite {
         let port = self.port;
         let workspace = self.workspace.clone();
         let child = tokio::task::spawn_blocking(move || {
-            let mut last = String::new();
-            // The port may linger for a moment after the kill.
-            for _ in 0..50 {
-                match launch(port, workspace.as_deref()) {
-                    Ok(child) => return child,
-                    Err(e) => last = e,
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            panic!("Azurite did not restart on port {port}: {last}");
+            relaunch("Azurite", || launch(port, workspace.as_deref()))
         })
         .await
         .expect("the Azurite restart task panicked");
@@ -303,7 +295,7 @@ impl Azurite {
 impl Drop for Azurite {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            signal("-CONT", child.id());
+            signal(child.id(), libc::SIGCONT);
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -412,20 +404,6 @@ fn launch(port: u16, workspace: Option<&Path>) -> Result<Child, String> {
             ))
         }
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
-
-fn signal(signal: &str, pid: u32) {
-    let _ = Command::new("kill")
-        .arg(signal)
-        .arg(pid.to_string())
-        .status();
 }
 
 /// An HTTP transport for plain SDK clients in tests (rustls on ring, short timeouts).

@@ -11,6 +11,8 @@ use lockingkit::{DistributedLock, ErrorKind, LockError, LockHandle, LossReason};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::proxy::FaultProxy;
+
 /// Long enough for any wait a case expects to finish; a hang fails the case instead of the run.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -34,6 +36,87 @@ pub async fn acquire_through_outages(
             }
             Err(error) => return Err(error),
         }
+    }
+}
+
+/// One "process" of a case: its own engine and connections, reaching the server through a
+/// proxy of its own, so that a network fault hits this process alone.
+pub struct Process {
+    /// The process's number in the case (the interval checker's `process`).
+    pub id: usize,
+    /// The proxy between this process and the server.
+    pub proxy: FaultProxy,
+    /// The process's engine.
+    pub locks: DistributedLock,
+}
+
+/// What a background contender's wait ends with: the lock and when it was taken.
+pub type Contender = JoinHandle<Result<(LockHandle, Instant), LockError>>;
+
+impl Process {
+    /// Takes `key`, failing the case if this process cannot within [`PATIENCE`].
+    pub async fn acquire(&self, key: &str) -> (LockHandle, Instant) {
+        let handle = self
+            .locks
+            .acquire(key, PATIENCE)
+            .await
+            .unwrap_or_else(|e| panic!("process {} could not acquire: {e}", self.id));
+        (handle, Instant::now())
+    }
+
+    /// Acquires, then watches the hold for loss.
+    pub async fn hold_watched(&self, key: &str) -> Watched {
+        let (handle, acquired) = self.acquire(key).await;
+        Watched::new(self.id, handle, acquired)
+    }
+
+    /// Holds `key` once an outage this process saw has ended ([`acquire_through_outages`]),
+    /// then watches the hold for loss.
+    pub async fn hold_watched_after_outage(&self, key: &str) -> Watched {
+        match acquire_through_outages(&self.locks, key, PATIENCE).await {
+            Ok((handle, _)) => Watched::new(self.id, handle, Instant::now()),
+            Err(e) => panic!("process {} could not acquire: {e}", self.id),
+        }
+    }
+
+    /// Waits for `key` in the background, as a contender would; an outage ends the wait.
+    pub fn wait_for(&self, key: &str) -> Contender {
+        let locks = self.locks.clone();
+        let key = key.to_owned();
+        tokio::spawn(async move {
+            let handle = locks.acquire(&key, PATIENCE).await?;
+            Ok((handle, Instant::now()))
+        })
+    }
+
+    /// Waits for `key` in the background through outages ([`acquire_through_outages`]), as a
+    /// worker would.
+    pub fn wait_through_outages_for(&self, key: &str) -> Contender {
+        let locks = self.locks.clone();
+        let key = key.to_owned();
+        tokio::spawn(async move {
+            let (handle, _) = acquire_through_outages(&locks, &key, PATIENCE).await?;
+            Ok((handle, Instant::now()))
+        })
+    }
+
+    /// Waits until a request this process sent after `after` (a renewal or a check) was
+    /// answered.
+    pub async fn answered_after(&self, after: Instant) {
+        tokio::time::timeout(PATIENCE, self.proxy.exchange_after(after))
+            .await
+            .expect("a renewal or check answered");
+    }
+
+    /// The process takes the lock again once the fault is gone, with a token above `previous`.
+    pub async fn usable_again(&self, key: &str, checker: &IntervalChecker, previous: u64) {
+        let (handle, start) = self.acquire(key).await;
+        assert!(
+            handle.fencing_token() > previous,
+            "tokens keep growing after the fault"
+        );
+        record(checker, key, self.id, handle.fencing_token(), start);
+        handle.release().await.expect("a confirmed release");
     }
 }
 
@@ -183,9 +266,7 @@ pub fn record(checker: &IntervalChecker, key: &str, process: usize, token: u64, 
 }
 
 /// Waits for a background contender's lock.
-pub async fn contender_lock(
-    waiter: JoinHandle<Result<(LockHandle, Instant), LockError>>,
-) -> (LockHandle, Instant) {
+pub async fn contender_lock(waiter: Contender) -> (LockHandle, Instant) {
     tokio::time::timeout(PATIENCE, waiter)
         .await
         .expect("the contender got the lock in time")

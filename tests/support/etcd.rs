@@ -12,7 +12,7 @@
 
 use std::fs;
 use std::io;
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -22,6 +22,8 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 use lockingkit::config::SecretString;
 use lockingkit::EtcdOptions;
+
+use crate::os::{alive, free_port, signal};
 
 /// The root user's password on clusters with authentication.
 const ROOT_PASSWORD: &str = "fixture-root-password";
@@ -258,14 +260,7 @@ impl EtcdCluster {
             .await
             .expect("an etcd client");
         let _ = client.role_add("root").await;
-        client
-            .user_add("root", ROOT_PASSWORD, None)
-            .await
-            .expect("add root");
-        client
-            .user_grant_role("root", "root")
-            .await
-            .expect("grant root");
+        add_user(&mut client, "root", ROOT_PASSWORD, "root").await;
         client.auth_enable().await.expect("enable authentication");
     }
 
@@ -503,6 +498,18 @@ async fn http_get(port: u16, path: &str) -> String {
     }
 }
 
+/// Adds `user` with `password` and grants it `role` (which must exist), through `client`.
+pub async fn add_user(client: &mut Client, user: &str, password: &str, role: &str) {
+    client
+        .user_add(user, password, None)
+        .await
+        .unwrap_or_else(|e| panic!("add user {user}: {e}"));
+    client
+        .user_grant_role(user, role)
+        .await
+        .unwrap_or_else(|e| panic!("grant {role} to {user}: {e}"));
+}
+
 /// A zap JSON line at level error, dpanic, panic or fatal.
 fn is_error_line(line: &str) -> bool {
     ["error", "dpanic", "panic", "fatal"]
@@ -536,28 +543,5 @@ fn remove_dirs_of_dead_processes(base: &Path) {
         if pid.is_some_and(|pid| !alive(pid)) {
             let _ = fs::remove_dir_all(entry.path());
         }
-    }
-}
-
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
-}
-
-/// Whether a process with this id exists (and is not a zombie we have yet to reap).
-fn alive(pid: u32) -> bool {
-    let status = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The state is the first field after the parenthesised command name.
-    match status.rsplit_once(") ") {
-        Some((_, rest)) => !rest.starts_with('Z') && !rest.starts_with('X'),
-        None => false,
-    }
-}
-
-fn signal(pid: u32, signal: i32) {
-    // SAFETY: kill has no memory-safety preconditions; a stale pid only yields ESRCH.
-    unsafe {
-        libc::kill(pid as i32, signal);
     }
 }

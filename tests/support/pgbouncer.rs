@@ -7,7 +7,7 @@
 
 use std::fs;
 use std::io;
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use lockingkit::PostgresOptions;
 
-use crate::postgres::PostgresServer;
+use crate::os::{alive, free_port, signal};
+use crate::postgres::{server_owner, PostgresServer};
 
 /// PgBouncer's `pool_mode`: when it gives a client's server connection back to the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,7 +144,7 @@ impl PgBouncer {
         fs::create_dir_all(&dir)?;
         // PgBouncer checks only that the user is listed, under `auth_type = trust`.
         fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n")?;
-        let owner = owner()?;
+        let owner = server_owner()?;
         let mut last = None;
         for _ in 0..10 {
             let port = free_port()?;
@@ -274,24 +275,10 @@ fn stop_abandoned(root: &std::path::Path) {
             })
         };
         if let Some(child) = child.filter(|pid| alive(*pid) && ours(pid)) {
-            // SAFETY: kill has no memory-safety preconditions; a stale pid only yields ESRCH.
-            unsafe {
-                libc::kill(child, libc::SIGKILL);
-            }
+            signal(child, libc::SIGKILL);
         }
         let _ = fs::remove_dir_all(entry.path());
     }
-}
-
-/// Whether process `pid` runs (a zombie holds nothing any more).
-fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            stat.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().to_owned())
-        })
-        .is_some_and(|rest| !rest.starts_with('Z'))
 }
 
 fn find_binary() -> io::Result<PathBuf> {
@@ -308,26 +295,4 @@ fn find_binary() -> io::Result<PathBuf> {
                 "pgbouncer not found on PATH or in /usr/sbin; run scripts/setup-pgbouncer.sh",
             )
         })
-}
-
-/// The uid and gid to run PgBouncer as: `postgres` when we are root, ourselves otherwise.
-fn owner() -> io::Result<Option<(u32, u32)>> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Ok(None);
-    }
-    let passwd = fs::read_to_string("/etc/passwd")?;
-    passwd
-        .lines()
-        .map(|l| l.split(':').collect::<Vec<_>>())
-        .find(|f| f.first() == Some(&"postgres") && f.len() > 3)
-        .and_then(|f| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
-        .map(Some)
-        .ok_or_else(|| io::Error::other("running as root needs a `postgres` user"))
-}
-
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
 }

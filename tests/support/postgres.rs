@@ -13,7 +13,6 @@
 
 use std::fs::{self, File};
 use std::io;
-use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -22,6 +21,8 @@ use std::time::Duration;
 
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::PostgresOptions;
+
+use crate::os::{alive, free_port, relaunch, signal};
 
 /// The environment variable naming an external server (a libpq URL or key=value string).
 pub const EXTERNAL_ENV: &str = "LOCKINGKIT_TEST_POSTGRES_URL";
@@ -223,16 +224,8 @@ impl PostgresServer {
     pub async fn start_again(&mut self) {
         let mut local = self.local.take().expect("not a local server");
         let local = tokio::task::spawn_blocking(move || {
-            let mut last = String::new();
-            // The port can stay taken for a moment after a kill.
-            for _ in 0..50 {
-                match local.launch() {
-                    Ok(()) => return local,
-                    Err(e) => last = e.to_string(),
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            panic!("PostgreSQL did not start again on its port: {last}");
+            relaunch("PostgreSQL", || local.launch());
+            local
         })
         .await
         .expect("the PostgreSQL start task panicked");
@@ -455,12 +448,12 @@ fn running_postmaster(data: &Path) -> Option<i32> {
     fs::read_to_string(data.join("postmaster.pid"))
         .ok()
         .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()))
-        .filter(|&pid| process_exists(pid))
+        .filter(|&pid| alive(pid))
 }
 
 fn wait_until_gone(pids: &[i32]) {
     for _ in 0..500 {
-        if pids.iter().all(|&p| !process_exists(p)) {
+        if pids.iter().all(|&p| !alive(p)) {
             return;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -489,8 +482,9 @@ fn find_binaries() -> io::Result<PathBuf> {
         })
 }
 
-/// The uid and gid to run the server as: `postgres` when we are root, ourselves otherwise.
-fn server_owner() -> io::Result<Option<(u32, u32)>> {
+/// The uid and gid to run the server (and PgBouncer) as: `postgres` when we are root, ourselves
+/// otherwise.
+pub fn server_owner() -> io::Result<Option<(u32, u32)>> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         return Ok(None);
@@ -530,7 +524,7 @@ fn remove_abandoned_clusters(binaries: &Path, root: &Path, owner: Option<(u32, u
         else {
             continue;
         };
-        if pid == std::process::id() as i32 || process_exists(pid) {
+        if pid == std::process::id() as i32 || alive(pid) {
             continue;
         }
         let data = entry.path();
@@ -619,30 +613,6 @@ fn checked(command: &mut Command) -> io::Result<Output> {
             String::from_utf8_lossy(&output.stderr)
         )))
     }
-}
-
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
-}
-
-fn signal(pid: i32, signal: i32) {
-    // SAFETY: kill has no memory-safety preconditions; a stale pid only yields ESRCH.
-    unsafe {
-        libc::kill(pid, signal);
-    }
-}
-
-fn process_exists(pid: i32) -> bool {
-    // A zombie still has a /proc entry but no longer holds anything.
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            stat.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().to_owned())
-        })
-        .is_some_and(|rest| !rest.starts_with('Z'))
 }
 
 /// Every process whose parent is `parent` (PostgreSQL backends are direct children).

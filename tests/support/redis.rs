@@ -11,11 +11,13 @@
 
 use std::fs;
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+use crate::os::{free_port, free_port_with_partner, relaunch, signal};
 
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -58,7 +60,9 @@ impl RedisServer {
         let dir = scratch_dir()?;
         let mut last = None;
         for _ in 0..20 {
-            let port = free_port(extra.iter().any(|a| a == "--cluster-enabled"))?;
+            // A cluster node listens on its port + 10 000 too, for the cluster bus.
+            let cluster = extra.iter().any(|a| a == "--cluster-enabled");
+            let port = free_port_with_partner(if cluster { 10_000 } else { 0 })?;
             let mut server = RedisServer {
                 child: None,
                 port,
@@ -253,16 +257,8 @@ impl RedisServer {
             },
         );
         let server = tokio::task::spawn_blocking(move || {
-            let mut last = String::new();
-            // The port can stay taken for a moment after a kill.
-            for _ in 0..50 {
-                match server.launch() {
-                    Ok(()) => return server,
-                    Err(e) => last = e.to_string(),
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            panic!("redis-server did not start again on its port: {last}");
+            relaunch("redis-server", || server.launch());
+            server
         })
         .await
         .expect("the Redis start task panicked");
@@ -482,25 +478,6 @@ fn ping(port: u16) -> bool {
         && (&answer == b"+PONG\r\n" || answer.starts_with(b"-NOAUTH"))
 }
 
-/// A free loopback port; for a cluster node, one whose bus port (+10000) is free too.
-fn free_port(cluster: bool) -> io::Result<u16> {
-    for _ in 0..100 {
-        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-            .local_addr()?
-            .port();
-        if !cluster {
-            return Ok(port);
-        }
-        let Some(bus) = port.checked_add(10000) else {
-            continue;
-        };
-        if TcpListener::bind((Ipv4Addr::LOCALHOST, bus)).is_ok() {
-            return Ok(port);
-        }
-    }
-    Err(io::Error::other("no free port pair"))
-}
-
 fn scratch_dir() -> io::Result<PathBuf> {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
     let dir = std::env::temp_dir().join("lockingkit-redis").join(format!(
@@ -511,16 +488,6 @@ fn scratch_dir() -> io::Result<PathBuf> {
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir)?;
     Ok(dir)
-}
-
-fn signal(pid: u32, signal: i32) {
-    let Ok(pid) = i32::try_from(pid) else {
-        return;
-    };
-    // SAFETY: kill has no memory-safety preconditions; a stale pid only yields ESRCH.
-    unsafe {
-        libc::kill(pid, signal);
-    }
 }
 
 /// A server that also serves TLS, on a port of its own, with a certificate for `127.0.0.1`
@@ -537,7 +504,7 @@ impl TlsRedisServer {
         let (certs, tls_port) = tokio::task::spawn_blocking(|| {
             let certs = scratch_dir().expect("a scratch directory");
             make_certificates(&certs).unwrap_or_else(|e| panic!("cannot make certificates: {e}"));
-            (certs, free_port(false).expect("a free port"))
+            (certs, free_port().expect("a free port"))
         })
         .await
         .expect("the certificate task");

@@ -406,6 +406,11 @@ async fn a_cluster_that_is_down_is_waited_for_not_spun_on() {
         "the attempt took {:?}",
         started.elapsed()
     );
+    // That attempt may have been written to the connection the member had before it died (the
+    // client had not yet seen it close): its key is then a key that may have been written, for
+    // the background deletes. The waits below are refused without a request.
+    let strays = backend(&locks).pending_deletes();
+    assert!(strays <= 1, "{strays} deletes pending after one attempt");
     let mut waits = Vec::new();
     for i in 0..20 {
         let (locks, key) = (locks.clone(), unique_prefix(&format!("down-{i}")));
@@ -428,7 +433,7 @@ async fn a_cluster_that_is_down_is_waited_for_not_spun_on() {
     );
     assert_eq!(
         backend(&locks).pending_deletes(),
-        0,
+        strays,
         "a request that was never sent wrote nothing"
     );
 }

@@ -335,27 +335,18 @@ fn print_redis_rows(rows: &RedisRows) {
         "<= 1/4",
         pass(throughput.lockingkit_connections * 4 <= throughput.raw_connections)
     );
-    for (name, p, goal, ok) in [
-        (
-            "14. cross-process, Redis, polling only",
-            rows.polling,
-            "baseline",
-            None,
-        ),
-        (
-            "14. cross-process, Redis, release published",
-            rows.published,
-            "p50 <= 2 ms",
-            Some(rows.published.p50 <= Duration::from_millis(2)),
-        ),
-    ] {
-        println!(
-            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {goal:<14} | {:<6} |",
-            ms(p.p50),
-            ms(p.p99),
-            ok.map_or("", pass)
-        );
-    }
+    print_handoff(
+        "14. cross-process, Redis, polling only",
+        rows.polling,
+        "baseline",
+        None,
+    );
+    print_handoff(
+        "14. cross-process, Redis, release published",
+        rows.published,
+        "p50 <= 2 ms",
+        Some(rows.published.p50 <= Duration::from_millis(2)),
+    );
 }
 
 fn redis_json(rows: &RedisRows) -> String {
@@ -381,104 +372,170 @@ fn redis_json(rows: &RedisRows) -> String {
     )
 }
 
-fn main() {
-    let Some(mode) = BenchMode::from_args() else {
-        return;
-    };
-    let sizes = mode.pick(FULL, SMOKE);
-    // The first argument that is not a flag names the one row to run, if any.
-    let only = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
-    if only.as_deref() == Some("memory") {
-        let (pairs, raw) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
-        println!("| 3. in-memory uncontended pairs, one thread | {pairs:.0}/s | raw {raw:.0}/s |");
-        return;
+/// One row's hand-off percentiles, against its goal.
+fn print_handoff(name: &str, p: Percentiles, goal: &str, ok: Option<bool>) {
+    println!(
+        "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {goal:<14} | {:<6} |",
+        ms(p.p50),
+        ms(p.p99),
+        ok.map_or("", pass)
+    );
+}
+
+fn http_memory_json(cost: &LayerCost) -> String {
+    format!(
+        "\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3}",
+        cost.locked_per_s,
+        cost.plain_per_s,
+        cost.ratio()
+    )
+}
+
+/// Runs the one row `row` names and prints it; false when `row` names none of them.
+fn run_one_row(row: &str, sizes: Sizes) -> bool {
+    match row {
+        "memory" => {
+            let (pairs, raw) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
+            println!(
+                "| 3. in-memory uncontended pairs, one thread | {pairs:.0}/s | raw {raw:.0}/s |"
+            );
+        }
+        "redis" => {
+            let rows = redis_rows(sizes);
+            print_redis_rows(&rows);
+            println!("{{{}}}", redis_json(&rows));
+        }
+        "transaction" => {
+            let report = transaction_locks(&two_worker_runtime(), sizes);
+            println!("{}\n", report.render());
+            print_transaction_locks(&report);
+        }
+        "etcd" => print_etcd(sizes),
+        "patterns" => patterns_rows(sizes),
+        "http-memory" => {
+            let cost = http_layer_cost(sizes);
+            print_http_layer_cost(&cost);
+            println!("{{{}}}", http_memory_json(&cost));
+        }
+        _ => return false,
     }
-    if only.as_deref() == Some("redis") {
-        let rows = redis_rows(sizes);
-        print_redis_rows(&rows);
-        println!("{{{}}}", redis_json(&rows));
-        return;
-    }
-    if only.as_deref() == Some("transaction") {
-        let report = transaction_locks(&two_worker_runtime(), sizes);
-        println!("{}\n", report.render());
-        print_transaction_locks(&report);
-        return;
-    }
-    if only.as_deref() == Some("etcd") {
-        print_etcd(sizes);
-        return;
-    }
-    if only.as_deref() == Some("patterns") {
-        patterns_rows(sizes);
-        return;
-    }
-    if only.as_deref() == Some("http-memory") {
-        let cost = http_layer_cost(sizes);
-        print_http_layer_cost(&cost);
-        println!(
-            "{{\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3}}}",
-            cost.locked_per_s,
-            cost.plain_per_s,
-            cost.ratio()
-        );
-        return;
+    true
+}
+
+/// The rows measured without a server, each on a runtime of its own.
+struct EngineRows {
+    memory_pairs: f64,
+    memory_raw_pairs: f64,
+    cold_engine: Duration,
+    cold_raw: Duration,
+    attempts_one: bench::WaitingAttempts,
+    attempts_twenty: bench::WaitingAttempts,
+    layer_cost: LayerCost,
+}
+
+impl EngineRows {
+    fn measure(sizes: Sizes) -> EngineRows {
+        let (memory_pairs, memory_raw_pairs) =
+            bench::in_memory_pairs_per_second(sizes.memory_pairs);
+        let (cold_engine, cold_raw) = bench::cold_cache_pairs(sizes.cold_pairs);
+        let attempts_one = bench::attempts_while_waiting(1);
+        let attempts_twenty = bench::attempts_while_waiting(20);
+        let layer_cost = http_layer_cost(sizes);
+        EngineRows {
+            memory_pairs,
+            memory_raw_pairs,
+            cold_engine,
+            cold_raw,
+            attempts_one,
+            attempts_twenty,
+            layer_cost,
+        }
     }
 
-    // Engine-only measurements first, each on a runtime of its own, before any server runs.
-    let (memory_pairs, memory_raw_pairs) = bench::in_memory_pairs_per_second(sizes.memory_pairs);
-    let (cold_engine, cold_raw) = bench::cold_cache_pairs(sizes.cold_pairs);
-    let attempts_one = bench::attempts_while_waiting(1);
-    let attempts_twenty = bench::attempts_while_waiting(20);
-    let layer_cost = http_layer_cost(sizes);
+    /// Backend attempts with 20 local waiters over those with one.
+    fn twenty_vs_one(&self) -> f64 {
+        self.attempts_twenty.attempts as f64 / self.attempts_one.attempts as f64
+    }
+}
 
-    let runtime = two_worker_runtime();
-    let (
-        (postgres, azure, memory_local, postgres_local, remote_polling, remote_hint),
-        (throughput, http, remote_many),
-    ) = runtime.block_on(async {
+/// The rows measured on the first PostgreSQL server, then on Azurite.
+struct ServerRows {
+    postgres: bench_postgres::PostgresBenchReport,
+    azure: bench_azure::AzureBenchReport,
+    memory_local: Percentiles,
+    postgres_local: Percentiles,
+    remote_polling: Percentiles,
+    remote_hint: Percentiles,
+    remote_many: Percentiles,
+    throughput: bench_sessions::Throughput,
+    http: bench_sessions::HttpShape,
+}
+
+/// The hand-off rows 5 and 6 on `server`, in the order `ServerRows` lists them.
+async fn handoffs(
+    server: &PostgresServer,
+    sizes: Sizes,
+) -> (
+    Percentiles,
+    Percentiles,
+    Percentiles,
+    Percentiles,
+    Percentiles,
+) {
+    let memory_local = bench::local_handoff(
+        &DistributedLock::in_memory(),
+        "handoff/local",
+        sizes.local_handoffs,
+    )
+    .await;
+    let postgres_local = bench::local_handoff(
+        &postgres_lock(server),
+        "handoff/local",
+        sizes.local_handoffs,
+    )
+    .await;
+
+    let holder = postgres_lock(server);
+    let remote_polling = bench::cross_process_handoff(
+        &holder,
+        &polling_postgres_lock(server),
+        "handoff/polling",
+        sizes.remote_handoffs,
+    )
+    .await;
+    let remote_hint = bench::cross_process_handoff(
+        &holder,
+        &postgres_lock(server),
+        "handoff/hint",
+        sizes.remote_handoffs,
+    )
+    .await;
+    let remote_many = bench_sessions::handoff_of_many_keys(
+        server,
+        &holder,
+        &postgres_lock(server),
+        "handoff/many",
+        16,
+        sizes.many_key_rounds,
+    )
+    .await;
+    (
+        memory_local,
+        postgres_local,
+        remote_polling,
+        remote_hint,
+        remote_many,
+    )
+}
+
+fn server_rows(runtime: &tokio::runtime::Runtime, sizes: Sizes) -> ServerRows {
+    runtime.block_on(async {
         // Measured inside tasks, as application code runs.
         tokio::spawn(async move {
             let server = PostgresServer::start().await;
             let postgres = bench_postgres::measure(&server, sizes.postgres_pairs).await;
-
-            let memory_local = bench::local_handoff(
-                &DistributedLock::in_memory(),
-                "handoff/local",
-                sizes.local_handoffs,
-            )
-            .await;
-            let postgres_local = bench::local_handoff(
-                &postgres_lock(&server),
-                "handoff/local",
-                sizes.local_handoffs,
-            )
-            .await;
-
-            let holder = postgres_lock(&server);
-            let remote_polling = bench::cross_process_handoff(
-                &holder,
-                &polling_postgres_lock(&server),
-                "handoff/polling",
-                sizes.remote_handoffs,
-            )
-            .await;
-            let remote_hint = bench::cross_process_handoff(
-                &holder,
-                &postgres_lock(&server),
-                "handoff/hint",
-                sizes.remote_handoffs,
-            )
-            .await;
-            let remote_many = bench_sessions::handoff_of_many_keys(
-                &server,
-                &holder,
-                &postgres_lock(&server),
-                "handoff/many",
-                16,
-                sizes.many_key_rounds,
-            )
-            .await;
+            let (memory_local, postgres_local, remote_polling, remote_hint, remote_many) =
+                handoffs(&server, sizes).await;
             let throughput =
                 bench_sessions::throughput(&server, 256, sizes.load_rounds, sizes.load_round).await;
             let http =
@@ -487,34 +544,29 @@ fn main() {
 
             let azurite = Azurite::start().await;
             let azure = bench_azure::measure(&azurite, sizes.azure_pairs).await;
-            (
-                (
-                    postgres,
-                    azure,
-                    memory_local,
-                    postgres_local,
-                    remote_polling,
-                    remote_hint,
-                ),
-                (throughput, http, remote_many),
-            )
+            ServerRows {
+                postgres,
+                azure,
+                memory_local,
+                postgres_local,
+                remote_polling,
+                remote_hint,
+                remote_many,
+                throughput,
+                http,
+            }
         })
         .await
         .expect("the benchmark task panicked")
-    });
+    })
+}
 
-    let twenty_vs_one = attempts_twenty.attempts as f64 / attempts_one.attempts as f64;
-    let pg = &postgres;
-    let handoff = |name: &str, p: Percentiles, goal: &str, ok: Option<bool>| {
-        println!(
-            "| {name:<52} | {:>9.3} ms | {:>9.3} ms | {goal:<14} | {:<6} |",
-            ms(p.p50),
-            ms(p.p99),
-            ok.map_or("", pass)
-        );
-    };
-    println!("{}\n", postgres.render());
-    println!("{}\n", azure.render());
+/// LockingKit's median over raw SQL doing the same work, fencing included.
+fn fenced_ratio(pg: &bench_postgres::PostgresBenchReport) -> f64 {
+    ms(pg.lockingkit.median) / ms(pg.raw_fenced.median)
+}
+
+fn print_table_header() {
     println!(
         "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
         "measurement", "lockingkit", "baseline", "goal", "result"
@@ -523,6 +575,13 @@ fn main() {
         "|{:-<54}|{:-<14}|{:-<14}|{:-<16}|{:-<8}|",
         "", "", "", "", ""
     );
+}
+
+/// Rows 1 and 2: a pair on PostgreSQL and on Azure against their raw clients.
+fn print_pair_rows(
+    pg: &bench_postgres::PostgresBenchReport,
+    azure: &bench_azure::AzureBenchReport,
+) {
     println!(
         "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
         "1. PostgreSQL try_acquire+release vs raw, median",
@@ -539,7 +598,7 @@ fn main() {
         format!("ratio {:.3}", ms(pg.lockingkit.p99) / ms(pg.raw_pooled.p99)),
         ""
     );
-    let fenced_ratio = ms(pg.lockingkit.median) / ms(pg.raw_fenced.median);
+    let fenced_ratio = fenced_ratio(pg);
     println!(
         "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
         "   same vs raw SQL doing the same work (+ fencing)",
@@ -556,27 +615,32 @@ fn main() {
         format!("ratio {:.3}", azure.ratio()),
         pass(azure.ratio() <= 1.10)
     );
+}
+
+/// Rows 3 and 4: in-memory pairs and the attempts of many local waiters.
+fn print_engine_rows(engine: &EngineRows) {
+    let twenty_vs_one = engine.twenty_vs_one();
     println!(
         "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
         "3. in-memory uncontended pairs, one thread",
-        memory_pairs,
-        memory_raw_pairs,
+        engine.memory_pairs,
+        engine.memory_raw_pairs,
         ">= 500000/s",
-        pass(memory_pairs >= 500_000.0)
+        pass(engine.memory_pairs >= 500_000.0)
     );
     println!(
         "| {:<52} | {:>9.1} µs | {:>9.1} µs | {:<14} | {:<6} |",
         "   same, one pair, CPU caches evicted before each call",
-        cold_engine.as_secs_f64() * 1e6,
-        cold_raw.as_secs_f64() * 1e6,
+        engine.cold_engine.as_secs_f64() * 1e6,
+        engine.cold_raw.as_secs_f64() * 1e6,
         "diagnostic",
         ""
     );
     println!(
         "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
         "4. backend attempts in 60 s, 20 local waiters vs 1",
-        attempts_twenty.attempts,
-        attempts_one.attempts,
+        engine.attempts_twenty.attempts,
+        engine.attempts_one.attempts,
         format!("ratio {twenty_vs_one:.2}"),
         // Retry delays are jittered, so two runs of one waiter differ by a few percent too.
         pass(twenty_vs_one <= ATTEMPTS_JITTER)
@@ -584,45 +648,53 @@ fn main() {
     println!(
         "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
         "   most attempts in flight at once, 20 vs 1 waiter",
-        attempts_twenty.most_at_once,
-        attempts_one.most_at_once,
+        engine.attempts_twenty.most_at_once,
+        engine.attempts_one.most_at_once,
         "1 (one stream)",
-        pass(attempts_twenty.most_at_once == 1)
+        pass(engine.attempts_twenty.most_at_once == 1)
     );
+}
+
+/// Rows 5 and 6: hand-off from a release to the next holder.
+fn print_handoff_rows(rows: &ServerRows) {
     println!(
         "| {:<52} | {:>12} | {:>12} | {:<14} | {:<6} |",
         "5./6. hand-off, release -> next holder", "p50", "p99", "goal", ""
     );
-    handoff(
+    print_handoff(
         "5. local, in-memory",
-        memory_local,
+        rows.memory_local,
         "p50 < 1 ms",
-        Some(memory_local.p50 < Duration::from_millis(1)),
+        Some(rows.memory_local.p50 < Duration::from_millis(1)),
     );
-    handoff(
+    print_handoff(
         "5. local, PostgreSQL",
-        postgres_local,
+        rows.postgres_local,
         "p50 < 1 ms",
-        Some(postgres_local.p50 < Duration::from_millis(1)),
+        Some(rows.postgres_local.p50 < Duration::from_millis(1)),
     );
-    handoff(
+    print_handoff(
         "6. cross-process, PostgreSQL, polling only",
-        remote_polling,
+        rows.remote_polling,
         "baseline",
         None,
     );
-    handoff(
+    print_handoff(
         "6. cross-process, PostgreSQL, watcher wakes waiter",
-        remote_hint,
+        rows.remote_hint,
         "p50 <= 5 ms",
-        Some(remote_hint.p50 <= Duration::from_millis(5)),
+        Some(rows.remote_hint.p50 <= Duration::from_millis(5)),
     );
-    handoff(
+    print_handoff(
         "6. same, while 16 keys are waited for at once",
-        remote_many,
+        rows.remote_many,
         "p50 <= 5 ms",
-        Some(remote_many.p50 <= Duration::from_millis(5)),
+        Some(rows.remote_many.p50 <= Duration::from_millis(5)),
     );
+}
+
+/// Rows 7 and 8: PostgreSQL throughput and the HTTP shape under load.
+fn print_load_rows(throughput: &bench_sessions::Throughput, http: &bench_sessions::HttpShape) {
     let connections_ok = throughput.lockingkit_connections * 4 <= throughput.raw_connections;
     println!(
         "| {:<52} | {:>10.0}/s | {:>10.0}/s | {:<14} | {:<6} |",
@@ -664,15 +736,21 @@ fn main() {
         "diagnostic",
         ""
     );
-    // Readers and semaphores on PostgreSQL, on a server of their own after the rows above.
-    let modes = runtime.block_on(async {
+}
+
+/// Row 10: readers and semaphores on PostgreSQL, on a server of their own.
+fn modes_rows(runtime: &tokio::runtime::Runtime, sizes: Sizes) -> bench_postgres::ModesReport {
+    runtime.block_on(async {
         tokio::spawn(async move {
             let server = PostgresServer::start().await;
             bench_postgres::measure_modes(&server, sizes.postgres_pairs).await
         })
         .await
         .expect("the modes benchmark task panicked")
-    });
+    })
+}
+
+fn print_mode_rows(modes: &bench_postgres::ModesReport) {
     println!(
         "| {:<52} | {:>9.3} ms | {:>9.3} ms | {:<14} | {:<6} |",
         "10. PostgreSQL try_read+release vs raw shared, median",
@@ -701,26 +779,15 @@ fn main() {
         "1",
         pass(modes.semaphore_round_trips <= 1.0)
     );
-    let transactions = transaction_locks(&runtime, sizes);
-    print_transaction_locks(&transactions);
-    print_http_layer_cost(&layer_cost);
-    // Redis on a server of its own, after the rows above.
-    let redis = redis_rows(sizes);
-    print_redis_rows(&redis);
-    println!();
-    println!("{}", transactions.render());
-    println!(
-        "{{\"postgres_pairs\":{},\"postgres_lockingkit_median_us\":{:.1},\"postgres_lockingkit_p99_us\":{:.1},\"postgres_raw_median_us\":{:.1},\"postgres_raw_p99_us\":{:.1},\"postgres_ratio\":{:.3},\
-\"azure_pairs\":{},\"azure_lockingkit_median_ms\":{:.3},\"azure_raw_median_ms\":{:.3},\"azure_ratio\":{:.3},\
-\"in_memory_pairs_per_s\":{memory_pairs:.0},\"in_memory_raw_pairs_per_s\":{memory_raw_pairs:.0},\"cold_cache_pair_us\":{:.2},\"cold_cache_raw_pair_us\":{:.2},\
-\"attempts_1_waiter\":{},\"attempts_20_waiters\":{},\"most_attempts_at_once_20_waiters\":{},\"attempts_ratio\":{twenty_vs_one:.3},\
-\"local_handoff_memory_p50_ms\":{:.4},\"local_handoff_memory_p99_ms\":{:.4},\"local_handoff_postgres_p50_ms\":{:.4},\"local_handoff_postgres_p99_ms\":{:.4},\
-\"remote_handoff_16_keys_p50_ms\":{:.3},\"remote_handoff_16_keys_p99_ms\":{:.3},\"postgres_fenced_ratio\":{fenced_ratio:.3},\
-\"throughput_lockingkit_pairs_per_s\":{:.0},\"throughput_raw_pairs_per_s\":{:.0},\"throughput_lockingkit_connections\":{},\"throughput_raw_connections\":{},\
-\"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1},\
-\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3},\
-\"transaction_unnamed_median_us\":{:.1},\"transaction_raw_unnamed_median_us\":{:.1},\"transaction_unnamed_ratio\":{:.3},\"transaction_prepared_median_us\":{:.1},\"transaction_raw_prepared_median_us\":{:.1},\"transaction_prepared_ratio\":{:.3},\
-\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{},{}}}",
+}
+
+fn pair_json(
+    pg: &bench_postgres::PostgresBenchReport,
+    azure: &bench_azure::AzureBenchReport,
+) -> String {
+    format!(
+        "\"postgres_pairs\":{},\"postgres_lockingkit_median_us\":{:.1},\"postgres_lockingkit_p99_us\":{:.1},\"postgres_raw_median_us\":{:.1},\"postgres_raw_p99_us\":{:.1},\"postgres_ratio\":{:.3},\
+\"azure_pairs\":{},\"azure_lockingkit_median_ms\":{:.3},\"azure_raw_median_ms\":{:.3},\"azure_ratio\":{:.3}",
         pg.pairs,
         pg.lockingkit.median.as_secs_f64() * 1e6,
         pg.lockingkit.p99.as_secs_f64() * 1e6,
@@ -731,17 +798,39 @@ fn main() {
         ms(azure.lockingkit),
         ms(azure.raw_same_requests),
         azure.ratio(),
-        cold_engine.as_secs_f64() * 1e6,
-        cold_raw.as_secs_f64() * 1e6,
-        attempts_one.attempts,
-        attempts_twenty.attempts,
-        attempts_twenty.most_at_once,
-        ms(memory_local.p50),
-        ms(memory_local.p99),
-        ms(postgres_local.p50),
-        ms(postgres_local.p99),
-        ms(remote_many.p50),
-        ms(remote_many.p99),
+    )
+}
+
+fn engine_json(engine: &EngineRows) -> String {
+    format!(
+        "\"in_memory_pairs_per_s\":{:.0},\"in_memory_raw_pairs_per_s\":{:.0},\"cold_cache_pair_us\":{:.2},\"cold_cache_raw_pair_us\":{:.2},\
+\"attempts_1_waiter\":{},\"attempts_20_waiters\":{},\"most_attempts_at_once_20_waiters\":{},\"attempts_ratio\":{:.3}",
+        engine.memory_pairs,
+        engine.memory_raw_pairs,
+        engine.cold_engine.as_secs_f64() * 1e6,
+        engine.cold_raw.as_secs_f64() * 1e6,
+        engine.attempts_one.attempts,
+        engine.attempts_twenty.attempts,
+        engine.attempts_twenty.most_at_once,
+        engine.twenty_vs_one(),
+    )
+}
+
+/// The local and many-key hand-offs, the fenced ratio and the load rows, in the JSON's order.
+fn server_json(rows: &ServerRows) -> String {
+    let (throughput, http) = (&rows.throughput, &rows.http);
+    format!(
+        "\"local_handoff_memory_p50_ms\":{:.4},\"local_handoff_memory_p99_ms\":{:.4},\"local_handoff_postgres_p50_ms\":{:.4},\"local_handoff_postgres_p99_ms\":{:.4},\
+\"remote_handoff_16_keys_p50_ms\":{:.3},\"remote_handoff_16_keys_p99_ms\":{:.3},\"postgres_fenced_ratio\":{:.3},\
+\"throughput_lockingkit_pairs_per_s\":{:.0},\"throughput_raw_pairs_per_s\":{:.0},\"throughput_lockingkit_connections\":{},\"throughput_raw_connections\":{},\
+\"http_locked_per_s\":{:.0},\"http_plain_per_s\":{:.0},\"http_ratio\":{:.3},\"http_locked_app_cpu_us\":{:.1},\"http_plain_app_cpu_us\":{:.1},\"http_locked_server_cpu_us\":{:.1}",
+        ms(rows.memory_local.p50),
+        ms(rows.memory_local.p99),
+        ms(rows.postgres_local.p50),
+        ms(rows.postgres_local.p99),
+        ms(rows.remote_many.p50),
+        ms(rows.remote_many.p99),
+        fenced_ratio(&rows.postgres),
         throughput.lockingkit_pairs_per_s,
         throughput.raw_pairs_per_s,
         throughput.lockingkit_connections,
@@ -752,22 +841,99 @@ fn main() {
         http.locked_app_cpu.as_secs_f64() * 1e6,
         http.plain_app_cpu.as_secs_f64() * 1e6,
         http.locked_server_cpu.as_secs_f64() * 1e6,
-        layer_cost.locked_per_s,
-        layer_cost.plain_per_s,
-        layer_cost.ratio(),
-        transactions.lockingkit_unnamed.median.as_secs_f64() * 1e6,
-        transactions.raw_unnamed.median.as_secs_f64() * 1e6,
-        transactions.unnamed_ratio(),
-        transactions.lockingkit_prepared.median.as_secs_f64() * 1e6,
-        transactions.raw_prepared.median.as_secs_f64() * 1e6,
-        transactions.prepared_ratio(),
-        ms(remote_polling.p50),
-        ms(remote_polling.p99),
-        ms(remote_hint.p50),
-        ms(remote_hint.p99),
+    )
+}
+
+fn transaction_json(report: &TransactionBenchReport) -> String {
+    format!(
+        "\"transaction_unnamed_median_us\":{:.1},\"transaction_raw_unnamed_median_us\":{:.1},\"transaction_unnamed_ratio\":{:.3},\"transaction_prepared_median_us\":{:.1},\"transaction_raw_prepared_median_us\":{:.1},\"transaction_prepared_ratio\":{:.3}",
+        report.lockingkit_unnamed.median.as_secs_f64() * 1e6,
+        report.raw_unnamed.median.as_secs_f64() * 1e6,
+        report.unnamed_ratio(),
+        report.lockingkit_prepared.median.as_secs_f64() * 1e6,
+        report.raw_prepared.median.as_secs_f64() * 1e6,
+        report.prepared_ratio(),
+    )
+}
+
+fn remote_handoff_json(rows: &ServerRows, sizes: Sizes) -> String {
+    format!(
+        "\"remote_handoff_polling_p50_ms\":{:.3},\"remote_handoff_polling_p99_ms\":{:.3},\"remote_handoff_hint_p50_ms\":{:.3},\"remote_handoff_hint_p99_ms\":{:.3},\"remote_handoffs\":{}",
+        ms(rows.remote_polling.p50),
+        ms(rows.remote_polling.p99),
+        ms(rows.remote_hint.p50),
+        ms(rows.remote_hint.p99),
         sizes.remote_handoffs,
-        redis_json(&redis),
+    )
+}
+
+/// The full run's JSON line (the etcd rows print their own).
+fn full_json(
+    engine: &EngineRows,
+    servers: &ServerRows,
+    transactions: &TransactionBenchReport,
+    redis: &RedisRows,
+    sizes: Sizes,
+) -> String {
+    format!(
+        "{{{},{},{},{},{},{},{}}}",
+        pair_json(&servers.postgres, &servers.azure),
+        engine_json(engine),
+        server_json(servers),
+        http_memory_json(&engine.layer_cost),
+        transaction_json(transactions),
+        remote_handoff_json(servers, sizes),
+        redis_json(redis),
+    )
+}
+
+/// The reports, the table's header and rows 1 to 8.
+fn print_server_table(engine: &EngineRows, servers: &ServerRows) {
+    println!("{}\n", servers.postgres.render());
+    println!("{}\n", servers.azure.render());
+    print_table_header();
+    print_pair_rows(&servers.postgres, &servers.azure);
+    print_engine_rows(engine);
+    print_handoff_rows(servers);
+    print_load_rows(&servers.throughput, &servers.http);
+}
+
+/// Every row, measured and printed in the table's order, then the JSON line, then the etcd
+/// and the patterns' rows.
+fn full_run(sizes: Sizes) {
+    // Engine-only measurements first, each on a runtime of its own, before any server runs.
+    let engine = EngineRows::measure(sizes);
+    let runtime = two_worker_runtime();
+    let servers = server_rows(&runtime, sizes);
+    print_server_table(&engine, &servers);
+    // Readers and semaphores on PostgreSQL, on a server of their own after the rows above.
+    let modes = modes_rows(&runtime, sizes);
+    print_mode_rows(&modes);
+    let transactions = transaction_locks(&runtime, sizes);
+    print_transaction_locks(&transactions);
+    print_http_layer_cost(&engine.layer_cost);
+    // Redis on a server of its own, after the rows above.
+    let redis = redis_rows(sizes);
+    print_redis_rows(&redis);
+    println!();
+    println!("{}", transactions.render());
+    println!(
+        "{}",
+        full_json(&engine, &servers, &transactions, &redis, sizes)
     );
     print_etcd(sizes);
     patterns_rows(sizes);
+}
+
+fn main() {
+    let Some(mode) = BenchMode::from_args() else {
+        return;
+    };
+    let sizes = mode.pick(FULL, SMOKE);
+    // The first argument that is not a flag names the one row to run, if any.
+    let only = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
+    if only.is_some_and(|row| run_one_row(&row, sizes)) {
+        return;
+    }
+    full_run(sizes);
 }

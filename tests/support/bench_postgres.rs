@@ -119,45 +119,35 @@ pub fn latency(mut samples: Vec<Duration>) -> Latency {
 
 /// Measures `pairs` pairs of each variant, interleaved, after a warm-up.
 pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchReport {
-    let pid = std::process::id();
-    let backend = PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
-    let locks = DistributedLock::builder(backend).build().expect("lock");
-    let kit_key = format!("bench/lockingkit/{pid}");
-    let bare = PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
-    let bare_key = format!("bench/backend/{pid}");
-
-    // Each variant gets a connection of its own, so none is warmer for being used more often.
-    let pool = raw_pool(server, 1);
-    let fenced_pool = raw_pool(server, 1);
-    let pooled_key = PostgresLockKeys::advisory_key(&format!("bench/pooled/{pid}"));
-    let fenced_key = PostgresLockKeys::advisory_key(&format!("bench/fenced/{pid}"));
-    let fenced_lock = format!(
-        "SELECT nextval('{}.{}') FROM (SELECT pg_try_advisory_lock($1) AS ok OFFSET 0) s WHERE ok",
-        DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE
-    );
-
-    let dedicated = server.connect().await;
-    let try_lock = dedicated.prepare(TRY_LOCK).await.expect("prepare");
-    let unlock = dedicated.prepare(UNLOCK).await.expect("prepare");
-    let dedicated_key = PostgresLockKeys::advisory_key(&format!("bench/dedicated/{pid}"));
-
-    // The first LockingKit attempt creates the fencing sequence the raw fenced variant uses.
-    locks
-        .try_acquire(&kit_key)
-        .await
-        .expect("first lock")
-        .release()
-        .await
-        .expect("first release");
-
-    const VARIANTS: usize = 5;
-    let mut samples: [Vec<Duration>; VARIANTS] = Default::default();
-    let warm_up = 50.min(pairs);
-    let mut order: [usize; VARIANTS] = std::array::from_fn(|v| v);
-    let mut random = Shuffle::seeded();
+    let variants = PairVariants::connect(server).await;
     let only: Option<usize> = std::env::var(VARIANT_ENV)
         .ok()
         .and_then(|v| v.trim().parse().ok());
+    let samples: [Vec<Duration>; 5] =
+        interleaved(pairs, only, |variant| variants.pair(variant)).await;
+    let [kit, pooled, dedicated, fenced, backend_only] = samples;
+    PostgresBenchReport {
+        pairs,
+        lockingkit: latency(kit),
+        raw_pooled: latency(pooled),
+        raw_dedicated: latency(dedicated),
+        raw_fenced: latency(fenced),
+        backend_only: latency(backend_only),
+    }
+}
+
+/// Runs `pair` of every variant `warm_up + pairs` times, in a fresh random order every
+/// round, and answers the times of the rounds after the warm-up, per variant. `only` runs one
+/// variant alone; the others answer no samples.
+async fn interleaved<const VARIANTS: usize, Pair: std::future::Future<Output = ()>>(
+    pairs: usize,
+    only: Option<usize>,
+    pair: impl Fn(usize) -> Pair,
+) -> [Vec<Duration>; VARIANTS] {
+    let mut samples: [Vec<Duration>; VARIANTS] = std::array::from_fn(|_| Vec::new());
+    let warm_up = 50.min(pairs);
+    let mut order: [usize; VARIANTS] = std::array::from_fn(|v| v);
+    let mut random = Shuffle::seeded();
     for round in 0..warm_up + pairs {
         // A fresh order every round, so no variant systematically follows another (the
         // background work a LockingKit release leaves would otherwise land on one neighbour).
@@ -167,60 +157,131 @@ pub async fn measure(server: &PostgresServer, pairs: usize) -> PostgresBenchRepo
                 continue;
             }
             let started = Instant::now();
-            match variant {
-                0 => locks
-                    .try_acquire(&kit_key)
-                    .await
-                    .expect("lockingkit acquire")
-                    .release()
-                    .await
-                    .expect("lockingkit release"),
-                1 => {
-                    let client = pool.get().await.expect("pooled connection");
-                    raw_pair(&client, TRY_LOCK, pooled_key).await;
-                }
-                2 => {
-                    let taken: bool = dedicated
-                        .query_one(&try_lock, &[&dedicated_key])
-                        .await
-                        .expect("raw lock")
-                        .get(0);
-                    assert!(taken, "the raw dedicated lock was busy");
-                    let released: bool = dedicated
-                        .query_one(&unlock, &[&dedicated_key])
-                        .await
-                        .expect("raw unlock")
-                        .get(0);
-                    assert!(released, "the raw dedicated unlock was refused");
-                }
-                3 => {
-                    let client = fenced_pool.get().await.expect("pooled connection");
-                    raw_pair(&client, &fenced_lock, fenced_key).await;
-                }
-                _ => {
-                    let acquired = bare
-                        .try_acquire(&bare_key, LockMode::Exclusive)
-                        .await
-                        .expect("backend acquire")
-                        .expect("backend lock was busy");
-                    bare.release(&acquired.lease)
-                        .await
-                        .expect("backend release");
-                }
-            }
+            pair(variant).await;
             if round >= warm_up {
                 samples[variant].push(started.elapsed());
             }
         }
     }
-    let [kit, pooled, dedicated, fenced, backend_only] = samples;
-    PostgresBenchReport {
-        pairs,
-        lockingkit: latency(kit),
-        raw_pooled: latency(pooled),
-        raw_dedicated: latency(dedicated),
-        raw_fenced: latency(fenced),
-        backend_only: latency(backend_only),
+    samples
+}
+
+/// The five variants `measure` compares, each with a key and a connection of its own, so
+/// none is warmer for being used more often.
+struct PairVariants {
+    dedicated: tokio_postgres::Client,
+    try_lock: tokio_postgres::Statement,
+    unlock: tokio_postgres::Statement,
+    dedicated_key: i64,
+    pool: Pool,
+    pooled_key: i64,
+    fenced_pool: Pool,
+    fenced_key: i64,
+    fenced_lock: String,
+    bare: PostgresBackend,
+    bare_key: String,
+    locks: DistributedLock,
+    kit_key: String,
+}
+
+impl PairVariants {
+    async fn connect(server: &PostgresServer) -> PairVariants {
+        let pid = std::process::id();
+        let backend =
+            PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
+        let locks = DistributedLock::builder(backend).build().expect("lock");
+        let kit_key = format!("bench/lockingkit/{pid}");
+        let bare = PostgresBackend::new(server.options(Duration::from_secs(5))).expect("options");
+        let bare_key = format!("bench/backend/{pid}");
+        let pool = raw_pool(server, 1);
+        let fenced_pool = raw_pool(server, 1);
+        let pooled_key = PostgresLockKeys::advisory_key(&format!("bench/pooled/{pid}"));
+        let fenced_key = PostgresLockKeys::advisory_key(&format!("bench/fenced/{pid}"));
+        let fenced_lock = format!(
+            "SELECT nextval('{}.{}') FROM (SELECT pg_try_advisory_lock($1) AS ok OFFSET 0) s WHERE ok",
+            DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE
+        );
+        let dedicated = server.connect().await;
+        let try_lock = dedicated.prepare(TRY_LOCK).await.expect("prepare");
+        let unlock = dedicated.prepare(UNLOCK).await.expect("prepare");
+        let dedicated_key = PostgresLockKeys::advisory_key(&format!("bench/dedicated/{pid}"));
+
+        // The first LockingKit attempt creates the fencing sequence the raw fenced variant uses.
+        locks
+            .try_acquire(&kit_key)
+            .await
+            .expect("first lock")
+            .release()
+            .await
+            .expect("first release");
+        PairVariants {
+            dedicated,
+            try_lock,
+            unlock,
+            dedicated_key,
+            pool,
+            pooled_key,
+            fenced_pool,
+            fenced_key,
+            fenced_lock,
+            bare,
+            bare_key,
+            locks,
+            kit_key,
+        }
+    }
+
+    /// One pair of `variant`: 0 LockingKit, 1 raw pooled, 2 raw dedicated, 3 raw with
+    /// fencing, 4 the backend alone.
+    async fn pair(&self, variant: usize) {
+        match variant {
+            0 => self
+                .locks
+                .try_acquire(&self.kit_key)
+                .await
+                .expect("lockingkit acquire")
+                .release()
+                .await
+                .expect("lockingkit release"),
+            1 => {
+                let client = self.pool.get().await.expect("pooled connection");
+                raw_pair(&client, TRY_LOCK, self.pooled_key).await;
+            }
+            2 => self.dedicated_pair().await,
+            3 => {
+                let client = self.fenced_pool.get().await.expect("pooled connection");
+                raw_pair(&client, &self.fenced_lock, self.fenced_key).await;
+            }
+            _ => {
+                let acquired = self
+                    .bare
+                    .try_acquire(&self.bare_key, LockMode::Exclusive)
+                    .await
+                    .expect("backend acquire")
+                    .expect("backend lock was busy");
+                self.bare
+                    .release(&acquired.lease)
+                    .await
+                    .expect("backend release");
+            }
+        }
+    }
+
+    async fn dedicated_pair(&self) {
+        let taken: bool = self
+            .dedicated
+            .query_one(&self.try_lock, &[&self.dedicated_key])
+            .await
+            .expect("raw lock")
+            .get(0);
+        assert!(taken, "the raw dedicated lock was busy");
+        let released: bool = self
+            .dedicated
+            .query_one(&self.unlock, &[&self.dedicated_key])
+            .await
+            .expect("raw unlock")
+            .get(0);
+        assert!(released, "the raw dedicated unlock was refused");
     }
 }
 
@@ -323,111 +384,152 @@ const UNLOCK_SHARED: &str = "SELECT pg_advisory_unlock_shared($1)";
 const TRY_LOCK_SLOT: &str = "SELECT pg_try_advisory_lock($1::int4, $2::int4)";
 const UNLOCK_SLOT: &str = "SELECT pg_advisory_unlock($1::int4, $2::int4)";
 
+/// The semaphore's slots in `measure_modes`.
+const SLOTS: u32 = 16;
+
+fn postgres_lock(options: lockingkit::PostgresOptions) -> DistributedLock {
+    let backend = PostgresBackend::new(options).expect("options");
+    DistributedLock::builder(backend).build().expect("lock")
+}
+
 /// Measures readers and semaphores against raw SQL: `pairs` interleaved pairs of each, after a
 /// warm-up, then the round trips of semaphore attempts through a counting proxy.
 pub async fn measure_modes(server: &PostgresServer, pairs: usize) -> ModesReport {
-    const SLOTS: u32 = 16;
-    let pid = std::process::id();
-    let lock = |options| {
-        let backend = PostgresBackend::new(options).expect("options");
-        DistributedLock::builder(backend).build().expect("lock")
-    };
-    let read_key = format!("bench/modes/read/{pid}");
-    let readers = lock(server.options(Duration::from_secs(30)))
-        .reader_writer(&read_key)
-        .expect("readers on PostgreSQL");
-    let semaphore_key = format!("bench/modes/semaphore/{pid}");
-    let semaphore = lock(server.options(Duration::from_secs(30)))
-        .semaphore(&semaphore_key, SLOTS)
-        .expect("a semaphore on PostgreSQL");
+    let variants = ModeVariants::connect(server).await;
+    let samples: [Vec<Duration>; 4] =
+        interleaved(pairs, None, |variant| variants.pair(variant)).await;
+    let semaphore_round_trips = semaphore_round_trips(server, &variants.semaphore_key, pairs).await;
+    drop(variants);
 
-    // Every slot but one held by another session for the whole run.
-    let occupier = server.connect().await;
-    let semaphore_id = PostgresLockKeys::semaphore_key(&semaphore_key);
-    for slot in 0..SLOTS as i32 - 1 {
-        occupier
-            .query_one(TRY_LOCK_SLOT, &[&semaphore_id, &slot])
-            .await
-            .expect("occupy a slot");
+    let [shared, raw_shared, semaphore, raw_slot] = samples;
+    ModesReport {
+        pairs,
+        shared: latency(shared),
+        raw_shared: latency(raw_shared),
+        slots: SLOTS,
+        semaphore: latency(semaphore),
+        raw_slot: latency(raw_slot),
+        semaphore_round_trips,
     }
-    let free_slot = SLOTS as i32 - 1;
+}
 
-    let pool = raw_pool(server, 1);
-    let slot_pool = raw_pool(server, 1);
-    let raw_read_key = PostgresLockKeys::advisory_key(&format!("bench/modes/raw-read/{pid}"));
-    let raw_semaphore = PostgresLockKeys::semaphore_key(&format!("bench/modes/raw-slot/{pid}"));
+/// The four variants `measure_modes` compares, with every semaphore slot but one held by
+/// another session for the whole run.
+struct ModeVariants {
+    /// The session holding the other slots; only kept open.
+    _occupier: tokio_postgres::Client,
+    free_slot: i32,
+    readers: lockingkit::ReaderWriterLock,
+    semaphore_key: String,
+    semaphore: lockingkit::DistributedSemaphore,
+    pool: Pool,
+    slot_pool: Pool,
+    raw_read_key: i64,
+    raw_semaphore: i32,
+}
 
-    const VARIANTS: usize = 4;
-    let mut samples: [Vec<Duration>; VARIANTS] = Default::default();
-    let warm_up = 50.min(pairs);
-    let mut order: [usize; VARIANTS] = std::array::from_fn(|v| v);
-    let mut random = Shuffle::seeded();
-    for round in 0..warm_up + pairs {
-        random.shuffle(&mut order);
-        for variant in order {
-            let started = Instant::now();
-            match variant {
-                0 => readers
-                    .try_read()
-                    .await
-                    .expect("reader")
-                    .release()
-                    .await
-                    .expect("reader release"),
-                1 => {
-                    let client = pool.get().await.expect("pooled connection");
-                    let lock = client
-                        .prepare_cached(TRY_LOCK_SHARED)
-                        .await
-                        .expect("prepare");
-                    let unlock = client.prepare_cached(UNLOCK_SHARED).await.expect("prepare");
-                    let taken: bool = client
-                        .query_one(&lock, &[&raw_read_key])
-                        .await
-                        .expect("raw shared lock")
-                        .get(0);
-                    assert!(taken, "the raw shared lock was refused");
-                    let released: bool = client
-                        .query_one(&unlock, &[&raw_read_key])
-                        .await
-                        .expect("raw shared unlock")
-                        .get(0);
-                    assert!(released);
-                }
-                2 => semaphore
-                    .try_acquire()
-                    .await
-                    .expect("the one free slot")
-                    .release()
-                    .await
-                    .expect("slot release"),
-                _ => {
-                    let client = slot_pool.get().await.expect("pooled connection");
-                    let lock = client.prepare_cached(TRY_LOCK_SLOT).await.expect("prepare");
-                    let unlock = client.prepare_cached(UNLOCK_SLOT).await.expect("prepare");
-                    let taken: bool = client
-                        .query_one(&lock, &[&raw_semaphore, &free_slot])
-                        .await
-                        .expect("raw slot lock")
-                        .get(0);
-                    assert!(taken, "the raw slot was taken");
-                    let released: bool = client
-                        .query_one(&unlock, &[&raw_semaphore, &free_slot])
-                        .await
-                        .expect("raw slot unlock")
-                        .get(0);
-                    assert!(released);
-                }
-            }
-            if round >= warm_up {
-                samples[variant].push(started.elapsed());
-            }
+impl ModeVariants {
+    async fn connect(server: &PostgresServer) -> ModeVariants {
+        let pid = std::process::id();
+        let read_key = format!("bench/modes/read/{pid}");
+        let readers = postgres_lock(server.options(Duration::from_secs(30)))
+            .reader_writer(&read_key)
+            .expect("readers on PostgreSQL");
+        let semaphore_key = format!("bench/modes/semaphore/{pid}");
+        let semaphore = postgres_lock(server.options(Duration::from_secs(30)))
+            .semaphore(&semaphore_key, SLOTS)
+            .expect("a semaphore on PostgreSQL");
+
+        let occupier = server.connect().await;
+        let semaphore_id = PostgresLockKeys::semaphore_key(&semaphore_key);
+        for slot in 0..SLOTS as i32 - 1 {
+            occupier
+                .query_one(TRY_LOCK_SLOT, &[&semaphore_id, &slot])
+                .await
+                .expect("occupy a slot");
+        }
+        ModeVariants {
+            _occupier: occupier,
+            free_slot: SLOTS as i32 - 1,
+            readers,
+            semaphore_key,
+            semaphore,
+            pool: raw_pool(server, 1),
+            slot_pool: raw_pool(server, 1),
+            raw_read_key: PostgresLockKeys::advisory_key(&format!("bench/modes/raw-read/{pid}")),
+            raw_semaphore: PostgresLockKeys::semaphore_key(&format!("bench/modes/raw-slot/{pid}")),
         }
     }
 
-    // Round trips: the same semaphore through a proxy that counts request/answer exchanges.
+    /// One pair of `variant`: 0 reader, 1 raw shared, 2 semaphore, 3 raw slot.
+    async fn pair(&self, variant: usize) {
+        match variant {
+            0 => self
+                .readers
+                .try_read()
+                .await
+                .expect("reader")
+                .release()
+                .await
+                .expect("reader release"),
+            1 => self.raw_shared_pair().await,
+            2 => self
+                .semaphore
+                .try_acquire()
+                .await
+                .expect("the one free slot")
+                .release()
+                .await
+                .expect("slot release"),
+            _ => self.raw_slot_pair().await,
+        }
+    }
+
+    async fn raw_shared_pair(&self) {
+        let client = self.pool.get().await.expect("pooled connection");
+        let lock = client
+            .prepare_cached(TRY_LOCK_SHARED)
+            .await
+            .expect("prepare");
+        let unlock = client.prepare_cached(UNLOCK_SHARED).await.expect("prepare");
+        let taken: bool = client
+            .query_one(&lock, &[&self.raw_read_key])
+            .await
+            .expect("raw shared lock")
+            .get(0);
+        assert!(taken, "the raw shared lock was refused");
+        let released: bool = client
+            .query_one(&unlock, &[&self.raw_read_key])
+            .await
+            .expect("raw shared unlock")
+            .get(0);
+        assert!(released);
+    }
+
+    async fn raw_slot_pair(&self) {
+        let client = self.slot_pool.get().await.expect("pooled connection");
+        let lock = client.prepare_cached(TRY_LOCK_SLOT).await.expect("prepare");
+        let unlock = client.prepare_cached(UNLOCK_SLOT).await.expect("prepare");
+        let taken: bool = client
+            .query_one(&lock, &[&self.raw_semaphore, &self.free_slot])
+            .await
+            .expect("raw slot lock")
+            .get(0);
+        assert!(taken, "the raw slot was taken");
+        let released: bool = client
+            .query_one(&unlock, &[&self.raw_semaphore, &self.free_slot])
+            .await
+            .expect("raw slot unlock")
+            .get(0);
+        assert!(released);
+    }
+}
+
+/// Round trips per attempt of the semaphore at `semaphore_key`, through a proxy that counts
+/// request/answer exchanges.
+async fn semaphore_round_trips(server: &PostgresServer, semaphore_key: &str, pairs: usize) -> f64 {
     let proxy = crate::proxy::FaultProxy::to_port(server.port()).await;
-    let counted = lock(lockingkit::PostgresOptions {
+    let counted = postgres_lock(lockingkit::PostgresOptions {
         connection_string: format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
             proxy.port()
@@ -436,7 +538,7 @@ pub async fn measure_modes(server: &PostgresServer, pairs: usize) -> ModesReport
         check_interval: Duration::from_secs(30),
         ..lockingkit::PostgresOptions::default()
     })
-    .semaphore(&semaphore_key, SLOTS)
+    .semaphore(semaphore_key, SLOTS)
     .expect("a semaphore");
     // The first attempt opens the session and prepares the statement.
     counted
@@ -454,16 +556,5 @@ pub async fn measure_modes(server: &PostgresServer, pairs: usize) -> ModesReport
         round_trips += proxy.exchanges().len() - before;
         held.release().await.expect("release");
     }
-    drop(occupier);
-
-    let [shared, raw_shared, semaphore, raw_slot] = samples;
-    ModesReport {
-        pairs,
-        shared: latency(shared),
-        raw_shared: latency(raw_shared),
-        slots: SLOTS,
-        semaphore: latency(semaphore),
-        raw_slot: latency(raw_slot),
-        semaphore_round_trips: round_trips as f64 / attempts as f64,
-    }
+    round_trips as f64 / attempts as f64
 }

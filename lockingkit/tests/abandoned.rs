@@ -28,11 +28,11 @@ fn held_back_answers(
         })
     });
     DistributedLock::builder(backend)
-        .options(LockOptions {
-            min_retry_delay: Duration::from_millis(5),
-            max_retry_delay: Duration::from_millis(20),
-            ..LockOptions::default()
-        })
+        .options(
+            LockOptions::default()
+                .with_min_retry_delay(Duration::from_millis(5))
+                .with_max_retry_delay(Duration::from_millis(20)),
+        )
         .build()
         .expect("valid options")
 }
@@ -79,5 +79,97 @@ async fn a_try_after_a_confirmed_release_is_not_told_busy_by_an_abandoned_read()
             );
             panic!("the try failed: {error}")
         });
+    handle.release().await.expect("release");
+}
+
+/// A process on `store` whose attempts after the first wait for `send` before they reach the
+/// store (`reached` is told when one waits), and whose releases wait for `release`
+/// (`releasing` is told when one waits).
+fn held_back_sends(
+    store: &MemoryStore,
+    (reached, send): (Arc<Notify>, watch::Receiver<bool>),
+    (releasing, release): (Arc<Notify>, watch::Receiver<bool>),
+) -> DistributedLock {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let backend = Intercept::new(MemoryBackend::new(store.clone()))
+        .on_try_acquire(move |call| {
+            let (attempts, reached, mut send) = (attempts.clone(), reached.clone(), send.clone());
+            Box::pin(async move {
+                if attempts.fetch_add(1, Ordering::SeqCst) > 0 && !*send.borrow() {
+                    reached.notify_one();
+                    let _ = send.wait_for(|open| *open).await;
+                }
+                call.await
+            })
+        })
+        .on_release(move |call| {
+            let (releasing, mut release) = (releasing.clone(), release.clone());
+            Box::pin(async move {
+                if !*release.borrow() {
+                    releasing.notify_one();
+                    let _ = release.wait_for(|open| *open).await;
+                }
+                call.await
+            })
+        });
+    DistributedLock::builder(backend)
+        .options(
+            LockOptions::default()
+                .with_min_retry_delay(Duration::from_millis(5))
+                .with_max_retry_delay(Duration::from_millis(20)),
+        )
+        .build()
+        .expect("valid options")
+}
+
+/// A reader's attempt is on its way when its caller goes away, and reaches the backend only
+/// after the holder (another process) released: it takes the key for nobody, and the engine
+/// gives it back. A writer's try in that process meanwhile (another lane of the same key) must
+/// not be told "busy" by that read lock of nobody's: it waits until the abandoned attempt and
+/// its release are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_try_is_not_told_busy_by_a_read_lock_won_for_nobody() {
+    let store = MemoryStore::new();
+    let (reached, releasing) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (send, send_gate) = watch::channel(false);
+    let (release, release_gate) = watch::channel(false);
+    let waiters = held_back_sends(
+        &store,
+        (reached.clone(), send_gate),
+        (releasing.clone(), release_gate),
+    );
+    let holder = DistributedLock::in_memory_shared(&store);
+
+    let held = holder.try_acquire("jobs").await.expect("the holder");
+    let reader = waiters.reader_writer("jobs").expect("a valid key");
+    let reading = tokio::spawn(async move { reader.read(Duration::from_secs(30)).await });
+    // The reader's second attempt waits to be sent; its caller goes away.
+    reached.notified().await;
+    reading.abort();
+    let _ = reading.await;
+    held.release().await.expect("the holder's release");
+    // The abandoned attempt takes the key as a reader; giving it back is held back.
+    send.send_replace(true);
+    releasing.notified().await;
+
+    let mut tried = tokio::spawn({
+        let waiters = waiters.clone();
+        async move { waiters.try_acquire("jobs").await }
+    });
+    // Whatever the try is told before the read lock of nobody's is given back, it is not busy.
+    if let Ok(early) = tokio::time::timeout(Duration::from_millis(200), &mut tried).await {
+        let early = early.expect("the try's task");
+        assert!(
+            early.is_ok(),
+            "told {:?} by a read lock won for nobody",
+            early.err().map(|error| error.kind())
+        );
+    }
+    release.send_replace(true);
+    let handle = tokio::time::timeout(Duration::from_secs(10), tried)
+        .await
+        .expect("the try ends once the abandoned read lock is given back")
+        .expect("the try's task")
+        .expect("the key is free once the read lock of nobody's is given back");
     handle.release().await.expect("release");
 }

@@ -18,12 +18,12 @@
 //!   gate starts failing, and the attempt finishes in the background.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::abandoned::Gone;
 use super::hold::Hold;
 use super::outcome::{
     attempt_error, failing_error, refusal_error, shut_down_error, unanswered, wait_error,
@@ -100,9 +100,14 @@ impl<B: LockBackend> Engine<B> {
         request: impl Future<Output = Result<Option<Acquired<B::Lease>>, BackendError>> + Send + 'static,
         probe: Option<Probe>,
         again: bool,
-        gone: Arc<AtomicBool>,
+        gone: Arc<Gone>,
     ) -> Orphanable<AttemptResult<B::Lease>, ReleaseOrphanedWin<B>> {
         let health = self.health.clone();
+        let cleanup = ReleaseOrphanedWin {
+            backend: self.backend.clone(),
+            release_timeout: self.options.release_timeout,
+            gone: gone.clone(),
+        };
         let work = async move {
             let sent = Instant::now();
             if again {
@@ -133,20 +138,14 @@ impl<B: LockBackend> Engine<B> {
                     health.answered();
                 }
             }
-            if gone.load(Ordering::Acquire) {
+            if gone.left() {
                 turn.note_abandoned_attempt(&answer);
             } else {
                 turn.note_attempt(answer);
             }
             (turn, sent, result)
         };
-        Orphanable::new(
-            work,
-            ReleaseOrphanedWin {
-                backend: self.backend.clone(),
-                release_timeout: self.options.release_timeout,
-            },
-        )
+        Orphanable::new(work, cleanup)
     }
 
     /// Sends one attempt under `turn` unless the outage gate refuses it, and awaits its answer
@@ -160,6 +159,10 @@ impl<B: LockBackend> Engine<B> {
         again: bool,
         attempts: &mut u64,
     ) -> Result<Attempted<B::Lease>, LockError> {
+        // An attempt on this key whose caller went away may still win it for nobody (in
+        // another lane: this lane's waits for its turn): what it does is what this one finds.
+        let settle_by = crate::clock::in_(self.room.patience());
+        self.room.abandoned_settled(turn.key(), settle_by).await;
         let probe = match self.admit() {
             Ok(probe) => probe,
             Err(refusal) => {
@@ -169,7 +172,7 @@ impl<B: LockBackend> Engine<B> {
         };
         *attempts += 1;
         let give_up = crate::clock::in_(self.room.patience());
-        let gone = Arc::new(AtomicBool::new(false));
+        let gone = Arc::new(Gone::default());
         // Dropped with this future, or kept when the attempt goes unanswered: see
         // `CallerLeaving`.
         let leaving = turn.leaving(gone.clone());
@@ -202,6 +205,7 @@ impl<B: LockBackend> Engine<B> {
     ) -> LockHandle {
         let held = Arc::new(Hold::new(
             self.clone(),
+            caller.mode,
             caller.runtime.clone(),
             turn.into_holder(),
             acquired,
@@ -256,7 +260,7 @@ impl<B: LockBackend> Engine<B> {
         span: tracing::Span,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        let caller = Caller::here(span)?;
+        let caller = Caller::here(mode, span)?;
         let turn = self.try_turn_or_refusal(key, Lane::of(mode)).await?;
         let request = self.request(turn.key(), mode);
         match self.attempt_once(turn, request, false, attempts).await? {
@@ -274,7 +278,7 @@ impl<B: LockBackend> Engine<B> {
         span: tracing::Span,
     ) -> Result<LockHandle, LockError> {
         validate_key(key)?;
-        let caller = Caller::here(span)?;
+        let caller = Caller::here(mode, span)?;
         let window = Window {
             deadline: crate::clock::in_(timeout),
             timeout,
@@ -496,6 +500,8 @@ impl<B: LockBackend> Engine<B> {
 pub(crate) struct ReleaseOrphanedWin<B> {
     backend: Arc<B>,
     release_timeout: Duration,
+    /// Kept until the release is done: the attempt counts as abandoned and running until then.
+    gone: Arc<Gone>,
 }
 
 impl<B: LockBackend> background::Cleanup<AttemptResult<B::Lease>> for ReleaseOrphanedWin<B> {
@@ -507,6 +513,8 @@ impl<B: LockBackend> background::Cleanup<AttemptResult<B::Lease>> for ReleaseOrp
                         .await;
             }
             drop(turn);
+            // Only now is the attempt over (see `abandoned`).
+            drop(self.gone);
         })
     }
 }
@@ -563,22 +571,28 @@ impl<F: FnMut()> Drop for Defer<F> {
     }
 }
 
-/// Where an acquire call comes from: the runtime its hold will live on, and the caller's span
-/// (a request's, say), which a loss of the hold is logged under.
+/// Where an acquire call comes from and what it asks for: the mode its hold will be in, the
+/// runtime its hold will live on, and the caller's span (a request's, say), which a loss of the
+/// hold is logged under.
 struct Caller {
+    mode: LockMode,
     runtime: tokio::runtime::Handle,
     span: tracing::Span,
 }
 
 impl Caller {
-    fn here(span: tracing::Span) -> Result<Caller, LockError> {
+    fn here(mode: LockMode, span: tracing::Span) -> Result<Caller, LockError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             LockError::new(
                 ErrorKind::Misconfigured,
                 "LockingKit must run inside a tokio runtime (it renews held locks in the background)",
             )
         })?;
-        Ok(Caller { runtime, span })
+        Ok(Caller {
+            mode,
+            runtime,
+            span,
+        })
     }
 }
 

@@ -9,6 +9,7 @@
 //! - `outcome.rs`: what a caller is told when an acquire does not take the lock.
 //! - `hold/`: one held lock, from the acquire that won it to the end of its hold.
 
+mod abandoned;
 mod acquire;
 mod hold;
 mod options;
@@ -84,7 +85,7 @@ pub(crate) trait AnyEngine: Send + Sync {
     /// closes the backend; all within `timeout`.
     fn shutdown(self: Arc<Self>, timeout: Duration) -> BoxFuture<'static, Result<(), LockError>>;
     /// Callers holding, attempting or waiting for a lock, each counted once.
-    fn active_parties(&self) -> usize;
+    fn local_callers(&self) -> usize;
     fn waiting(&self, key: &str) -> usize;
     fn backend_any(&self) -> &(dyn std::any::Any + Send + Sync);
 }
@@ -277,7 +278,7 @@ impl<B: LockBackend> Engine<B> {
         self.closed.cancel();
         self.scheduler.start_all();
         // Nothing signals the last turn's end, and a shutdown is rare: look every few ms.
-        while AnyEngine::active_parties(self) > 0 {
+        while AnyEngine::local_callers(self) > 0 {
             if Instant::now() >= deadline {
                 return Err(LockError::new(
                     ErrorKind::Unavailable,
@@ -285,7 +286,7 @@ impl<B: LockBackend> Engine<B> {
                         "the shutdown did not finish within {timeout:?}: {} locks or attempts \
                          were still outstanding (their leases expire, or their connections \
                          close, at the backend)",
-                        AnyEngine::active_parties(self)
+                        AnyEngine::local_callers(self)
                     ),
                 ));
             }
@@ -351,8 +352,8 @@ impl<B: LockBackend> AnyEngine for Engine<B> {
         Box::pin(async move { self.shut_down(timeout).await })
     }
 
-    fn active_parties(&self) -> usize {
-        self.room.active_parties()
+    fn local_callers(&self) -> usize {
+        self.room.local_callers()
     }
 
     fn waiting(&self, key: &str) -> usize {

@@ -29,13 +29,14 @@
 //! the engine refuses such a caller at once instead (see `acquire`).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
+use super::abandoned::{Abandoned, Gone};
 use crate::backend::{BackendError, LockMode};
 
 /// Which queue of a key a caller is in.
@@ -79,6 +80,8 @@ pub(crate) struct WaitingRoom {
     /// How long an attempt may go unanswered before callers that meet it are told the backend
     /// did not answer (the engine's `max_retry_delay`: a backend that answers takes far less).
     patience: Duration,
+    /// Attempts whose callers went away, still running.
+    abandoned: Arc<Abandoned>,
 }
 
 /// The queues of every key, by lane. The exclusive lane has a map of its own: it is the hot
@@ -238,12 +241,20 @@ impl WaitingRoom {
             next_id: AtomicU64::new(0),
             own_turns: AtomicUsize::new(0),
             patience,
+            abandoned: Arc::default(),
         }
     }
 
     /// How long an attempt may go unanswered before it counts as an outage.
     pub(crate) fn patience(&self) -> Duration {
         self.patience
+    }
+
+    /// Resolves once no attempt on `key` whose caller went away is still running (or its win
+    /// being released), or at `by`: what such an attempt does would be what the next caller of
+    /// another lane finds (see `abandoned`).
+    pub(crate) async fn abandoned_settled(&self, key: &str, by: Instant) {
+        self.abandoned.settled(key, by).await;
     }
 
     fn slots(&self) -> MutexGuard<'_, Slots> {
@@ -394,7 +405,7 @@ impl WaitingRoom {
 
     /// How many callers hold, attempt or wait for a lock here, each counted once: zero when
     /// nothing is held or going on (for diagnostics and leak checks).
-    pub(crate) fn active_parties(&self) -> usize {
+    pub(crate) fn local_callers(&self) -> usize {
         let slots = self.slots();
         let queued: usize = slots.queues().map(|slot| 1 + slot.queue.len()).sum();
         queued + self.own_turns.load(Ordering::Relaxed)
@@ -587,7 +598,7 @@ impl Turn {
 
     /// What the caller of this turn's attempt in flight leaves behind if it goes away before
     /// the answer (see [`CallerLeaving`]).
-    pub(crate) fn leaving(&self, gone: Arc<AtomicBool>) -> CallerLeaving {
+    pub(crate) fn leaving(&self, gone: Arc<Gone>) -> CallerLeaving {
         CallerLeaving {
             room: self.room.clone(),
             key: self.key.clone(),
@@ -731,7 +742,7 @@ pub(crate) struct CallerLeaving {
     id: u64,
     lane: Lane,
     front: bool,
-    gone: Arc<AtomicBool>,
+    gone: Arc<Gone>,
     armed: bool,
 }
 
@@ -747,7 +758,7 @@ impl Drop for CallerLeaving {
         if !self.armed {
             return;
         }
-        self.gone.store(true, Ordering::Release);
+        self.gone.leave(self.room.abandoned.start(&self.key));
         if self.front {
             self.room.update(self.lane, &self.key, self.id, |slot| {
                 slot.last_answer = None;
@@ -819,7 +830,7 @@ mod tests {
             served.push(turn.id);
         }
         assert_eq!(served, ids);
-        assert_eq!(room.active_parties(), 0, "the last turn forgets the key");
+        assert_eq!(room.local_callers(), 0, "the last turn forgets the key");
     }
 
     #[tokio::test(start_paused = true)]
@@ -835,7 +846,7 @@ mod tests {
         let early = tokio::time::timeout(Duration::from_secs(1), staying.turn()).await;
         assert!(early.is_err(), "the turn stays with the holder");
         drop(holder);
-        assert_eq!(room.active_parties(), 0, "the one waiter left too");
+        assert_eq!(room.local_callers(), 0, "the one waiter left too");
     }
 
     #[tokio::test(start_paused = true)]
@@ -848,7 +859,7 @@ mod tests {
         drop(second);
         let turn = turn_of(third).await;
         drop(turn);
-        assert_eq!(room.active_parties(), 0);
+        assert_eq!(room.local_callers(), 0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -857,7 +868,7 @@ mod tests {
         let a = front(room.enter("k", Lane::Readers));
         let b = front(room.enter("k", Lane::Readers));
         assert_eq!(
-            room.active_parties(),
+            room.local_callers(),
             2,
             "two readers attempting in parallel"
         );
@@ -879,12 +890,12 @@ mod tests {
         let holder = a.into_holder();
         let b = turn_of(b).await;
         assert_eq!(
-            room.active_parties(),
+            room.local_callers(),
             3,
             "the holder, the front and one queued"
         );
         drop((holder, b, c));
-        assert_eq!(room.active_parties(), 0);
+        assert_eq!(room.local_callers(), 0);
     }
 
     #[tokio::test(start_paused = true)]

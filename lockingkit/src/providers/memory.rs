@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::Problem;
+use crate::engine::LockOptions;
+use crate::registry::{HostResources, LockingBuilder, Provider};
 
 /// The default in-memory lease, as for Azure.
 pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -238,8 +240,12 @@ impl std::fmt::Debug for MemoryStore {
 /// Each in-memory provider built from configuration has its own store, so it only excludes
 /// callers in this process: use it for tests and local development, not to coordinate
 /// several instances of a service.
+///
+/// Change the defaults with the `with_*` setters; the struct is `#[non_exhaustive]`, so a later
+/// release can add a setting without breaking you.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct MemoryOptions {
     /// How long a lease lasts unless renewed (30 s by default, as for Azure).
     #[serde(with = "crate::config::duration")]
@@ -255,6 +261,13 @@ impl Default for MemoryOptions {
 }
 
 impl MemoryOptions {
+    /// Sets [`lease_duration`](Self::lease_duration), how long a lease lasts unless renewed
+    /// (at least 1 ms). Default 30 s.
+    pub fn with_lease_duration(mut self, lease_duration: Duration) -> Self {
+        self.lease_duration = lease_duration;
+        self
+    }
+
     /// Lists every problem with these options, each about one of their settings.
     pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
@@ -627,5 +640,37 @@ impl LockBackend for MemoryBackend {
             Some(_) => Err(BackendError::lease_gone("the lease had expired")),
             None => Err(BackendError::lease_gone("the lease expired or was broken")),
         }
+    }
+}
+
+/// The in-memory provider as a registry builds it (`provider = "in_memory"`): each registered
+/// provider gets a store of its own.
+pub(crate) struct InMemory;
+
+impl Provider for InMemory {
+    const NAME: &'static str = "in_memory";
+    type Options = MemoryOptions;
+    type Backend = MemoryBackend;
+
+    fn problems(options: &MemoryOptions) -> Vec<Problem> {
+        options.problems()
+    }
+
+    fn open(options: MemoryOptions, _: HostResources<'_>) -> Result<MemoryBackend, Vec<Problem>> {
+        let problems = options.problems();
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        Ok(MemoryBackend::with_lease(
+            MemoryStore::new(),
+            options.lease_duration,
+        ))
+    }
+}
+
+impl LockingBuilder {
+    /// Adds an in-memory provider with its own store, default options and 30 s leases.
+    pub fn in_memory(self, name: impl Into<String>) -> Self {
+        self.built_in::<InMemory>(name, MemoryOptions::default(), LockOptions::default())
     }
 }

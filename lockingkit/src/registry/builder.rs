@@ -8,6 +8,7 @@ use opentelemetry::metrics::Meter;
 
 use super::draft::Draft;
 use super::from_config::{CustomProvider, Factory};
+use super::provider::Provider;
 use super::section::{LockingConfig, ProviderSection};
 use super::setup::{HostResources, ProviderSetup, Registration};
 use super::Locking;
@@ -15,7 +16,6 @@ use crate::backend::LockBackend;
 use crate::config::Problem;
 use crate::engine::LockOptions;
 use crate::error::LockError;
-use crate::providers::memory::{MemoryBackend, MemoryStore};
 
 /// Builds a [`Locking`] registry: providers from code, from configuration, or both.
 #[derive(Default)]
@@ -32,54 +32,17 @@ pub struct LockingBuilder {
 }
 
 impl LockingBuilder {
-    /// Adds an in-memory provider with its own store, default options and 30 s leases.
-    pub fn in_memory(self, name: impl Into<String>) -> Self {
-        self.backend(
-            name,
-            MemoryBackend::new(MemoryStore::new()),
-            LockOptions::default(),
-        )
-    }
-
-    /// Adds a PostgreSQL provider; its options are checked when the registry is built.
-    #[cfg(feature = "postgres")]
-    pub fn postgres(
+    /// Adds built-in provider `P` with its own `options` and the engine's; both are checked
+    /// when the registry is built. Each provider's public method (`in_memory`, `postgres`,
+    /// `azure_blob`, `etcd`, `redis`) is written beside the provider and calls this.
+    pub(crate) fn built_in<P: Provider>(
         self,
         name: impl Into<String>,
-        postgres: crate::providers::postgres::PostgresOptions,
-        options: LockOptions,
-    ) -> Self {
-        self.deferred(name, options, move |path, _| {
-            super::builtin::open_postgres(postgres, path)
-        })
-    }
-
-    /// Adds an Azure Blob lease provider; its options are checked when the registry is built.
-    ///
-    /// Options that name a `service_url` authenticate with the
-    /// [`azure_credential`](Self::azure_credential) given to this builder.
-    #[cfg(feature = "azure")]
-    pub fn azure_blob(
-        self,
-        name: impl Into<String>,
-        azure: crate::providers::azure::AzureBlobOptions,
+        own: P::Options,
         options: LockOptions,
     ) -> Self {
         self.deferred(name, options, move |path, host| {
-            super::builtin::open_azure(azure, host, path)
-        })
-    }
-
-    /// Adds a Redis provider; its options are checked when the registry is built.
-    #[cfg(feature = "redis")]
-    pub fn redis(
-        self,
-        name: impl Into<String>,
-        redis: crate::providers::redis::RedisOptions,
-        options: LockOptions,
-    ) -> Self {
-        self.deferred(name, options, move |path, _| {
-            super::builtin::open_redis(redis, path)
+            super::builtin::open_at::<P>(own, host, path)
         })
     }
 

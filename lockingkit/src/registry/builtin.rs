@@ -1,52 +1,114 @@
-//! The providers a configuration file can name without registering anything.
+//! The providers a configuration file can name without registering anything: the one list of
+//! built-in providers, and how one is built from its section or from options given in code.
 
+use super::provider::Provider;
 use super::section::ProviderSection;
-use super::setup::{ProviderResult, ProviderSetup};
+use super::setup::{HostResources, ProviderResult, ProviderSetup};
 use crate::backend::LockBackend;
 use crate::config::Problem;
-use crate::providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
+use crate::providers;
+
+/// Every built-in provider, whether or not its feature is enabled; a disabled one explains
+/// which feature it needs instead of being an unknown provider. Adding a provider adds its
+/// line here (twice: built when its feature is on, explained when it is off).
+pub(super) const BUILT_IN: &[BuiltIn] = &[
+    BuiltIn::of::<providers::memory::InMemory>(),
+    #[cfg(feature = "postgres")]
+    BuiltIn::of::<providers::postgres::Postgres>(),
+    #[cfg(not(feature = "postgres"))]
+    BuiltIn::needs("postgres", "postgres"),
+    #[cfg(feature = "azure")]
+    BuiltIn::of::<providers::azure::AzureBlob>(),
+    #[cfg(not(feature = "azure"))]
+    BuiltIn::needs("azure_blob", "azure"),
+    #[cfg(feature = "etcd")]
+    BuiltIn::of::<providers::etcd::Etcd>(),
+    #[cfg(not(feature = "etcd"))]
+    BuiltIn::needs("etcd", "etcd"),
+    #[cfg(feature = "redis")]
+    BuiltIn::of::<providers::redis::Redis>(),
+    #[cfg(not(feature = "redis"))]
+    BuiltIn::needs("redis", "redis"),
+];
 
 /// A built-in provider: its configuration name and how to build it from a section.
 pub(super) struct BuiltIn {
     pub(super) name: &'static str,
-    pub(super) build: fn(&ProviderSection, ProviderSetup<'_>) -> ProviderResult,
+    /// How to build it, or the cargo feature it needs when that is off.
+    build: Result<fn(&ProviderSection, ProviderSetup<'_>) -> ProviderResult, &'static str>,
 }
 
-/// Every built-in provider, whether or not its feature is enabled; a disabled one explains
-/// which feature it needs instead of being an unknown provider.
-pub(super) const BUILT_IN: &[BuiltIn] = &[
-    BuiltIn {
-        name: "in_memory",
-        build: in_memory,
-    },
-    BuiltIn {
-        name: "postgres",
-        build: postgres,
-    },
-    BuiltIn {
-        name: "azure_blob",
-        build: azure_blob,
-    },
-    BuiltIn {
-        name: "etcd",
-        build: etcd,
-    },
-    BuiltIn {
-        name: "redis",
-        build: redis,
-    },
-];
+impl BuiltIn {
+    /// A provider whose feature is enabled (or that needs none).
+    const fn of<P: Provider>() -> Self {
+        BuiltIn {
+            name: P::NAME,
+            build: Ok(from_section::<P>),
+        }
+    }
 
-/// Binds `T` from the section and runs its own checks on whatever bound, so one bad setting
-/// hides no other problem. Returns the options when they can build a backend (everything
-/// parsed and passed its checks; unknown settings aside), and every problem.
-fn bind_checked<T: serde::de::DeserializeOwned>(
+    /// A provider whose cargo `feature` is off.
+    #[allow(dead_code)] // Unused when every provider's feature is on.
+    const fn needs(name: &'static str, feature: &'static str) -> Self {
+        BuiltIn {
+            name,
+            build: Err(feature),
+        }
+    }
+
+    /// Builds the provider `section` describes.
+    pub(super) fn build(
+        &self,
+        section: &ProviderSection,
+        setup: ProviderSetup<'_>,
+    ) -> ProviderResult {
+        match self.build {
+            Ok(build) => build(section, setup),
+            Err(feature) => Err(vec![Problem::new(
+                format!("{}.provider", section.path()),
+                format!(
+                    "is {}, which needs lockingkit's `{feature}` feature",
+                    self.name
+                ),
+            )]),
+        }
+    }
+}
+
+/// Builds provider `P` from its section: binds its options, runs their checks and the engine's,
+/// and reports every problem of both in one go.
+fn from_section<P: Provider>(
     section: &ProviderSection,
-    problems_of: impl FnOnce(&T) -> Vec<Problem>,
-    ranges: &[crate::config::WholeNumbers],
-) -> (Option<T>, Vec<Problem>) {
-    let bound = section.bind_recorded::<T>(ranges);
-    let own = bound.checked(section.path(), problems_of);
+    setup: ProviderSetup<'_>,
+) -> ProviderResult {
+    let (options, mut problems) = bind_checked::<P>(section);
+    let path = section.path();
+    if options.is_none() {
+        if let Some(timing) = P::timing_without_options() {
+            let rules = crate::engine::problems_with(&setup.options, timing, P::NAME);
+            problems.extend(rules.into_iter().map(|problem| problem.at(path)));
+        }
+    }
+    let backend = options.map(|options| open_at::<P>(options, setup.host, path));
+    finish(backend, setup, problems)
+}
+
+/// Opens provider `P` from `options`, its problems placed in the section at `path`. What
+/// [`LockingBuilder`](super::LockingBuilder) calls for options given in code.
+pub(super) fn open_at<P: Provider>(
+    options: P::Options,
+    host: HostResources<'_>,
+    path: &str,
+) -> Result<P::Backend, Vec<Problem>> {
+    P::open(options, host).map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
+}
+
+/// Binds `P`'s options from the section and runs their own checks on whatever bound, so one
+/// bad setting hides no other problem. Returns the options when they can build a backend
+/// (everything parsed and passed its checks; unknown settings aside), and every problem.
+fn bind_checked<P: Provider>(section: &ProviderSection) -> (Option<P::Options>, Vec<Problem>) {
+    let bound = section.bind_recorded::<P::Options>(P::WHOLE_NUMBERS);
+    let own = bound.checked(section.path(), P::problems);
     let usable = own.is_empty() && bound.unparsed.is_empty();
     let mut problems = bound.problems;
     problems.extend(own);
@@ -73,143 +135,4 @@ fn finish<B: LockBackend>(
         problems.push(Problem::new(path, "could not be built"));
     }
     Err(problems)
-}
-
-fn in_memory(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
-    let (options, problems) = bind_checked(section, MemoryOptions::problems, &[]);
-    let backend = options.map(|options| {
-        Ok(MemoryBackend::with_lease(
-            MemoryStore::new(),
-            options.lease_duration,
-        ))
-    });
-    finish(backend, setup, problems)
-}
-
-/// The problem of a provider whose cargo feature is off.
-#[cfg(not(all(
-    feature = "postgres",
-    feature = "azure",
-    feature = "etcd",
-    feature = "redis"
-)))]
-fn needs_feature(section: &ProviderSection, provider: &str, feature: &str) -> Vec<Problem> {
-    vec![Problem::new(
-        format!("{}.provider", section.path()),
-        format!("is {provider}, which needs lockingkit's `{feature}` feature"),
-    )]
-}
-
-#[cfg(not(feature = "postgres"))]
-fn postgres(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
-    Err(needs_feature(section, "postgres", "postgres"))
-}
-
-#[cfg(feature = "postgres")]
-fn postgres(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
-    use crate::providers::postgres::PostgresOptions;
-    let (options, problems) = bind_checked(
-        section,
-        PostgresOptions::problems,
-        PostgresOptions::WHOLE_NUMBERS,
-    );
-    let mut problems = problems;
-    if options.is_none() {
-        // Its locks are connection-held whatever the options say: the engine's renewal rules
-        // for such a backend apply even when its options are bad, so they join this error.
-        let timing =
-            crate::backend::LeaseTiming::ConnectionHeld(PostgresOptions::default().check_interval);
-        let rules = crate::engine::problems_with(&setup.options, timing, "postgres");
-        problems.extend(rules.into_iter().map(|problem| problem.at(section.path())));
-    }
-    let backend = options.map(|options| open_postgres(options, section.path()));
-    finish(backend, setup, problems)
-}
-
-/// The PostgreSQL backend for the section at `path`, from options whose own checks passed.
-#[cfg(feature = "postgres")]
-pub(super) fn open_postgres(
-    options: crate::providers::postgres::PostgresOptions,
-    path: &str,
-) -> Result<crate::providers::postgres::PostgresBackend, Vec<Problem>> {
-    crate::providers::postgres::PostgresBackend::open(options)
-        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
-}
-
-#[cfg(not(feature = "azure"))]
-fn azure_blob(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
-    Err(needs_feature(section, "azure_blob", "azure"))
-}
-
-#[cfg(feature = "azure")]
-fn azure_blob(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
-    use crate::providers::azure::AzureBlobOptions;
-    let (options, problems) = bind_checked(
-        section,
-        AzureBlobOptions::problems,
-        AzureBlobOptions::WHOLE_NUMBERS,
-    );
-    let backend = options.map(|options| open_azure(options, setup.host, section.path()));
-    finish(backend, setup, problems)
-}
-
-/// The Azure Blob backend for the section at `path`, listing every problem with `options`.
-#[cfg(feature = "azure")]
-pub(super) fn open_azure(
-    options: crate::providers::azure::AzureBlobOptions,
-    host: super::setup::HostResources<'_>,
-    path: &str,
-) -> Result<crate::providers::azure::AzureBlobBackend, Vec<Problem>> {
-    // The builder's credential is for sections that name a service_url; a connection
-    // string carries its own.
-    let credential = options
-        .service_url
-        .as_ref()
-        .and(host.azure_credential.cloned());
-    crate::providers::azure::AzureBlobBackend::open(options, credential)
-        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
-}
-
-#[cfg(not(feature = "etcd"))]
-fn etcd(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
-    Err(needs_feature(section, "etcd", "etcd"))
-}
-
-#[cfg(feature = "etcd")]
-fn etcd(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
-    use crate::providers::etcd::EtcdOptions;
-    let (options, problems) = bind_checked(section, EtcdOptions::problems, &[]);
-    let path = section.path();
-    let backend = options.map(|options| {
-        // The constructor finds what the options cannot say alone (a TLS file it cannot read).
-        crate::providers::etcd::EtcdBackend::open(options)
-            .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
-    });
-    finish(backend, setup, problems)
-}
-
-#[cfg(not(feature = "redis"))]
-fn redis(section: &ProviderSection, _: ProviderSetup<'_>) -> ProviderResult {
-    Err(needs_feature(section, "redis", "redis"))
-}
-
-#[cfg(feature = "redis")]
-fn redis(section: &ProviderSection, setup: ProviderSetup<'_>) -> ProviderResult {
-    use crate::providers::redis::RedisOptions;
-    // The writer's intent against the engine's max_retry_delay is the engine's rule, checked
-    // when the provider is assembled, as for a `DistributedLock::builder`.
-    let (options, problems) =
-        bind_checked(section, RedisOptions::problems, RedisOptions::WHOLE_NUMBERS);
-    let backend = options.map(|options| open_redis(options, section.path()));
-    finish(backend, setup, problems)
-}
-
-/// The Redis backend for the section at `path`, listing every problem with `options`.
-#[cfg(feature = "redis")]
-pub(super) fn open_redis(
-    options: crate::providers::redis::RedisOptions,
-    path: &str,
-) -> Result<crate::providers::redis::RedisBackend, Vec<Problem>> {
-    crate::providers::redis::RedisBackend::open(options)
-        .map_err(|problems| problems.into_iter().map(|p| p.at(path)).collect())
 }

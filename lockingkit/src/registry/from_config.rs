@@ -133,7 +133,7 @@ fn build_provider(
 ) -> Result<ProviderResult, Problem> {
     let wanted = canonical(section.provider());
     if let Some(builtin) = BUILT_IN.iter().find(|b| canonical(b.name) == wanted) {
-        return Ok((builtin.build)(section, setup));
+        return Ok(builtin.build(section, setup));
     }
     if let Some(custom) = custom.iter().find(|c| canonical(&c.name) == wanted) {
         return Ok((custom.factory)(section, setup));

@@ -41,6 +41,7 @@ mod draft;
 mod from_config;
 mod lenient;
 mod probe;
+mod provider;
 mod section;
 mod setup;
 
@@ -49,6 +50,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use builder::LockingBuilder;
+pub(crate) use provider::Provider;
+pub(crate) use setup::HostResources;
 
 pub use section::{LockingConfig, ProviderSection};
 

@@ -16,18 +16,18 @@ pub(super) type Registration = Box<dyn FnOnce(ProviderSetup<'_>) -> ProviderResu
 
 /// The Microsoft Entra identity of Azure Blob providers that name a `service_url`.
 #[cfg(feature = "azure")]
-pub(super) type AzureCredential = std::sync::Arc<dyn azure_core::credentials::TokenCredential>;
+pub(crate) type AzureCredential = std::sync::Arc<dyn azure_core::credentials::TokenCredential>;
 
 /// What the host application hands every provider alike, through the builder.
 #[derive(Clone, Copy)]
-pub(super) struct HostResources<'a> {
+pub(crate) struct HostResources<'a> {
     /// The meter to record on, instead of the global `lockingkit` meter.
-    pub(super) meter: Option<&'a Meter>,
+    pub(crate) meter: Option<&'a Meter>,
     /// The secret of key digests, if the host wants them.
-    pub(super) key_digest: Option<&'a crate::telemetry::KeyDigest>,
+    pub(crate) key_digest: Option<&'a crate::telemetry::KeyDigest>,
     /// The identity for Azure sections that name a `service_url`.
     #[cfg(feature = "azure")]
-    pub(super) azure_credential: Option<&'a AzureCredential>,
+    pub(crate) azure_credential: Option<&'a AzureCredential>,
 }
 
 /// One named provider about to be built: everything but its backend.

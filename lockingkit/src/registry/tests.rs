@@ -374,6 +374,10 @@ fn a_custom_provider_cannot_take_a_built_in_name() {
 fn memory_options_bind_and_check() {
     let options: MemoryOptions = serde_json::from_value(json!({"lease_duration": "15s"})).unwrap();
     assert_eq!(options.lease_duration, Duration::from_secs(15));
+    assert_eq!(
+        options,
+        MemoryOptions::default().with_lease_duration(Duration::from_secs(15))
+    );
     assert!(options.problems().is_empty());
     assert_eq!(
         MemoryOptions::default().lease_duration,
@@ -534,6 +538,23 @@ mod azure {
 #[cfg(feature = "etcd")]
 mod etcd {
     use super::*;
+
+    #[test]
+    fn etcd_in_code_is_checked_by_the_rules_of_its_section() {
+        let mut etcd = crate::EtcdOptions::new(["http://127.0.0.1:2379"]);
+        etcd.lease_ttl = std::time::Duration::ZERO;
+        let in_code = misconfigured(
+            Locking::builder()
+                .etcd("Default", etcd, LockOptions::default())
+                .build(),
+        );
+        let from_config = misconfigured(Locking::from_config(config(json!({
+            "Default": {"provider": "etcd", "endpoints": "http://127.0.0.1:2379", "lease_ttl": "0s"},
+        }))));
+        assert!(in_code.contains("Locking.Default.lease_ttl"), "{in_code}");
+        // A section is also told which values it did not write; code wrote them all.
+        assert_eq!(in_code, from_config.replace("(default ", "("));
+    }
 
     #[tokio::test]
     async fn etcd_sections_bind_build_and_report_under_their_own_name() {

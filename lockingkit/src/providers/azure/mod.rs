@@ -1,11 +1,11 @@
 //! The Azure Blob lease provider (`feature = "azure"`), on the official GA SDK
 //! (`azure_storage_blob` 1.x, `azure_core` 1.x).
 //!
-//! Each key is a *guard blob* in one container (see
-//! [`azure_blob_name`](crate::keys::azure_blob_name)); holding the lock is holding the blob's
-//! lease. A missing guard is created empty with `If-None-Match: *`; an existing guard's content
-//! and metadata are never touched except one metadata entry,
-//! [`FENCING_TOKEN_METADATA`], written under the lease on every acquire.
+//! Each key is a *guard blob* in one container (named by
+//! [`AzureLockKeys::guard_blob_name`](crate::keys::AzureLockKeys::guard_blob_name)); holding
+//! the lock is holding the blob's lease. A missing guard is created empty with
+//! `If-None-Match: *`; an existing guard's content and metadata are never touched except one
+//! metadata entry, [`FENCING_TOKEN_METADATA`], written under the lease on every acquire.
 //!
 //! The lock protocol sits at the top of this folder: the backend and the lease handed to
 //! callers here, the guard blobs (leases and fencing tokens) in `guard_blob`, and what storage
@@ -19,8 +19,8 @@
 //!
 //! # async fn demo() -> Result<(), lockingkit::LockError> {
 //! let options = AzureBlobOptions::from_connection_string(std::env::var("STORAGE").unwrap_or_default())
-//!     .container("locks")
-//!     .lease_duration(Duration::from_secs(30));
+//!     .with_container("locks")
+//!     .with_lease_duration(Duration::from_secs(30));
 //! let locks = DistributedLock::builder(AzureBlobBackend::new(options)?).name("Jobs").build()?;
 //! let handle = locks.acquire("jobs/nightly-export", Duration::from_secs(10)).await?;
 //! // … work, checking handle.ensure_held() between steps …
@@ -45,13 +45,16 @@ use crate::error::LockError;
 mod client;
 mod errors;
 mod guard_blob;
+pub(crate) mod keys;
 mod options;
+mod provider;
 mod semaphore;
 
 pub use client::SharedKeyPolicy;
 pub use errors::AzureRequestError;
 pub use guard_blob::FENCING_TOKEN_METADATA;
 pub use options::{AzureBlobOptions, MAX_LEASE_DURATION, MAX_RETRIES_LIMIT, MIN_LEASE_DURATION};
+pub(crate) use provider::AzureBlob;
 pub use semaphore::MAX_SEMAPHORE_SLOTS;
 
 use client::{container_from_connection_string, container_with_token, GuardPath};
@@ -71,10 +74,10 @@ const SECTION: &str = "AzureBlobOptions";
 /// # Semaphores, and no reader-writer locks
 ///
 /// A semaphore of `max_count` N (1 to [`MAX_SEMAPHORE_SLOTS`]) is N slot guard blobs, named by
-/// [`azure_semaphore_slot_blob_name`](crate::keys::azure_semaphore_slot_blob_name); a holder
-/// holds one slot's lease, renewed and released like a plain lock's. An attempt probes the
-/// slots from a random one and takes the first free lease, so a busy semaphore costs up to N
-/// requests per attempt. Fencing tokens are **per slot**: each slot blob keeps its own, growing
+/// [`AzureLockKeys::semaphore_slot_blob_name`](crate::keys::AzureLockKeys::semaphore_slot_blob_name);
+/// a holder holds one slot's lease, renewed and released like a plain lock's. An attempt probes
+/// the slots from a random one and takes the first free lease, so a busy semaphore costs up to
+/// N requests per attempt. Fencing tokens are **per slot**: each slot blob keeps its own, growing
 /// with every holder of that slot ([`AzureBlobLease::semaphore_slot`] says which).
 ///
 /// Reader-writer locks are refused ([`LockBackend::supports`] is false for
@@ -215,14 +218,16 @@ impl AzureBlobBackend {
         self.guards.container()
     }
 
-    /// The client of `key`'s guard blob, so operators can find and inspect it.
+    /// The client of `key`'s guard blob, named by
+    /// [`AzureLockKeys::guard_blob_name`](crate::keys::AzureLockKeys::guard_blob_name), so
+    /// operators can find and inspect it.
     pub fn guard_blob(&self, key: &str) -> BlobClient {
         self.guards.guard(key)
     }
 
     /// The client of slot `slot` (from 0) of the semaphore `key`, named by
-    /// [`azure_semaphore_slot_blob_name`](crate::keys::azure_semaphore_slot_blob_name), so
-    /// operators can find and inspect it.
+    /// [`AzureLockKeys::semaphore_slot_blob_name`](crate::keys::AzureLockKeys::semaphore_slot_blob_name),
+    /// so operators can find and inspect it.
     pub fn semaphore_slot_blob(&self, key: &str, slot: u32) -> BlobClient {
         self.guards.slot(key, slot)
     }
@@ -448,7 +453,7 @@ mod tests {
     #[test]
     fn bad_options_fail_with_every_problem_and_no_secret() {
         let options = AzureBlobOptions::from_connection_string("AccountName=a;AccountKey=hunter2!")
-            .lease_duration(Duration::from_secs(14));
+            .with_lease_duration(Duration::from_secs(14));
         let error = AzureBlobBackend::new(options).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::Misconfigured);
         let text = error.to_string();

@@ -35,8 +35,23 @@ pub const MAX_RETRIES_LIMIT: u32 = 10;
 /// }"#).unwrap();
 /// assert!(options.problems().is_empty());
 /// ```
+///
+/// In code, start from [`from_connection_string`](Self::from_connection_string) or
+/// [`from_service_url`](Self::from_service_url) and change the rest with the `with_*` setters;
+/// the struct is `#[non_exhaustive]`, so a later release can add a setting without breaking you.
+///
+/// ```
+/// use std::time::Duration;
+/// use lockingkit::AzureBlobOptions;
+///
+/// let options = AzureBlobOptions::from_connection_string("UseDevelopmentStorage=true")
+///     .with_container("job-locks")
+///     .with_lease_duration(Duration::from_secs(20));
+/// assert!(options.problems().is_empty());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct AzureBlobOptions {
     /// A storage connection string: `AccountName`/`AccountKey` (with `DefaultEndpointsProtocol`
     /// and `EndpointSuffix`, or `BlobEndpoint`), `BlobEndpoint` with `SharedAccessSignature`, or
@@ -101,27 +116,52 @@ impl AzureBlobOptions {
         }
     }
 
-    /// Sets the container.
-    pub fn container(mut self, container: impl Into<String>) -> Self {
+    /// Sets [`connection_string`](Self::connection_string), the storage account's connection
+    /// string. Unset by default.
+    pub fn with_connection_string(mut self, connection_string: impl Into<SecretString>) -> Self {
+        self.connection_string = Some(connection_string.into());
+        self
+    }
+
+    /// Sets [`service_url`](Self::service_url), the blob service URL for Entra authentication.
+    /// Unset by default.
+    pub fn with_service_url(mut self, service_url: impl Into<String>) -> Self {
+        self.service_url = Some(service_url.into());
+        self
+    }
+
+    /// Sets [`container`](Self::container), the container holding the guard blobs. Default
+    /// `locks`.
+    pub fn with_container(mut self, container: impl Into<String>) -> Self {
         self.container = container.into();
         self
     }
 
-    /// Sets the lease duration.
-    pub fn lease_duration(mut self, lease_duration: Duration) -> Self {
+    /// Sets [`lease_duration`](Self::lease_duration), how long a lease lasts unless renewed
+    /// (15 to 60 s, whole seconds). Default 30 s.
+    pub fn with_lease_duration(mut self, lease_duration: Duration) -> Self {
         self.lease_duration = lease_duration;
         self
     }
 
-    /// Sets the per-call timeout.
-    pub fn request_timeout(mut self, request_timeout: Duration) -> Self {
+    /// Sets [`request_timeout`](Self::request_timeout), the longest one backend call may take,
+    /// retries included. Default 5 s.
+    pub fn with_request_timeout(mut self, request_timeout: Duration) -> Self {
         self.request_timeout = request_timeout;
         self
     }
 
-    /// Sets how many times a retryable failure is retried within the timeout.
-    pub fn max_retries(mut self, max_retries: u32) -> Self {
+    /// Sets [`max_retries`](Self::max_retries), how often a retryable failure is sent again
+    /// within the timeout. Default 2.
+    pub fn with_max_retries(mut self, max_retries: u32) -> Self {
         self.max_retries = max_retries;
+        self
+    }
+
+    /// Sets [`retry_delay`](Self::retry_delay), the first delay before a retry. Default
+    /// 100 ms.
+    pub fn with_retry_delay(mut self, retry_delay: Duration) -> Self {
+        self.retry_delay = retry_delay;
         self
     }
 
@@ -255,7 +295,9 @@ mod tests {
     #[test]
     fn leases_outside_15_to_60_seconds_are_refused() {
         for secs in [0, 14, 61, 3600] {
-            let problems = valid().lease_duration(Duration::from_secs(secs)).shown("S");
+            let problems = valid()
+                .with_lease_duration(Duration::from_secs(secs))
+                .shown("S");
             assert!(
                 problems.iter().any(|p| p.starts_with("S.lease_duration")),
                 "{secs}s: {problems:?}"
@@ -263,8 +305,8 @@ mod tests {
         }
         for secs in [15, 60] {
             let options = valid()
-                .lease_duration(Duration::from_secs(secs))
-                .request_timeout(Duration::from_secs(5));
+                .with_lease_duration(Duration::from_secs(secs))
+                .with_request_timeout(Duration::from_secs(5));
             assert!(options.shown("S").is_empty(), "{secs}s");
         }
     }
@@ -272,7 +314,7 @@ mod tests {
     #[test]
     fn fractional_leases_are_refused() {
         let problems = valid()
-            .lease_duration(Duration::from_millis(20_500))
+            .with_lease_duration(Duration::from_millis(20_500))
             .shown("S");
         assert!(problems.iter().any(|p| p.contains("whole seconds")));
     }
@@ -296,8 +338,8 @@ mod tests {
     #[test]
     fn a_request_timeout_longer_than_a_third_of_the_lease_is_refused() {
         let problems = valid()
-            .lease_duration(Duration::from_secs(15))
-            .request_timeout(Duration::from_secs(6))
+            .with_lease_duration(Duration::from_secs(15))
+            .with_request_timeout(Duration::from_secs(6))
             .shown("S");
         assert!(problems.iter().any(|p| p.starts_with("S.request_timeout")));
     }
@@ -339,6 +381,29 @@ mod tests {
         assert!(!problems.contains("hunter2"), "{problems}");
         assert!(problems.contains("AccountKey"), "{problems}");
         assert!(!format!("{options:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn each_setter_sets_the_setting_of_its_name() {
+        let bound: AzureBlobOptions = serde_json::from_value(serde_json::json!({
+            "connection_string": "UseDevelopmentStorage=true",
+            "service_url": "https://acct.blob.core.windows.net",
+            "container": "job-locks",
+            "lease_duration": "20s",
+            "request_timeout": "2s",
+            "max_retries": 3,
+            "retry_delay": "50ms",
+        }))
+        .unwrap();
+        let built = AzureBlobOptions::default()
+            .with_connection_string("UseDevelopmentStorage=true")
+            .with_service_url("https://acct.blob.core.windows.net")
+            .with_container("job-locks")
+            .with_lease_duration(Duration::from_secs(20))
+            .with_request_timeout(Duration::from_secs(2))
+            .with_max_retries(3)
+            .with_retry_delay(Duration::from_millis(50));
+        assert_eq!(built, bound);
     }
 
     #[test]

@@ -31,11 +31,13 @@
 mod attempt;
 mod errors;
 mod held;
+pub(crate) mod keys;
 mod layout;
 mod lease;
 mod line;
 mod members;
 mod options;
+mod provider;
 mod strays;
 mod wait;
 mod watch;
@@ -51,6 +53,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub use options::{EtcdOptions, DEFAULT_KEY_PREFIX, MAX_LEASE_TTL, MIN_LEASE_TTL};
+pub(crate) use provider::Etcd;
 
 use crate::backend::MAX_SEMAPHORE_COUNT;
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};

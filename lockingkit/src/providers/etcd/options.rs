@@ -21,20 +21,22 @@ pub const DEFAULT_KEY_PREFIX: &str = "lockingkit/";
 /// use std::time::Duration;
 /// use lockingkit::EtcdOptions;
 ///
-/// let options = EtcdOptions {
-///     user: Some("locks".into()),
-///     password: Some("hunter2".into()),
-///     lease_ttl: Duration::from_secs(15),
-///     ..EtcdOptions::new(["http://10.0.0.1:2379", "http://10.0.0.2:2379"])
-/// };
+/// let options = EtcdOptions::new(["http://10.0.0.1:2379", "http://10.0.0.2:2379"])
+///     .with_user("locks")
+///     .with_password("hunter2")
+///     .with_lease_ttl(Duration::from_secs(15));
 /// assert!(options.problems().is_empty());
 /// assert!(!format!("{options:?}").contains("hunter2"));
 /// ```
 ///
 /// Every request has a timeout (`request_timeout`); holds share one etcd lease per backend,
 /// kept alive by the engine's renewal (see the etcd guide for the connection budget).
+///
+/// Build them with [`EtcdOptions::new`] and the `with_*` setters; the struct is
+/// `#[non_exhaustive]`, so a later release can add a setting without breaking you.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct EtcdOptions {
     /// The cluster's client URLs: `http://host:2379`, or `https://…` for TLS. Each is a member
     /// with a client of its own; requests go to the last one that answered, and a member that
@@ -93,6 +95,78 @@ impl EtcdOptions {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             ..EtcdOptions::default()
         }
+    }
+
+    /// Sets [`endpoints`](Self::endpoints), the cluster's client URLs. Required; none by
+    /// default.
+    pub fn with_endpoints<E: Into<String>>(
+        mut self,
+        endpoints: impl IntoIterator<Item = E>,
+    ) -> Self {
+        self.endpoints = endpoints.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Sets [`user`](Self::user), the etcd user when the cluster has authentication enabled;
+    /// needs a password. Unset by default.
+    pub fn with_user(mut self, user: impl Into<String>) -> Self {
+        self.user = Some(user.into());
+        self
+    }
+
+    /// Sets [`password`](Self::password), the password of `user`. Unset by default.
+    pub fn with_password(mut self, password: impl Into<SecretString>) -> Self {
+        self.password = Some(password.into());
+        self
+    }
+
+    /// Sets [`tls_ca_file`](Self::tls_ca_file), a PEM file of the certificate authorities
+    /// trusted for `https` endpoints. Unset by default (the platform's trust store).
+    pub fn with_tls_ca_file(mut self, tls_ca_file: impl Into<PathBuf>) -> Self {
+        self.tls_ca_file = Some(tls_ca_file.into());
+        self
+    }
+
+    /// Sets [`tls_cert_file`](Self::tls_cert_file), a PEM client certificate for mutual TLS;
+    /// needs a key file. Unset by default.
+    pub fn with_tls_cert_file(mut self, tls_cert_file: impl Into<PathBuf>) -> Self {
+        self.tls_cert_file = Some(tls_cert_file.into());
+        self
+    }
+
+    /// Sets [`tls_key_file`](Self::tls_key_file), the PEM private key of the client
+    /// certificate. Unset by default.
+    pub fn with_tls_key_file(mut self, tls_key_file: impl Into<PathBuf>) -> Self {
+        self.tls_key_file = Some(tls_key_file.into());
+        self
+    }
+
+    /// Sets [`tls_domain`](Self::tls_domain), the name the servers' certificates are checked
+    /// against. Unset by default (the endpoint's host).
+    pub fn with_tls_domain(mut self, tls_domain: impl Into<String>) -> Self {
+        self.tls_domain = Some(tls_domain.into());
+        self
+    }
+
+    /// Sets [`key_prefix`](Self::key_prefix), the start of every key the provider writes.
+    /// Default `lockingkit/`.
+    pub fn with_key_prefix(mut self, key_prefix: impl Into<String>) -> Self {
+        self.key_prefix = key_prefix.into();
+        self
+    }
+
+    /// Sets [`lease_ttl`](Self::lease_ttl), the TTL of the backend's etcd lease (2 s to 1 h,
+    /// whole seconds). Default 30 s.
+    pub fn with_lease_ttl(mut self, lease_ttl: Duration) -> Self {
+        self.lease_ttl = lease_ttl;
+        self
+    }
+
+    /// Sets [`request_timeout`](Self::request_timeout), the longest any one request (or
+    /// connection attempt) may take, resends included. Default 5 s.
+    pub fn with_request_timeout(mut self, request_timeout: Duration) -> Self {
+        self.request_timeout = request_timeout;
+        self
     }
 
     /// Whether the endpoints are reached over TLS.
@@ -208,5 +282,39 @@ impl EtcdOptions {
             ));
         }
         problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_setter_sets_the_setting_of_its_name() {
+        let bound: EtcdOptions = serde_json::from_value(serde_json::json!({
+            "endpoints": ["https://a:2379", "https://b:2379"],
+            "user": "locks",
+            "password": "hunter2",
+            "tls_ca_file": "/etc/ca.pem",
+            "tls_cert_file": "/etc/client.pem",
+            "tls_key_file": "/etc/client.key",
+            "tls_domain": "etcd.internal",
+            "key_prefix": "app/",
+            "lease_ttl": "10s",
+            "request_timeout": "3s",
+        }))
+        .unwrap();
+        let built = EtcdOptions::default()
+            .with_endpoints(["https://a:2379", "https://b:2379"])
+            .with_user("locks")
+            .with_password("hunter2")
+            .with_tls_ca_file("/etc/ca.pem")
+            .with_tls_cert_file("/etc/client.pem")
+            .with_tls_key_file("/etc/client.key")
+            .with_tls_domain("etcd.internal")
+            .with_key_prefix("app/")
+            .with_lease_ttl(Duration::from_secs(10))
+            .with_request_timeout(Duration::from_secs(3));
+        assert_eq!(built, bound);
     }
 }

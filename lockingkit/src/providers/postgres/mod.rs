@@ -60,9 +60,11 @@
 
 mod connection;
 mod errors;
+pub(crate) mod keys;
 mod lock_sessions;
 mod options;
 mod pooler;
+mod provider;
 mod reconnect;
 mod schema;
 mod session;
@@ -81,6 +83,7 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 
 pub use options::{PostgresOptions, DEFAULT_FENCING_SCHEMA, DEFAULT_FENCING_SEQUENCE};
+pub(crate) use provider::Postgres;
 pub use schema::setup_sql;
 pub use transaction::{
     LockableTransaction, PostgresTransactionLock, PostgresTransactionLocks,
@@ -91,8 +94,8 @@ use crate::backend::MAX_SEMAPHORE_COUNT;
 use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
 use crate::config::Problem;
 use crate::error::LockError;
-use crate::keys::PostgresLockKeys;
 use errors::Stage;
+use keys::PostgresLockKeys;
 use lock_sessions::LockSessions;
 use session::{Advisory, Attempt, Bounded, Prepared, Session, SessionSettings};
 use waiting::Watchers;

@@ -13,11 +13,9 @@ use crate::config::{Problem, SecretString, WholeNumbers};
 /// use std::time::Duration;
 /// use lockingkit::PostgresOptions;
 ///
-/// let options = PostgresOptions {
-///     max_sessions: 2,
-///     check_interval: Duration::from_secs(2),
-///     ..PostgresOptions::new("postgres://app:secret@db.internal/app?sslmode=verify-full")
-/// };
+/// let options = PostgresOptions::new("postgres://app:secret@db.internal/app?sslmode=verify-full")
+///     .with_max_sessions(2)
+///     .with_check_interval(Duration::from_secs(2));
 /// assert!(options.problems().is_empty());
 /// assert!(!format!("{options:?}").contains("secret"));
 /// ```
@@ -25,8 +23,12 @@ use crate::config::{Problem, SecretString, WholeNumbers};
 /// Held locks share sessions: a backend opens at most `max_sessions` connections for its locks
 /// however many it holds, plus at most `max_wait_sessions` while it waits for keys held by
 /// other processes (see the connection budget in the PostgreSQL guide).
+///
+/// Build them with [`PostgresOptions::new`] and the `with_*` setters; the struct is
+/// `#[non_exhaustive]`, so a later release can add a setting without breaking you.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct PostgresOptions {
     /// A libpq connection string, as a URL (`postgres://user:pass@host:5432/db?sslmode=require`)
     /// or as `key=value` pairs. `sslmode` is one of `disable`, `prefer` (the default),
@@ -105,6 +107,55 @@ impl PostgresOptions {
             connection_string: connection_string.into(),
             ..PostgresOptions::default()
         }
+    }
+
+    /// Sets [`connection_string`](Self::connection_string), the libpq connection string.
+    /// Required; empty by default.
+    pub fn with_connection_string(mut self, connection_string: impl Into<SecretString>) -> Self {
+        self.connection_string = connection_string.into();
+        self
+    }
+
+    /// Sets [`max_sessions`](Self::max_sessions), the most sessions the backend opens for its
+    /// locks (1–1024). Default 4.
+    pub fn with_max_sessions(mut self, max_sessions: usize) -> Self {
+        self.max_sessions = max_sessions;
+        self
+    }
+
+    /// Sets [`max_wait_sessions`](Self::max_wait_sessions), the most sessions the backend opens
+    /// to wait for keys held by other processes (0–1024). Default 16.
+    pub fn with_max_wait_sessions(mut self, max_wait_sessions: usize) -> Self {
+        self.max_wait_sessions = max_wait_sessions;
+        self
+    }
+
+    /// Sets [`check_interval`](Self::check_interval), how often a held lock's connection is
+    /// checked. Default 5 s.
+    pub fn with_check_interval(mut self, check_interval: Duration) -> Self {
+        self.check_interval = check_interval;
+        self
+    }
+
+    /// Sets [`query_timeout`](Self::query_timeout), the longest any one statement, connection
+    /// attempt or wait for a pooled connection may take. Default 5 s.
+    pub fn with_query_timeout(mut self, query_timeout: Duration) -> Self {
+        self.query_timeout = query_timeout;
+        self
+    }
+
+    /// Sets [`fencing_schema`](Self::fencing_schema), the schema of the fencing-token sequence.
+    /// Default `lockingkit`.
+    pub fn with_fencing_schema(mut self, fencing_schema: impl Into<String>) -> Self {
+        self.fencing_schema = fencing_schema.into();
+        self
+    }
+
+    /// Sets [`fencing_sequence`](Self::fencing_sequence), the fencing-token sequence. Default
+    /// `fencing_tokens`.
+    pub fn with_fencing_sequence(mut self, fencing_sequence: impl Into<String>) -> Self {
+        self.fencing_sequence = fencing_sequence.into();
+        self
     }
 
     /// Lists every problem with these options, each about one of their settings. An empty
@@ -196,6 +247,29 @@ mod tests {
         assert!(shown.iter().all(|p| p.starts_with("Locking.Jobs.")));
         assert!(shown.iter().all(|p| !p.contains("hunter2")));
         assert!(!format!("{options:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn each_setter_sets_the_setting_of_its_name() {
+        let bound: PostgresOptions = serde_json::from_value(serde_json::json!({
+            "connection_string": "host=db user=app",
+            "max_sessions": 2,
+            "max_wait_sessions": 3,
+            "check_interval": "4s",
+            "query_timeout": "6s",
+            "fencing_schema": "locks",
+            "fencing_sequence": "tokens",
+        }))
+        .unwrap();
+        let built = PostgresOptions::default()
+            .with_connection_string("host=db user=app")
+            .with_max_sessions(2)
+            .with_max_wait_sessions(3)
+            .with_check_interval(Duration::from_secs(4))
+            .with_query_timeout(Duration::from_secs(6))
+            .with_fencing_schema("locks")
+            .with_fencing_sequence("tokens");
+        assert_eq!(built, bound);
     }
 
     #[test]

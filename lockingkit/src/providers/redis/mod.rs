@@ -39,9 +39,11 @@ mod check;
 mod connection;
 mod errors;
 mod eval;
+pub(crate) mod keys;
 pub mod lua;
 mod node;
 mod options;
+mod provider;
 mod tls;
 mod wait;
 mod watch;
@@ -53,6 +55,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use options::{RedisOptions, MAX_KEY_PREFIX_LEN, MAX_LEASE_DURATION, MIN_LEASE_DURATION};
+pub(crate) use provider::Redis;
 
 use crate::backend::MAX_SEMAPHORE_COUNT;
 use crate::backend::{
@@ -61,10 +64,10 @@ use crate::backend::{
 use crate::config::Problem;
 use crate::error::LockError;
 use crate::health::{Health, OUTAGE_FIRST, OUTAGE_MOST};
-use crate::keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
 use connection::{Connection, Target};
 use errors::Stage;
 use eval::{Answer, Replication, Script, Scripts};
+use keys::{RedisLockKeys, RedisLockNames, RedisSemaphoreNames};
 use watch::ReleaseWatch;
 
 /// The provider name in telemetry.

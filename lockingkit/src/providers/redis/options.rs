@@ -6,8 +6,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::connection::Target;
+use super::keys::RedisLockKeys;
 use crate::config::{Problem, SecretString, WholeNumbers};
-use crate::keys::RedisLockKeys;
 
 /// The shortest lease: a renewal every third of it must still fit a round trip.
 pub const MIN_LEASE_DURATION: Duration = Duration::from_millis(300);
@@ -29,15 +29,17 @@ pub const MAX_KEY_PREFIX_LEN: usize = 128;
 /// use std::time::Duration;
 /// use lockingkit::RedisOptions;
 ///
-/// let options = RedisOptions {
-///     lease_duration: Duration::from_secs(15),
-///     ..RedisOptions::new("redis://app:secret@cache.internal:6379/0")
-/// };
+/// let options = RedisOptions::new("redis://app:secret@cache.internal:6379/0")
+///     .with_lease_duration(Duration::from_secs(15));
 /// assert!(options.problems().is_empty());
 /// assert!(!format!("{options:?}").contains("secret"));
 /// ```
+///
+/// Build them with [`RedisOptions::new`] or [`RedisOptions::cluster`] and the `with_*` setters;
+/// the struct is `#[non_exhaustive]`, so a later release can add a setting without breaking you.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RedisOptions {
     /// The server: `redis://[user[:password]@]host[:port][/db]`, `rediss://…` for TLS (one
     /// server only; see `tls_root_cert`), or `unix:///path?db=0&pass=…`. With `cluster`, one or
@@ -134,6 +136,70 @@ impl RedisOptions {
             cluster: true,
             ..RedisOptions::default()
         }
+    }
+
+    /// Sets [`url`](Self::url), the server (or with `cluster`, nodes of the cluster). Required;
+    /// empty by default.
+    pub fn with_url(mut self, url: impl Into<SecretString>) -> Self {
+        self.url = url.into();
+        self
+    }
+
+    /// Sets [`cluster`](Self::cluster), whether `url` names nodes of a Redis Cluster. Default
+    /// `false`.
+    pub fn with_cluster(mut self, cluster: bool) -> Self {
+        self.cluster = cluster;
+        self
+    }
+
+    /// Sets [`key_prefix`](Self::key_prefix), the start of every key name (1–128 bytes).
+    /// Default `lockingkit`.
+    pub fn with_key_prefix(mut self, key_prefix: impl Into<String>) -> Self {
+        self.key_prefix = key_prefix.into();
+        self
+    }
+
+    /// Sets [`lease_duration`](Self::lease_duration), how long a lease lasts unless renewed
+    /// (300 ms to 1 h, whole milliseconds). Default 30 s.
+    pub fn with_lease_duration(mut self, lease_duration: Duration) -> Self {
+        self.lease_duration = lease_duration;
+        self
+    }
+
+    /// Sets [`request_timeout`](Self::request_timeout), the longest one request (or connection
+    /// attempt) may take. Default 2 s.
+    pub fn with_request_timeout(mut self, request_timeout: Duration) -> Self {
+        self.request_timeout = request_timeout;
+        self
+    }
+
+    /// Sets [`replicas`](Self::replicas), how many replicas must acknowledge an acquire or a
+    /// renewal (0–64). Default 0.
+    pub fn with_replicas(mut self, replicas: u32) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// Sets [`replica_timeout`](Self::replica_timeout), how long an acquire or renewal waits
+    /// for the replicas' acknowledgements. Default 500 ms.
+    pub fn with_replica_timeout(mut self, replica_timeout: Duration) -> Self {
+        self.replica_timeout = replica_timeout;
+        self
+    }
+
+    /// Sets [`tls_root_cert`](Self::tls_root_cert), a PEM file of the certificate authorities
+    /// to trust for a `rediss://` URL. Unset by default (the platform's trust store).
+    pub fn with_tls_root_cert(mut self, tls_root_cert: impl Into<PathBuf>) -> Self {
+        self.tls_root_cert = Some(tls_root_cert.into());
+        self
+    }
+
+    /// Sets [`writer_intent`](Self::writer_intent), how long a writer that found the key read
+    /// holds new readers back after each attempt; longer than the engine's `max_retry_delay`.
+    /// Default 2 s.
+    pub fn with_writer_intent(mut self, writer_intent: Duration) -> Self {
+        self.writer_intent = writer_intent;
+        self
     }
 
     /// Every problem with these options, each about the setting it names (place them in a
@@ -250,6 +316,33 @@ mod tests {
         assert!(RedisOptions::new("rediss://:secret@cache.internal:6380/0")
             .problems()
             .is_empty());
+    }
+
+    #[test]
+    fn each_setter_sets_the_setting_of_its_name() {
+        let bound: RedisOptions = serde_json::from_value(serde_json::json!({
+            "url": "rediss://cache:6380",
+            "cluster": true,
+            "key_prefix": "locks",
+            "lease_duration": "10s",
+            "request_timeout": "1s",
+            "replicas": 2,
+            "replica_timeout": "300ms",
+            "tls_root_cert": "/etc/ca.pem",
+            "writer_intent": "4s",
+        }))
+        .unwrap();
+        let built = RedisOptions::default()
+            .with_url("rediss://cache:6380")
+            .with_cluster(true)
+            .with_key_prefix("locks")
+            .with_lease_duration(Duration::from_secs(10))
+            .with_request_timeout(Duration::from_secs(1))
+            .with_replicas(2)
+            .with_replica_timeout(Duration::from_millis(300))
+            .with_tls_root_cert("/etc/ca.pem")
+            .with_writer_intent(Duration::from_secs(4));
+        assert_eq!(built, bound);
     }
 
     #[test]

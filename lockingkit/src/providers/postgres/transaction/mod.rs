@@ -23,11 +23,12 @@ pub use lockable::LockableTransaction;
 pub use options::PostgresTransactionOptions;
 
 use super::errors::{self, Stage};
+use super::keys::PostgresLockKeys;
 use super::schema::Schema;
 use crate::background::within;
 use crate::backoff::Backoff;
 use crate::error::{ErrorKind, LockError};
-use crate::keys::{validate_key, PostgresLockKeys};
+use crate::keys::validate_key;
 use statement::Answer;
 
 /// Locks that live inside a transaction you own: taken on it, released by its COMMIT or

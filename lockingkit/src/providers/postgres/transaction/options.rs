@@ -23,17 +23,19 @@ use crate::engine::LockOptions;
 /// use lockingkit::{PostgresOptions};
 /// use lockingkit::providers::postgres::{PostgresTransactionOptions};
 ///
-/// let session = PostgresOptions {
-///     fencing_schema: "locks".into(),
-///     ..PostgresOptions::new("postgres://app@db.internal/app")
-/// };
+/// let session =
+///     PostgresOptions::new("postgres://app@db.internal/app").with_fencing_schema("locks");
 /// let options = PostgresTransactionOptions::from(&session);
 /// assert_eq!(options.fencing_schema, "locks");
 /// assert_eq!(options.fencing_sequence, "fencing_tokens");
 /// assert!(options.problems().is_empty());
 /// ```
+///
+/// Change the defaults with the `with_*` setters; the struct is `#[non_exhaustive]`, so a later
+/// release can add a setting without breaking you.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct PostgresTransactionOptions {
     /// The schema of the fencing-token sequence (default `lockingkit`).
     pub fencing_schema: String,
@@ -79,6 +81,41 @@ impl From<&PostgresOptions> for PostgresTransactionOptions {
 }
 
 impl PostgresTransactionOptions {
+    /// Sets [`fencing_schema`](Self::fencing_schema), the schema of the fencing-token sequence.
+    /// Default `lockingkit`.
+    pub fn with_fencing_schema(mut self, fencing_schema: impl Into<String>) -> Self {
+        self.fencing_schema = fencing_schema.into();
+        self
+    }
+
+    /// Sets [`fencing_sequence`](Self::fencing_sequence), the fencing-token sequence. Default
+    /// `fencing_tokens`.
+    pub fn with_fencing_sequence(mut self, fencing_sequence: impl Into<String>) -> Self {
+        self.fencing_sequence = fencing_sequence.into();
+        self
+    }
+
+    /// Sets [`query_timeout`](Self::query_timeout), the longest one lock statement may go
+    /// unanswered. Default 5 s.
+    pub fn with_query_timeout(mut self, query_timeout: Duration) -> Self {
+        self.query_timeout = query_timeout;
+        self
+    }
+
+    /// Sets [`min_retry_delay`](Self::min_retry_delay), the first retry delay of a wait (before
+    /// jitter). Default 50 ms.
+    pub fn with_min_retry_delay(mut self, delay: Duration) -> Self {
+        self.min_retry_delay = delay;
+        self
+    }
+
+    /// Sets [`max_retry_delay`](Self::max_retry_delay), the cap of a wait's retry delay.
+    /// Default 1 s.
+    pub fn with_max_retry_delay(mut self, delay: Duration) -> Self {
+        self.max_retry_delay = delay;
+        self
+    }
+
     /// Lists every problem with these options, each about one of their settings. An empty
     /// list means the options are valid.
     pub fn problems(&self) -> Vec<Problem> {
@@ -136,6 +173,25 @@ mod tests {
             ..PostgresTransactionOptions::default()
         };
         assert_eq!(zero.problems().len(), 1);
+    }
+
+    #[test]
+    fn each_setter_sets_the_setting_of_its_name() {
+        let bound: PostgresTransactionOptions = serde_json::from_value(serde_json::json!({
+            "fencing_schema": "locks",
+            "fencing_sequence": "tokens",
+            "query_timeout": "2s",
+            "min_retry_delay": "10ms",
+            "max_retry_delay": "3s",
+        }))
+        .unwrap();
+        let built = PostgresTransactionOptions::default()
+            .with_fencing_schema("locks")
+            .with_fencing_sequence("tokens")
+            .with_query_timeout(Duration::from_secs(2))
+            .with_min_retry_delay(Duration::from_millis(10))
+            .with_max_retry_delay(Duration::from_secs(3));
+        assert_eq!(built, bound);
     }
 
     #[test]

@@ -24,9 +24,9 @@ use azure_storage_blob::{BlobClient, BlobContainerClient};
 
 use super::client::{GuardPath, PLACEHOLDER_BLOB};
 use super::errors;
+use super::keys::AzureLockKeys;
 use super::AzureBlobLease;
 use crate::backend::BackendError;
-use crate::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
 
 /// The metadata entry holding a guard's fencing token: the last token handed out, in decimal.
 pub const FENCING_TOKEN_METADATA: &str = "lockingkit_fencing_token";
@@ -83,12 +83,13 @@ impl GuardBlobs {
     }
 
     pub(crate) fn guard(&self, key: &str) -> BlobClient {
-        self.container.blob_client(&azure_blob_name(key))
+        self.container
+            .blob_client(&AzureLockKeys::guard_blob_name(key))
     }
 
     pub(crate) fn slot(&self, key: &str, slot: u32) -> BlobClient {
         self.container
-            .blob_client(&azure_semaphore_slot_blob_name(key, slot))
+            .blob_client(&AzureLockKeys::semaphore_slot_blob_name(key, slot))
     }
 
     fn classify(&self, operation: &'static str, error: &azure_core::Error) -> BackendError {
@@ -144,7 +145,8 @@ impl GuardBlobs {
         &self,
         key: &str,
     ) -> Result<Option<AzureBlobLease>, BackendError> {
-        self.try_acquire_named(azure_blob_name(key), None).await
+        self.try_acquire_named(AzureLockKeys::guard_blob_name(key), None)
+            .await
     }
 
     /// One attempt at the guard blob `name` (a semaphore's slot `slot`, or a plain lock's

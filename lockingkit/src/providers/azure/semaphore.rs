@@ -14,9 +14,9 @@
 use azure_core::Uuid;
 
 use super::guard_blob::GuardBlobs;
+use super::keys::AzureLockKeys;
 use super::AzureBlobLease;
 use crate::backend::BackendError;
-use crate::keys::azure_semaphore_slot_blob_name;
 
 /// The largest `max_count` a semaphore may have on Azure, below the engine's own limit
 /// ([`MAX_SEMAPHORE_COUNT`](crate::backend::MAX_SEMAPHORE_COUNT)) because every slot is a blob an attempt
@@ -50,7 +50,7 @@ pub(crate) async fn try_acquire_slot(
     for step in 0..max_count {
         // Both are below max_count, so the sum cannot overflow.
         let slot = (first + step) % max_count;
-        let name = azure_semaphore_slot_blob_name(key, slot);
+        let name = AzureLockKeys::semaphore_slot_blob_name(key, slot);
         if let Some(lease) = guards.try_acquire_named(name, Some(slot)).await? {
             return Ok(Some(lease));
         }

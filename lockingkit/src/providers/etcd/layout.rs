@@ -1,7 +1,7 @@
 //! The etcd keys of one lock and of one semaphore, as bytes (the mapping itself is
 //! [`EtcdLockKeys`], documented with the others in [`crate::keys`]).
 
-use crate::keys::EtcdLockKeys;
+use super::keys::EtcdLockKeys;
 
 /// The end of the range of every key that starts with `prefix` (which ends with `/`): the
 /// prefix with its last byte incremented.

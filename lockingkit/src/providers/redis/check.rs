@@ -18,9 +18,9 @@ use redis::Value;
 use super::connection::{Connection, Request};
 use super::errors::{self, Stage};
 use super::eval::Scripts;
+use super::keys::RedisLockKeys;
 use super::watch;
 use crate::backend::BackendError;
-use crate::keys::RedisLockKeys;
 
 /// Runs the check. `prefix` is the backend's key prefix.
 pub(super) async fn run(

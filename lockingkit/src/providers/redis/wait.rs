@@ -6,10 +6,10 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
+use super::keys::RedisLockKeys;
 use super::watch::Interest;
 use super::{RedisBackend, RedisLease};
 use crate::backend::{Acquired, BackendError, LockBackend, LockMode, Wait, Woken};
-use crate::keys::RedisLockKeys;
 
 /// One caller's wait, from its first busy answer until it leaves; dropping it gives up its
 /// interest in the key's release channel at once.

@@ -8,7 +8,7 @@ use tokio::sync::watch as channel;
 
 use super::{KeyWaits, WatchState};
 use crate::backend::{Acquired, BackendError, LockMode, PollingWait, Wait, Woken};
-use crate::keys::PostgresLockKeys;
+use crate::providers::postgres::keys::PostgresLockKeys;
 use crate::providers::postgres::{PostgresBackend, PostgresLease};
 
 /// The wait of one caller on a [`PostgresBackend`]. A semaphore's waits poll: its slots are

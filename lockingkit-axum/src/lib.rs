@@ -13,8 +13,9 @@
 //!   (the default, exclusive) hold it alone, and `lock_route(…).semaphore(n)?` caps the
 //!   requests per key across the fleet (a full limit is `429` with code `locking.busy`). Both
 //!   refuse, when the layer is built, a provider that cannot hold such locks.
-//! - [`HeldLock`] is the extractor that gives the handler the key, the fencing token and the
-//!   loss signal.
+//! - [`HeldLock`] is the extractor that gives the handler the view of its lock
+//!   ([`LockView`](lockingkit::LockView)): the key, the mode, the fencing token and the loss
+//!   signal. [`HeldLocks`] does the same for the keys of [`lock_route_all`].
 //! - [`lock_route_from_state`] takes the `DistributedLock` from the application state through
 //!   [`FromRef`](axum::extract::FromRef); handlers that lock other keys themselves can extract
 //!   `State<DistributedLock>` the same way.
@@ -118,9 +119,7 @@ mod template;
 pub use extract::rejection::MissingLock;
 pub use extract::{HeldLock, HeldLocks};
 pub use key_templates::{lock_route_all, KeyTemplates};
-pub use lockingkit_tower::{
-    LockLayer, LockRejection, OnLoss, Readiness, RequestLock, RequestLocks,
-};
+pub use lockingkit_tower::{LockLayer, LockRejection, OnLoss, Readiness};
 pub use route::{lock_route, lock_route_from_state, lock_route_waiting, ProvidesLocks};
 pub use template::PathTemplate;
 

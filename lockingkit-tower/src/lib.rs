@@ -1,8 +1,9 @@
 //! A Tower layer that holds a [LockingKit](lockingkit) distributed lock for each request.
 //!
 //! [`LockLayer`] derives a key from each request, takes the lock before calling the inner
-//! service, hands the inner service a [`RequestLock`] (key, fencing token, loss signal) in the
-//! request extensions, and drops the inner service's future if the lock is lost mid-request.
+//! service, hands the inner service the lock's [`LockView`](lockingkit::LockView) (key, mode,
+//! fencing token, loss signal) in the request extensions, and drops the inner service's future
+//! if the lock is lost mid-request.
 //! It releases the lock once the response is produced (or, optionally, once a streamed body
 //! ends). By default each request holds its key alone; [`LockLayer::shared`] lets reading
 //! requests hold it together (writers still alone), and [`LockLayer::semaphore`] turns the
@@ -44,8 +45,8 @@ mod readiness;
 
 pub use lock::{
     LockBody, LockKey, LockKeys, LockLayer, LockRejection, LockService, OnLoss, ProblemDetails,
-    ProblemDocument, RejectionResponse, RequestLock, RequestLocks, ResponseFuture,
-    DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
+    ProblemDocument, RejectionResponse, ResponseFuture, DEFAULT_BUSY_RETRY_AFTER,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER, PROBLEM_JSON,
 };
 
 pub use readiness::Readiness;

@@ -1,4 +1,5 @@
-//! `LockHandle`: a held lock, its fencing token and its loss signal.
+//! `LockHandle` and `LockView`: a hold of one key, owned (the handle, which releases it) or
+//! looked at (the view, which cannot).
 
 use std::fmt;
 use std::future::Future;
@@ -6,6 +7,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::LockMode;
 use crate::background::Orphanable;
 #[cfg(doc)]
 use crate::error::ErrorKind;
@@ -15,6 +17,7 @@ use crate::telemetry::LossReason;
 /// What the engine keeps for one held lock, seen without its backend type.
 pub(crate) trait AnyHold: Send + Sync {
     fn key(&self) -> &str;
+    fn mode(&self) -> LockMode;
     fn fencing_token(&self) -> u64;
     fn lost_token(&self) -> &CancellationToken;
     fn is_held(&self) -> bool;
@@ -29,10 +32,10 @@ pub(crate) trait AnyHold: Send + Sync {
     fn key_digest(&self) -> Option<&str>;
 }
 
-/// A held distributed lock.
+/// A held distributed lock: the owner of one hold.
 ///
 /// A handle is the proof of holding a lock, so it is neither `Clone` nor `Copy`. What it tells
-/// about the lock — key, fencing token, loss signal, [`run`](LockView::run) — is its
+/// about the lock — key, mode, fencing token, loss signal, [`run`](LockView::run) — is its
 /// [`LockView`]'s, reached through `Deref`; the handle adds what only the holder may do:
 /// [`release`](Self::release). While it
 /// exists the engine keeps the lock alive in the background: it renews expiring leases (every
@@ -140,18 +143,21 @@ impl fmt::Debug for LockHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The key is left out on purpose: keys routinely carry customer ids.
         f.debug_struct("LockHandle")
+            .field("mode", &self.mode())
             .field("fencing_token", &self.fencing_token())
             .field("is_held", &self.is_held())
             .finish_non_exhaustive()
     }
 }
 
-/// A cloneable, read-only view of a held lock: its key, fencing token and loss signal.
+/// A cloneable, read-only view of a held lock: its key, mode, fencing token and loss signal.
 ///
 /// Made by [`LockHandle::view`]. A view answers like the handle it came from — [`is_held`]
 /// turns `false` on loss, on release and at the loss deadline — but it cannot release the lock,
 /// and it does not keep the lock alive: dropping the handle releases the lock whatever views
-/// remain.
+/// remain. It is what code that watches a hold without owning it is given: a spawned task, a
+/// leader's [`Term`](crate::Term), and the handler behind an HTTP lock layer (in the request
+/// extensions).
 ///
 /// [`is_held`]: Self::is_held
 #[derive(Clone)]
@@ -163,6 +169,22 @@ impl LockView {
     /// The key of the lock.
     pub fn key(&self) -> &str {
         self.held.key()
+    }
+
+    /// How the lock is held: [`LockMode::Exclusive`] for a plain lock or a writer,
+    /// [`LockMode::Shared`] for a reader, [`LockMode::Semaphore`] for a semaphore slot.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), lockingkit::LockError> {
+    /// use lockingkit::LockMode;
+    /// let locks = lockingkit::DistributedLock::in_memory();
+    /// let reader = locks.reader_writer("orders/42")?.try_read().await?;
+    /// assert_eq!(reader.mode(), LockMode::Shared);
+    /// assert_eq!(reader.view().mode(), LockMode::Shared);
+    /// # Ok(()) }
+    /// ```
+    pub fn mode(&self) -> LockMode {
+        self.held.mode()
     }
 
     /// The fencing token of the hold; strictly greater than every earlier token for the key.
@@ -231,6 +253,7 @@ impl fmt::Debug for LockView {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The key is left out on purpose: keys routinely carry customer ids.
         f.debug_struct("LockView")
+            .field("mode", &self.mode())
             .field("fencing_token", &self.fencing_token())
             .field("is_held", &self.is_held())
             .finish_non_exhaustive()

@@ -267,11 +267,15 @@ impl DistributedLock {
         self.engine.clone().shutdown(timeout).await
     }
 
-    /// How many callers of this provider are holding, attempting or waiting for a lock right
-    /// now, each counted once (a holder, an attempt in flight, a caller queued): zero when
-    /// nothing is held or going on. Meant for diagnostics and leak checks.
-    pub fn active_parties(&self) -> usize {
-        self.engine.active_parties()
+    /// How many local callers of this provider (this value and its clones) are holding,
+    /// attempting or waiting for a lock right now, each counted once (a holder, an attempt in
+    /// flight, a caller queued): zero when nothing is held or going on. Meant for diagnostics
+    /// and leak checks.
+    ///
+    /// It counts every caller, not only each queue's *active party* (the one caller of a key
+    /// that talks to the backend): twenty callers waiting for one key count twenty.
+    pub fn local_callers(&self) -> usize {
+        self.engine.local_callers()
     }
 
     /// How many local callers are waiting for `key` through this provider (not counting the

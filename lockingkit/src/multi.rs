@@ -140,7 +140,7 @@ impl DistributedLock {
                 }
             }
         }
-        MultiLockHandle::new(held)
+        MultiLockHandle::new(held, mode)
     }
 }
 
@@ -212,7 +212,7 @@ fn take(members: &Members) -> Option<Vec<LockHandle>> {
 /// Several locks held as one: made by [`DistributedLock::acquire_all`] and
 /// [`try_acquire_all`](DistributedLock::try_acquire_all).
 ///
-/// What it tells about the hold — members, fencing tokens, loss signal,
+/// What it tells about the hold — members, mode, fencing tokens, loss signal,
 /// [`run`](MultiLockView::run) — is its [`MultiLockView`]'s, reached through `Deref`; the
 /// handle adds [`release`](Self::release).
 ///
@@ -257,7 +257,7 @@ pub struct MultiLockHandle {
 }
 
 impl MultiLockHandle {
-    fn new(held: Vec<LockHandle>) -> Result<Self, LockError> {
+    fn new(held: Vec<LockHandle>, mode: LockMode) -> Result<Self, LockError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             LockError::new(
                 crate::error::ErrorKind::Misconfigured,
@@ -280,6 +280,7 @@ impl MultiLockHandle {
         Ok(MultiLockHandle {
             view: MultiLockView {
                 members: views,
+                mode,
                 lost,
             },
             members,
@@ -323,12 +324,14 @@ impl std::ops::Deref for MultiLockHandle {
     }
 }
 
-/// A cloneable, read-only view of a multi-key hold: its members (keys and fencing tokens) and
-/// its loss signal. Made by [`MultiLockHandle::view`]; like [`LockView`], it answers like the
+/// A cloneable, read-only view of a multi-key hold: its members (keys and fencing tokens), its
+/// mode and its loss signal. Made by [`MultiLockHandle::view`]; like [`LockView`], it answers like the
 /// handle but cannot release the hold, and does not keep it alive.
 #[derive(Clone)]
 pub struct MultiLockView {
     members: Arc<[LockView]>,
+    /// Every member's: a multi-key hold takes all its keys in one mode.
+    mode: LockMode,
     lost: CancellationToken,
 }
 
@@ -336,6 +339,13 @@ impl MultiLockView {
     /// The members, one per distinct key, in the order they were taken (canonical order).
     pub fn members(&self) -> &[LockView] {
         &self.members
+    }
+
+    /// How every member is held: the mode the hold was taken in ([`LockMode::Exclusive`]
+    /// through [`acquire_all`](DistributedLock::acquire_all), the given one through
+    /// [`acquire_all_in`](DistributedLock::acquire_all_in)).
+    pub fn mode(&self) -> LockMode {
+        self.mode
     }
 
     /// The keys held, in canonical order.
@@ -398,6 +408,7 @@ impl fmt::Debug for MultiLockView {
         // The keys are left out on purpose: keys routinely carry customer ids.
         let tokens: Vec<u64> = self.members.iter().map(LockView::fencing_token).collect();
         f.debug_struct("MultiLockView")
+            .field("mode", &self.mode)
             .field("fencing_tokens", &tokens)
             .field("is_held", &self.is_held())
             .finish_non_exhaustive()
@@ -436,6 +447,7 @@ impl fmt::Debug for MultiLockHandle {
         // The keys are left out on purpose: keys routinely carry customer ids.
         let tokens: Vec<u64> = self.members().iter().map(LockView::fencing_token).collect();
         f.debug_struct("MultiLockHandle")
+            .field("mode", &self.mode())
             .field("fencing_tokens", &tokens)
             .field("is_held", &self.is_held())
             .finish_non_exhaustive()

@@ -1,15 +1,16 @@
-//! `HeldLock`: the extractor for the lock held for the request.
+//! `HeldLock`: the extractor for the view of the lock held for the request.
 
 use std::convert::Infallible;
 use std::ops::Deref;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use http::request::Parts;
-use lockingkit_tower::RequestLock;
+use lockingkit::LockView;
 
 use super::rejection::MissingLock;
 
-/// Extractor for the lock a lock layer holds for this request: key, fencing token, loss signal.
+/// Extractor for the lock a lock layer holds for this request: its [`LockView`] (key, mode,
+/// fencing token, loss signal), reached through `Deref`.
 ///
 /// The route must be behind a [`LockLayer`](lockingkit_tower::LockLayer), usually through
 /// [`lock_route`](crate::lock_route) on `Router::route_layer`; otherwise the extractor rejects
@@ -18,17 +19,17 @@ use super::rejection::MissingLock;
 ///
 /// Behind a [`shared`](lockingkit_tower::LockLayer::shared) layer it is the request's reader
 /// hold, behind a [`semaphore`](lockingkit_tower::LockLayer::semaphore) layer its slot;
-/// [`mode`](RequestLock::mode) tells which. Each is released when the response is produced and
+/// [`mode`](LockView::mode) tells which. Each is released when the response is produced and
 /// watched for loss exactly like an exclusive lock.
 ///
 /// If the lock is lost while the handler runs, the layer drops the handler's future and the
 /// client gets `500` with code `locking.lost`, saying the outcome is unknown; the handler does
 /// not need to watch for loss itself (with
 /// [`on_loss(OnLoss::Signal)`](lockingkit_tower::LockLayer::on_loss) it runs on instead, and
-/// this extractor tells it of the loss). Send
-/// [`fencing_token`](lockingkit::LockView::fencing_token) with every write to a resource that
-/// can reject stale tokens, and tie spawned work to
-/// [`lost_token`](lockingkit::LockView::lost_token) or [`run`](lockingkit::LockView::run).
+/// this extractor tells it of the loss). Send [`fencing_token`](LockView::fencing_token) with
+/// every write to a resource that can reject stale tokens, and tie spawned work to
+/// [`lost_token`](LockView::lost_token) or [`run`](LockView::run): the token fires on loss and
+/// also when the layer releases the lock after the response.
 ///
 /// ```
 /// use axum::{extract::Path, routing::post, Router};
@@ -47,19 +48,19 @@ use super::rejection::MissingLock;
 /// # let _ = app;
 /// ```
 #[derive(Clone, Debug)]
-pub struct HeldLock(pub RequestLock);
+pub struct HeldLock(pub LockView);
 
 impl HeldLock {
-    /// The request lock view, for storing or passing on.
-    pub fn into_inner(self) -> RequestLock {
+    /// The view of the request's lock, for storing or passing on.
+    pub fn into_inner(self) -> LockView {
         self.0
     }
 }
 
 impl Deref for HeldLock {
-    type Target = RequestLock;
+    type Target = LockView;
 
-    fn deref(&self) -> &RequestLock {
+    fn deref(&self) -> &LockView {
         &self.0
     }
 }
@@ -70,7 +71,7 @@ impl<S: Send + Sync> FromRequestParts<S> for HeldLock {
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         parts
             .extensions
-            .get::<RequestLock>()
+            .get::<LockView>()
             .cloned()
             .map(HeldLock)
             .ok_or(MissingLock)
@@ -84,6 +85,6 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLock {
         parts: &mut Parts,
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<RequestLock>().cloned().map(HeldLock))
+        Ok(parts.extensions.get::<LockView>().cloned().map(HeldLock))
     }
 }

@@ -1,18 +1,18 @@
-//! `HeldLocks`: the extractor for the keys held together for the request.
+//! `HeldLocks`: the extractor for the view of the keys held together for the request.
 
 use std::convert::Infallible;
 use std::ops::Deref;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use http::request::Parts;
-use lockingkit_tower::RequestLocks;
+use lockingkit::MultiLockView;
 
 use super::rejection::MissingLock;
 
 /// Extractor for the keys a multi-key lock layer holds together for this request (made by
 /// [`lock_route_all`](crate::lock_route_all) or
-/// [`LockLayer::all`](lockingkit_tower::LockLayer::all)): each member's key and fencing token,
-/// and the hold's loss signal.
+/// [`LockLayer::all`](lockingkit_tower::LockLayer::all)): the hold's [`MultiLockView`] (each
+/// member's key and fencing token, the mode, the hold's loss signal), reached through `Deref`.
 ///
 /// Without such a layer the extractor rejects with [`MissingLock`] (`500`). Extract
 /// `Option<HeldLocks>` in handlers that run both with and without one. If any key is lost
@@ -37,19 +37,19 @@ use super::rejection::MissingLock;
 /// # let _ = app;
 /// ```
 #[derive(Clone, Debug)]
-pub struct HeldLocks(pub RequestLocks);
+pub struct HeldLocks(pub MultiLockView);
 
 impl HeldLocks {
     /// The request's view of the hold, for storing or passing on.
-    pub fn into_inner(self) -> RequestLocks {
+    pub fn into_inner(self) -> MultiLockView {
         self.0
     }
 }
 
 impl Deref for HeldLocks {
-    type Target = RequestLocks;
+    type Target = MultiLockView;
 
-    fn deref(&self) -> &RequestLocks {
+    fn deref(&self) -> &MultiLockView {
         &self.0
     }
 }
@@ -60,7 +60,7 @@ impl<S: Send + Sync> FromRequestParts<S> for HeldLocks {
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         parts
             .extensions
-            .get::<RequestLocks>()
+            .get::<MultiLockView>()
             .cloned()
             .map(HeldLocks)
             .ok_or(MissingLock)
@@ -76,7 +76,7 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for HeldLocks {
     ) -> Result<Option<Self>, Self::Rejection> {
         Ok(parts
             .extensions
-            .get::<RequestLocks>()
+            .get::<MultiLockView>()
             .cloned()
             .map(HeldLocks))
     }

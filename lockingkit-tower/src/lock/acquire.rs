@@ -9,7 +9,7 @@ use std::sync::Arc;
 use http::request::Parts;
 use lockingkit::LockError;
 
-use super::held::Held;
+use super::handle::Handle;
 use super::key::{LockKey, LockKeys};
 use super::layer::LockConfig;
 use super::nesting::{held_by_an_outer_layer, NESTED};
@@ -21,7 +21,7 @@ pub(crate) enum Derived {
     /// No key could be derived.
     NoKey,
     Acquired {
-        handle: Held,
+        handle: Handle,
     },
     Refused {
         error: LockError,
@@ -141,11 +141,11 @@ impl Wanted {
 
     /// Takes the lock (or every key, as one hold) in the layer's mode: one attempt, or waiting
     /// up to the layer's timeout.
-    async fn take(self, config: &LockConfig) -> Result<Held, LockError> {
+    async fn take(self, config: &LockConfig) -> Result<Handle, LockError> {
         let (locks, mode, wait) = (&config.locks, config.mode, config.wait);
         match self {
-            Wanted::One(key) => mode.take(locks, &key, wait).await.map(Held::One),
-            Wanted::Many(keys) => mode.take_all(locks, &keys, wait).await.map(Held::Many),
+            Wanted::One(key) => mode.take(locks, &key, wait).await.map(Handle::One),
+            Wanted::Many(keys) => mode.take_all(locks, &keys, wait).await.map(Handle::Many),
         }
     }
 }

@@ -11,7 +11,7 @@ use lockingkit::{ErrorKind, LockError};
 use pin_project_lite::pin_project;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use super::held::Held;
+use super::handle::Handle;
 use crate::BoxError;
 
 type Release = Pin<Box<dyn Future<Output = Result<(), LockError>> + Send>>;
@@ -44,7 +44,7 @@ pin_project! {
 }
 
 struct BodyHold {
-    handle: Option<Held>,
+    handle: Option<Handle>,
     lost: Pin<Box<WaitForCancellationFutureOwned>>,
     release: Option<Release>,
     /// Set on loss: the body fails with it once the release has been answered.
@@ -70,7 +70,7 @@ impl<B> LockBody<B> {
         }
     }
 
-    pub(crate) fn holding(body: B, handle: Held) -> Self {
+    pub(crate) fn holding(body: B, handle: Handle) -> Self {
         let lost = Box::pin(handle.loss_signal().cancelled_owned());
         LockBody {
             kind: Kind::Inner { body },

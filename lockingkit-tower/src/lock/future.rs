@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::acquire::{Acquisition, Derived};
-use super::held::Held;
+use super::handle::Handle;
 use super::layer::{LockConfig, OnLoss};
 use super::rejection::RejectionResponse;
 use super::until_lost::UntilLost;
@@ -56,7 +56,7 @@ pin_project! {
         Calling {
             #[pin]
             response: UntilLost<S::Future>,
-            handle: Option<Held>,
+            handle: Option<Handle>,
         },
         // The answer waits for the release: after the handler's response, and after a loss
         // too, where a multi-key hold gives back the members it still held.
@@ -85,7 +85,7 @@ where
 enum Outcome<R, E> {
     Answer(Result<R, E>),
     /// The response's body holds the lock until it ends.
-    Holding(R, Held),
+    Holding(R, Handle),
     Rejected(LockRejection),
 }
 
@@ -170,7 +170,7 @@ where
     let mut request = Request::from_parts(parts, body);
     Poll::Ready(match derived {
         Derived::Acquired { handle } => {
-            handle.insert_view(request.extensions_mut(), config.mode.mode());
+            handle.insert_view(request.extensions_mut());
             let lost = match config.on_loss {
                 OnLoss::Cancel => Some(handle.loss_signal()),
                 OnLoss::Signal => None,
@@ -222,7 +222,7 @@ fn report_miswiring(config: &LockConfig, explanation: &str) {
 /// to the body.
 fn poll_calling<S, ReqBody, ResBody>(
     response: Pin<&mut UntilLost<S::Future>>,
-    handle: &mut Option<Held>,
+    handle: &mut Option<Handle>,
     config: &LockConfig,
     cx: &mut Context<'_>,
 ) -> Poll<Step<S, ReqBody>>
@@ -237,8 +237,8 @@ where
             .unwrap_or_else(|| LockError::lost(None));
         tracing::warn!(
             lock = config.locks.name(),
-            fencing_token = handle.as_ref().and_then(Held::fencing_token),
-            key_digest = handle.as_ref().and_then(Held::key_digest),
+            fencing_token = handle.as_ref().and_then(Handle::fencing_token),
+            key_digest = handle.as_ref().and_then(Handle::key_digest),
             reason = error.message(),
             "the lock was lost while the request was being handled; the handler was stopped and \
              the client is told the outcome is unknown"

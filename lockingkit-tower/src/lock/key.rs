@@ -42,7 +42,7 @@ pub trait LockKey: Send + Sync + 'static {
     /// Whether the layer handles this request at all; asked before [`lock_key`](Self::lock_key).
     ///
     /// A request this returns `false` for goes to the inner service unlocked, unrefused and
-    /// without a [`RequestLock`](crate::RequestLock), whatever the layer's configuration. A
+    /// without a [`LockView`](lockingkit::LockView), whatever the layer's configuration. A
     /// router's integration uses it for requests that matched no route, so that the router's
     /// fallback still answers them (`404` stays `404`). The default is `true`.
     fn applies_to(&self, request: &mut Parts) -> impl Future<Output = bool> + Send {

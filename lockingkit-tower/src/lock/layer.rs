@@ -20,7 +20,7 @@ use super::LockService;
 ///
 /// For every request the layer derives a key with its [`LockKey`] (a closure over the request
 /// head), takes the lock — one attempt by default, or waiting up to a timeout after
-/// [`wait`](Self::wait) — puts a [`RequestLock`](crate::RequestLock) into the request
+/// [`wait`](Self::wait) — puts the lock's [`LockView`](lockingkit::LockView) into the request
 /// extensions and calls the inner service. The inner service's future is raced against the
 /// lock's loss signal: if the lock is lost, that future is dropped at its current `.await`
 /// point and the client gets `500` with code `locking.lost`, saying the outcome is unknown
@@ -30,6 +30,15 @@ use super::LockService;
 /// client that has the response can take the lock at once; with
 /// [`hold_until_body_ends`](Self::hold_until_body_ends) it holds the lock until the response
 /// body has been streamed instead.
+///
+/// The layer keeps the lock's [`LockHandle`](lockingkit::LockHandle) itself (a handle owns the
+/// hold and cannot be cloned); the inner service finds the view with
+/// `request.extensions().get::<LockView>()`: the key, the [mode](lockingkit::LockView::mode)
+/// the layer holds it in, the fencing token to send with every write, whether the lock is still
+/// held. Its [`lost_token`](lockingkit::LockView::lost_token) fires when the lock is lost, and
+/// also when the layer releases the lock after the response, so work spawned from the handler
+/// and tied to the token (or run through [`run`](lockingkit::LockView::run)) stops once the
+/// request no longer holds the lock.
 ///
 /// Refusals are [`LockRejection`]s, sent as RFC 9457 problem documents by default
 /// ([`ProblemDetails`]); [`map_rejection`](Self::map_rejection) replaces them.
@@ -55,8 +64,8 @@ use super::LockService;
 ///
 /// ```
 /// use http::{request::Parts, Request, Response};
-/// use lockingkit::DistributedLock;
-/// use lockingkit_tower::{LockLayer, RequestLock};
+/// use lockingkit::{DistributedLock, LockView};
+/// use lockingkit_tower::LockLayer;
 /// use tower::{service_fn, ServiceBuilder, ServiceExt};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
@@ -68,7 +77,7 @@ use super::LockService;
 ///         Some(parts.uri.path().trim_start_matches('/').to_owned())
 ///     }))
 ///     .service(service_fn(|request: Request<String>| async move {
-///         let lock = request.extensions().get::<RequestLock>().cloned();
+///         let lock = request.extensions().get::<LockView>().cloned();
 ///         let token = lock.map_or(0, |lock| lock.fencing_token());
 ///         Ok::<_, std::convert::Infallible>(Response::new(format!("token {token}")))
 ///     }));
@@ -124,7 +133,7 @@ pub enum OnLoss {
     #[default]
     Cancel,
     /// Let the inner service run to its end and send its response. Its
-    /// [`RequestLock`](crate::RequestLock) tells it of the loss (the lost token fires,
+    /// [`LockView`](lockingkit::LockView) tells it of the loss (the lost token fires,
     /// `ensure_held` fails), so it can finish, roll back or answer as it sees fit — for work
     /// that must not stop half-way. The layer logs the loss and adds nothing to the response.
     Signal,
@@ -155,12 +164,14 @@ impl LockLayer {
     /// [`wait`](Self::wait) (one timeout for all the keys), `409` while any key is busy, `503`
     /// when the backend is unavailable, the handler dropped and `500` with `locking.lost` if
     /// any key is lost mid-request, every key released when the response is produced. The
-    /// handler finds a [`RequestLocks`](crate::RequestLocks) in the request extensions.
+    /// handler finds the hold's [`MultiLockView`](lockingkit::MultiLockView) in the request
+    /// extensions: each member's key and fencing token, the mode, whether every key is still
+    /// held; its lost token fires when any key is lost and when the layer releases the hold.
     ///
     /// ```
     /// use http::{request::Parts, Request, Response};
-    /// use lockingkit::DistributedLock;
-    /// use lockingkit_tower::{LockLayer, RequestLocks};
+    /// use lockingkit::{DistributedLock, MultiLockView};
+    /// use lockingkit_tower::LockLayer;
     /// use tower::{service_fn, ServiceBuilder, ServiceExt};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
@@ -174,7 +185,7 @@ impl LockLayer {
     /// let service = ServiceBuilder::new()
     ///     .layer(LockLayer::all(DistributedLock::in_memory(), accounts))
     ///     .service(service_fn(|request: Request<String>| async move {
-    ///         let locks = request.extensions().get::<RequestLocks>().cloned();
+    ///         let locks = request.extensions().get::<MultiLockView>().cloned();
     ///         let held = locks.map_or(0, |locks| locks.members().len());
     ///         Ok::<_, std::convert::Infallible>(Response::new(format!("{held} accounts")))
     ///     }));
@@ -262,8 +273,8 @@ impl<M> LockLayer<M> {
     /// `max_count` slots of the semaphore named by its key, so at most `max_count` requests per
     /// key run at once across every instance sharing the provider.
     ///
-    /// The handler sees its slot as a [`RequestLock`](crate::RequestLock) whose
-    /// [`mode`](crate::RequestLock::mode) is [`LockMode::Semaphore`]; the slot is freed when
+    /// The handler sees its slot as a [`LockView`](lockingkit::LockView) whose
+    /// [`mode`](lockingkit::LockView::mode) is [`LockMode::Semaphore`]; the slot is freed when
     /// the response is produced (or when the body ends, with
     /// [`hold_until_body_ends`](Self::hold_until_body_ends)), and the handler is dropped if
     /// the slot is lost. When every slot is taken the request is refused with `429 Too Many
@@ -337,7 +348,7 @@ impl<M> LockLayer<M> {
     /// What to do when a request's lock is lost while the inner service handles it:
     /// [`OnLoss::Cancel`] (the default) drops the handler and answers `500` "outcome unknown";
     /// [`OnLoss::Signal`] lets the handler run to its end, telling it through its
-    /// [`RequestLock`](crate::RequestLock).
+    /// [`LockView`](lockingkit::LockView).
     ///
     /// ```
     /// use http::request::Parts;

@@ -2,9 +2,10 @@
 //! `layer.rs`, the response future in `future.rs`. How a request names its key or keys is in
 //! `key.rs`; the one per-request path that derives them and takes the lock is `acquire.rs`, with
 //! the refusal of a layer nested in another that locks the same key in `nesting.rs`. The mode
-//! each key is held in (exclusive, shared, semaphore slot) is `mode.rs`, the hold itself
-//! (one key or several held as one) `held.rs`, and what the handler sees of it
-//! `request_lock.rs` and `request_locks.rs`. Refusals: `rejection.rs` (why, and the mapper),
+//! each key is held in (exclusive, shared, semaphore slot) is `mode.rs`, and the handle the
+//! layer keeps of the hold (one key or several held as one) `handle.rs`, which puts the hold's
+//! view — a `lockingkit::LockView` or `MultiLockView` — into the request extensions for the
+//! handler. Refusals: `rejection.rs` (why, and the mapper),
 //! `answers.rs` (the one table of status, `Retry-After`, code and detail), `problem.rs` (the
 //! problem document).
 
@@ -12,15 +13,13 @@ mod acquire;
 mod answers;
 mod body;
 mod future;
-mod held;
+mod handle;
 mod key;
 mod layer;
 mod mode;
 mod nesting;
 mod problem;
 mod rejection;
-mod request_lock;
-mod request_locks;
 mod until_lost;
 
 pub use self::answers::{DEFAULT_BUSY_RETRY_AFTER, DEFAULT_UNAVAILABLE_RETRY_AFTER};
@@ -30,8 +29,6 @@ pub use self::key::{LockKey, LockKeys};
 pub use self::layer::{LockLayer, OnLoss};
 pub use self::problem::{ProblemDocument, PROBLEM_JSON};
 pub use self::rejection::{LockRejection, ProblemDetails, RejectionResponse};
-pub use self::request_lock::RequestLock;
-pub use self::request_locks::RequestLocks;
 
 use std::fmt;
 use std::sync::Arc;

@@ -2,10 +2,9 @@
 //! key on the same request, which would refuse every request as busy.
 
 use http::request::Parts;
-use lockingkit::{DistributedLock, LockMode};
+use lockingkit::{DistributedLock, LockMode, LockView, MultiLockView};
 
 use super::mode::same_namespace;
-use super::{RequestLock, RequestLocks};
 
 /// Why two layers locking one key on one request are refused.
 pub(crate) const NESTED: &str = "two lock layers of one provider lock the same key on this \
@@ -21,13 +20,16 @@ pub(crate) fn held_by_an_outer_layer(
     mode: LockMode,
     locks: &DistributedLock,
 ) -> bool {
-    let one = parts.extensions.get::<RequestLock>().is_some_and(|outer| {
+    let one = parts.extensions.get::<LockView>().is_some_and(|outer| {
         outer.key() == key && same_namespace(outer.mode(), mode) && outer.is_from(locks)
     });
-    let many = parts.extensions.get::<RequestLocks>().is_some_and(|outer| {
-        outer.keys().any(|held| held == key)
-            && same_namespace(outer.mode(), mode)
-            && outer.is_from(locks)
-    });
+    let many = parts
+        .extensions
+        .get::<MultiLockView>()
+        .is_some_and(|outer| {
+            outer.keys().any(|held| held == key)
+                && same_namespace(outer.mode(), mode)
+                && outer.is_from(locks)
+        });
     one || many
 }

@@ -77,11 +77,11 @@ pub(super) fn release_settles_within<B: ContractBackend>(backend: &B) -> Duratio
 /// idle process has given every lock it had back to the backend.
 pub(super) async fn until_idle(lock: &DistributedLock, within: Duration, what: &str) {
     let give_up = Instant::now() + within;
-    while lock.active_parties() != 0 {
+    while lock.local_callers() != 0 {
         assert!(
             Instant::now() < give_up,
             "contract broken: {what}: the process still had {} key(s) after {within:?}",
-            lock.active_parties()
+            lock.local_callers()
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -189,7 +189,7 @@ pub async fn release_is_idempotent_and_drop_releases<B: ContractBackend>(backend
     )
     .await;
     required(next.release().await, "release");
-    assert_eq!(procs[0].active_parties(), 0, "nothing left behind locally");
+    assert_eq!(procs[0].local_callers(), 0, "nothing left behind locally");
 }
 
 /// `acquire` waits for a release and reports `Timeout` when the lock stays busy, neither early
@@ -478,7 +478,7 @@ pub async fn cancellation_before_during_and_after_an_attempt_leaks_nothing<B: Co
     required(next.release().await, "release");
 
     let give_up = Instant::now() + Duration::from_secs(20);
-    while procs[0].active_parties() != 0 {
+    while procs[0].local_callers() != 0 {
         assert!(
             Instant::now() < give_up,
             "a cancelled attempt never finished"

@@ -139,7 +139,7 @@ pub async fn multi_key_holds_are_all_or_nothing<B: ContractBackend>(backend: &B)
         ErrorKind::InvalidKey,
         "a bad key",
     );
-    assert_eq!(procs[0].active_parties(), 0, "a refused list takes nothing");
+    assert_eq!(procs[0].local_callers(), 0, "a refused list takes nothing");
 }
 
 /// Dropping an `acquire_all` future at any point — during the first key's attempt, between

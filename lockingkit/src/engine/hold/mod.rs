@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::waiting_room::Turn;
 use super::Engine;
-use crate::backend::{Acquired, LeaseTiming, LockBackend};
+use crate::backend::{Acquired, LeaseTiming, LockBackend, LockMode};
 use crate::background::{traced, within, within_noting, Orphanable};
 use crate::error::{ErrorKind, LockError};
 use crate::handle::AnyHold;
@@ -72,6 +72,7 @@ fn lost_state(reason: LossReason) -> u8 {
 pub(crate) struct Hold<B: LockBackend> {
     pub(super) engine: Arc<Engine<B>>,
     key: Arc<str>,
+    mode: LockMode,
     fencing_token: u64,
     pub(super) lease: B::Lease,
     /// Fires on loss and on release; the keeper task stops when it fires. Made on first use
@@ -117,6 +118,7 @@ pub(crate) fn deadline_after(timing: LeaseTiming, sent: Instant) -> Instant {
 impl<B: LockBackend> Hold<B> {
     pub(super) fn new(
         engine: Arc<Engine<B>>,
+        mode: LockMode,
         runtime: Handle,
         turn: Turn,
         acquired: Acquired<B::Lease>,
@@ -130,6 +132,7 @@ impl<B: LockBackend> Hold<B> {
             parent,
             runtime,
             key: turn.key().clone(),
+            mode,
             fencing_token: acquired.fencing_token,
             lease: acquired.lease,
             lost: OnceLock::new(),
@@ -278,6 +281,10 @@ impl<B: LockBackend> Hold<B> {
 impl<B: LockBackend> AnyHold for Hold<B> {
     fn key(&self) -> &str {
         &self.key
+    }
+
+    fn mode(&self) -> LockMode {
+        self.mode
     }
 
     fn fencing_token(&self) -> u64 {

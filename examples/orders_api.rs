@@ -203,7 +203,7 @@ async fn lock_provider() -> Result<DistributedLock, Box<dyn Error>> {
     #[cfg(feature = "azure")]
     if let Some(connection_string) = azure {
         let options = lockingkit::AzureBlobOptions::from_connection_string(connection_string)
-            .container("locks");
+            .with_container("locks");
         let backend = lockingkit::AzureBlobBackend::new(options)?;
         // Building sends nothing to Azure; this is where a missing container or a wrong
         // account stops the example instead of every write answering 500.

@@ -17,9 +17,8 @@
 
 use std::time::{Duration, Instant};
 
-use lockingkit_tests::bench::Percentiles;
-use lockingkit_tests::bench_postgres::Shuffle;
-use lockingkit_tests::bench_redis::{lock, RawScripts};
+use lockingkit_benches::redis_rows::{lock, RawScripts};
+use lockingkit_benches::samples::{Percentiles, Shuffle};
 use lockingkit_tests::redis::RedisServer;
 
 const PAIRS: usize = 5000;

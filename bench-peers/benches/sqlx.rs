@@ -15,9 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use lockingkit::{DistributedLock, PostgresBackend, PostgresLockKeys, PostgresOptions};
-use lockingkit_tests::bench::Percentiles;
-use lockingkit_tests::bench_postgres::Shuffle;
+use lockingkit::keys::PostgresLockKeys;
+use lockingkit::{DistributedLock, PostgresBackend, PostgresOptions};
+use lockingkit_benches::samples::{Percentiles, Shuffle};
 use lockingkit_tests::postgres::PostgresServer;
 use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::{ConnectOptions, Either};

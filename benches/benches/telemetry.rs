@@ -1,7 +1,7 @@
 //! What LockingKit's telemetry costs when nobody listens, and when someone does.
 //!
 //! ```text
-//! cargo bench -p lockingkit-tests --bench telemetry
+//! cargo bench -p lockingkit-benches --bench telemetry
 //! ```
 //!
 //! # Method
@@ -36,7 +36,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
-use lockingkit_tests::bench::BenchMode;
+use lockingkit_benches::mode::BenchMode;
 use opentelemetry::metrics::{Histogram, UpDownCounter};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::KeyValue;

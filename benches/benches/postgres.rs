@@ -1,18 +1,20 @@
 //! LockingKit's PostgreSQL try_acquire+release next to raw prepared advisory-lock statements,
-//! against one throwaway server in one run (method in `lockingkit_tests::bench_postgres`).
+//! against one throwaway server in one run (method in `lockingkit_benches::postgres_pairs`),
+//! then throughput on many keys (`postgres_throughput`) and the HTTP shape (`http_load`).
 //!
 //! ```text
-//! scripts/setup-postgres.sh && cargo bench -p lockingkit-tests --bench postgres
+//! scripts/setup-postgres.sh && cargo bench -p lockingkit-benches --bench postgres
 //! ```
 //!
 //! Without `--bench` (`cargo test --all-targets`) it runs a few pairs as a smoke test; it lists
 //! no tests to nextest.
 
-use lockingkit_tests::bench::{two_worker_runtime, BenchMode};
 use std::time::Duration;
 
-use lockingkit_tests::bench_postgres::measure;
-use lockingkit_tests::bench_sessions;
+use lockingkit_benches::http_load::http_shape;
+use lockingkit_benches::mode::{two_worker_runtime, BenchMode};
+use lockingkit_benches::postgres_pairs::measure;
+use lockingkit_benches::postgres_throughput::throughput;
 use lockingkit_tests::postgres::PostgresServer;
 
 fn main() {
@@ -28,8 +30,8 @@ fn main() {
         let (report, throughput, http) = tokio::spawn(async move {
             let server = PostgresServer::start().await;
             let report = measure(&server, pairs).await;
-            let throughput = bench_sessions::throughput(&server, 256, rounds, round).await;
-            let http = bench_sessions::http_shape(&server, 32, rounds, round).await;
+            let throughput = throughput(&server, 256, rounds, round).await;
+            let http = http_shape(&server, 32, rounds, round).await;
             (report, throughput, http)
         })
         .await
@@ -45,9 +47,9 @@ fn main() {
         );
         println!(
             "HTTP, 32 connections: lock_route {:.0}/s, no layer {:.0}/s, ratio {:.3}; CPU per request: app {:.1} µs (no layer {:.1} µs), PostgreSQL {:.1} µs",
-            http.locked_per_s,
-            http.plain_per_s,
-            http.ratio(),
+            http.rates.locked_per_s,
+            http.rates.plain_per_s,
+            http.rates.ratio(),
             http.locked_app_cpu.as_secs_f64() * 1e6,
             http.plain_app_cpu.as_secs_f64() * 1e6,
             http.locked_server_cpu.as_secs_f64() * 1e6

@@ -17,18 +17,20 @@
 //! and, to split the library's cost from its SQL's, LockingKit's own statement (isolation and
 //! sequence checks, the fencing token) sent by hand both ways.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::providers::postgres::{
     LockableTransaction, PostgresTransactionLocks, PostgresTransactionOptions,
 };
+use lockingkit_tests::postgres::PostgresServer;
+use tokio::sync::Mutex;
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 
-use crate::bench_postgres::{raw_pool, Latency, Shuffle};
-use crate::postgres::PostgresServer;
+use crate::samples::{interleaved, timed, Order, Percentiles, Rounds};
+use crate::table::latency_line;
 
 const TRY_XACT_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 
@@ -50,49 +52,43 @@ pub struct TransactionBenchReport {
     /// Samples per variant.
     pub samples: usize,
     /// `try_acquire` on a tokio-postgres transaction (unnamed).
-    pub lockingkit_unnamed: Latency,
+    pub lockingkit_unnamed: Percentiles,
     /// The raw try-lock sent unnamed: the unnamed path's baseline.
-    pub raw_unnamed: Latency,
+    pub raw_unnamed: Percentiles,
     /// `try_acquire` on a deadpool-postgres transaction (prepared).
-    pub lockingkit_prepared: Latency,
+    pub lockingkit_prepared: Percentiles,
     /// The raw try-lock through `prepare_cached`: the prepared path's baseline.
-    pub raw_prepared: Latency,
+    pub raw_prepared: Percentiles,
     /// LockingKit's statement sent unnamed by hand.
-    pub same_unnamed: Latency,
+    pub same_unnamed: Percentiles,
     /// LockingKit's statement through `prepare_cached` by hand.
-    pub same_prepared: Latency,
+    pub same_prepared: Percentiles,
 }
 
 impl TransactionBenchReport {
     /// The unnamed path over the raw unnamed statement (the goal is at most 1.10).
     pub fn unnamed_ratio(&self) -> f64 {
-        ratio(self.lockingkit_unnamed, self.raw_unnamed)
+        self.lockingkit_unnamed.ratio_to(self.raw_unnamed)
     }
 
     /// The prepared path over the raw prepared statement (the goal is at most 1.10).
     pub fn prepared_ratio(&self) -> f64 {
-        ratio(self.lockingkit_prepared, self.raw_prepared)
+        self.lockingkit_prepared.ratio_to(self.raw_prepared)
     }
 
     /// The unnamed path over its own statement sent the same way by hand: the library's cost.
     pub fn unnamed_library_ratio(&self) -> f64 {
-        ratio(self.lockingkit_unnamed, self.same_unnamed)
+        self.lockingkit_unnamed.ratio_to(self.same_unnamed)
     }
 
     /// The prepared path over its own statement prepared by hand: the library's cost.
     pub fn prepared_library_ratio(&self) -> f64 {
-        ratio(self.lockingkit_prepared, self.same_prepared)
+        self.lockingkit_prepared.ratio_to(self.same_prepared)
     }
 
     /// A few lines for humans.
     pub fn render(&self) -> String {
-        let line = |name: &str, l: Latency| {
-            format!(
-                "  {name:<52} median {:>8.1} µs   p99 {:>8.1} µs\n",
-                micros(l.median),
-                micros(l.p99)
-            )
-        };
+        let line = |name: &str, latency: Percentiles| latency_line(name, 52, latency);
         format!(
             "PostgreSQL transaction-scoped try-lock inside an open transaction, {} interleaved samples each:\n{}{}{}{}{}{}",
             self.samples,
@@ -104,14 +100,6 @@ impl TransactionBenchReport {
             line("lockingkit's statement by hand, prepare_cached", self.same_prepared),
         )
     }
-}
-
-fn ratio(a: Latency, b: Latency) -> f64 {
-    a.median.as_secs_f64() / b.median.as_secs_f64()
-}
-
-fn micros(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 /// The variants, in the order of [`TransactionBenchReport`]'s fields.
@@ -172,22 +160,23 @@ impl Bench {
         variant: Variant,
         transaction: &T,
     ) -> Duration {
-        let started = Instant::now();
-        match variant {
-            Variant::LockingkitUnnamed | Variant::LockingkitPrepared => {
-                let lock = self.locks.try_acquire(transaction, &self.key).await;
-                lock.expect("the lockingkit key was busy");
+        timed(async {
+            match variant {
+                Variant::LockingkitUnnamed | Variant::LockingkitPrepared => {
+                    let lock = self.locks.try_acquire(transaction, &self.key).await;
+                    lock.expect("the lockingkit key was busy");
+                }
+                Variant::RawUnnamed | Variant::RawPrepared => {
+                    let taken = transaction.raw_bool(TRY_XACT_LOCK, self.advisory).await;
+                    assert!(taken, "raw key busy");
+                }
+                Variant::SameUnnamed | Variant::SamePrepared => {
+                    let token = transaction.raw_i64(&self.statement, self.advisory).await;
+                    assert!(token > 0, "raw fenced key busy: {token}");
+                }
             }
-            Variant::RawUnnamed | Variant::RawPrepared => {
-                let taken = transaction.raw_bool(TRY_XACT_LOCK, self.advisory).await;
-                assert!(taken, "raw key busy");
-            }
-            Variant::SameUnnamed | Variant::SamePrepared => {
-                let token = transaction.raw_i64(&self.statement, self.advisory).await;
-                assert!(token > 0, "raw fenced key busy: {token}");
-            }
-        }
-        started.elapsed()
+        })
+        .await
     }
 }
 
@@ -236,7 +225,7 @@ async fn connection_for(
             Connection::Plain(server.connect().await)
         }
         Variant::LockingkitPrepared | Variant::RawPrepared | Variant::SamePrepared => {
-            let pool = raw_pool(server, 1);
+            let pool = server.plain_pool(1);
             let object = pool.get().await.expect("a pooled connection");
             pools.push(pool);
             Connection::Pooled(object)
@@ -257,7 +246,9 @@ pub async fn measure_transaction(
     let mut pools = Vec::new();
     let mut connections = Vec::new();
     for variant in VARIANTS {
-        connections.push(connection_for(variant, server, &mut pools).await);
+        connections.push(Mutex::new(
+            connection_for(variant, server, &mut pools).await,
+        ));
     }
     // One key for all: each sample's transaction holds it only while that sample runs.
     let key = format!("bench/transaction/{}", std::process::id());
@@ -268,21 +259,17 @@ pub async fn measure_transaction(
         key,
     };
 
-    let mut measured: [Vec<Duration>; VARIANTS.len()] = Default::default();
-    let warm_up = 50.min(samples);
-    let mut order: [usize; VARIANTS.len()] = std::array::from_fn(|v| v);
-    let mut random = Shuffle::seeded();
-    for round in 0..warm_up + samples {
-        random.shuffle(&mut order);
-        for index in order {
-            let elapsed = bench.sample(VARIANTS[index], &mut connections[index]).await;
-            if round >= warm_up {
-                measured[index].push(elapsed);
-            }
+    let rounds = Rounds::new(samples, 50, Order::Shuffled);
+    let measured: [Vec<Duration>; VARIANTS.len()] = interleaved(rounds, |index| {
+        let (bench, connections) = (&bench, &connections);
+        async move {
+            let mut connection = connections[index].lock().await;
+            bench.sample(VARIANTS[index], &mut connection).await
         }
-    }
+    })
+    .await;
     let [lockingkit_unnamed, raw_unnamed, lockingkit_prepared, raw_prepared, same_unnamed, same_prepared] =
-        measured.map(crate::bench_postgres::latency);
+        measured.map(Percentiles::of);
     TransactionBenchReport {
         samples,
         lockingkit_unnamed,

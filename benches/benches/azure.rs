@@ -1,16 +1,16 @@
 //! LockingKit's Azure acquire+release next to the raw SDK sending the same requests, against
-//! one Azurite in one run (method in `lockingkit_tests::bench_azure`).
+//! one Azurite in one run (method in `lockingkit_benches::azure_rows`).
 //!
 //! ```text
-//! scripts/setup-azurite.sh && cargo bench -p lockingkit-tests --bench azure
+//! scripts/setup-azurite.sh && cargo bench -p lockingkit-benches --bench azure
 //! ```
 //!
 //! Without `--bench` (`cargo test --all-targets`) it runs a few pairs as a smoke test; it lists
 //! no tests to nextest.
 
+use lockingkit_benches::azure_rows::measure;
+use lockingkit_benches::mode::{two_worker_runtime, BenchMode};
 use lockingkit_tests::azurite::Azurite;
-use lockingkit_tests::bench::{two_worker_runtime, BenchMode};
-use lockingkit_tests::bench_azure::measure;
 
 fn main() {
     let Some(mode) = BenchMode::from_args() else {

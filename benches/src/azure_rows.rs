@@ -9,7 +9,7 @@
 //! metadata read (four requests), for what a straightforward implementation would cost.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use azure_core::http::RequestContent;
 use azure_core::Uuid;
@@ -18,11 +18,14 @@ use azure_storage_blob::models::{
     BlobClientGetPropertiesResultHeaders, BlobClientSetMetadataOptions,
 };
 use azure_storage_blob::BlobClient;
-use lockingkit::keys::azure_blob_name;
+use lockingkit::keys::AzureLockKeys;
 use lockingkit::providers::azure::{AzureBlobBackend, AzureBlobOptions, FENCING_TOKEN_METADATA};
-use lockingkit::DistributedLock;
+use lockingkit_tests::azurite::Azurite;
+use tokio::sync::Mutex;
 
-use crate::azurite::Azurite;
+use crate::pair::{lock_on, lock_pair};
+use crate::samples::{interleaved, timed, Order, Percentiles, Rounds};
+use crate::table::ms;
 
 /// Medians of one run.
 #[derive(Clone, Debug)]
@@ -58,15 +61,6 @@ impl AzureBenchReport {
             self.ratio()
         )
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort();
-    samples.get(samples.len() / 2).copied().unwrap_or_default()
 }
 
 /// The raw SDK's version of one pair.
@@ -125,57 +119,44 @@ impl RawPair {
 /// Measures `pairs` pairs of each variant, interleaved, after a warm-up.
 pub async fn measure(azurite: &Azurite, pairs: usize) -> AzureBenchReport {
     let options = AzureBlobOptions::from_connection_string(azurite.connection_string());
-    let backend = AzureBlobBackend::new(options).expect("valid options");
-    let locks = DistributedLock::builder(backend)
-        .build()
-        .expect("valid lock options");
+    let locks = lock_on(AzureBlobBackend::new(options).expect("valid options"));
     let lock_key = format!("bench/lockingkit/{}", Uuid::new_v4());
 
     let container = azurite.plain_container_client("locks");
     let mut raw = Vec::new();
     for variant in ["same", "read"] {
-        let blob = container.blob_client(&azure_blob_name(&format!(
+        let blob = container.blob_client(&AzureLockKeys::guard_blob_name(&format!(
             "bench/raw-{variant}/{}",
             Uuid::new_v4()
         )));
         blob.upload(RequestContent::from(Vec::new()), None)
             .await
             .expect("raw guard");
-        raw.push(RawPair {
+        raw.push(Mutex::new(RawPair {
             blob,
             token: 0,
             metadata: HashMap::new(),
-        });
+        }));
     }
 
-    let mut samples = [Vec::new(), Vec::new(), Vec::new()];
-    let warm_up = 20.min(pairs);
-    for round in 0..warm_up + pairs {
-        // Rotate the order so no variant always runs right after another.
-        for slot in 0..3 {
-            let variant = (round + slot) % 3;
-            let started = Instant::now();
+    // Rotate the order so no variant always runs right after another.
+    let rounds = Rounds::new(pairs, 20, Order::Rotated);
+    let samples = interleaved(rounds, |variant| {
+        let (locks, lock_key, raw) = (&locks, &lock_key, &raw);
+        async move {
             match variant {
-                0 => locks
-                    .try_acquire(&lock_key)
-                    .await
-                    .expect("lockingkit acquire")
-                    .release()
-                    .await
-                    .expect("lockingkit release"),
-                1 => raw[0].run(false).await,
-                _ => raw[1].run(true).await,
-            }
-            if round >= warm_up {
-                samples[variant].push(started.elapsed());
+                0 => timed(lock_pair(locks, lock_key)).await,
+                1 => timed(raw[0].lock().await.run(false)).await,
+                _ => timed(raw[1].lock().await.run(true)).await,
             }
         }
-    }
-    let [kit, same, read] = samples;
+    })
+    .await;
+    let [kit, same, read] = samples.map(|samples| Percentiles::of(samples).p50);
     AzureBenchReport {
         pairs,
-        lockingkit: median(kit),
-        raw_same_requests: median(same),
-        raw_with_read: median(read),
+        lockingkit: kit,
+        raw_same_requests: same,
+        raw_with_read: read,
     }
 }

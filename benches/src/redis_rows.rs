@@ -1,5 +1,5 @@
 //! What LockingKit adds to a Redis lock's round trips, measured next to the very same Lua scripts
-//! sent raw, interleaved in one run against one throwaway server (`tests/benches/lockingkit.rs`
+//! sent raw, interleaved in one run against one throwaway server (`benches/benches/lockingkit.rs`
 //! prints the rows).
 //!
 //! - **pair**: `try_acquire` + `release` through `DistributedLock` (the engine, its waiting room,
@@ -13,19 +13,18 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lockingkit::backend::LockBackend;
 use lockingkit::keys::RedisLockKeys;
 use lockingkit::providers::redis::lua;
-use lockingkit::{DistributedLock, LockMode, RedisBackend, RedisOptions};
+use lockingkit::{DistributedLock, RedisBackend, RedisOptions};
+use lockingkit_tests::redis::RedisServer;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::Mutex;
 
-use crate::bench::{Percentiles, PollingOnly};
-use crate::bench_postgres::Shuffle;
-use crate::bench_sessions::{pairs_for, Throughput};
-use crate::redis::RedisServer;
+use crate::load::{alternating, pairs_for, Throughput, WARM_UP};
+use crate::pair::{backend_pair, lock_on, lock_pair};
+use crate::samples::{interleaved, timed, Order, Percentiles, Rounds};
 
 /// The lease of every variant: 30 s, the default.
 const LEASE_MS: &str = "30000";
@@ -39,31 +38,31 @@ pub fn backend(server: &RedisServer) -> RedisBackend {
 
 /// A `DistributedLock` on `server` with default options.
 pub fn lock(server: &RedisServer) -> DistributedLock {
-    DistributedLock::builder(backend(server))
-        .build()
-        .expect("lock")
+    lock_on(backend(server))
 }
 
 /// The same, with the provider's wait hidden: waiters in other processes only poll.
 pub fn polling_lock(server: &RedisServer) -> DistributedLock {
-    DistributedLock::builder(PollingOnly(backend(server)))
-        .build()
-        .expect("lock")
+    crate::handoff::polling_lock(backend(server))
 }
 
 /// The latencies of one run.
 #[derive(Clone, Copy, Debug)]
 pub struct RedisPairs {
+    /// Pairs measured per variant.
     pub pairs: usize,
+    /// LockingKit `try_acquire` + `release`.
     pub lockingkit: Percentiles,
+    /// The same scripts sent raw.
     pub raw: Percentiles,
+    /// The Redis backend alone, without the engine.
     pub backend_only: Percentiles,
 }
 
 impl RedisPairs {
     /// LockingKit's median over the raw scripts' (the goal is at most 1.10).
     pub fn ratio(&self) -> f64 {
-        self.lockingkit.p50.as_secs_f64() / self.raw.p50.as_secs_f64()
+        self.lockingkit.ratio_to(self.raw)
     }
 }
 
@@ -75,6 +74,7 @@ pub struct RawScripts {
 }
 
 impl RawScripts {
+    /// The provider's scripts, not loaded yet: the first `EVALSHA` that misses loads them.
     pub fn new() -> Self {
         RawScripts {
             acquire: redis::Script::new(lua::ACQUIRE),
@@ -125,50 +125,31 @@ pub async fn measure(server: &RedisServer, pairs: usize) -> RedisPairs {
     let locks = lock(server);
     let bare = backend(server);
     let raw = RawScripts::new();
-    let mut connection = server.client().await;
+    let connection = server.client().await;
     let keys = [
         format!("bench/redis/lockingkit/{pid}"),
         format!("bench/redis/raw/{pid}"),
         format!("bench/redis/backend/{pid}"),
     ];
-    let mut samples: [Vec<Duration>; 3] = Default::default();
-    let warm_up = 100.min(pairs);
-    let mut order = [0usize, 1, 2];
-    let mut random = Shuffle::seeded();
-    for round in 0..warm_up + pairs {
-        random.shuffle(&mut order);
-        for variant in order {
-            let key = &keys[variant];
-            let started = Instant::now();
+    let rounds = Rounds::new(pairs, 100, Order::Shuffled);
+    let samples = interleaved(rounds, |variant| {
+        let key = &keys[variant];
+        // A clone shares the one multiplexed connection.
+        let mut connection = connection.clone();
+        let (locks, bare, raw) = (&locks, &bare, &raw);
+        async move {
             match variant {
-                0 => locks
-                    .try_acquire(key)
-                    .await
-                    .expect("lockingkit acquire")
-                    .release()
-                    .await
-                    .expect("lockingkit release"),
-                1 => raw.pair(&mut connection, key).await,
-                _ => {
-                    let acquired = bare
-                        .try_acquire(key, LockMode::Exclusive)
-                        .await
-                        .expect("backend acquire")
-                        .expect("the backend's lock was busy");
-                    bare.release(&acquired.lease)
-                        .await
-                        .expect("backend release");
-                }
-            }
-            if round >= warm_up {
-                samples[variant].push(started.elapsed());
+                0 => timed(lock_pair(locks, key)).await,
+                1 => timed(raw.pair(&mut connection, key)).await,
+                _ => timed(backend_pair(bare, key)).await,
             }
         }
-    }
-    let [kit, raw, backend_only] = samples.map(Percentiles::of);
+    })
+    .await;
+    let [lockingkit, raw, backend_only] = samples.map(Percentiles::of);
     RedisPairs {
         pairs,
-        lockingkit: kit,
+        lockingkit,
         raw,
         backend_only,
     }
@@ -193,19 +174,10 @@ pub async fn throughput(
         let locks = locks.clone();
         move |task: usize, _round: u64| {
             let locks = locks.clone();
-            async move {
-                let key = format!("bench/redis/throughput/{pid}/{task}");
-                locks
-                    .try_acquire(&key)
-                    .await
-                    .expect("a key of its own is free")
-                    .release()
-                    .await
-                    .expect("release");
-            }
+            async move { lock_pair(&locks, &format!("bench/redis/throughput/{pid}/{task}")).await }
         }
     };
-    pairs_for(tasks, Duration::from_millis(200), kit_pair.clone()).await;
+    pairs_for(tasks, WARM_UP, kit_pair.clone()).await;
     let lockingkit_connections = clients(server).saturating_sub(others);
     let mut pool = Vec::with_capacity(RAW_POOL);
     for _ in 0..RAW_POOL {
@@ -230,17 +202,12 @@ pub async fn throughput(
             raw.pair(&mut connection, &key).await;
         }
     };
-    pairs_for(tasks, Duration::from_millis(200), raw_pair.clone()).await;
-    let (mut kit, mut raw) = (0, 0);
-    for _ in 0..rounds {
-        kit += pairs_for(tasks, length, kit_pair.clone()).await;
-        raw += pairs_for(tasks, length, raw_pair.clone()).await;
-    }
-    let seconds = length.as_secs_f64() * rounds as f64;
+    pairs_for(tasks, WARM_UP, raw_pair.clone()).await;
+    let (kit_per_s, raw_per_s) = alternating(tasks, rounds, length, kit_pair, raw_pair).await;
     Throughput {
-        lockingkit_pairs_per_s: kit as f64 / seconds,
+        lockingkit_pairs_per_s: kit_per_s,
         lockingkit_connections,
-        raw_pairs_per_s: raw as f64 / seconds,
+        raw_pairs_per_s: raw_per_s,
         raw_connections: RAW_POOL,
     }
 }

@@ -1,12 +1,14 @@
-//! Benchmark rows of the patterns (`cargo bench --bench lockingkit -- patterns`): a multi-key
-//! hold of two keys against two single holds in sequence, and election failover time.
+//! Benchmark rows of the patterns (`cargo bench -p lockingkit-benches --bench lockingkit --
+//! patterns`): a multi-key hold of two keys against two single holds in sequence, and election
+//! failover time.
 
 use std::time::Duration;
 
 use lockingkit::{DistributedLock, LeaderState, Leadership};
 use tokio::time::Instant;
 
-use crate::bench::Percentiles;
+use crate::pair::lock_pair;
+use crate::samples::Percentiles;
 
 /// `samples` interleaved rounds on `locks`: (one `try_acquire_all` of two keys + release, two
 /// `try_acquire` + release pairs in sequence), each round timed.
@@ -20,8 +22,7 @@ pub async fn multi_key_pair(locks: &DistributedLock, samples: usize) -> (Percent
         multi.push(started.elapsed());
         let started = Instant::now();
         for key in keys {
-            let handle = locks.try_acquire(key).await.expect("free");
-            handle.release().await.expect("released");
+            lock_pair(locks, key).await;
         }
         singles.push(started.elapsed());
     }

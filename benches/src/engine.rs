@@ -1,78 +1,15 @@
-//! Engine-level measurements shared by the benchmark program (`tests/benches/lockingkit.rs`):
-//! in-memory throughput, backend attempts while many local callers wait, local hand-off on
-//! any backend, and cross-process hand-off with and without the backend's release hint.
+//! The engine alone, with no server: in-memory pairs per second and one pair on cold caches
+//! (row 3), and the backend attempts while many local callers wait (row 4).
 
-use lockingkit::LockMode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::{DistributedLock, MemoryBackend, MemoryStore};
+use lockingkit::{DistributedLock, LockMode, MemoryBackend, MemoryStore};
 
-/// How a harness-less benchmark binary was invoked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BenchMode {
-    /// `cargo bench`: measure for real.
-    Full,
-    /// `cargo test --all-targets`: a few samples, to know it still works.
-    Smoke,
-}
-
-impl BenchMode {
-    /// The mode from the process arguments; `None` when a test runner (nextest) only asks
-    /// for the binary's test list, of which there is none.
-    pub fn from_args() -> Option<BenchMode> {
-        let args: Vec<String> = std::env::args().collect();
-        if args.iter().any(|a| a == "--list") {
-            return None;
-        }
-        Some(if args.iter().any(|a| a == "--bench") {
-            BenchMode::Full
-        } else {
-            BenchMode::Smoke
-        })
-    }
-
-    /// `full` when measuring for real, `smoke` otherwise.
-    pub fn pick<T>(self, full: T, smoke: T) -> T {
-        match self {
-            BenchMode::Full => full,
-            BenchMode::Smoke => smoke,
-        }
-    }
-}
-
-/// The two-worker multi-thread runtime the backend benchmarks measure on.
-pub fn two_worker_runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// Median and 99th percentile of a set of samples.
-#[derive(Clone, Copy, Debug)]
-pub struct Percentiles {
-    pub p50: Duration,
-    pub p99: Duration,
-}
-
-impl Percentiles {
-    /// The percentiles of `samples` (zero when empty).
-    pub fn of(mut samples: Vec<Duration>) -> Percentiles {
-        samples.sort_unstable();
-        let at = |q: f64| {
-            let index = ((samples.len() as f64 - 1.0) * q).round() as usize;
-            samples.get(index).copied().unwrap_or_default()
-        };
-        Percentiles {
-            p50: at(0.5),
-            p99: at(0.99),
-        }
-    }
-}
+use crate::pair::{backend_pair, lock_on, lock_pair};
+use crate::samples::Percentiles;
 
 /// Runs `measure` on a current-thread runtime with the raw in-memory backend and a lock on an
 /// in-memory store of its own, the setting of the single-thread in-memory measurements.
@@ -94,14 +31,8 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
     on_one_thread(async |raw, locks| {
         // Warm up both paths (allocator, hash map capacity).
         for _ in 0..pairs.min(10_000) {
-            let acquired = raw
-                .try_acquire("bench", LockMode::Exclusive)
-                .await
-                .unwrap()
-                .unwrap();
-            raw.release(&acquired.lease).await.unwrap();
-            let handle = locks.try_acquire("bench").await.unwrap();
-            handle.release().await.unwrap();
+            backend_pair(raw, "bench").await;
+            lock_pair(locks, "bench").await;
         }
         let mut best_raw = 0f64;
         let mut best_engine = 0f64;
@@ -109,19 +40,13 @@ pub fn in_memory_pairs_per_second(pairs: u32) -> (f64, f64) {
         for _ in 0..5 {
             let start = Instant::now();
             for _ in 0..pairs {
-                let acquired = raw
-                    .try_acquire("bench", LockMode::Exclusive)
-                    .await
-                    .unwrap()
-                    .unwrap();
-                raw.release(&acquired.lease).await.unwrap();
+                backend_pair(raw, "bench").await;
             }
             best_raw = best_raw.max(f64::from(pairs) / start.elapsed().as_secs_f64());
 
             let start = Instant::now();
             for i in 0..pairs {
-                let handle = locks.try_acquire("bench").await.unwrap();
-                handle.release().await.unwrap();
+                lock_pair(locks, "bench").await;
                 if i % 64 == 0 {
                     tokio::task::yield_now().await;
                 }
@@ -239,14 +164,12 @@ pub fn attempts_while_waiting(waiters: usize) -> WaitingAttempts {
         let store = MemoryStore::new();
         let attempts = Arc::new(AtomicU64::new(0));
         let most_in_flight = Arc::new(AtomicU64::new(0));
-        let locks = DistributedLock::builder(Counting {
+        let locks = lock_on(Counting {
             inner: MemoryBackend::new(store.clone()),
             attempts: attempts.clone(),
             in_flight: Arc::new(AtomicU64::new(0)),
             most_in_flight: most_in_flight.clone(),
-        })
-        .build()
-        .unwrap();
+        });
         let remote = DistributedLock::in_memory_shared(&store);
         let held = remote.try_acquire("job").await.unwrap();
         let tasks: Vec<_> = (0..waiters)
@@ -264,94 +187,4 @@ pub fn attempts_while_waiting(waiters: usize) -> WaitingAttempts {
             most_at_once: most_in_flight.load(Ordering::Relaxed),
         }
     })
-}
-
-/// Local hand-off: from the start of a holder's `release` to the moment the next caller of
-/// the same `DistributedLock`, already waiting, holds the key. Call from a multi-thread
-/// runtime.
-pub async fn local_handoff(locks: &DistributedLock, key: &str, samples: usize) -> Percentiles {
-    handoff(locks, locks, key, samples, |_| Duration::ZERO).await
-}
-
-/// Cross-process hand-off: `holder` and `waiter` are two `DistributedLock`s with backends of
-/// their own (two pools, two sets of watchers), as two processes have. The hold lasts from
-/// 20 ms to about 1 s, so that releases land at every point of the waiter's backoff (50 ms
-/// doubling to 1 s by default).
-pub async fn cross_process_handoff(
-    holder: &DistributedLock,
-    waiter: &DistributedLock,
-    key: &str,
-    samples: usize,
-) -> Percentiles {
-    handoff(holder, waiter, key, samples, |i| {
-        Duration::from_millis(20 + (i as u64 * 389) % 1000)
-    })
-    .await
-}
-
-/// Each sample: `holder` takes the key, `waiter` starts waiting, the hold lasts `hold(i)`, then
-/// from the start of the release to the moment `waiter` holds the key.
-async fn handoff(
-    holder: &DistributedLock,
-    waiter: &DistributedLock,
-    key: &str,
-    samples: usize,
-    hold: impl Fn(usize) -> Duration,
-) -> Percentiles {
-    let mut taken = Vec::with_capacity(samples);
-    for i in 0..samples {
-        let held = holder.try_acquire(key).await.unwrap();
-        let waiting = tokio::spawn({
-            let waiter = waiter.clone();
-            let key = key.to_owned();
-            async move {
-                let handle = waiter.acquire(&key, Duration::from_secs(10)).await.unwrap();
-                let at = Instant::now();
-                handle.release().await.unwrap();
-                at
-            }
-        });
-        while waiter.waiting(key) == 0 {
-            tokio::task::yield_now().await;
-        }
-        let hold = hold(i);
-        if !hold.is_zero() {
-            tokio::time::sleep(hold).await;
-        }
-        let released = Instant::now();
-        held.release().await.unwrap();
-        let acquired = waiting.await.unwrap();
-        taken.push(acquired.saturating_duration_since(released));
-    }
-    Percentiles::of(taken)
-}
-
-/// A backend with its release hint hidden: waiting is pure polling, the baseline the hint
-/// is measured against.
-pub struct PollingOnly<B>(pub B);
-
-impl<B: LockBackend> LockBackend for PollingOnly<B> {
-    type Lease = B::Lease;
-    fn provider(&self) -> &str {
-        self.0.provider()
-    }
-    fn timing(&self) -> LeaseTiming {
-        self.0.timing()
-    }
-    async fn try_acquire(
-        &self,
-        key: &str,
-        mode: LockMode,
-    ) -> Result<Option<Acquired<Self::Lease>>, BackendError> {
-        self.0.try_acquire(key, mode).await
-    }
-    async fn renew(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.renew(lease).await
-    }
-    async fn release(&self, lease: &Self::Lease) -> Result<(), BackendError> {
-        self.0.release(lease).await
-    }
-    fn lease_ended(&self, lease: &Self::Lease) -> impl std::future::Future<Output = ()> + Send {
-        self.0.lease_ended(lease)
-    }
 }

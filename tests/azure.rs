@@ -10,7 +10,7 @@ use azure_storage_blob::models::{
     BlobClientBreakLeaseOptions, BlobClientGetPropertiesResultHeaders, BlobClientUploadOptions,
 };
 use azure_storage_blob::BlobClient;
-use lockingkit::keys::azure_blob_name;
+use lockingkit::keys::AzureLockKeys;
 use lockingkit::providers::azure::{
     AzureBlobBackend, AzureBlobOptions, AzureRequestError, FENCING_TOKEN_METADATA,
 };
@@ -23,8 +23,8 @@ const LEASE: Duration = Duration::from_secs(15);
 
 fn options(azurite: &Azurite) -> AzureBlobOptions {
     AzureBlobOptions::from_connection_string(azurite.connection_string())
-        .lease_duration(LEASE)
-        .request_timeout(Duration::from_secs(2))
+        .with_lease_duration(LEASE)
+        .with_request_timeout(Duration::from_secs(2))
 }
 
 fn lock_with(options: AzureBlobOptions) -> DistributedLock {
@@ -42,7 +42,7 @@ fn unique(case: &str) -> String {
 fn plain_guard(azurite: &Azurite, key: &str) -> BlobClient {
     azurite
         .plain_container_client("locks")
-        .blob_client(&azure_blob_name(key))
+        .blob_client(&AzureLockKeys::guard_blob_name(key))
 }
 
 fn request_error(error: &LockError) -> Option<&AzureRequestError> {
@@ -356,7 +356,7 @@ async fn a_wrong_account_key_is_misconfigured_because_azurite_checks_the_signatu
     let azurite = Azurite::start().await;
     let wrong =
         AzureBlobOptions::from_connection_string(azurite.connection_string_with_wrong_key())
-            .lease_duration(LEASE);
+            .with_lease_duration(LEASE);
     let locks = lock_with(wrong);
     let error = locks.try_acquire(&unique("wrong-key")).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
@@ -386,7 +386,7 @@ async fn a_wrong_account_key_is_misconfigured_because_azurite_checks_the_signatu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_container_is_misconfigured() {
     let azurite = Azurite::start().await;
-    let locks = lock_with(options(&azurite).container("no-such-container"));
+    let locks = lock_with(options(&azurite).with_container("no-such-container"));
     let error = locks.try_acquire(&unique("container")).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
     assert_eq!(
@@ -404,7 +404,7 @@ async fn a_missing_container_is_misconfigured() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_names_a_missing_container_at_startup_and_ensure_container_creates_it() {
     let azurite = Azurite::start().await;
-    let backend = AzureBlobBackend::new(options(&azurite).container("fresh-locks"))
+    let backend = AzureBlobBackend::new(options(&azurite).with_container("fresh-locks"))
         .expect("valid Azure options");
     let error = backend.verify().await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
@@ -483,8 +483,8 @@ async fn a_wrong_account_name_is_misconfigured_and_says_what_to_check() {
         .replace("devstoreaccount1", "devstoreaccount2");
     let backend = AzureBlobBackend::new(
         AzureBlobOptions::from_connection_string(wrong)
-            .lease_duration(LEASE)
-            .request_timeout(Duration::from_secs(2)),
+            .with_lease_duration(LEASE)
+            .with_request_timeout(Duration::from_secs(2)),
     )
     .expect("valid Azure options");
     let error = backend.verify().await.unwrap_err();
@@ -524,7 +524,7 @@ async fn a_stopped_server_is_unavailable_not_a_timeout() {
 async fn a_hung_server_fails_a_call_within_the_request_timeout() {
     let mut azurite = Azurite::start_local(Persistence::InMemory).await;
     let timeout = Duration::from_secs(1);
-    let locks = lock_with(options(&azurite).request_timeout(timeout));
+    let locks = lock_with(options(&azurite).with_request_timeout(timeout));
     // A first call opens a pooled connection, so the hung call below is a read that never ends.
     locks
         .try_acquire(&unique("warm"))
@@ -624,7 +624,7 @@ async fn the_sdks_request_logs_never_show_a_key_or_its_guard_blob() {
         logged.contains("Failed response"),
         "the failed requests were logged too: {logged}"
     );
-    let name = azure_blob_name(&key);
+    let name = AzureLockKeys::guard_blob_name(&key);
     for secret in [
         "customer-4711".to_owned(),
         name.clone(),
@@ -684,8 +684,7 @@ mod semaphore {
         let container = azurite.plain_container_client("locks");
         let mut leased = Vec::new();
         for slot in 0..slots {
-            let blob =
-                container.blob_client(&lockingkit::keys::azure_semaphore_slot_blob_name(key, slot));
+            let blob = container.blob_client(&AzureLockKeys::semaphore_slot_blob_name(key, slot));
             match blob.get_properties(None).await {
                 Ok(properties) => {
                     if properties.lease_state().expect("lease state header")
@@ -705,7 +704,7 @@ mod semaphore {
     async fn slot_token(azurite: &Azurite, key: &str, slot: u32) -> Option<String> {
         azurite
             .plain_container_client("locks")
-            .blob_client(&lockingkit::keys::azure_semaphore_slot_blob_name(key, slot))
+            .blob_client(&AzureLockKeys::semaphore_slot_blob_name(key, slot))
             .get_properties(None)
             .await
             .expect("slot properties")
@@ -984,8 +983,8 @@ mod semaphore {
         );
         let counted = AzureBlobBackend::new(
             AzureBlobOptions::from_connection_string(through_proxy)
-                .lease_duration(LEASE)
-                .request_timeout(Duration::from_secs(2)),
+                .with_lease_duration(LEASE)
+                .with_request_timeout(Duration::from_secs(2)),
         )
         .expect("valid Azure options");
         let mut counts = Vec::new();

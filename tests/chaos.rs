@@ -20,14 +20,14 @@
 //! [`SEND_SKEW`] before.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use azure_storage_blob::models::BlobClientBreakLeaseOptions;
 use lockingkit::backend::{BackendErrorKind, LockBackend};
-use lockingkit::keys::{azure_blob_name, azure_semaphore_slot_blob_name};
+use lockingkit::keys::AzureLockKeys;
 use lockingkit::providers::azure::AzureBlobLease;
 use lockingkit::testing::{quick_polling, unique_prefix, IntervalChecker};
 use lockingkit::{
@@ -39,6 +39,7 @@ use lockingkit_tests::chaos::{
     acquire_through_outages, assert_lost, assert_near, contender_lock, record, Loss, Process,
     Watched, PATIENCE,
 };
+use lockingkit_tests::os::this_test_again;
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use tokio::task::JoinHandle;
@@ -198,11 +199,11 @@ fn lock_through(kind: Kind, port: u16) -> DistributedLock {
     let connection_string = connection_string(kind, port);
     match kind {
         Kind::Postgres => {
-            let backend = PostgresBackend::new(PostgresOptions {
-                check_interval: CHECK,
-                query_timeout: QUERY_TIMEOUT,
-                ..PostgresOptions::new(connection_string)
-            })
+            let backend = PostgresBackend::new(
+                PostgresOptions::new(connection_string)
+                    .with_check_interval(CHECK)
+                    .with_query_timeout(QUERY_TIMEOUT),
+            )
             .expect("valid PostgreSQL options");
             DistributedLock::builder(backend)
                 .options(quick_polling())
@@ -212,8 +213,8 @@ fn lock_through(kind: Kind, port: u16) -> DistributedLock {
         Kind::Azure => {
             let backend = AzureBlobBackend::new(
                 AzureBlobOptions::from_connection_string(connection_string)
-                    .lease_duration(LEASE)
-                    .request_timeout(REQUEST_TIMEOUT),
+                    .with_lease_duration(LEASE)
+                    .with_request_timeout(REQUEST_TIMEOUT),
             )
             .expect("valid Azure options");
             DistributedLock::builder(backend)
@@ -329,7 +330,13 @@ async fn killed_backend(mut server: Server) {
     }
 
     server.start_again().await;
-    let (handle, start) = other.acquire(&key).await;
+    // A server back sooner than the engine's reconnect pacing (`OUTAGE_MOST` in
+    // lockingkit/src/health.rs: up to 900 ms between connects after a failure) is not asked
+    // until the next connect is due; until then an acquire is told `Unavailable` at once.
+    let (handle, _) = acquire_through_outages(&other.locks, &key, PATIENCE)
+        .await
+        .unwrap_or_else(|e| panic!("process {} could not acquire: {e}", other.id));
+    let start = Instant::now();
     assert!(
         handle.fencing_token() > holder_token,
         "tokens survive a crash"
@@ -612,14 +619,7 @@ impl Drop for ChildGuard {
 /// Takes the lock in a separate OS process (this test binary, running
 /// [`vanishing_holder_process`]) and returns it with the fencing token it reported.
 async fn holder_process(kind: Kind, port: u16, key: &str) -> (ChildGuard, u64) {
-    let exe = std::env::current_exe().expect("the test binary");
-    let mut child = Command::new(exe)
-        .args([
-            "vanishing_holder_process",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-        ])
+    let mut child = this_test_again(module_path!(), "vanishing_holder_process")
         .env(
             CHILD_KIND,
             match kind {
@@ -876,8 +876,8 @@ const CHILD_SLOT_KEY: &str = "LOCKINGKIT_CHAOS_CHILD_SLOT_KEY";
 fn slot_backend(port: u16) -> AzureBlobBackend {
     AzureBlobBackend::new(
         AzureBlobOptions::from_connection_string(connection_string(Kind::Azure, port))
-            .lease_duration(LEASE)
-            .request_timeout(REQUEST_TIMEOUT),
+            .with_lease_duration(LEASE)
+            .with_request_timeout(REQUEST_TIMEOUT),
     )
     .expect("valid Azure options")
 }
@@ -950,7 +950,10 @@ async fn broken_slot_lease(azurite: &Azurite) {
     let victim = held[1].clone();
     azurite
         .plain_container_client("locks")
-        .blob_client(&azure_semaphore_slot_blob_name(&key, slot_of(&victim)))
+        .blob_client(&AzureLockKeys::semaphore_slot_blob_name(
+            &key,
+            slot_of(&victim),
+        ))
         .break_lease(Some(BlobClientBreakLeaseOptions {
             break_period: Some(0),
             ..Default::default()
@@ -1032,7 +1035,7 @@ async fn broken_slot_lease_through_the_engine(server: Server) {
     .expect("a renewal of the victim's slot");
     azurite
         .plain_container_client("locks")
-        .blob_client(&azure_semaphore_slot_blob_name(
+        .blob_client(&AzureLockKeys::semaphore_slot_blob_name(
             &key,
             slot_of(&victim_lease),
         ))
@@ -1177,14 +1180,7 @@ async fn vanished_slot_holder(azurite: &Azurite, how: SlotVanish) {
 /// Takes a slot through `DistributedLock::semaphore` in a separate OS process (this test
 /// binary, running [`vanishing_slot_holder_process`]), whose engine renews it until killed.
 async fn slot_holder_process(port: u16, key: &str) -> (ChildGuard, u32, u64) {
-    let exe = std::env::current_exe().expect("the test binary");
-    let mut child = Command::new(exe)
-        .args([
-            "vanishing_slot_holder_process",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-        ])
+    let mut child = this_test_again(module_path!(), "vanishing_slot_holder_process")
         .env(CHILD_SLOT_PORT, port.to_string())
         .env(CHILD_SLOT_KEY, key)
         .stdin(Stdio::null())
@@ -1438,7 +1434,7 @@ mod azure {
         let holder_token = watched.token;
         azurite
             .plain_container_client("locks")
-            .blob_client(&azure_blob_name(&key))
+            .blob_client(&AzureLockKeys::guard_blob_name(&key))
             .break_lease(Some(BlobClientBreakLeaseOptions {
                 break_period: Some(0),
                 ..Default::default()

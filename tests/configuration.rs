@@ -554,10 +554,7 @@ renew_every = "5s"
             .postgres(
                 "Default",
                 PostgresOptions::new("host=127.0.0.1 user=app"),
-                LockOptions {
-                    renew_every: Some(Duration::from_secs(5)),
-                    ..LockOptions::default()
-                },
+                LockOptions::default().with_renew_every(Duration::from_secs(5)),
             )
             .build(),
     );

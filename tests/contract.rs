@@ -25,8 +25,8 @@ fn postgres(server: &PostgresServer) -> PostgresBackend {
 fn azure(azurite: &Azurite) -> AzureBlobBackend {
     AzureBlobBackend::new(
         AzureBlobOptions::from_connection_string(azurite.connection_string())
-            .lease_duration(LEASE)
-            .request_timeout(Duration::from_secs(2)),
+            .with_lease_duration(LEASE)
+            .with_request_timeout(Duration::from_secs(2)),
     )
     .expect("valid Azure options")
 }

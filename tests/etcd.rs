@@ -105,11 +105,9 @@ async fn a_repeated_or_late_release_never_frees_the_next_holder() {
 async fn ten_processes_get_the_key_in_arrival_order() {
     let cluster = EtcdCluster::single().await;
     // Slow polling, so that only the watch and the queue decide who goes next.
-    let polling = LockOptions {
-        min_retry_delay: Duration::from_millis(500),
-        max_retry_delay: Duration::from_secs(1),
-        ..LockOptions::default()
-    };
+    let polling = LockOptions::default()
+        .with_min_retry_delay(Duration::from_millis(500))
+        .with_max_retry_delay(Duration::from_secs(1));
     let holder = lock_on(cluster.options(TTL), polling.clone());
     let key = unique_prefix("fifo");
     let held = holder.try_acquire(&key).await.expect("the first holder");
@@ -425,11 +423,9 @@ async fn a_waiters_place_is_never_taken_by_another_engine_on_the_same_backend() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_queued_before_a_writer_is_served_first_and_woken_by_the_watch() {
     let cluster = EtcdCluster::single().await;
-    let slow = LockOptions {
-        min_retry_delay: Duration::from_millis(900),
-        max_retry_delay: Duration::from_secs(1),
-        ..LockOptions::default()
-    };
+    let slow = LockOptions::default()
+        .with_min_retry_delay(Duration::from_millis(900))
+        .with_max_retry_delay(Duration::from_secs(1));
     let holder = process(&cluster);
     let readers = lock_on(cluster.options(TTL), slow.clone());
     let writers = lock_on(cluster.options(TTL), slow);
@@ -483,11 +479,9 @@ async fn a_reader_queued_before_a_writer_is_served_first_and_woken_by_the_watch(
 // The first task's result is the unfinished wait itself, which goes on in another task.
 #[allow(clippy::async_yields_async)]
 async fn a_wait_moved_to_another_task_keeps_its_place() {
-    let slow = LockOptions {
-        min_retry_delay: Duration::from_millis(900),
-        max_retry_delay: Duration::from_secs(1),
-        ..LockOptions::default()
-    };
+    let slow = LockOptions::default()
+        .with_min_retry_delay(Duration::from_millis(900))
+        .with_max_retry_delay(Duration::from_secs(1));
     let cluster = EtcdCluster::single().await;
     let holder = process(&cluster);
     let readers = lock_on(cluster.options(TTL), slow.clone());
@@ -605,11 +599,9 @@ async fn readers_queued_together_hold_together_before_a_later_writer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_freed_semaphore_slot_reaches_another_process_by_polling() {
     let cluster = EtcdCluster::single().await;
-    let polling = LockOptions {
-        min_retry_delay: Duration::from_millis(200),
-        max_retry_delay: Duration::from_millis(400),
-        ..LockOptions::default()
-    };
+    let polling = LockOptions::default()
+        .with_min_retry_delay(Duration::from_millis(200))
+        .with_max_retry_delay(Duration::from_millis(400));
     let name = unique_prefix("semaphore-poll");
     let holders = process(&cluster);
     let semaphore = holders.semaphore(&name, 2).expect("semaphore");
@@ -671,10 +663,7 @@ async fn wrong_credentials_are_misconfigured() {
         },
     )
     .await;
-    let options = EtcdOptions {
-        password: Some("not the password".into()),
-        ..cluster.options(TTL)
-    };
+    let options = cluster.options(TTL).with_password("not the password");
     let locks = lock_on(options, quick_polling());
     let verified = locks.verify().await;
     assert_eq!(
@@ -712,11 +701,8 @@ async fn sixty_four_callers_with_a_wrong_password(members: usize) {
         },
     )
     .await;
-    let shared = EtcdBackend::new(EtcdOptions {
-        password: Some("not the password".into()),
-        ..cluster.options(TTL)
-    })
-    .expect("options");
+    let shared =
+        EtcdBackend::new(cluster.options(TTL).with_password("not the password")).expect("options");
     let run_for = Duration::from_secs(5);
     let started = Instant::now();
     let mut callers = Vec::new();
@@ -771,11 +757,9 @@ async fn authentication_on_and_no_user_is_misconfigured_and_says_so() {
         },
     )
     .await;
-    let options = EtcdOptions {
-        user: None,
-        password: None,
-        ..cluster.options(TTL)
-    };
+    let mut options = cluster.options(TTL);
+    options.user = None;
+    options.password = None;
     let locks = lock_on(options, quick_polling());
     let error = locks
         .try_acquire(&unique_prefix("no-user"))
@@ -811,11 +795,10 @@ async fn verify_refuses_a_user_without_permission_under_the_prefix() {
         .await
         .expect("grant");
     add_user(&mut admin, "locks", "locks-password", "elsewhere").await;
-    let options = EtcdOptions {
-        user: Some("locks".into()),
-        password: Some("locks-password".into()),
-        ..cluster.options(TTL)
-    };
+    let options = cluster
+        .options(TTL)
+        .with_user("locks")
+        .with_password("locks-password");
     let locks = lock_on(options, quick_polling());
     let verified = locks.verify().await;
     assert_eq!(

@@ -7,13 +7,14 @@
 //! says so again if it finds the lock lost.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdout, Stdio};
 use std::time::Duration;
 
 use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions};
 use lockingkit_tests::chaos::acquire_through_outages;
 use lockingkit_tests::etcd::EtcdCluster;
+use lockingkit_tests::os::this_test_again;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use tokio::time::Instant;
 
@@ -298,15 +299,8 @@ fn spawn_holder_at(
     key: &str,
     ttl: Duration,
 ) -> (Holder, BufReader<ChildStdout>) {
-    let mut child = Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            "holder_process",
-            "--ignored",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+    let mut child = this_test_again(module_path!(), "holder_process")
+        .args(["--test-threads", "1"])
         .env(
             HOLDER_ENV,
             format!("{}|{key}|{}", endpoints.join(","), ttl.as_secs()),
@@ -355,11 +349,9 @@ async fn holder_process() {
         return;
     };
     let ttl = Duration::from_secs(ttl.parse().expect("ttl"));
-    let options = EtcdOptions {
-        lease_ttl: ttl,
-        request_timeout: (ttl / 3).min(Duration::from_secs(2)),
-        ..EtcdOptions::new(endpoints.split(','))
-    };
+    let options = EtcdOptions::new(endpoints.split(','))
+        .with_lease_ttl(ttl)
+        .with_request_timeout((ttl / 3).min(Duration::from_secs(2)));
     let locks = lock_on(options);
     let held = locks.try_acquire(key).await.expect("the holder's lock");
     println!("HELD {}", held.fencing_token());
@@ -446,10 +438,11 @@ async fn a_cluster_that_is_down_is_waited_for_not_spun_on() {
 async fn a_member_that_resets_connections_is_probed_with_backoff_not_per_request() {
     let cluster = EtcdCluster::single().await;
     let line = FaultProxy::to_port(port_of(&cluster.endpoint(0))).await;
-    let locks = lock_on(EtcdOptions {
-        endpoints: vec![format!("http://127.0.0.1:{}", line.port())],
-        ..cluster.options(Duration::from_secs(6))
-    });
+    let locks = lock_on(
+        cluster
+            .options(Duration::from_secs(6))
+            .with_endpoints(vec![format!("http://127.0.0.1:{}", line.port())]),
+    );
     let prefix = unique_prefix("reset");
     let mut holds = Vec::new();
     for i in 0..50 {
@@ -495,15 +488,11 @@ fn port_of(endpoint: &str) -> u16 {
 async fn a_release_cut_short_still_deletes_the_key() {
     let cluster = EtcdCluster::single().await;
     let line = FaultProxy::to_port(port_of(&cluster.endpoint(0))).await;
-    let options = EtcdOptions {
-        endpoints: vec![format!("http://127.0.0.1:{}", line.port())],
-        ..cluster.options(Duration::from_secs(6))
-    };
+    let options = cluster
+        .options(Duration::from_secs(6))
+        .with_endpoints(vec![format!("http://127.0.0.1:{}", line.port())]);
     let locks = DistributedLock::builder(EtcdBackend::new(options).expect("options"))
-        .options(lockingkit::LockOptions {
-            release_timeout: Duration::from_millis(200),
-            ..quick_polling()
-        })
+        .options(quick_polling().with_release_timeout(Duration::from_millis(200)))
         .build()
         .expect("lock options");
     let key = unique_prefix("release-cut");
@@ -559,12 +548,11 @@ async fn a_key_an_attempt_answered_request_timed_out_may_have_written_is_deleted
     let leader = cluster.leader().await;
     // The leader's own timeout (5 s plus two election timeouts) must come before ours, and the
     // lease outlive the test: only a delete removes the key.
-    let options = EtcdOptions {
-        endpoints: vec![cluster.endpoint(leader)],
-        lease_ttl: Duration::from_secs(60),
-        request_timeout: Duration::from_secs(15),
-        ..cluster.options(Duration::from_secs(60))
-    };
+    let options = cluster
+        .options(Duration::from_secs(60))
+        .with_endpoints(vec![cluster.endpoint(leader)])
+        .with_lease_ttl(Duration::from_secs(60))
+        .with_request_timeout(Duration::from_secs(15));
     let locks = lock_on(options);
     let key = unique_prefix("timed-out");
     let warm = locks
@@ -638,10 +626,11 @@ async fn a_blackholed_holder_is_lost_at_its_deadline_before_anyone_else_holds() 
     let cluster = EtcdCluster::single().await;
     let line = FaultProxy::to_port(port_of(&cluster.endpoint(0))).await;
     let ttl = Duration::from_secs(6);
-    let holder = lock_on(EtcdOptions {
-        endpoints: vec![format!("http://127.0.0.1:{}", line.port())],
-        ..cluster.options(ttl)
-    });
+    let holder = lock_on(
+        cluster
+            .options(ttl)
+            .with_endpoints(vec![format!("http://127.0.0.1:{}", line.port())]),
+    );
     let other = lock_on(cluster.options(ttl));
     let key = unique_prefix("blackholed");
     let held = holder.try_acquire(&key).await.expect("lock");
@@ -889,10 +878,7 @@ async fn a_holders_key_taken_while_its_member_is_down_is_loss_whatever_the_compa
     });
     for (cut_off, taken, compaction) in cases {
         let case = format!("cut off: {cut_off}, {taken:?}, compacted {compaction:?}");
-        let locks = lock_on(EtcdOptions {
-            endpoints: lines.endpoints(),
-            ..cluster.options(ttl)
-        });
+        let locks = lock_on(cluster.options(ttl).with_endpoints(lines.endpoints()));
         let key = unique_prefix("compacted");
         let held = locks.try_acquire(&key).await.expect("lock");
         let member = lines.in_use();

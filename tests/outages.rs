@@ -27,7 +27,7 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use lockingkit::{DistributedLock, PostgresBackend, PostgresOptions};
+use lockingkit::{DistributedLock, PostgresBackend};
 use lockingkit_tests::http::{serve, Connection};
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
@@ -189,14 +189,12 @@ fn statuses(answers: &[Answer], from: Instant, to: Instant) -> BTreeMap<u16, usi
 }
 
 fn locks_through(proxy: &FaultProxy, server: &PostgresServer) -> DistributedLock {
-    let options = PostgresOptions {
-        connection_string: format!(
+    let options = server
+        .options(Duration::from_secs(5))
+        .with_connection_string(format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
             proxy.port()
-        )
-        .into(),
-        ..server.options(Duration::from_secs(5))
-    };
+        ));
     DistributedLock::builder(PostgresBackend::new(options).expect("options"))
         .build()
         .expect("lock options")
@@ -414,10 +412,9 @@ async fn a_refused_password_is_500_to_every_request_at_a_handful_of_logins() {
     let _one = ONE_AT_A_TIME.lock().await;
     let server = PostgresServer::start_local().await;
     let wrong = server.create_password_role("right", "wrong").await;
-    let options = PostgresOptions {
-        connection_string: wrong.into(),
-        ..server.options(Duration::from_secs(5))
-    };
+    let options = server
+        .options(Duration::from_secs(5))
+        .with_connection_string(wrong);
     let locks = DistributedLock::builder(PostgresBackend::new(options).expect("options"))
         .build()
         .expect("lock options");
@@ -466,8 +463,8 @@ fn azure_through(
     };
     let backend = lockingkit::AzureBlobBackend::new(
         lockingkit::AzureBlobOptions::from_connection_string(connection)
-            .lease_duration(Duration::from_secs(15))
-            .request_timeout(Duration::from_secs(2)),
+            .with_lease_duration(Duration::from_secs(15))
+            .with_request_timeout(Duration::from_secs(2)),
     )
     .expect("options");
     DistributedLock::builder(backend)

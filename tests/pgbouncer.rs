@@ -22,11 +22,7 @@ fn lock_through(bouncer: &PgBouncer) -> DistributedLock {
 }
 
 fn lock_through_options(options: lockingkit::PostgresOptions) -> DistributedLock {
-    let backend = PostgresBackend::new(lockingkit::PostgresOptions {
-        check_interval: CHECK,
-        ..options
-    })
-    .expect("valid options");
+    let backend = PostgresBackend::new(options.with_check_interval(CHECK)).expect("valid options");
     DistributedLock::builder(backend)
         .options(quick_polling())
         .build()
@@ -269,10 +265,7 @@ async fn a_session_pool_without_a_spare_server_connection_fails_the_open_within_
     let bouncer =
         PgBouncer::start_with(&server, PoolMode::Session, "default_pool_size = 1\n").await;
     let timeout = Duration::from_secs(1);
-    let locks = lock_through_options(lockingkit::PostgresOptions {
-        query_timeout: timeout,
-        ..bouncer.options(CHECK)
-    });
+    let locks = lock_through_options(bouncer.options(CHECK).with_query_timeout(timeout));
     let key = unique_prefix("pgbouncer/no-spare");
     let started = Instant::now();
     let error = refusal(locks.try_acquire(&key).await);

@@ -191,11 +191,7 @@ async fn a_key_held_through_the_same_lock_is_busy_although_session_locks_are_ree
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clones_of_one_backend_share_its_session_and_never_take_a_key_twice_by_reentrancy() {
     let server = PostgresServer::start().await;
-    let shared = PostgresBackend::new(PostgresOptions {
-        max_sessions: 1,
-        ..server.options(CHECK)
-    })
-    .expect("options");
+    let shared = PostgresBackend::new(server.options(CHECK).with_max_sessions(1)).expect("options");
     let first = DistributedLock::builder(shared.clone())
         .build()
         .expect("lock");
@@ -279,11 +275,11 @@ async fn watcher_is_queued(server: &PostgresServer, key: &str) -> bool {
 fn patient(server: &PostgresServer) -> DistributedLock {
     let backend = PostgresBackend::new(server.options(CHECK)).expect("options");
     DistributedLock::builder(backend)
-        .options(LockOptions {
-            min_retry_delay: Duration::from_secs(1),
-            max_retry_delay: Duration::from_secs(1),
-            ..LockOptions::default()
-        })
+        .options(
+            LockOptions::default()
+                .with_min_retry_delay(Duration::from_secs(1))
+                .with_max_retry_delay(Duration::from_secs(1)),
+        )
         .build()
         .expect("lock options")
 }
@@ -429,10 +425,11 @@ async fn a_server_stopped_in_immediate_mode_is_loss_within_one_check_interval() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_holder_sees_loss_within_two_check_intervals_when_the_server_freezes() {
     let mut server = PostgresServer::start_local().await;
-    let locks = lock_on(PostgresOptions {
-        query_timeout: Duration::from_millis(300),
-        ..server.options(CHECK)
-    });
+    let locks = lock_on(
+        server
+            .options(CHECK)
+            .with_query_timeout(Duration::from_millis(300)),
+    );
     let key = unique_prefix("loss/frozen");
     let held = locks.try_acquire(&key).await.expect("lock");
 
@@ -532,14 +529,10 @@ async fn locks_taken_one_after_another_share_one_session() {
 /// A process whose sessions carry their own `application_name`, so the server can tell them
 /// from every other process's.
 fn named_process(server: &PostgresServer, name: &str, options: PostgresOptions) -> DistributedLock {
-    lock_on(PostgresOptions {
-        connection_string: format!(
-            "{} application_name={name}",
-            server.connection_string_for_database("postgres")
-        )
-        .into(),
-        ..options
-    })
+    lock_on(options.with_connection_string(format!(
+        "{} application_name={name}",
+        server.connection_string_for_database("postgres")
+    )))
 }
 
 /// The sessions the server has for `application_name`.
@@ -570,18 +563,16 @@ async fn advisory_locks(admin: &tokio_postgres::Client) -> i64 {
 async fn an_unconfirmed_unlock_keeps_the_sessions_other_locks_and_never_lets_the_key_be_retaken() {
     let server = PostgresServer::start_local().await;
     let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
-    let locks = lock_on(PostgresOptions {
-        connection_string: format!(
+    let locks = lock_on(
+        PostgresOptions::new(format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
             proxy.port()
-        )
-        .into(),
-        max_sessions: 1,
-        query_timeout: Duration::from_millis(300),
+        ))
+        .with_max_sessions(1)
+        .with_query_timeout(Duration::from_millis(300))
         // Long enough that no check runs while answers are slow.
-        check_interval: Duration::from_secs(30),
-        ..PostgresOptions::default()
-    });
+        .with_check_interval(Duration::from_secs(30)),
+    );
     let key = unique_prefix("sessions/unconfirmed");
     let neighbour = unique_prefix("sessions/neighbour");
     let held = locks.try_acquire(&key).await.expect("lock");
@@ -638,17 +629,15 @@ async fn settling_an_unanswered_attempt_that_took_nothing_logs_nothing() {
     // plain unlock would log "WARNING: you don't own a lock".
     let server = PostgresServer::start_local().await;
     let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
-    let locks = lock_on(PostgresOptions {
-        connection_string: format!(
+    let locks = lock_on(
+        PostgresOptions::new(format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
             proxy.port()
-        )
-        .into(),
-        max_sessions: 1,
-        query_timeout: Duration::from_millis(300),
-        check_interval: Duration::from_secs(30),
-        ..PostgresOptions::default()
-    });
+        ))
+        .with_max_sessions(1)
+        .with_query_timeout(Duration::from_millis(300))
+        .with_check_interval(Duration::from_secs(30)),
+    );
     let key = unique_prefix("log/unanswered");
     // A lock of our own keeps the session open while the attempt is settled.
     let kept = locks
@@ -687,12 +676,13 @@ async fn settling_an_unanswered_attempt_that_took_nothing_logs_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unconfirmed_unlock_of_a_sessions_last_lock_closes_the_session_which_frees_it() {
     let mut server = PostgresServer::start_local().await;
-    let locks = lock_on(PostgresOptions {
-        query_timeout: Duration::from_millis(300),
-        // Long enough that no check runs while the server is paused.
-        check_interval: Duration::from_secs(30),
-        ..server.options(CHECK)
-    });
+    let locks = lock_on(
+        server
+            .options(CHECK)
+            .with_query_timeout(Duration::from_millis(300))
+            // Long enough that no check runs while the server is paused.
+            .with_check_interval(Duration::from_secs(30)),
+    );
     let key = unique_prefix("sessions/unconfirmed-last");
     let held = locks.try_acquire(&key).await.expect("lock");
     assert_eq!(backend(&locks).open_sessions(), 1);
@@ -829,10 +819,11 @@ async fn a_server_that_is_down_is_unavailable_not_busy_or_timed_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_server_makes_attempts_unavailable_within_the_query_timeout() {
     let mut server = PostgresServer::start_local().await;
-    let locks = lock_on(PostgresOptions {
-        query_timeout: Duration::from_millis(300),
-        ..server.options(CHECK)
-    });
+    let locks = lock_on(
+        server
+            .options(CHECK)
+            .with_query_timeout(Duration::from_millis(300)),
+    );
     let key = unique_prefix("frozen");
     server.pause();
     let started = Instant::now();
@@ -948,10 +939,8 @@ async fn a_thousand_concurrent_short_holds_on_default_options_all_succeed() {
 async fn a_terminated_shared_session_loses_exactly_its_own_locks() {
     let server = PostgresServer::start().await;
     let admin = server.connect().await;
-    let locks = lock_on(PostgresOptions {
-        // Checks far apart: the loss must come from the session ending, not from a check.
-        ..server.options(Duration::from_secs(30))
-    });
+    // Checks far apart: the loss must come from the session ending, not from a check.
+    let locks = lock_on(server.options(Duration::from_secs(30)));
     let prefix = unique_prefix("sessions/terminated");
     // Taken in concurrent bursts until they spread over several sessions (a session opens
     // once every open one has many statements in flight).
@@ -1027,10 +1016,7 @@ async fn a_terminated_shared_session_loses_exactly_its_own_locks() {
 async fn a_full_lock_table_is_a_clear_error_and_the_session_stays_healthy() {
     let server = PostgresServer::start().await;
     let admin = server.connect().await;
-    let locks = lock_on(PostgresOptions {
-        max_sessions: 1,
-        ..server.options(CHECK)
-    });
+    let locks = lock_on(server.options(CHECK).with_max_sessions(1));
     let prefix = unique_prefix("sessions/full");
     // Fill the server's shared lock table from a plain session until it refuses.
     let filler = server.connect().await;
@@ -1077,10 +1063,10 @@ async fn locks_are_per_database() {
     let server = PostgresServer::start_local().await;
     server.create_database("other").await;
     let here = process(&server);
-    let there = lock_on(PostgresOptions {
-        check_interval: CHECK,
-        ..PostgresOptions::new(server.connection_string_for_database("other"))
-    });
+    let there = lock_on(
+        PostgresOptions::new(server.connection_string_for_database("other"))
+            .with_check_interval(CHECK),
+    );
     let key = unique_prefix("per-database");
     let a = here.try_acquire(&key).await.expect("lock in postgres");
     let b = there
@@ -1123,11 +1109,11 @@ async fn tls_modes_follow_libpq_against_a_server_without_tls() {
 
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
-    let error = PostgresBackend::new(PostgresOptions {
-        max_sessions: 0,
-        query_timeout: Duration::ZERO,
-        ..PostgresOptions::default()
-    })
+    let error = PostgresBackend::new(
+        PostgresOptions::default()
+            .with_max_sessions(0)
+            .with_query_timeout(Duration::ZERO),
+    )
     .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
     for field in ["connection_string", "max_sessions", "query_timeout"] {
@@ -1144,10 +1130,7 @@ fn renew_every_is_refused_for_a_postgres_lock_built_in_code() {
     let backend = PostgresBackend::new(PostgresOptions::new("host=127.0.0.1 user=app"))
         .expect("valid options");
     let error = DistributedLock::builder(backend)
-        .options(LockOptions {
-            renew_every: Some(Duration::from_secs(1)),
-            ..LockOptions::default()
-        })
+        .options(LockOptions::default().with_renew_every(Duration::from_secs(1)))
         .build()
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
@@ -1432,15 +1415,13 @@ async fn one_check_per_session_per_interval_vouches_for_every_lock_on_it() {
     let server = PostgresServer::start().await;
     let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
     let interval = Duration::from_millis(200);
-    let locks = lock_on(PostgresOptions {
-        connection_string: format!(
+    let locks = lock_on(
+        PostgresOptions::new(format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
             proxy.port()
-        )
-        .into(),
-        check_interval: interval,
-        ..PostgresOptions::default()
-    });
+        ))
+        .with_check_interval(interval),
+    );
     let prefix = unique_prefix("sessions/checks");
     let mut held = Vec::new();
     for i in 0..50 {
@@ -1488,11 +1469,8 @@ mod modes {
 
     /// A backend with at most `max_sessions` sessions for its locks.
     fn backend_with(server: &PostgresServer, max_sessions: usize) -> PostgresBackend {
-        PostgresBackend::new(PostgresOptions {
-            max_sessions,
-            ..server.options(CHECK)
-        })
-        .expect("options")
+        PostgresBackend::new(server.options(CHECK).with_max_sessions(max_sessions))
+            .expect("options")
     }
 
     async fn take(
@@ -2081,17 +2059,15 @@ mod modes {
         let server = PostgresServer::start().await;
         let admin = server.connect().await;
         let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
-        let backend = PostgresBackend::new(PostgresOptions {
-            connection_string: format!(
+        let backend = PostgresBackend::new(
+            PostgresOptions::new(format!(
                 "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
                 proxy.port()
-            )
-            .into(),
-            max_sessions: 1,
-            query_timeout: Duration::from_millis(300),
-            check_interval: Duration::from_secs(30),
-            ..PostgresOptions::default()
-        })
+            ))
+            .with_max_sessions(1)
+            .with_query_timeout(Duration::from_millis(300))
+            .with_check_interval(Duration::from_secs(30)),
+        )
         .expect("options");
         let key = unique_prefix("modes/unconfirmed-shared");
         let a = held(take(&backend, &key, SHARED).await, "first reader");
@@ -2220,17 +2196,15 @@ mod modes {
         let server = PostgresServer::start().await;
         let admin = server.connect().await;
         let proxy = lockingkit_tests::proxy::FaultProxy::to_port(server.port()).await;
-        let backend = PostgresBackend::new(PostgresOptions {
-            connection_string: format!(
+        let backend = PostgresBackend::new(
+            PostgresOptions::new(format!(
                 "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
                 proxy.port()
-            )
-            .into(),
-            max_sessions: 1,
-            query_timeout: Duration::from_millis(300),
-            check_interval: Duration::from_secs(30),
-            ..PostgresOptions::default()
-        })
+            ))
+            .with_max_sessions(1)
+            .with_query_timeout(Duration::from_millis(300))
+            .with_check_interval(Duration::from_secs(30)),
+        )
         .expect("options");
         let key = unique_prefix("modes/unanswered-slot");
         let lock_key = unique_prefix("modes/unanswered-slot-neighbour");
@@ -2290,10 +2264,7 @@ mod modes {
     async fn more_local_readers_and_slot_holders_than_sessions_all_fit_and_leave_nothing_behind() {
         let server = PostgresServer::start().await;
         let admin = server.connect().await;
-        let locks = lock_on(PostgresOptions {
-            max_sessions: 2,
-            ..server.options(CHECK)
-        });
+        let locks = lock_on(server.options(CHECK).with_max_sessions(2));
         let key = unique_prefix("modes/many-readers");
         let rw = locks.reader_writer(&key).expect("rw");
         let reads = futures_join_all((0..12).map(|_| rw.try_read())).await;

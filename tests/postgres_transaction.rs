@@ -12,7 +12,6 @@ use lockingkit::providers::postgres::{
 };
 use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{DistributedLock, ErrorKind, LockError, PostgresBackend};
-use lockingkit_tests::bench_postgres::raw_pool;
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::FaultProxy;
 use tokio::time::Instant;
@@ -20,11 +19,11 @@ use tokio_postgres::Client;
 
 /// Transaction locks that poll quickly, so waits end soon after a commit.
 fn locks() -> PostgresTransactionLocks {
-    PostgresTransactionLocks::new(PostgresTransactionOptions {
-        min_retry_delay: Duration::from_millis(10),
-        max_retry_delay: Duration::from_millis(50),
-        ..PostgresTransactionOptions::default()
-    })
+    PostgresTransactionLocks::new(
+        PostgresTransactionOptions::default()
+            .with_min_retry_delay(Duration::from_millis(10))
+            .with_max_retry_delay(Duration::from_millis(50)),
+    )
     .expect("valid options")
 }
 
@@ -416,10 +415,9 @@ async fn invalid_keys_are_refused_before_any_statement() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_fencing_sequence_is_misconfigured_and_leaves_the_transaction_usable() {
     let server = PostgresServer::start().await;
-    let locks = PostgresTransactionLocks::new(PostgresTransactionOptions {
-        fencing_schema: "tx_fencing".into(),
-        ..PostgresTransactionOptions::default()
-    })
+    let locks = PostgresTransactionLocks::new(
+        PostgresTransactionOptions::default().with_fencing_schema("tx_fencing"),
+    )
     .unwrap();
     let key = unique_prefix("tx/no-sequence");
     let mut client = server.connect().await;
@@ -520,7 +518,7 @@ async fn a_deadpool_transaction_is_taken_as_it_is_and_prepares_each_statement_on
     let server = server_with_sequence().await;
     let locks = locks();
     let key = unique_prefix("tx/deadpool");
-    let pool = raw_pool(&server, 2);
+    let pool = server.plain_pool(2);
     let mut client = pool.get().await.unwrap();
     let mut other = pool.get().await.unwrap();
     let mut tokens = Vec::new();
@@ -705,10 +703,9 @@ async fn connect_through(proxy: &FaultProxy) -> Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_line_is_unavailable_and_a_wait_ends_soon_after_its_timeout() {
     let server = server_with_sequence().await;
-    let locks = PostgresTransactionLocks::new(PostgresTransactionOptions {
-        query_timeout: Duration::from_secs(4),
-        ..PostgresTransactionOptions::default()
-    })
+    let locks = PostgresTransactionLocks::new(
+        PostgresTransactionOptions::default().with_query_timeout(Duration::from_secs(4)),
+    )
     .unwrap();
     let key = unique_prefix("tx/frozen");
     let proxy = FaultProxy::to_port(server.port()).await;

@@ -28,12 +28,10 @@ const LEASE: Duration = Duration::from_secs(3);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn options(url: String, cluster: bool) -> RedisOptions {
-    RedisOptions {
-        cluster,
-        lease_duration: LEASE,
-        request_timeout: REQUEST_TIMEOUT,
-        ..RedisOptions::new(url)
-    }
+    RedisOptions::new(url)
+        .with_cluster(cluster)
+        .with_lease_duration(LEASE)
+        .with_request_timeout(REQUEST_TIMEOUT)
 }
 
 /// The retry delay of a waiter only a published release can wake in time.
@@ -42,20 +40,16 @@ const PATIENT: Duration = Duration::from_secs(5);
 /// `options` for a waiter that retries `PATIENT` apart: a writer's intent that outlasts its
 /// retries (the engine refuses one that does not), in a lease long enough to hold it.
 fn patient(options: RedisOptions) -> RedisOptions {
-    RedisOptions {
-        lease_duration: Duration::from_secs(10),
-        writer_intent: PATIENT + Duration::from_secs(1),
-        ..options
-    }
+    options
+        .with_lease_duration(Duration::from_secs(10))
+        .with_writer_intent(PATIENT + Duration::from_secs(1))
 }
 
 /// Engine options that retry `PATIENT` apart.
 fn patient_polling() -> LockOptions {
-    LockOptions {
-        min_retry_delay: PATIENT,
-        max_retry_delay: PATIENT,
-        ..LockOptions::default()
-    }
+    LockOptions::default()
+        .with_min_retry_delay(PATIENT)
+        .with_max_retry_delay(PATIENT)
 }
 
 fn backend(server: &RedisServer) -> RedisBackend {
@@ -817,12 +811,12 @@ async fn connects_that_time_out_back_off_instead_of_one_per_request() {
     let server = RedisServer::start_with(vec!["--requirepass".into(), "pw".into()]).await;
     let proxy = FaultProxy::to_port(server.port()).await;
     proxy.set_fault(Fault::Blackhole);
-    let bare = RedisBackend::new(RedisOptions {
-        lease_duration: Duration::from_millis(300),
-        request_timeout: Duration::from_millis(100),
-        writer_intent: Duration::from_millis(300),
-        ..RedisOptions::new(format!("redis://:pw@127.0.0.1:{}", proxy.port()))
-    })
+    let bare = RedisBackend::new(
+        RedisOptions::new(format!("redis://:pw@127.0.0.1:{}", proxy.port()))
+            .with_lease_duration(Duration::from_millis(300))
+            .with_request_timeout(Duration::from_millis(100))
+            .with_writer_intent(Duration::from_millis(300)),
+    )
     .expect("options");
     let started = Instant::now();
     let mut attempts = 0;
@@ -1273,11 +1267,11 @@ async fn an_attempt_that_timed_out_is_given_back_after_it_runs() {
 
 #[test]
 fn invalid_options_are_refused_at_construction_with_every_problem() {
-    let error = RedisBackend::new(RedisOptions {
-        lease_duration: Duration::from_millis(10),
-        key_prefix: String::new(),
-        ..RedisOptions::new("http://:hunter2@127.0.0.1")
-    })
+    let error = RedisBackend::new(
+        RedisOptions::new("http://:hunter2@127.0.0.1")
+            .with_lease_duration(Duration::from_millis(10))
+            .with_key_prefix(""),
+    )
     .expect_err("invalid options");
     assert_eq!(error.kind(), ErrorKind::Misconfigured);
     let text = error.to_string();
@@ -1893,10 +1887,7 @@ fn a_writer_intent_no_longer_than_max_retry_delay_is_refused() {
         .redis(
             "Jobs",
             RedisOptions::new("redis://127.0.0.1:1"),
-            LockOptions {
-                max_retry_delay: Duration::from_secs(2),
-                ..LockOptions::default()
-            },
+            LockOptions::default().with_max_retry_delay(Duration::from_secs(2)),
         )
         .build()
         .expect_err("an intent equal to the delay");
@@ -1904,14 +1895,9 @@ fn a_writer_intent_no_longer_than_max_retry_delay_is_refused() {
         error.to_string().contains("Locking.Jobs.writer_intent"),
         "{error}"
     );
-    let longer = RedisOptions {
-        writer_intent: Duration::from_secs(4),
-        ..RedisOptions::new("redis://127.0.0.1:1")
-    };
-    let slow = LockOptions {
-        max_retry_delay: Duration::from_secs(3),
-        ..LockOptions::default()
-    };
+    let longer =
+        RedisOptions::new("redis://127.0.0.1:1").with_writer_intent(Duration::from_secs(4));
+    let slow = LockOptions::default().with_max_retry_delay(Duration::from_secs(3));
     Locking::builder()
         .redis("Default", longer.clone(), slow.clone())
         .build()
@@ -2117,10 +2103,7 @@ async fn ended_waits_leave_no_subscription_and_the_wait_connection_closes_when_i
 
 /// Options for the TLS port of `server`, trusting the authority that signed its certificate.
 fn tls_options(server: &TlsRedisServer) -> RedisOptions {
-    RedisOptions {
-        tls_root_cert: Some(server.ca()),
-        ..options(server.tls_url(), false)
-    }
+    options(server.tls_url(), false).with_tls_root_cert(server.ca())
 }
 
 /// The connections on `port` of `node`, as its `CLIENT LIST` says (`laddr`), not counting
@@ -2157,11 +2140,8 @@ async fn a_rediss_url_takes_locks_and_wakes_waiters_over_tls() {
     assert_eq!(server.cli(&args), "OK");
     let url = format!("rediss://locker:tls-secret@127.0.0.1:{}", tls.tls_port());
     let process = || {
-        let backend = RedisBackend::new(RedisOptions {
-            url: url.clone().into(),
-            ..patient(tls_options(&tls))
-        })
-        .expect("TLS options");
+        let backend = RedisBackend::new(patient(tls_options(&tls)).with_url(url.clone()))
+            .expect("TLS options");
         assert!(!format!("{backend:?}").contains("tls-secret"));
         DistributedLock::builder(backend)
             .options(patient_polling())
@@ -2230,40 +2210,29 @@ async fn an_untrusted_certificate_or_a_plain_port_is_misconfigured() {
     let cases = [
         (
             "the platform's trust store",
-            RedisOptions {
-                tls_root_cert: None,
-                ..options(secret_url(tls.tls_port()), false)
-            },
+            options(secret_url(tls.tls_port()), false),
             "not trusted",
             BackendErrorKind::Misconfigured,
         ),
         (
             "another authority",
-            RedisOptions {
-                tls_root_cert: Some(other.ca()),
-                ..options(secret_url(tls.tls_port()), false)
-            },
+            options(secret_url(tls.tls_port()), false).with_tls_root_cert(other.ca()),
             "not trusted",
             BackendErrorKind::Misconfigured,
         ),
         (
             "a host the certificate does not name",
-            RedisOptions {
-                tls_root_cert: Some(tls.ca()),
-                ..options(
-                    format!("rediss://:hunter2@localhost:{}", tls.tls_port()),
-                    false,
-                )
-            },
+            options(
+                format!("rediss://:hunter2@localhost:{}", tls.tls_port()),
+                false,
+            )
+            .with_tls_root_cert(tls.ca()),
             "not trusted",
             BackendErrorKind::Misconfigured,
         ),
         (
             "the plain port",
-            RedisOptions {
-                tls_root_cert: Some(tls.ca()),
-                ..options(secret_url(tls.server().port()), false)
-            },
+            options(secret_url(tls.server().port()), false).with_tls_root_cert(tls.ca()),
             "serve TLS on this port",
             BackendErrorKind::Transient { reached: false },
         ),
@@ -2317,10 +2286,9 @@ fn unusable_tls_settings_are_refused_at_construction() {
         ("rediss://127.0.0.1:7000", true, None, "one server only"),
     ];
     for (url, cluster, root, expected) in cases {
-        let error = match RedisBackend::new(RedisOptions {
-            tls_root_cert: root,
-            ..options(url.to_owned(), cluster)
-        }) {
+        let mut with_root = options(url.to_owned(), cluster);
+        with_root.tls_root_cert = root;
+        let error = match RedisBackend::new(with_root) {
             Ok(_) => panic!("{url} with {expected:?} was accepted"),
             Err(error) => error,
         };

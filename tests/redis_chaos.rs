@@ -22,7 +22,7 @@
 //! ([`FaultProxy::last_answered_request`], at most [`SEND_SKEW`] after the send).
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +32,7 @@ use lockingkit::{DistributedLock, ErrorKind, LossReason, RedisBackend, RedisOpti
 use lockingkit_tests::chaos::{
     self, assert_lost, assert_near, contender_lock, record, Watched, PATIENCE,
 };
+use lockingkit_tests::os::this_test_again;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
 use lockingkit_tests::redis::RedisServer;
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -55,11 +56,9 @@ const SEND_SKEW: Duration = Duration::from_millis(300);
 const LATE: Duration = Duration::from_millis(250);
 
 fn options_for(port: u16) -> RedisOptions {
-    RedisOptions {
-        lease_duration: LEASE,
-        request_timeout: REQUEST_TIMEOUT,
-        ..RedisOptions::new(format!("redis://127.0.0.1:{port}"))
-    }
+    RedisOptions::new(format!("redis://127.0.0.1:{port}"))
+        .with_lease_duration(LEASE)
+        .with_request_timeout(REQUEST_TIMEOUT)
 }
 
 fn lock_on(options: RedisOptions) -> DistributedLock {
@@ -518,11 +517,8 @@ impl Failover {
         let replica = RedisServer::replica_of(replication.port()).await;
         replica.wait_until_replicating().await;
         let service = Process::through(FaultProxy::to_port(primary.port()).await, 0, |o| {
-            RedisOptions {
-                replicas,
-                replica_timeout: Duration::from_millis(200),
-                ..o
-            }
+            o.with_replicas(replicas)
+                .with_replica_timeout(Duration::from_millis(200))
         });
         Failover {
             primary,
@@ -637,14 +633,7 @@ async fn a_killed_holder_process_frees_the_key_once_its_lease_ran_out_and_not_be
     let key = unique_prefix("chaos/vanish");
     let line = FaultProxy::to_port(server.port()).await;
     let other = Process::on(&server, 1).await;
-    let exe = std::env::current_exe().expect("the test binary");
-    let mut child = Command::new(exe)
-        .args([
-            "vanishing_holder_process",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-        ])
+    let mut child = this_test_again(module_path!(), "vanishing_holder_process")
         .env(CHILD_PORT, line.port().to_string())
         .env(CHILD_KEY, &key)
         .stdin(Stdio::null())

@@ -3,7 +3,7 @@
 //! and wiring mistakes in the server (two layers locking one key, a template naming a parameter
 //! the route does not capture), which are 500s logged once, not 409s or 400s on every request.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -204,7 +204,7 @@ async fn two_layers_locking_one_key_are_a_500_logged_once_and_lock_nothing() {
     }
     assert_eq!(errors.count(), 1, "the mistake is logged once");
     // The outer layer's lock was released with the response; nothing stays held.
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
     // Another provider's lock on the same key is no mistake: they are different locks.
     let addr = serve(doubly_locked(DistributedLock::in_memory(), locks)).await;
     let reply = guarded(http_post(addr, "/orders/1/ship")).await;
@@ -229,7 +229,7 @@ async fn a_template_naming_a_parameter_the_route_lacks_is_a_500_logged_once() {
         );
     }
     assert_eq!(errors.count(), 1);
-    assert_eq!(locks.active_parties(), 0, "nothing was locked");
+    assert_eq!(locks.local_callers(), 0, "nothing was locked");
 }
 
 /// A backend whose startup check fails with `Misconfigured` and counts how often it runs.

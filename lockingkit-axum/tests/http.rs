@@ -1,6 +1,6 @@
 //! The axum integration over real HTTP on 127.0.0.1, with a real HTTP/1.1 client.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

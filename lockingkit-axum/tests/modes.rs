@@ -1,7 +1,7 @@
 //! Reading routes that share their key and concurrency-limited routes, over real HTTP on
 //! 127.0.0.1 with a real HTTP/1.1 client.
 
-mod support;
+use crate::support;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! `LockRejection` as an axum response: in a rejection mapper and returned by a handler.
 
-mod support;
+use crate::support;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};

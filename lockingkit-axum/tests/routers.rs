@@ -1,7 +1,7 @@
 //! Lock layers on composed routers (`merge`, `nest`, `nest_service`) added with `Router::layer`:
 //! a path that matches no route keeps the router's answer, and matched routes stay locked.
 
-mod support;
+use crate::support;
 
 use axum::routing::{get, post};
 use axum::Router;

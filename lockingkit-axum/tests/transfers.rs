@@ -2,7 +2,7 @@
 //! accounts. Transfers in both directions at once never deadlock and never lose an update; a
 //! busy account is `409`; a lost account drops the handler.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

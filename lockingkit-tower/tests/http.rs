@@ -1,6 +1,6 @@
 //! `LockLayer` behind hyper's own server (no framework) over real HTTP on 127.0.0.1.
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 
@@ -10,8 +10,8 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use lockingkit::{DistributedLock, ErrorKind, MemoryStore};
-use lockingkit_tower::{LockLayer, RequestLock};
+use lockingkit::{DistributedLock, ErrorKind, LockView, MemoryStore};
+use lockingkit_tower::LockLayer;
 use tokio::sync::mpsc;
 use tower::{service_fn, ServiceBuilder};
 
@@ -47,7 +47,7 @@ async fn a_plain_hyper_server_serves_the_locked_service() {
     let service = ServiceBuilder::new()
         .layer(LockLayer::new(locks.clone(), path_key))
         .service(service_fn(|request: Request<Incoming>| async move {
-            let lock = request.extensions().get::<RequestLock>().cloned();
+            let lock = request.extensions().get::<LockView>().cloned();
             let token = lock.map_or(0, |lock| lock.fencing_token());
             Ok::<_, Infallible>(text(format!("token {token}")))
         }));
@@ -136,7 +136,7 @@ async fn requests_without_a_key_are_400_unless_passed_through() {
             .flatten()
     };
     let handler = service_fn(|request: Request<Incoming>| async move {
-        let locked = request.extensions().get::<RequestLock>().is_some();
+        let locked = request.extensions().get::<LockView>().is_some();
         Ok::<_, Infallible>(text(if locked { "locked" } else { "unlocked" }))
     });
     let strict = serve_behind(LockLayer::new(locks.clone(), writes_only), handler).await;

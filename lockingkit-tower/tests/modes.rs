@@ -1,6 +1,6 @@
 //! Shared (reader) and semaphore layers behind hyper's own server over real HTTP on 127.0.0.1.
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -11,8 +11,8 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use lockingkit::backend::{Acquired, BackendError, LeaseTiming, LockBackend};
-use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
-use lockingkit_tower::{LockLayer, RequestLock};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, LockView, MemoryBackend, MemoryStore};
+use lockingkit_tower::LockLayer;
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tower::service_fn;
 
@@ -32,8 +32,8 @@ fn parked(
     service_fn(move |request: Request<Incoming>| {
         let (entered, open) = (entered.clone(), open.clone());
         async move {
-            let lock = request.extensions().get::<RequestLock>().cloned();
-            let mode = lock.as_ref().map(RequestLock::mode);
+            let lock = request.extensions().get::<LockView>().cloned();
+            let mode = lock.as_ref().map(LockView::mode);
             let _ = entered.send(mode.unwrap_or(LockMode::Exclusive));
             let _permit = open.acquire().await;
             open.add_permits(1);
@@ -58,7 +58,7 @@ async fn readers_of_one_key_are_in_flight_together_and_a_writer_is_refused_meanw
             let (barrier, inside_tx, open) = (barrier.clone(), inside_tx.clone(), open.clone());
             async move {
                 barrier.wait().await;
-                let lock = request.extensions().get::<RequestLock>().cloned();
+                let lock = request.extensions().get::<LockView>().cloned();
                 let _ = inside_tx.send(lock.map(|lock| lock.mode()));
                 let _permit = open.acquire().await;
                 open.add_permits(1);

@@ -1,7 +1,7 @@
 //! `LockService` as a plain tower service: ordering of release and response, readiness,
 //! cancellation and the request's lock view.
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
@@ -16,8 +16,8 @@ use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use http_body_util::Full;
 use lockingkit::backend::{BackendError, LeaseTiming, LockBackend};
-use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
-use lockingkit_tower::{LockKey, LockLayer, RequestLock};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, LockView, MemoryBackend, MemoryStore};
+use lockingkit_tower::{LockKey, LockLayer};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
 
@@ -263,7 +263,7 @@ async fn work_tied_to_the_request_lock_stops_when_the_layer_releases_it() {
     let service = ServiceBuilder::new()
         .layer(LockLayer::new(DistributedLock::in_memory(), path_key))
         .service(service_fn(move |request: Request<()>| {
-            let lock = request.extensions().get::<RequestLock>().cloned();
+            let lock = request.extensions().get::<LockView>().cloned();
             let outcome_tx = outcome_tx.clone();
             let _ = view_tx.send(lock.clone());
             async move {
@@ -332,7 +332,7 @@ async fn a_lock_key_that_is_not_ready_at_once_is_awaited_not_taken_for_missing()
         .service(service_fn(|request: Request<()>| async move {
             let key = request
                 .extensions()
-                .get::<RequestLock>()
+                .get::<LockView>()
                 .map(|lock| lock.key().to_owned());
             let mut response = empty();
             if key.as_deref() != Some("orders/5") {
@@ -361,7 +361,7 @@ async fn requests_a_lock_key_does_not_apply_to_reach_the_inner_service_unlocked(
         .layer(LockLayer::with_key(locks.clone(), OrdersOnly))
         .service(service_fn(|request: Request<()>| async move {
             let mut response = empty();
-            if request.extensions().get::<RequestLock>().is_none() {
+            if request.extensions().get::<LockView>().is_none() {
                 *response.status_mut() = StatusCode::NOT_FOUND;
             }
             Ok::<_, Infallible>(response)

@@ -122,14 +122,14 @@ proptest! {
     ) {
         on_paused_time(async {
             let store = MemoryStore::new();
+            let mut options = LockOptions::default()
+                .with_min_retry_delay(min)
+                .with_max_retry_delay(max)
+                .with_release_timeout(release)
+                .with_max_outage_retry_delay(outage);
+            options.renew_every = every;
             let built = DistributedLock::builder(MemoryBackend::with_lease(store.clone(), lease))
-                .options(LockOptions {
-                    min_retry_delay: min,
-                    max_retry_delay: max,
-                    renew_every: every,
-                    release_timeout: release,
-                    max_outage_retry_delay: outage,
-                })
+                .options(options)
                 .build();
             let locks = match built {
                 Ok(locks) => locks,
@@ -220,11 +220,9 @@ proptest! {
             .expect("runtime");
         runtime.block_on(async {
             // Nothing listens on port 1 of loopback: every attempt is refused at once.
-            let built = PostgresBackend::new(PostgresOptions {
-                check_interval: check,
-                query_timeout: query,
-                ..PostgresOptions::new("postgres://nobody@127.0.0.1:1/none")
-            })
+            let built = PostgresBackend::new(PostgresOptions::new("postgres://nobody@127.0.0.1:1/none")
+                .with_check_interval(check)
+                .with_query_timeout(query))
             .and_then(|backend| DistributedLock::builder(backend).build());
             match built {
                 Ok(locks) => {
@@ -250,8 +248,8 @@ proptest! {
         use lockingkit::{AzureBlobBackend, AzureBlobOptions};
         let built = AzureBlobBackend::new(
             AzureBlobOptions::from_connection_string("UseDevelopmentStorage=true")
-                .lease_duration(lease)
-                .request_timeout(request),
+                .with_lease_duration(lease)
+                .with_request_timeout(request),
         );
         if let Err(error) = built {
             prop_assert_eq!(error.kind(), ErrorKind::Misconfigured);
@@ -277,14 +275,12 @@ proptest! {
             .expect("runtime");
         runtime.block_on(async {
             // Nothing listens on port 1 of loopback: every attempt is refused at once.
-            let built = RedisBackend::new(RedisOptions {
-                lease_duration: lease,
-                request_timeout: request,
-                replicas: 1,
-                replica_timeout: replica,
-                writer_intent: intent,
-                ..RedisOptions::new("redis://127.0.0.1:1")
-            })
+            let built = RedisBackend::new(RedisOptions::new("redis://127.0.0.1:1")
+                .with_lease_duration(lease)
+                .with_request_timeout(request)
+                .with_replicas(1)
+                .with_replica_timeout(replica)
+                .with_writer_intent(intent))
             .and_then(|backend| DistributedLock::builder(backend).build());
             match built {
                 Ok(locks) => {

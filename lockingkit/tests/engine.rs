@@ -16,9 +16,7 @@ use lockingkit::{
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-mod support {
-    pub mod queue;
-}
+use crate::support;
 
 use support::queue::queued_waiter;
 
@@ -603,7 +601,7 @@ async fn twenty_local_waiters_make_one_stream_of_attempts_and_are_served_fifo() 
         after_release, 20,
         "each waiter was woken at once and attempted once"
     );
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -667,7 +665,7 @@ async fn waiting_ends_in_timeout_when_busy_and_unavailable_when_unreachable() {
     assert_eq!(err.kind(), ErrorKind::Unavailable);
     let err = locks.try_acquire("k2").await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable);
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -777,12 +775,12 @@ async fn builder_refuses_bad_options_with_every_problem_listed() {
     let err = DistributedLock::builder(MemoryBackend::new(MemoryStore::new()))
         .min_retry_delay(Duration::from_secs(5))
         .max_retry_delay(Duration::from_secs(1))
-        .options(lockingkit::LockOptions {
-            min_retry_delay: Duration::from_secs(5),
-            max_retry_delay: Duration::from_secs(1),
-            release_timeout: Duration::ZERO,
-            ..Default::default()
-        })
+        .options(
+            lockingkit::LockOptions::default()
+                .with_min_retry_delay(Duration::from_secs(5))
+                .with_max_retry_delay(Duration::from_secs(1))
+                .with_release_timeout(Duration::ZERO),
+        )
         .build()
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Misconfigured);
@@ -831,7 +829,7 @@ async fn cancelling_a_queued_waiter_leaks_nothing() {
         .await
         .is_err());
     holder.release().await.unwrap();
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
     assert!(!store.is_locked("k"));
     assert!(locks.try_acquire("k").await.is_ok());
 }
@@ -847,7 +845,7 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
         .is_err());
     assert_eq!(recording.attempt_times().len(), 1);
     assert_eq!(
-        locks.active_parties(),
+        locks.local_callers(),
         1,
         "the orphaned attempt still owns the turn"
     );
@@ -863,7 +861,7 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
     );
     assert_eq!(recording.releases(), 1);
     tokio::task::yield_now().await;
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
     assert!(locks.try_acquire("k").await.is_ok());
 }
 
@@ -881,7 +879,7 @@ async fn cancelling_after_the_attempt_means_dropping_the_handle_which_releases_i
     assert!(!store.is_locked("k"));
     assert_eq!(recording.releases(), 1);
     tokio::task::yield_now().await;
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -938,7 +936,7 @@ async fn every_way_a_hold_ends_sends_exactly_one_release() {
     // Nothing is sent later either.
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(recording.releases(), 4);
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -985,7 +983,7 @@ async fn an_unconfirmed_release_is_reported_and_the_key_is_freed_locally() {
     store.set_unavailable(true);
     let err = handle.release().await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable);
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
     store.set_unavailable(false);
     // The lease was not released, so it expires on its own after 30 s.
     assert!(store.is_locked("k"));
@@ -1137,12 +1135,12 @@ async fn an_attempt_unanswered_for_the_patience_is_an_outage_while_it_still_runs
     let recording = Recording::new();
     // The engine's patience: its longest retry delay, and at least 2 s.
     let locks = DistributedLock::builder(recording.backend(&store))
-        .options(lockingkit::LockOptions {
-            min_retry_delay: Duration::from_millis(100),
-            max_retry_delay: Duration::from_millis(100),
-            max_outage_retry_delay: Duration::from_millis(100),
-            ..lockingkit::LockOptions::default()
-        })
+        .options(
+            lockingkit::LockOptions::default()
+                .with_min_retry_delay(Duration::from_millis(100))
+                .with_max_retry_delay(Duration::from_millis(100))
+                .with_max_outage_retry_delay(Duration::from_millis(100)),
+        )
         .build()
         .unwrap();
     // Attempts hang, as against a frozen server.
@@ -1160,7 +1158,7 @@ async fn an_attempt_unanswered_for_the_patience_is_an_outage_while_it_still_runs
         "told after the patience"
     );
     assert_eq!(
-        locks.active_parties(),
+        locks.local_callers(),
         1,
         "the hung attempt still owns the key's turn"
     );
@@ -1353,7 +1351,7 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     let polled = store.attempts() - before;
     assert!(polled <= 25, "{polled} attempts in 10 s");
     assert_eq!(
-        locks.active_parties(),
+        locks.local_callers(),
         20,
         "twenty waiters, each counted once, and nothing held here"
     );
@@ -1385,7 +1383,7 @@ async fn callers_waiting_for_a_full_semaphore_make_one_stream_of_attempts() {
     for waiter in waiters {
         waiter.await.unwrap().unwrap().release().await.unwrap();
     }
-    assert_eq!(locks.active_parties(), 0, "no queue or lane left behind");
+    assert_eq!(locks.local_callers(), 0, "no queue or lane left behind");
 }
 
 /// An in-memory backend seen over a network: each attempt takes `latency` to answer, and
@@ -1521,7 +1519,7 @@ async fn a_slot_freed_here_at_a_semaphore_waiters_deadline_is_not_taken_late() {
     let err = waiter.await.unwrap().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert_eq!(store.attempts(), attempts, "no attempt after the deadline");
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1598,7 +1596,7 @@ async fn a_semaphore_waiter_that_gives_up_passes_the_polling_on() {
         .unwrap();
     assert_eq!(store.semaphore_holders("k"), 1);
     slot.release().await.unwrap();
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test]
@@ -1653,7 +1651,7 @@ async fn a_turn_that_reaches_a_waiter_at_its_deadline_is_used_for_one_attempt() 
         "one attempt at the deadline"
     );
     handle.release().await.unwrap();
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1703,7 +1701,7 @@ async fn readers_waiting_for_a_writer_elsewhere_make_one_stream_of_attempts_and_
     for handle in held {
         handle.release().await.unwrap();
     }
-    assert_eq!(locks.active_parties(), 0, "no queue or turn left behind");
+    assert_eq!(locks.local_callers(), 0, "no queue or turn left behind");
 }
 
 #[tokio::test(start_paused = true)]
@@ -1793,7 +1791,7 @@ async fn short_waits_on_a_healthy_busy_backend_are_told_busy_or_timeout_never_un
         *told.entry(error.kind() as u8).or_insert(0) += 1;
     }
     assert_eq!(told.values().sum::<i32>(), 200);
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]

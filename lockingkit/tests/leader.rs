@@ -163,7 +163,7 @@ async fn resigning_drops_the_work_and_waits_for_the_release_to_be_confirmed() {
         *state.borrow(),
         LeaderState::Stopped { error: None }
     ));
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lockingkit::backend::BackendError;
 use lockingkit::testing::Intercept;
-use lockingkit::{DistributedLock, ErrorKind, MemoryBackend, MemoryStore};
+use lockingkit::{DistributedLock, ErrorKind, LockMode, MemoryBackend, MemoryStore};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -51,7 +51,7 @@ async fn a_lost_member_fires_the_whole_hold_and_gives_up_the_others() {
         hold.release().await.expect_err("lost").kind(),
         ErrorKind::Lost
     );
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -74,6 +74,30 @@ async fn releasing_fires_the_hold_token_and_frees_every_key_before_it_returns() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_hold_its_view_and_every_member_tell_the_mode_and_debug_hides_the_keys() {
+    let locks = locks(&MemoryStore::new());
+    let hold = locks
+        .try_acquire_all_in(
+            &["accounts/secret-2", "accounts/secret-1"],
+            LockMode::Shared,
+        )
+        .await
+        .expect("both free");
+    let view = hold.view();
+    assert_eq!(hold.mode(), LockMode::Shared);
+    assert_eq!(view.mode(), LockMode::Shared);
+    assert!(view.members().iter().all(|m| m.mode() == LockMode::Shared));
+    for shown in [format!("{hold:?}"), format!("{view:?}")] {
+        assert!(shown.contains("Shared"), "{shown}");
+        assert!(
+            !shown.contains("secret"),
+            "Debug must not show the keys: {shown}"
+        );
+    }
+    hold.release().await.expect("released");
+}
+
+#[tokio::test(start_paused = true)]
 async fn one_timeout_covers_every_key() {
     let store = MemoryStore::new();
     let (mine, other) = (locks(&store), locks(&store));
@@ -91,7 +115,7 @@ async fn one_timeout_covers_every_key() {
         "{elapsed:?}"
     );
     assert!(!store.is_locked("b"));
-    assert_eq!(mine.active_parties(), 0);
+    assert_eq!(mine.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -119,7 +143,7 @@ async fn a_fault_between_the_first_and_the_second_key_leaves_nothing_held() {
         "the first key was taken"
     );
     assert!(!store.is_locked("accounts/9") && !store.is_locked("accounts/10"));
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
 }
 
 #[tokio::test(start_paused = true)]

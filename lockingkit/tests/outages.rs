@@ -406,10 +406,9 @@ async fn a_backend_that_answers_again_is_used_again_within_the_longest_outage_de
     let store = MemoryStore::new();
     let flaky = Flaky::new(&store, Duration::from_millis(2));
     let locks = DistributedLock::builder(flaky.backend())
-        .options(lockingkit::LockOptions {
-            max_outage_retry_delay: Duration::from_secs(2),
-            ..lockingkit::LockOptions::default()
-        })
+        .options(
+            lockingkit::LockOptions::default().with_max_outage_retry_delay(Duration::from_secs(2)),
+        )
         .build()
         .unwrap();
     flaky.go_down(Fault::Unreachable);

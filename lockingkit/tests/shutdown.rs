@@ -3,9 +3,7 @@
 //! outlives the process), attempts whose callers left finish first, and a release that hangs
 //! makes the shutdown report what was left rather than wait forever.
 
-mod support {
-    pub mod queue;
-}
+use crate::support;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -88,7 +86,7 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
         counting.closed.load(Ordering::SeqCst),
         "the backend closed last"
     );
-    assert_eq!(locks.active_parties(), 0);
+    assert_eq!(locks.local_callers(), 0);
     let ended = waiter.await.unwrap().unwrap_err();
     assert_eq!(ended.kind(), ErrorKind::Unavailable, "{ended}");
     let refused = locks.try_acquire("jobs/new").await.unwrap_err();

@@ -5,9 +5,7 @@
 //! meter provider, so tests never see each other's telemetry. Lease timing runs on paused tokio
 //! time, which makes durations exact.
 
-mod support {
-    pub mod field_log;
-}
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -358,7 +356,7 @@ async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Option<F::Output> {
 async fn loss_recorded(locks: &DistributedLock, handle: &LockHandle) {
     handle.lost_token().cancelled().await;
     for _ in 0..1000 {
-        if locks.active_parties() == 0 {
+        if locks.local_callers() == 0 {
             return;
         }
         tokio::task::yield_now().await;

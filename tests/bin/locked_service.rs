@@ -27,7 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "azure" => {
             let backend = AzureBlobBackend::new(
                 AzureBlobOptions::from_connection_string(connection)
-                    .lease_duration(Duration::from_secs(30)),
+                    .with_lease_duration(Duration::from_secs(30)),
             )?;
             backend.ensure_container().await?;
             DistributedLock::builder(backend).build()?

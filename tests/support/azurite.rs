@@ -4,10 +4,7 @@
 //! Set `LOCKINGKIT_TEST_AZURE_CONNECTION_STRING` to run against an Azurite or storage account
 //! that is already running instead; process control (kill, pause, restart) is then refused.
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +13,7 @@ use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 use lockingkit::config::SecretString;
 use lockingkit::providers::azure::SharedKeyPolicy;
 
-use crate::os::{free_port, relaunch, signal};
+use crate::server::{Ports, Readiness, ScratchDir, ServerCommand, ServerProcess};
 
 /// The environment variable naming an external Azurite or storage account.
 pub const EXTERNAL_ENV: &str = "LOCKINGKIT_TEST_AZURE_CONNECTION_STRING";
@@ -39,10 +36,9 @@ pub enum Persistence {
 
 /// A running Azurite blob service (or an external one), stopped on drop.
 pub struct Azurite {
-    child: Option<Child>,
-    port: u16,
+    /// The local Azurite's process; `None` for an external service.
+    process: Option<ServerProcess>,
     persistence: Persistence,
-    workspace: Option<PathBuf>,
     external: Option<External>,
 }
 
@@ -64,15 +60,11 @@ impl Azurite {
     pub async fn start_with(persistence: Persistence) -> Azurite {
         let azurite = match std::env::var(EXTERNAL_ENV) {
             Ok(cs) if !cs.trim().is_empty() => Azurite {
-                child: None,
-                port: 0,
+                process: None,
                 persistence,
-                workspace: None,
                 external: Some(External::parse(&cs)),
             },
-            _ => tokio::task::spawn_blocking(move || Self::spawn_local(persistence))
-                .await
-                .expect("the Azurite start task panicked"),
+            _ => Self::launch(persistence).await,
         };
         azurite.create_container("locks").await;
         azurite
@@ -81,44 +73,42 @@ impl Azurite {
     /// A local Azurite this test controls (kill, pause, restart), whatever the environment
     /// says: tests that inject faults start their own instead of skipping.
     pub async fn start_local(persistence: Persistence) -> Azurite {
-        let azurite = tokio::task::spawn_blocking(move || Self::spawn_local(persistence))
-            .await
-            .expect("the Azurite start task panicked");
+        let azurite = Self::launch(persistence).await;
         azurite.create_container("locks").await;
         azurite
     }
 
-    fn spawn_local(persistence: Persistence) -> Azurite {
-        let workspace = match persistence {
-            Persistence::InMemory => None,
-            Persistence::OnDisk => {
-                let dir = std::env::temp_dir().join(format!(
-                    "lockingkit-azurite-{}-{}",
-                    std::process::id(),
-                    free_port().expect("a free loopback port")
-                ));
-                std::fs::create_dir_all(&dir).expect("create the Azurite workspace");
-                Some(dir)
-            }
+    /// Starts a local Azurite and waits until it says it listens.
+    async fn launch(persistence: Persistence) -> Azurite {
+        let ready = Readiness::when(STARTUP_TIMEOUT, |launch| {
+            launch.log().contains("successfully listen")
+        });
+        let command = |ports: &[u16], dir: &Path| {
+            let command = ServerCommand::new(azurite_blob())
+                .args([
+                    "--blobHost",
+                    "127.0.0.1",
+                    "--blobPort",
+                    &ports[0].to_string(),
+                ])
+                .args(["--disableTelemetry", "--silent"]);
+            // The two are mutually exclusive.
+            Ok(match persistence {
+                Persistence::OnDisk => command.arg("--location").arg(dir.join("blobs")),
+                Persistence::InMemory => command.arg("--inMemoryPersistence"),
+            })
         };
-        let mut last_error = String::new();
-        // A free port can be taken between our probe and Azurite's bind: try a few.
-        for _ in 0..5 {
-            let port = free_port().expect("a free loopback port");
-            match launch(port, workspace.as_deref()) {
-                Ok(child) => {
-                    return Azurite {
-                        child: Some(child),
-                        port,
-                        persistence,
-                        workspace,
-                        external: None,
-                    }
-                }
-                Err(error) => last_error = error,
+        let started = match ScratchDir::new(std::env::temp_dir().join("lockingkit-azurite")) {
+            Ok(scratch) => {
+                ServerProcess::start("Azurite", scratch, Ports::new(1), ready, command).await
             }
+            Err(e) => Err(e),
+        };
+        Azurite {
+            process: Some(started.unwrap_or_else(|e| panic!("Azurite did not start: {e}"))),
+            persistence,
+            external: None,
         }
-        panic!("Azurite did not start: {last_error}");
     }
 
     /// Where this Azurite keeps its blobs.
@@ -133,14 +123,14 @@ impl Azurite {
 
     /// The loopback port Azurite listens on (0 for an external service).
     pub fn port(&self) -> u16 {
-        self.port
+        self.process.as_ref().map_or(0, ServerProcess::port)
     }
 
     /// The blob endpoint, such as `http://127.0.0.1:PORT/devstoreaccount1`.
     pub fn blob_endpoint(&self) -> String {
         match &self.external {
             Some(external) => external.endpoint.clone(),
-            None => format!("http://127.0.0.1:{}/{DEV_ACCOUNT}", self.port),
+            None => format!("http://127.0.0.1:{}/{DEV_ACCOUNT}", self.port()),
         }
     }
 
@@ -220,52 +210,32 @@ impl Azurite {
         panic!("could not create container {container}: {last}");
     }
 
-    fn child(&mut self) -> &mut Child {
-        assert!(
-            self.external.is_none(),
-            "an external storage service ({EXTERNAL_ENV}) cannot be controlled"
-        );
-        self.child
-            .as_mut()
-            .expect("Azurite is not running (killed and not restarted)")
+    fn process(&mut self) -> &mut ServerProcess {
+        self.process.as_mut().unwrap_or_else(|| {
+            panic!("an external storage service ({EXTERNAL_ENV}) cannot be controlled")
+        })
     }
 
     /// Kills Azurite (SIGKILL), as a crash would: every request fails to connect until
     /// [`restart`](Self::restart).
     pub fn kill(&mut self) {
-        let child = self.child();
-        let _ = child.kill();
-        let _ = child.wait();
-        self.child = None;
+        self.process().kill();
     }
 
     /// Freezes Azurite (SIGSTOP): connections are accepted by the kernel but never answered.
     pub fn pause(&mut self) {
-        let pid = self.child().id();
-        signal(pid, libc::SIGSTOP);
+        self.process().pause();
     }
 
     /// Thaws a paused Azurite (SIGCONT).
     pub fn resume(&mut self) {
-        let pid = self.child().id();
-        signal(pid, libc::SIGCONT);
+        self.process().resume();
     }
 
-    /// Stops Azurite gracefully (SIGTERM, so an on-disk workspace is saved) and waits for it.
+    /// Stops Azurite gracefully (SIGTERM, so an on-disk workspace is saved) and waits for it,
+    /// ten seconds at most before it is killed.
     pub fn stop(&mut self) {
-        let child = self.child();
-        let pid = child.id();
-        // A paused process must be thawed to act on the signal.
-        signal(pid, libc::SIGCONT);
-        signal(pid, libc::SIGTERM);
-        for _ in 0..100 {
-            if matches!(child.try_wait(), Ok(Some(_))) {
-                self.child = None;
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        self.kill();
+        self.process().stop(Duration::from_secs(10));
     }
 
     /// Stops Azurite gracefully if it runs and starts it again on the same port. With
@@ -273,35 +243,9 @@ impl Azurite {
     /// they survive (after [`kill`](Self::kill), Azurite may have lost its last seconds of
     /// writes). The `locks` container exists afterwards either way.
     pub async fn restart(&mut self) {
-        if self.child.is_some() {
-            self.stop();
-        }
-        assert!(
-            self.external.is_none(),
-            "cannot restart an external service"
-        );
-        let port = self.port;
-        let workspace = self.workspace.clone();
-        let child = tokio::task::spawn_blocking(move || {
-            relaunch("Azurite", || launch(port, workspace.as_deref()))
-        })
-        .await
-        .expect("the Azurite restart task panicked");
-        self.child = Some(child);
+        self.stop();
+        self.process().start_again().await;
         self.create_container("locks").await;
-    }
-}
-
-impl Drop for Azurite {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            signal(child.id(), libc::SIGCONT);
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        if let Some(dir) = self.workspace.take() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
     }
 }
 
@@ -351,59 +295,6 @@ fn azurite_blob() -> PathBuf {
         path.display()
     );
     path
-}
-
-/// Starts Azurite on `port` and waits until it says it listens.
-fn launch(port: u16, workspace: Option<&Path>) -> Result<Child, String> {
-    let mut command = Command::new(azurite_blob());
-    command
-        .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
-        .args(["--disableTelemetry", "--silent"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    match workspace {
-        // The two are mutually exclusive.
-        Some(dir) => command.arg("--location").arg(dir),
-        None => command.arg("--inMemoryPersistence"),
-    };
-    let mut child = command.spawn().map_err(|e| format!("spawn: {e}"))?;
-    let stdout = child.stdout.take().ok_or("no stdout")?;
-    let (ready_tx, ready_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        for line in lines.by_ref().map_while(Result::ok) {
-            if line.contains("successfully listen") {
-                let _ = ready_tx.send(());
-                break;
-            }
-        }
-        // Keep draining so Azurite never blocks on a full pipe.
-        for _ in lines {}
-    });
-    match ready_rx.recv_timeout(STARTUP_TIMEOUT) {
-        Ok(()) => {
-            // Nothing reads stderr from here on; drain it the same way.
-            if let Some(mut stderr) = child.stderr.take() {
-                std::thread::spawn(move || {
-                    let mut sink = Vec::new();
-                    let _ = stderr.read_to_end(&mut sink);
-                });
-            }
-            Ok(child)
-        }
-        Err(_) => {
-            let _ = child.kill();
-            let _ = child.wait();
-            let mut stderr = String::new();
-            if let Some(mut pipe) = child.stderr.take() {
-                let _ = pipe.read_to_string(&mut stderr);
-            }
-            Err(format!(
-                "no 'listening' line on port {port}; stderr: {stderr}"
-            ))
-        }
-    }
 }
 
 /// An HTTP transport for plain SDK clients in tests (rustls on ring, short timeouts).

@@ -10,33 +10,20 @@
 //! leaves no server behind. Members can be killed, restarted on their ports with their data,
 //! and paused (SIGSTOP).
 
-use std::fs;
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
-use lockingkit::config::SecretString;
 use lockingkit::EtcdOptions;
 
-use crate::os::{alive, free_port, signal};
+use crate::os::free_port;
+use crate::server::{ScratchDir, ServerCommand, ServerProcess};
 
 /// The root user's password on clusters with authentication.
 const ROOT_PASSWORD: &str = "fixture-root-password";
-
-/// One member: its ports, its data and its process while it runs.
-struct Member {
-    name: String,
-    client_port: u16,
-    peer_port: u16,
-    data: PathBuf,
-    process: Option<Child>,
-    paused: bool,
-}
 
 /// How a cluster authenticates its clients.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,9 +37,8 @@ pub enum Auth {
 
 /// A running etcd cluster on loopback, killed and deleted on drop.
 pub struct EtcdCluster {
-    members: Vec<Member>,
-    root: PathBuf,
-    token: String,
+    /// Member `i` is named `m{i}`; its ports are its client port, then its peer port.
+    members: Vec<ServerProcess>,
     auth: Auth,
 }
 
@@ -98,106 +84,46 @@ impl EtcdCluster {
 
     fn launch(size: usize, auth: Auth) -> io::Result<EtcdCluster> {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let base = scratch_base();
-        remove_dirs_of_dead_processes(&base);
-        let root = base.join(format!("{}-{n}", std::process::id()));
-        let _ = fs::remove_dir_all(&root);
-        fs::create_dir_all(&root)?;
-        let mut members = Vec::new();
-        for i in 0..size {
-            members.push(Member {
-                name: format!("m{i}"),
-                client_port: free_port()?,
-                peer_port: free_port()?,
-                data: root.join(format!("m{i}")),
-                process: None,
-                paused: false,
-            });
-        }
-        let mut cluster = EtcdCluster {
-            members,
-            root,
-            token: format!("lockingkit-{}-{n}", std::process::id()),
-            auth,
-        };
-        for i in 0..size {
-            cluster.spawn(i)?;
-        }
-        Ok(cluster)
-    }
-
-    fn initial_cluster(&self) -> String {
-        self.members
+        let token = format!(
+            "lockingkit-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let ports = (0..size)
+            .map(|_| Ok((free_port()?, free_port()?)))
+            .collect::<io::Result<Vec<_>>>()?;
+        let initial = ports
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
             .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    fn spawn(&mut self, index: usize) -> io::Result<()> {
-        let initial = self.initial_cluster();
-        let token = self.token.clone();
-        let auth = self.auth;
-        let member = &mut self.members[index];
-        fs::create_dir_all(&member.data)?;
-        let client = format!("http://127.0.0.1:{}", member.client_port);
-        let peer = format!("http://127.0.0.1:{}", member.peer_port);
-        let log = member.data.join("etcd.log");
-        let mut command = Command::new("etcd");
-        command
-            .args(["--name", &member.name])
-            .arg("--data-dir")
-            .arg(member.data.join("data"))
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ])
-            .args([
+            .join(",");
+        let mut members = Vec::new();
+        for (i, &(client, peer)) in ports.iter().enumerate() {
+            let scratch = ScratchDir::new(scratch_base())?;
+            let mut command = member_command(i, client, peer, scratch.path()).args([
                 "--initial-cluster",
                 &initial,
                 "--initial-cluster-token",
                 &token,
-            ])
-            .args(["--initial-cluster-state", "new", "--logger", "zap"])
-            .arg("--log-outputs")
-            .arg(&log)
-            .args(["--log-level", "warn"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        if let Auth::Root { token_ttl_secs } = auth {
-            command.args(["--auth-token-ttl", &token_ttl_secs.to_string()]);
+            ]);
+            if let Auth::Root { token_ttl_secs } = auth {
+                command = command.args(["--auth-token-ttl", &token_ttl_secs.to_string()]);
+            }
+            members.push(ServerProcess::spawn_on(
+                "etcd",
+                scratch,
+                vec![client, peer],
+                command,
+            )?);
         }
-        // SAFETY: prctl is async-signal-safe and touches no memory of ours.
-        unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        member.process = Some(command.spawn().map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot run etcd ({e}); run scripts/setup-etcd.sh"),
-            )
-        })?);
-        member.paused = false;
-        Ok(())
+        Ok(EtcdCluster { members, auth })
     }
 
     /// Waits until every running member answers a linearizable read; `Err` if one exited.
     async fn until_ready(&self) -> Result<(), String> {
         for index in 0..self.members.len() {
-            if self.members[index].process.is_none() {
+            if self.members[index].pid().is_none() {
                 continue;
             }
             let ready = tokio::time::timeout(Duration::from_secs(60), async {
@@ -228,11 +154,7 @@ impl EtcdCluster {
 
     /// Whether member `index`'s process has ended.
     fn exited(&self, index: usize) -> bool {
-        // `try_wait` needs `&mut`; a zero-signal `kill` asks the same without reaping.
-        self.members[index]
-            .process
-            .as_ref()
-            .is_some_and(|child| !alive(child.id()))
+        self.members[index].has_exited()
     }
 
     /// Whether member `index` answers a read (any answer: authentication may be on).
@@ -266,7 +188,7 @@ impl EtcdCluster {
 
     /// The client URL of member `index`.
     pub fn endpoint(&self, index: usize) -> String {
-        format!("http://127.0.0.1:{}", self.members[index].client_port)
+        format!("http://127.0.0.1:{}", self.members[index].port())
     }
 
     /// Every member's client URL.
@@ -278,19 +200,12 @@ impl EtcdCluster {
     /// third of the TTL if that is less), so a loaded machine does not fail them, and the
     /// root user's credentials when authentication is on.
     pub fn options(&self, lease_ttl: Duration) -> EtcdOptions {
-        let (user, password) = match self.auth {
-            Auth::Off => (None, None),
-            Auth::Root { .. } => (
-                Some("root".to_owned()),
-                Some(SecretString::from(ROOT_PASSWORD)),
-            ),
-        };
-        EtcdOptions {
-            lease_ttl,
-            request_timeout: Duration::from_secs(2).min(lease_ttl / 3),
-            user,
-            password,
-            ..EtcdOptions::new(self.endpoints())
+        let options = EtcdOptions::new(self.endpoints())
+            .with_lease_ttl(lease_ttl)
+            .with_request_timeout(Duration::from_secs(2).min(lease_ttl / 3));
+        match self.auth {
+            Auth::Off => options,
+            Auth::Root { .. } => options.with_user("root").with_password(ROOT_PASSWORD),
         }
     }
 
@@ -327,7 +242,8 @@ impl EtcdCluster {
     pub async fn leader(&self) -> usize {
         for _ in 0..200 {
             for index in 0..self.members.len() {
-                if self.members[index].process.is_none() || self.members[index].paused {
+                let member = &self.members[index];
+                if member.pid().is_none() || member.is_paused() {
                     continue;
                 }
                 let Ok(Ok(mut client)) = tokio::time::timeout(
@@ -354,20 +270,12 @@ impl EtcdCluster {
 
     /// Kills member `index` (SIGKILL): a crash.
     pub fn kill(&mut self, index: usize) {
-        let member = &mut self.members[index];
-        if let Some(mut child) = member.process.take() {
-            if member.paused {
-                signal(child.id(), libc::SIGCONT);
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        member.paused = false;
+        self.members[index].kill();
     }
 
     /// Starts a killed member again, on its ports, from its data.
     pub async fn restart(&mut self, index: usize) {
-        self.spawn(index).expect("restart an etcd member");
+        self.members[index].start_again().await;
     }
 
     /// Waits until every running member answers again (after restarts).
@@ -379,20 +287,12 @@ impl EtcdCluster {
 
     /// Freezes member `index` (SIGSTOP): its connections stay open and nothing answers.
     pub fn pause(&mut self, index: usize) {
-        let member = &mut self.members[index];
-        if let Some(child) = &member.process {
-            signal(child.id(), libc::SIGSTOP);
-            member.paused = true;
-        }
+        self.members[index].pause();
     }
 
     /// Thaws a paused member (SIGCONT).
     pub fn resume(&mut self, index: usize) {
-        let member = &mut self.members[index];
-        if let Some(child) = &member.process {
-            signal(child.id(), libc::SIGCONT);
-            member.paused = false;
-        }
+        self.members[index].resume();
     }
 
     /// A plain etcd client of member `index` alone (as `root` when authentication is on):
@@ -410,7 +310,7 @@ impl EtcdCluster {
     /// How many watchers member `index` serves now, as the member itself counts them (its
     /// `etcd_debugging_mvcc_watcher_total` gauge on the client port's `/metrics`).
     pub async fn watchers(&self, index: usize) -> u64 {
-        let metrics = http_get(self.members[index].client_port, "/metrics").await;
+        let metrics = http_get(self.members[index].port(), "/metrics").await;
         metrics
             .lines()
             .find_map(|line| line.strip_prefix("etcd_debugging_mvcc_watcher_total "))
@@ -433,7 +333,7 @@ impl EtcdCluster {
 
     /// What member `index` has logged (warnings and errors only).
     pub fn log(&self, index: usize) -> String {
-        fs::read_to_string(self.members[index].data.join("etcd.log")).unwrap_or_default()
+        self.members[index].log()
     }
 
     /// Every line a member logged at level error or worse, each prefixed with its member.
@@ -468,13 +368,32 @@ impl EtcdCluster {
     }
 }
 
-impl Drop for EtcdCluster {
-    fn drop(&mut self) {
-        for index in 0..self.members.len() {
-            self.kill(index);
-        }
-        let _ = fs::remove_dir_all(&self.root);
-    }
+/// Member `index`'s command line on its `client` and `peer` ports with its data in `dir`,
+/// logging to standard error, which the process's log takes; the cluster's members and token
+/// come on top.
+fn member_command(index: usize, client: u16, peer: u16, dir: &Path) -> ServerCommand {
+    let client = format!("http://127.0.0.1:{client}");
+    let peer = format!("http://127.0.0.1:{peer}");
+    ServerCommand::new("etcd")
+        .args(["--name", &format!("m{index}")])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args([
+            "--listen-client-urls",
+            &client,
+            "--advertise-client-urls",
+            &client,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
+        .args(["--initial-cluster-state", "new", "--logger", "zap"])
+        .args(["--log-outputs", "stderr", "--log-level", "warn"])
+        // Launched on a runtime worker, not a blocking-pool thread (see `EtcdCluster::start`).
+        .dies_with_thread()
 }
 
 /// The body of a plain HTTP/1.0 GET of `path` on the loopback `port` (empty if it fails).
@@ -526,22 +445,4 @@ fn scratch_base() -> PathBuf {
         std::env::temp_dir()
     };
     base.join("lockingkit-etcd")
-}
-
-/// Removes the cluster directories (`{pid}-{n}`) of test processes that no longer run: a
-/// process killed with SIGKILL never ran its clusters' `Drop`, and `/dev/shm` is memory.
-fn remove_dirs_of_dead_processes(base: &Path) {
-    let Ok(entries) = fs::read_dir(base) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let pid = name
-            .to_str()
-            .and_then(|name| name.split('-').next())
-            .and_then(|pid| pid.parse::<u32>().ok());
-        if pid.is_some_and(|pid| !alive(pid)) {
-            let _ = fs::remove_dir_all(entry.path());
-        }
-    }
 }

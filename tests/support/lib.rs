@@ -1,15 +1,8 @@
-//! Test fixtures shared by the integration suites: real backends started on loopback.
+//! Test fixtures shared by the integration suites and the benchmarks (`lockingkit-benches`):
+//! real backends started on loopback.
 #![allow(missing_docs)]
 
 pub mod azurite;
-pub mod bench;
-pub mod bench_azure;
-pub mod bench_etcd;
-pub mod bench_patterns;
-pub mod bench_postgres;
-pub mod bench_redis;
-pub mod bench_sessions;
-pub mod bench_transaction;
 pub mod chaos;
 pub mod contract;
 pub mod etcd;
@@ -23,3 +16,4 @@ pub mod polling;
 pub mod postgres;
 pub mod proxy;
 pub mod redis;
+pub mod server;

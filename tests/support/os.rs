@@ -1,11 +1,10 @@
 //! What every server fixture asks of the operating system: a loopback port for a server that
-//! binds it itself, signals to a server's processes, and whether a process still runs.
+//! binds it itself, signals to a server's processes, and what `/proc` says of a process (whether
+//! it still runs, its children, when it started).
 
-use std::fmt::Display;
 use std::io;
 use std::net::{Ipv4Addr, TcpListener};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
 
 /// The first port handed to servers. The range lies below Linux's ephemeral range (32768 and
 /// up by default), so the kernel never gives one of these ports to a `bind(0)` or an outgoing
@@ -22,8 +21,8 @@ const PORTS_PER_PROCESS: u32 = 50;
 
 /// A loopback port that no listener holds now, for a server that must bind it itself; never
 /// the same one twice in a process (until the range wraps). The server may still lose it to
-/// another test process between this check and its bind: every fixture's start tries again on
-/// a new port when its server fails to bind.
+/// another test process between this check and its bind: `ServerProcess::start` (server.rs)
+/// tries again on new ports when its server fails to bind.
 pub fn free_port() -> io::Result<u16> {
     free_port_with_partner(0)
 }
@@ -65,28 +64,50 @@ pub fn signal(pid: impl TryInto<libc::pid_t>, signal: libc::c_int) {
 
 /// Whether process `pid` runs: it exists and is no zombie (a zombie holds nothing any more).
 pub fn alive(pid: impl Into<i64>) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.into())).unwrap_or_default();
-    // The state is the first field after the parenthesised command name.
-    match stat.rsplit_once(')') {
-        Some((_, rest)) => {
-            let state = rest.trim_start();
-            !state.starts_with('Z') && !state.starts_with('X')
-        }
-        None => false,
-    }
+    stat_fields(pid.into())
+        .and_then(|fields| fields.into_iter().next())
+        .is_some_and(|state| state != "Z" && state != "X")
 }
 
-/// Runs `launch` until it succeeds, for a server started again on the port it had before a
-/// kill or stop: the port can stay taken for a moment after its process died. Panics with the
-/// last failure after five seconds of them.
-pub fn relaunch<T, E: Display>(server: &str, mut launch: impl FnMut() -> Result<T, E>) -> T {
-    let mut last = String::new();
-    for _ in 0..50 {
-        match launch() {
-            Ok(started) => return started,
-            Err(e) => last = e.to_string(),
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("{server} did not start again on its port: {last}");
+/// Every process whose parent is `parent` (a PostgreSQL postmaster's backends, say).
+pub fn children_of(parent: impl Into<i64>) -> Vec<u32> {
+    let parent = parent.into().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| stat_fields(pid.into()).is_some_and(|fields| fields.get(1) == Some(&parent)))
+        .collect()
+}
+
+/// When process `pid` started, in clock ticks since boot: with the pid, it names one process
+/// even after the pid is reused.
+pub fn start_time(pid: impl Into<i64>) -> Option<u64> {
+    stat_fields(pid.into())?.get(19)?.parse().ok()
+}
+
+/// The fields of `/proc/{pid}/stat` after the parenthesised command name (which may hold
+/// spaces): the state first, then the parent's pid, and so on (`proc(5)`, from field 3).
+pub fn stat_fields(pid: i64) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+/// A command that runs one test of this test binary again, in a process of its own: the
+/// `#[ignore]`d test `name` of the module at `module_path` (the caller's `module_path!()`),
+/// matched exactly, with its output shown. The suite's own run skips an ignored test, so such
+/// a test only does its work when started this way.
+pub fn this_test_again(module_path: &str, name: &str) -> std::process::Command {
+    // A test's full name is its path without the crate's name.
+    let path = match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_owned(),
+    };
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut command = std::process::Command::new(exe);
+    command.args([path.as_str(), "--exact", "--ignored", "--nocapture"]);
+    command
 }

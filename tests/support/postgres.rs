@@ -1,11 +1,17 @@
-//! A throwaway PostgreSQL cluster, started from its binaries (`initdb`, `pg_ctl`, `postgres`)
-//! on a free loopback port and removed on drop.
+//! A throwaway PostgreSQL cluster, started from its binaries (`initdb`, `postgres`) on a free
+//! loopback port and removed on drop.
 //!
 //! `scripts/setup-postgres.sh` installs the binaries on a fresh Debian machine. The binaries
 //! are looked up on `PATH`, then in `/usr/lib/postgresql/*/bin`. One `initdb` per machine
 //! makes a template cluster (shared by every test process under a file lock); each server
 //! copies it, which takes a tenth of the time. As root, the server runs as the `postgres`
 //! user, because PostgreSQL refuses to run as root.
+//!
+//! The postmaster runs in the foreground as a [`ServerProcess`] (not through `pg_ctl start`,
+//! which daemonizes it out of the fixture's hands); what the process type does not know is
+//! that a server is the postmaster *and* its backends, which the postmaster forks and which
+//! each lead a process group of their own. So a pause, a kill and a stop here reach the
+//! backends one by one, besides the postmaster.
 //!
 //! Set `LOCKINGKIT_TEST_POSTGRES_URL` to run against a server that is already running
 //! instead; process control (kill, pause, restart) is then refused. Tests use unique keys, so
@@ -16,13 +22,13 @@ use std::io;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use lockingkit::keys::PostgresLockKeys;
 use lockingkit::PostgresOptions;
 
-use crate::os::{alive, free_port, relaunch, signal};
+use crate::os::{alive, children_of, signal, stat_fields};
+use crate::server::{Launch, Ports, Readiness, ScratchDir, ServerCommand, ServerProcess};
 
 /// The environment variable naming an external server (a libpq URL or key=value string).
 pub const EXTERNAL_ENV: &str = "LOCKINGKIT_TEST_POSTGRES_URL";
@@ -41,12 +47,11 @@ pub struct PostgresServer {
 }
 
 struct LocalCluster {
-    binaries: PathBuf,
-    data: PathBuf,
-    port: u16,
+    /// The postmaster; its scratch directory is the data directory.
+    postmaster: ServerProcess,
     owner: Option<(u32, u32)>,
-    /// Processes stopped by `pause`, to be continued by `resume` or drop.
-    paused: Vec<i32>,
+    /// Backends stopped by `pause`, to be continued by `resume` or drop.
+    paused: Vec<u32>,
 }
 
 impl PostgresServer {
@@ -63,10 +68,13 @@ impl PostgresServer {
 
     /// A new local server, whatever the environment says (for tests that kill or pause it).
     pub async fn start_local() -> PostgresServer {
-        tokio::task::spawn_blocking(LocalCluster::start)
+        let local = LocalCluster::start()
             .await
-            .expect("the PostgreSQL start task panicked")
-            .unwrap_or_else(|e| panic!("cannot start PostgreSQL: {e}"))
+            .unwrap_or_else(|e| panic!("cannot start PostgreSQL: {e}"));
+        PostgresServer {
+            connection_string: local.key_value_for("postgres"),
+            local: Some(local),
+        }
     }
 
     /// Whether this is an external server (no process control).
@@ -97,15 +105,12 @@ impl PostgresServer {
 
     /// Provider options for this server with the given check interval.
     pub fn options(&self, check_interval: Duration) -> PostgresOptions {
-        PostgresOptions {
-            check_interval,
-            ..PostgresOptions::new(self.connection_string())
-        }
+        PostgresOptions::new(self.connection_string()).with_check_interval(check_interval)
     }
 
     /// The loopback port of a local server.
     pub fn port(&self) -> u16 {
-        self.local().port
+        self.local().postmaster.port()
     }
 
     /// A plain tokio-postgres session, as any other program would open.
@@ -118,6 +123,21 @@ impl PostgresServer {
             let _ = connection.await;
         });
         client
+    }
+
+    /// A deadpool-postgres pool of up to `size` plain sessions, as an application that takes
+    /// advisory locks by hand (or locks on deadpool transactions) would use.
+    pub fn plain_pool(&self, size: usize) -> deadpool_postgres::Pool {
+        use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+        let config: tokio_postgres::Config = self.connection_string.parse().expect("config");
+        let manager = Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        Pool::builder(manager).max_size(size).build().expect("pool")
     }
 
     /// The server processes (`pid`s) whose sessions hold the advisory lock of `key`.
@@ -165,7 +185,7 @@ impl PostgresServer {
     /// The CPU time a local server has used so far: the postmaster and every server process,
     /// live or ended (an ended session's time is counted into the postmaster's children).
     pub fn cpu_time(&self) -> Duration {
-        let Some(postmaster) = running_postmaster(&self.local().data) else {
+        let Some(postmaster) = self.local().running_postmaster() else {
             return Duration::ZERO;
         };
         let mut ticks = cpu_ticks(postmaster, true);
@@ -175,9 +195,9 @@ impl PostgresServer {
         Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second())
     }
 
-    /// What a local server has written to its log so far.
+    /// What a local server has written to its log since it was last started.
     pub fn server_log(&self) -> String {
-        fs::read_to_string(self.local().data.join("server.log")).unwrap_or_default()
+        self.local().postmaster.log_since_start()
     }
 
     /// Creates a database (advisory locks are per database).
@@ -200,36 +220,26 @@ impl PostgresServer {
         let local = self.local_mut();
         local.resume();
         // Stopped first, so the postmaster cannot fork or restart children while they die.
-        let pids = local.server_pids();
-        for &pid in &pids {
+        local.postmaster.signal(libc::SIGSTOP);
+        let backends = local.backends();
+        for &pid in &backends {
             signal(pid, libc::SIGSTOP);
         }
-        let pids = local.server_pids();
-        for &pid in &pids {
+        for &pid in &backends {
             signal(pid, libc::SIGKILL);
         }
-        wait_until_gone(&pids);
+        local.postmaster.kill();
+        wait_until_gone(&backends);
     }
 
-    /// Stops the server the fast way (`pg_ctl stop -m immediate`): every session ends at once.
+    /// Stops the server the fast way (immediate mode): every session ends at once.
     pub fn stop_immediate(&mut self) {
-        let local = self.local_mut();
-        local.resume();
-        let pids = local.server_pids();
-        let _ = local.pg_ctl(&["stop", "-m", "immediate", "-w", "-t", "30"]);
-        wait_until_gone(&pids);
+        self.local_mut().stop_immediate(Duration::from_secs(30));
     }
 
     /// Starts a stopped or killed server again on the same port.
     pub async fn start_again(&mut self) {
-        let mut local = self.local.take().expect("not a local server");
-        let local = tokio::task::spawn_blocking(move || {
-            relaunch("PostgreSQL", || local.launch());
-            local
-        })
-        .await
-        .expect("the PostgreSQL start task panicked");
-        self.local = Some(local);
+        self.local_mut().postmaster.start_again().await;
     }
 
     /// Stops the server (immediate mode) and starts it again on the same port.
@@ -242,7 +252,8 @@ impl PostgresServer {
     /// still acknowledges packets, and no statement ever answers.
     pub fn pause(&mut self) {
         let local = self.local_mut();
-        for pid in local.server_pids() {
+        local.postmaster.pause();
+        for pid in local.backends() {
             signal(pid, libc::SIGSTOP);
             local.paused.push(pid);
         }
@@ -258,7 +269,8 @@ impl PostgresServer {
     /// `sslmode=require` (which encrypts without verifying) connects encrypted.
     pub async fn enable_tls(&self) {
         let local = self.local();
-        let (cert, key) = (local.data.join("server.crt"), local.data.join("server.key"));
+        let data = local.postmaster.dir();
+        let (cert, key) = (data.join("server.crt"), data.join("server.key"));
         let made = Command::new("openssl")
             .args([
                 "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
@@ -329,129 +341,121 @@ impl PostgresServer {
 impl Drop for PostgresServer {
     fn drop(&mut self) {
         if let Some(local) = self.local.as_mut() {
-            local.resume();
-            if local
-                .pg_ctl(&["stop", "-m", "immediate", "-w", "-t", "10"])
-                .is_err()
-            {
-                for pid in local.server_pids() {
-                    signal(pid, libc::SIGKILL);
-                }
-            }
-            let _ = fs::remove_dir_all(&local.data);
+            local.stop_immediate(Duration::from_secs(10));
         }
     }
 }
 
 impl LocalCluster {
-    fn start() -> io::Result<PostgresServer> {
-        let binaries = find_binaries()?;
-        let owner = server_owner()?;
-        let root = scratch_root()?;
-        let template = ensure_template(&binaries, &root, owner)?;
-        remove_abandoned_clusters(&binaries, &root, owner);
-        static COUNTER: AtomicU32 = AtomicU32::new(0);
-        // Short, because the socket path inside must stay under 107 bytes.
-        let data = root.join(format!(
-            "c{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = fs::remove_dir_all(&data);
-        checked(Command::new("cp").arg("-a").arg(&template).arg(&data))?;
-        let mut cluster = LocalCluster {
+    /// A copy of the template cluster, started on a free port; ready once the postmaster says
+    /// it accepts connections.
+    async fn start() -> io::Result<LocalCluster> {
+        let DataCopy {
             binaries,
+            owner,
             data,
-            port: 0,
+        } = tokio::task::spawn_blocking(copy_template)
+            .await
+            .map_err(io::Error::other)??;
+        let ready = Readiness::when(Duration::from_secs(60), accepts_connections);
+        let command = |ports: &[u16], data: &Path| {
+            Ok(ServerCommand::new(binaries.join("postgres"))
+                .arg("-D")
+                .arg(data)
+                .args(["-p", &ports[0].to_string(), "-k"])
+                .arg(data)
+                .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+                .args(["-c", "full_page_writes=off"])
+                // The server user may not be allowed into the caller's working directory.
+                .current_dir("/tmp")
+                .run_as(owner))
+        };
+        let postmaster =
+            ServerProcess::start("PostgreSQL", data, Ports::new(1), ready, command).await?;
+        Ok(LocalCluster {
+            postmaster,
             owner,
             paused: Vec::new(),
-        };
-        let mut last = None;
-        for _ in 0..10 {
-            cluster.port = free_port()?;
-            match cluster.launch() {
-                Ok(()) => {
-                    let connection_string = cluster.key_value();
-                    return Ok(PostgresServer {
-                        local: Some(cluster),
-                        connection_string,
-                    });
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let _ = fs::remove_dir_all(&cluster.data);
-        Err(last.unwrap_or_else(|| io::Error::other("no free port")))
-    }
-
-    fn key_value(&self) -> String {
-        self.key_value_for("postgres")
+        })
     }
 
     fn key_value_for(&self, database: &str) -> String {
         format!(
             "host=127.0.0.1 port={} user=postgres dbname={database} sslmode=disable",
-            self.port
+            self.postmaster.port()
         )
     }
 
-    /// `pg_ctl start` on the current port; fails if the port is taken.
-    fn launch(&mut self) -> io::Result<()> {
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off",
-            self.port,
-            self.data.display()
-        );
-        let log = self.data.join("server.log");
-        let _ = fs::remove_file(&log);
-        let data = self.data.display().to_string();
-        let log = log.display().to_string();
-        self.pg_ctl(&[
-            "start", "-w", "-t", "60", "-D", &data, "-l", &log, "-o", &options,
-        ])
-        .map(|_| ())
-        .map_err(|e| {
-            let tail = fs::read_to_string(&log).unwrap_or_default();
-            io::Error::other(format!("{e}; server log:\n{tail}"))
-        })
+    /// The postmaster's pid while it runs.
+    fn running_postmaster(&self) -> Option<u32> {
+        self.postmaster.pid().filter(|&pid| alive(pid))
     }
 
-    fn pg_ctl(&self, args: &[&str]) -> io::Result<Output> {
-        let mut command = Command::new(self.binaries.join("pg_ctl"));
-        command.args(args);
-        if !args.contains(&"-D") {
-            command.arg("-D").arg(&self.data);
+    /// The postmaster's children, while it runs.
+    fn backends(&self) -> Vec<u32> {
+        self.running_postmaster()
+            .map(children_of)
+            .unwrap_or_default()
+    }
+
+    /// Immediate shutdown (SIGQUIT): the postmaster ends every backend and exits; killed if it
+    /// still runs after `bound`, and backends still running five seconds later with it.
+    fn stop_immediate(&mut self, bound: Duration) {
+        self.resume();
+        let backends = self.backends();
+        self.postmaster.stop_with(libc::SIGQUIT, bound);
+        wait_until_gone(&backends);
+        for pid in backends {
+            signal(pid, libc::SIGKILL);
         }
-        as_owner(&mut command, self.owner);
-        checked(&mut command)
-    }
-
-    /// The postmaster and its children.
-    fn server_pids(&self) -> Vec<i32> {
-        let Some(postmaster) = running_postmaster(&self.data) else {
-            return Vec::new();
-        };
-        let mut pids = vec![postmaster];
-        pids.extend(children_of(postmaster));
-        pids
     }
 
     fn resume(&mut self) {
+        self.postmaster.resume();
         for pid in self.paused.drain(..) {
             signal(pid, libc::SIGCONT);
         }
     }
 }
 
-/// The postmaster of the cluster in `data`, if it runs.
-fn running_postmaster(data: &Path) -> Option<i32> {
-    fs::read_to_string(data.join("postmaster.pid"))
-        .ok()
-        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()))
-        .filter(|&pid| alive(pid))
+/// Whether the postmaster of `launch` accepts connections, as its lock file says (what
+/// `pg_ctl start -w` waits for): its own pid on the first line, `ready` on the eighth.
+fn accepts_connections(launch: &Launch) -> bool {
+    let lock_file = fs::read_to_string(launch.dir().join("postmaster.pid")).unwrap_or_default();
+    let lines: Vec<&str> = lock_file.lines().map(str::trim).collect();
+    let pid = launch.pid().to_string();
+    lines.first() == Some(&pid.as_str()) && lines.get(7) == Some(&"ready")
 }
 
-fn wait_until_gone(pids: &[i32]) {
+/// A new data directory, copied from the template, and what runs a server on it.
+struct DataCopy {
+    binaries: PathBuf,
+    owner: Option<(u32, u32)>,
+    data: ScratchDir,
+}
+
+/// Finds the binaries, makes the template if it is missing, and copies it into a new scratch
+/// directory (which takes the template's owner and mode).
+fn copy_template() -> io::Result<DataCopy> {
+    let binaries = find_binaries()?;
+    let owner = server_owner()?;
+    let root = scratch_root()?;
+    let template = ensure_template(&binaries, &root, owner)?;
+    let data = ScratchDir::new(&root)?;
+    checked(
+        Command::new("cp")
+            .arg("-a")
+            .arg(template.join("."))
+            .arg(data.path()),
+    )?;
+    Ok(DataCopy {
+        binaries,
+        owner,
+        data,
+    })
+}
+
+fn wait_until_gone(pids: &[u32]) {
     for _ in 0..500 {
         if pids.iter().all(|&p| !alive(p)) {
             return;
@@ -460,7 +464,7 @@ fn wait_until_gone(pids: &[i32]) {
     }
 }
 
-/// Where `initdb`, `pg_ctl` and `postgres` live.
+/// Where `initdb` and `postgres` live.
 fn find_binaries() -> io::Result<PathBuf> {
     let mut candidates: Vec<PathBuf> = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).collect())
@@ -472,12 +476,12 @@ fn find_binaries() -> io::Result<PathBuf> {
     }
     candidates
         .into_iter()
-        .find(|dir| ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file()))
+        .find(|dir| ["initdb", "postgres"].iter().all(|b| dir.join(b).is_file()))
         .map(|dir| fs::canonicalize(&dir).unwrap_or(dir))
         .ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::NotFound,
-                "initdb/pg_ctl/postgres not found on PATH or in /usr/lib/postgresql/*/bin; run scripts/setup-postgres.sh",
+                "initdb/postgres not found on PATH or in /usr/lib/postgresql/*/bin; run scripts/setup-postgres.sh",
             )
         })
 }
@@ -507,40 +511,6 @@ fn scratch_root() -> io::Result<PathBuf> {
     let root = PathBuf::from("/tmp/lockingkit-pg");
     fs::create_dir_all(&root)?;
     Ok(root)
-}
-
-/// Stops and deletes clusters left by test processes that died without dropping their server
-/// (killed by a test timeout, say): their directory names start with the dead process's id.
-fn remove_abandoned_clusters(binaries: &Path, root: &Path, owner: Option<(u32, u32)>) {
-    let Ok(entries) = fs::read_dir(root) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix('c')
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|pid| pid.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid == std::process::id() as i32 || alive(pid) {
-            continue;
-        }
-        let data = entry.path();
-        if let Some(postmaster) = running_postmaster(&data) {
-            // A server left paused would ignore the stop request.
-            for pid in std::iter::once(postmaster).chain(children_of(postmaster)) {
-                signal(pid, libc::SIGCONT);
-            }
-            let mut stop = Command::new(binaries.join("pg_ctl"));
-            stop.args(["stop", "-m", "immediate", "-w", "-t", "10", "-D"])
-                .arg(&data);
-            as_owner(&mut stop, owner);
-            let _ = checked(&mut stop);
-        }
-        let _ = fs::remove_dir_all(&data);
-    }
 }
 
 /// The template cluster for these binaries, made once per machine under a file lock so that
@@ -615,36 +585,10 @@ fn checked(command: &mut Command) -> io::Result<Output> {
     }
 }
 
-/// Every process whose parent is `parent` (PostgreSQL backends are direct children).
-fn children_of(parent: i32) -> Vec<i32> {
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| {
-            fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    let (_, rest) = stat.rsplit_once(')')?;
-                    rest.split_whitespace().nth(1)?.parse::<i32>().ok()
-                })
-                == Some(parent)
-        })
-        .collect()
-}
-
 /// User and system CPU ticks of `pid` (with its waited-for children's when `children`).
-fn cpu_ticks(pid: i32, children: bool) -> u64 {
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    let Some((_, rest)) = stat.rsplit_once(')') else {
-        return 0;
-    };
+fn cpu_ticks(pid: u32, children: bool) -> u64 {
     // After the command: state, ppid, … utime is field 14 of the line, the 12th after `)`.
-    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let fields = stat_fields(pid.into()).unwrap_or_default();
     let take = if children { 4 } else { 2 };
     fields
         .iter()
@@ -667,7 +611,5 @@ pub fn clock_ticks_per_second() -> f64 {
 
 /// The CPU time this process has used so far.
 pub fn own_cpu_time() -> Duration {
-    Duration::from_secs_f64(
-        cpu_ticks(std::process::id() as i32, false) as f64 / clock_ticks_per_second(),
-    )
+    Duration::from_secs_f64(cpu_ticks(std::process::id(), false) as f64 / clock_ticks_per_second())
 }

@@ -12,23 +12,17 @@
 use std::fs;
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::os::{free_port, free_port_with_partner, relaunch, signal};
+use crate::server::{Ports, Readiness, ScratchDir, ServerCommand, ServerProcess};
 
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A running `redis-server`, killed and removed on drop.
 pub struct RedisServer {
-    child: Option<Child>,
-    port: u16,
-    dir: PathBuf,
-    /// Extra `redis-server` arguments, kept for `start_again`.
-    extra: Vec<String>,
-    paused: bool,
+    process: ServerProcess,
 }
 
 impl RedisServer {
@@ -39,10 +33,13 @@ impl RedisServer {
 
     /// A new server started with `extra` arguments besides the fixture's own.
     pub async fn start_with(extra: Vec<String>) -> RedisServer {
-        tokio::task::spawn_blocking(move || Self::spawn_on_free_port(extra))
-            .await
-            .expect("the Redis start task panicked")
-            .unwrap_or_else(|e| panic!("cannot start redis-server: {e}"))
+        // A cluster node listens on its port + 10 000 too, for the cluster bus.
+        let ports = if extra.iter().any(|a| a == "--cluster-enabled") {
+            Ports::new(1).with_partners(10_000)
+        } else {
+            Ports::new(1)
+        };
+        Self::start_on(ports, move |_| extra.clone()).await
     }
 
     /// A replica of the server listening on `primary_port` (which may be a proxy in front of
@@ -56,86 +53,50 @@ impl RedisServer {
         .await
     }
 
-    fn spawn_on_free_port(extra: Vec<String>) -> io::Result<RedisServer> {
-        let dir = scratch_dir()?;
-        let mut last = None;
-        for _ in 0..20 {
-            // A cluster node listens on its port + 10 000 too, for the cluster bus.
-            let cluster = extra.iter().any(|a| a == "--cluster-enabled");
-            let port = free_port_with_partner(if cluster { 10_000 } else { 0 })?;
-            let mut server = RedisServer {
-                child: None,
-                port,
-                dir: dir.clone(),
-                extra: extra.clone(),
-                paused: false,
-            };
-            match server.launch() {
-                Ok(()) => return Ok(server),
-                Err(e) => last = Some(e),
+    /// A new server on `ports` (the first is its plain port), started with the arguments
+    /// `extra` gives for them besides the fixture's own; ready once it answers PING.
+    async fn start_on(ports: Ports, extra: impl Fn(&[u16]) -> Vec<String>) -> RedisServer {
+        let ready = Readiness::when(STARTUP_TIMEOUT, |launch| ping(launch.port()));
+        let command = |ports: &[u16], dir: &Path| {
+            Ok(ServerCommand::new("redis-server")
+                .args(["--port", &ports[0].to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                // A replica syncs at once, not after the default 5 s wait for more replicas.
+                .args(["--repl-diskless-sync-delay", "0"])
+                .arg("--dir")
+                .arg(dir)
+                // The log goes to standard output, which the process's log file takes.
+                .args(["--daemonize", "no"])
+                .args(extra(ports)))
+        };
+        let started = match ScratchDir::new(std::env::temp_dir().join("lockingkit-redis")) {
+            Ok(scratch) => {
+                ServerProcess::start("redis-server", scratch, ports, ready, command).await
             }
-        }
-        let _ = fs::remove_dir_all(&dir);
-        Err(last.unwrap_or_else(|| io::Error::other("no free port")))
-    }
-
-    /// Starts `redis-server` on `self.port` and waits until it answers PING.
-    fn launch(&mut self) -> io::Result<()> {
-        let log = self.dir.join("redis.log");
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            // A replica syncs at once, not after the default 5 s wait for more replicas.
-            .args(["--repl-diskless-sync-delay", "0"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--logfile")
-            .arg(&log)
-            .args(["--daemonize", "no"])
-            .args(&self.extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
-        self.child = Some(child);
-        let started = Instant::now();
-        while started.elapsed() < STARTUP_TIMEOUT {
-            if ping(self.port) {
-                return Ok(());
-            }
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    self.child = None;
-                    let tail = fs::read_to_string(&log).unwrap_or_default();
-                    return Err(io::Error::other(format!(
-                        "redis-server exited ({status}); log:\n{tail}"
-                    )));
-                }
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        self.stop();
-        Err(io::Error::other("redis-server did not answer PING in time"))
+            Err(e) => Err(e),
+        };
+        let process = started.unwrap_or_else(|e| panic!("cannot start redis-server: {e}"));
+        RedisServer { process }
     }
 
     /// The URL of this server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://127.0.0.1:{}", self.port())
     }
 
     /// The loopback port.
     pub fn port(&self) -> u16 {
-        self.port
+        self.process.port()
     }
 
     /// The loopback address.
     pub fn address(&self) -> SocketAddr {
-        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port()))
     }
 
     /// The server's process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.process.pid()
     }
 
     /// A plain client connection, as any other program would open.
@@ -149,12 +110,12 @@ impl RedisServer {
 
     /// Runs `redis-cli -p PORT args…` and returns its standard output, trimmed.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, args)
+        cli(self.port(), args)
     }
 
     /// What the server has written to its log so far.
     pub fn log(&self) -> String {
-        fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
+        self.process.log()
     }
 
     /// The warnings (level `#`) the server logged after it was ready to accept connections:
@@ -219,50 +180,22 @@ impl RedisServer {
 
     /// Kills the server (SIGKILL): a crash. Without persistence it comes back empty.
     pub fn kill(&mut self) {
-        self.resume();
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Freezes the server (SIGSTOP): connections stay open and nothing answers.
     pub fn pause(&mut self) {
-        if let Some(pid) = self.pid() {
-            signal(pid, libc::SIGSTOP);
-            self.paused = true;
-        }
+        self.process.pause();
     }
 
     /// Thaws a paused server (SIGCONT).
     pub fn resume(&mut self) {
-        if self.paused {
-            if let Some(pid) = self.pid() {
-                signal(pid, libc::SIGCONT);
-            }
-            self.paused = false;
-        }
+        self.process.resume();
     }
 
     /// Starts a killed server again on the same port (empty: nothing was persisted).
     pub async fn start_again(&mut self) {
-        let mut server = std::mem::replace(
-            self,
-            RedisServer {
-                child: None,
-                port: self.port,
-                dir: self.dir.clone(),
-                extra: self.extra.clone(),
-                paused: false,
-            },
-        );
-        let server = tokio::task::spawn_blocking(move || {
-            relaunch("redis-server", || server.launch());
-            server
-        })
-        .await
-        .expect("the Redis start task panicked");
-        *self = server;
+        self.process.start_again().await;
     }
 
     /// Kills the server and starts it again on the same port.
@@ -289,21 +222,6 @@ impl RedisServer {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    fn stop(&mut self) {
-        self.resume();
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -339,7 +257,7 @@ impl RedisCluster {
         let addresses: Vec<String> = cluster
             .nodes
             .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
+            .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
         let replicas = replicas.to_string();
         tokio::task::spawn_blocking(move || {
@@ -365,7 +283,7 @@ impl RedisCluster {
     }
 
     async fn wait_until_ok(&self) {
-        let ports: Vec<u16> = self.nodes.iter().map(|n| n.port).collect();
+        let ports: Vec<u16> = self.nodes.iter().map(RedisServer::port).collect();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             while !ports
@@ -408,7 +326,7 @@ impl RedisCluster {
             .expect("a primary for the slot");
         self.nodes
             .iter()
-            .find(|n| n.port == port)
+            .find(|n| n.port() == port)
             .expect("the primary is a node of this cluster")
     }
 
@@ -478,69 +396,57 @@ fn ping(port: u16) -> bool {
         && (&answer == b"+PONG\r\n" || answer.starts_with(b"-NOAUTH"))
 }
 
-fn scratch_dir() -> io::Result<PathBuf> {
-    static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join("lockingkit-redis").join(format!(
-        "{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
-
 /// A server that also serves TLS, on a port of its own, with a certificate for `127.0.0.1`
 /// signed by a throwaway certificate authority (made with `openssl`, removed on drop); its plain
 /// port stays open for `redis-cli`.
 pub struct TlsRedisServer {
     server: RedisServer,
-    tls_port: u16,
-    certs: PathBuf,
+    certs: ScratchDir,
 }
 
 impl TlsRedisServer {
     pub async fn start() -> TlsRedisServer {
-        let (certs, tls_port) = tokio::task::spawn_blocking(|| {
-            let certs = scratch_dir().expect("a scratch directory");
-            make_certificates(&certs).unwrap_or_else(|e| panic!("cannot make certificates: {e}"));
-            (certs, free_port().expect("a free port"))
+        let certs = tokio::task::spawn_blocking(|| {
+            let certs = ScratchDir::new(std::env::temp_dir().join("lockingkit-redis"))?;
+            make_certificates(certs.path())?;
+            io::Result::Ok(certs)
         })
         .await
-        .expect("the certificate task");
-        let file = |name: &str| certs.join(name).to_string_lossy().into_owned();
-        let server = RedisServer::start_with(vec![
-            "--tls-port".into(),
-            tls_port.to_string(),
-            "--tls-cert-file".into(),
-            file("server.pem"),
-            "--tls-key-file".into(),
-            file("server.key"),
-            "--tls-ca-cert-file".into(),
-            file("ca.pem"),
-            "--tls-auth-clients".into(),
-            "no".into(),
-        ])
+        .expect("the certificate task")
+        .unwrap_or_else(|e| panic!("cannot make certificates: {e}"));
+        let dir = certs.path().to_owned();
+        let file = move |name: &str| dir.join(name).to_string_lossy().into_owned();
+        // The second port serves TLS.
+        let server = RedisServer::start_on(Ports::new(2), move |ports| {
+            vec![
+                "--tls-port".into(),
+                ports[1].to_string(),
+                "--tls-cert-file".into(),
+                file("server.pem"),
+                "--tls-key-file".into(),
+                file("server.key"),
+                "--tls-ca-cert-file".into(),
+                file("ca.pem"),
+                "--tls-auth-clients".into(),
+                "no".into(),
+            ]
+        })
         .await;
-        TlsRedisServer {
-            server,
-            tls_port,
-            certs,
-        }
+        TlsRedisServer { server, certs }
     }
 
     /// `rediss://127.0.0.1:{tls port}`.
     pub fn tls_url(&self) -> String {
-        format!("rediss://127.0.0.1:{}", self.tls_port)
+        format!("rediss://127.0.0.1:{}", self.tls_port())
     }
 
     pub fn tls_port(&self) -> u16 {
-        self.tls_port
+        self.server.process.ports()[1]
     }
 
     /// The PEM file of the authority that signed the server's certificate.
     pub fn ca(&self) -> PathBuf {
-        self.certs.join("ca.pem")
+        self.certs.path().join("ca.pem")
     }
 
     /// The server, for its plain port and process control.
@@ -549,15 +455,9 @@ impl TlsRedisServer {
     }
 }
 
-impl Drop for TlsRedisServer {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.certs);
-    }
-}
-
 /// `ca.pem` (a certificate authority) and `server.pem`/`server.key` (signed by it, for the IP
 /// address 127.0.0.1 only, so `localhost` is a name it does not carry) in `dir`.
-fn make_certificates(dir: &std::path::Path) -> io::Result<()> {
+fn make_certificates(dir: &Path) -> io::Result<()> {
     let openssl = |args: &[&str]| -> io::Result<()> {
         let output = Command::new("openssl")
             .args(args)

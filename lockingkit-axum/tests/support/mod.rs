@@ -1,8 +1,6 @@
 //! What the axum tests share: a real HTTP client and server on 127.0.0.1, the hang guard, the
 //! handler that shows its lock, the route most tests lock, and a lock with short leases.
 
-#![allow(dead_code)]
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;

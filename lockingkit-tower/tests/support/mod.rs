@@ -2,8 +2,6 @@
 //! service, a hyper client, a body that streams what the test sends), the hang guard, the path
 //! key and a lock with short leases.
 
-#![allow(dead_code)]
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;

@@ -4,29 +4,53 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step's wall time, printed when the run ends (pass or fail), so a slow step shows.
+steps=()
+step() {
+  local name=$1 began=$SECONDS
+  shift
+  "$@"
+  steps+=("$(printf '%5ds  %s' $((SECONDS - began)) "$name")")
+}
+report() {
+  echo "== step times (total ${SECONDS}s)"
+  printf '%s\n' "${steps[@]}"
+  # nextest's JUnit report (see .config/nextest.toml) gives each test's time.
+  local junit="${CARGO_TARGET_DIR:-target}/nextest/default/junit.xml"
+  [ -f "$junit" ] && python3 scripts/slowest-tests.py "$junit" 12
+  return 0
+}
+trap report EXIT
+
 # nextest runs the suites (its profile ends a hung test; see .config/nextest.toml).
 if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
 fi
 
-for setup in scripts/setup-*.sh; do
-  [ -e "$setup" ] && bash "$setup"
-done
+setup_servers() {
+  for setup in scripts/setup-*.sh; do
+    if [ -e "$setup" ]; then bash "$setup"; fi
+  done
+}
+step setup setup_servers
 
 # The code is formatted and lints clean, and the library builds with each feature on its own
 # (a provider's code must not lean on another's feature).
-cargo fmt --all --check
-cargo clippy --workspace --all-targets --all-features -- -D warnings
-for features in "" postgres deadpool azure redis etcd testing; do
-  cargo check --quiet -p lockingkit --no-default-features ${features:+--features "$features"}
-done
+step fmt cargo fmt --all --check
+step clippy cargo clippy --workspace --all-targets --all-features -- -D warnings
+check_each_feature() {
+  for features in "" postgres deadpool azure redis etcd testing; do
+    cargo check --quiet -p lockingkit --no-default-features ${features:+--features "$features"}
+  done
+}
+step each-feature check_each_feature
 
 # Examples and benchmarks must keep compiling even though the test run does not execute them.
-cargo build --workspace --all-features --all-targets
-cargo nextest run --workspace --all-features --no-fail-fast
-cargo test --workspace --all-features --doc
+step build cargo build --workspace --all-features --all-targets
+step nextest cargo nextest run --workspace --all-features --no-fail-fast
+step doctests cargo test --workspace --all-features --doc
 # The API docs build without a broken link or a missing item, as docs.rs would build them.
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
+step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
 # The three library crates package and build from their packaged sources alone. Cargo verifies
 # each against the others through a temporary local registry, and takes what comes from a
 # registry to be immutable: it keeps the unpacked sources (in CARGO_HOME) and the build (in
@@ -34,4 +58,4 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
 # later run verifies against the sources of an earlier one.
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/lockingkit*-0.1.0 \
   "${CARGO_TARGET_DIR:-target}"/debug/.fingerprint/lockingkit*
-cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-examples --allow-dirty
+step package cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-benches --exclude lockingkit-examples --allow-dirty

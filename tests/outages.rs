@@ -1,6 +1,7 @@
 //! The outage experiment, against a real PostgreSQL server: two locked axum routes per account
-//! (deposits make one attempt per request, transfers wait up to 2 s) under sixty-four clients
-//! while the server is frozen, unreachable, restarted, or refuses our password.
+//! (deposits make one attempt per request, transfers wait up to 2 s) and an unlocked control
+//! route under sixty-four clients while the server is frozen, unreachable, restarted, or
+//! refuses our password.
 //!
 //! What a careful operator needs from it, and what each test checks:
 //! - an outage is never answered as contention: once the fault is older than the engine's
@@ -8,8 +9,9 @@
 //!   refuses our credentials);
 //! - an outage is answered at once: from then on, 99% of the requests of either route, waiting
 //!   ones included, are answered within 50 ms, or (on a machine busy with other work) no slower
-//!   than twice the 99th percentile of the one-attempt route while the server was healthy, in the
-//!   same run: a refusal that waited for the probe's timeout (a second or more) fails either way;
+//!   than twice the 99th percentile of an unlocked control route that the same server answers
+//!   at the same time: a refusal is local work, as that route's answer is, and one that waited
+//!   for the probe's timeout (a second or more) fails either way;
 //! - service resumes within a second of the server's return;
 //! - the server is not hammered: the connections it sees (counted by a proxy in front of it, or
 //!   as failed logins in its log) stay a handful however many requests arrive;
@@ -41,7 +43,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 const PATIENCE: Duration = Duration::from_secs(2);
 
 /// How soon a request is answered while the backend is known to be failing: 99% of them, on an
-/// idle machine. On a loaded one the bound is twice the healthy one-attempt p99 of the same run
+/// idle machine. On a loaded one the bound is twice the control route's p99 in the same window
 /// (see [`Run::at_once`]).
 const ANSWERED_AT_ONCE: Duration = Duration::from_millis(50);
 
@@ -80,15 +82,46 @@ struct Answer {
     sent: Instant,
     answered: Instant,
     status: StatusCode,
-    /// Whether the request was a transfer (its route waits for the lock).
-    waited: bool,
+    route: Route,
 }
 
-/// `POST /accounts/{id}/deposits` behind `lock_route("accounts/{id}")` on `locks`, and
-/// `POST /accounts/{id}/transfers` behind the same lock waiting up to 2 s: the handlers
-/// themselves take no time.
+/// The routes the clients post to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// One attempt at the account's lock.
+    Deposits,
+    /// Waits up to 2 s for the account's lock.
+    Transfers,
+    /// No lock: what the machine and the server take to answer a request at that moment.
+    Control,
+}
+
+impl Route {
+    /// One client in eight transfers and one posts to the control route: a waiting route and
+    /// an unlocked one beside the others.
+    fn of_client(client: usize) -> Route {
+        match client % 8 {
+            7 => Route::Transfers,
+            3 => Route::Control,
+            _ => Route::Deposits,
+        }
+    }
+
+    fn path(self, account: usize) -> String {
+        match self {
+            Route::Deposits => format!("/accounts/{account}/deposits"),
+            Route::Transfers => format!("/accounts/{account}/transfers"),
+            Route::Control => "/control".to_owned(),
+        }
+    }
+}
+
+/// `POST /accounts/{id}/deposits` behind `lock_route("accounts/{id}")` on `locks`,
+/// `POST /accounts/{id}/transfers` behind the same lock waiting up to 2 s, and `POST /control`
+/// without a lock: the handlers themselves take no time.
 fn deposits(locks: DistributedLock) -> Router {
     Router::new()
+        .route("/control", post(|| async { StatusCode::OK }))
         .route(
             "/accounts/{id}/deposits",
             post(|| async { StatusCode::OK })
@@ -120,10 +153,8 @@ impl Clients {
                 let stop = stop.clone();
                 tokio::spawn(async move {
                     let mut connection = Connection::open(addr).await;
-                    // One client in eight transfers: a waiting route beside the others.
-                    let waited = client % 8 == 7;
-                    let route = if waited { "transfers" } else { "deposits" };
-                    let path = format!("/accounts/{}/{route}", client % ACCOUNTS);
+                    let route = Route::of_client(client);
+                    let path = route.path(client % ACCOUNTS);
                     let mut answers = Vec::new();
                     while !stop.load(Ordering::Relaxed) {
                         let sent = Instant::now();
@@ -133,7 +164,7 @@ impl Clients {
                             sent,
                             answered,
                             status,
-                            waited,
+                            route,
                         });
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
@@ -154,12 +185,12 @@ impl Clients {
     }
 }
 
-/// The 99th percentile and the longest of the times to answer the requests of one route
-/// (`waited`: transfers) sent and answered in `[from, to)`.
-fn latencies(answers: &[Answer], waited: bool, from: Instant, to: Instant) -> (Duration, Duration) {
+/// The 99th percentile and the longest of the times to answer the requests of `route` sent and
+/// answered in `[from, to)`.
+fn latencies(answers: &[Answer], route: Route, from: Instant, to: Instant) -> (Duration, Duration) {
     let mut times: Vec<Duration> = answers
         .iter()
-        .filter(|a| a.waited == waited && a.sent >= from && a.answered < to)
+        .filter(|a| a.route == route && a.sent >= from && a.answered < to)
         .map(|a| a.answered - a.sent)
         .collect();
     times.sort();
@@ -170,19 +201,22 @@ fn latencies(answers: &[Answer], waited: bool, from: Instant, to: Instant) -> (D
     (p99, times.last().copied().unwrap_or_default())
 }
 
-/// How long after `from` the first request answered 200 was answered.
+/// How long after `from` the first request of a locked route answered 200 was answered.
 fn first_success_after(answers: &[Answer], from: Instant) -> Option<Duration> {
     answers
         .iter()
+        .filter(|a| a.route != Route::Control)
         .filter(|a| a.status == StatusCode::OK && a.answered >= from)
         .map(|a| a.answered - from)
         .min()
 }
 
-/// How many answers of each status came back for requests sent and answered in `[from, to)`.
+/// How many answers of each status came back for requests to the locked routes sent and
+/// answered in `[from, to)`.
 fn statuses(answers: &[Answer], from: Instant, to: Instant) -> BTreeMap<u16, usize> {
     let mut counts = BTreeMap::new();
-    for answer in answers.iter().filter(|a| a.sent >= from && a.answered < to) {
+    let locked = answers.iter().filter(|a| a.route != Route::Control);
+    for answer in locked.filter(|a| a.sent >= from && a.answered < to) {
         *counts.entry(answer.status.as_u16()).or_insert(0) += 1;
     }
     counts
@@ -212,8 +246,8 @@ struct Run {
     /// patience, for the route that makes one attempt and the one that waits.
     one_attempt: (Duration, Duration),
     waiting: (Duration, Duration),
-    /// The one-attempt route's 99th percentile in the second before the fault, server healthy.
-    healthy: Duration,
+    /// The control route's 99th percentile and longest time, in the same window.
+    control: (Duration, Duration),
     /// How long after the server's return the first request succeeded.
     resumed_after: Option<Duration>,
     connections: usize,
@@ -225,13 +259,14 @@ impl Run {
         let answered: usize = self.during.values().sum();
         eprintln!(
             "{fault}: after the patience {:?} ({answered} answers); first {PATIENCE:?} {:?}; \
-             after recovery {:?}; healthy one-attempt p99 {:?}; one-attempt route p99 {:?} \
+             after recovery {:?}; control route p99 {:?} max {:?}; one-attempt route p99 {:?} \
              max {:?}; waiting route p99 {:?} max {:?}; first success {:?} after the return; \
              {} connections reached the server; {} warning lines",
             self.during,
             self.first_second,
             self.after,
-            self.healthy,
+            self.control.0,
+            self.control.1,
             self.one_attempt.0,
             self.one_attempt.1,
             self.waiting.0,
@@ -242,11 +277,11 @@ impl Run {
         );
     }
 
-    /// How soon "at once" is in this run: [`ANSWERED_AT_ONCE`], or twice the healthy
-    /// one-attempt p99 when the machine made even healthy answers slower than that. A refusal
-    /// is local work, never slower than a round trip to a healthy server.
+    /// How soon "at once" is in this run: [`ANSWERED_AT_ONCE`], or twice the control route's
+    /// p99 in the same window when the machine made even unlocked answers slower than that. A
+    /// refusal is local work, as the control route's answer is.
     fn at_once(&self) -> Duration {
-        ANSWERED_AT_ONCE.max(self.healthy.saturating_mul(2))
+        ANSWERED_AT_ONCE.max(self.control.0.saturating_mul(2))
     }
 
     /// Once the gate knows, every route's refusals come at once, and service resumes within a
@@ -327,7 +362,6 @@ async fn experiment(outage: Outage, length: Duration, recovered_by: Duration) ->
     let proxy = FaultProxy::to_port(server.port()).await;
     let locks = locks_through(&proxy, &server);
     let clients = Clients::start(locks.clone()).await;
-    let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (connections, warnings) = (
         proxy.connections_accepted(),
@@ -348,10 +382,9 @@ async fn experiment(outage: Outage, length: Duration, recovered_by: Duration) ->
         during: statuses(&answers, during, ended),
         first_second: statuses(&answers, began, during),
         after: statuses(&answers, ended + recovered_by, Instant::now()),
-        one_attempt: latencies(&answers, false, during, ended),
-        waiting: latencies(&answers, true, during, ended),
-        // After the first round of connects.
-        healthy: latencies(&answers, false, started + Duration::from_millis(200), began).0,
+        one_attempt: latencies(&answers, Route::Deposits, during, ended),
+        waiting: latencies(&answers, Route::Transfers, during, ended),
+        control: latencies(&answers, Route::Control, during, ended),
         resumed_after: first_success_after(&answers, ended),
         connections,
         warnings,

@@ -16,6 +16,9 @@ use lockingkit::providers::azure::{
 };
 use lockingkit::{DistributedLock, ErrorKind, LockError, LossReason};
 use lockingkit_tests::azurite::{Azurite, Persistence};
+use lockingkit_tests::checks::{
+    assert_mentions, assert_semaphore_full, assert_token_grew, release_once_won,
+};
 use lockingkit_tests::field_log::FieldLog;
 
 /// The shortest lease Azure grants, so renewal and loss cases finish soonest.
@@ -143,11 +146,7 @@ async fn a_waiter_gets_the_lock_when_the_plain_client_releases() {
         .release_lease(lease, None)
         .await
         .expect("plain release");
-    let handle = waiter
-        .await
-        .expect("waiter task")
-        .expect("acquired after release");
-    handle.release().await.expect("release");
+    release_once_won(waiter, "after the plain release").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -458,13 +457,12 @@ async fn a_registry_verifies_every_azure_provider_in_one_error() {
     let error = locking.verify().await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
     let shown = error.to_string();
-    assert!(
-        shown.contains("Locking.Jobs: the container `job-locks` does not exist"),
-        "{shown}"
-    );
-    assert!(
-        shown.contains("Locking.Reports: the container `report-locks` does not exist"),
-        "{shown}"
+    assert_mentions(
+        &shown,
+        &[
+            "Locking.Jobs: the container `job-locks` does not exist",
+            "Locking.Reports: the container `report-locks` does not exist",
+        ],
     );
     assert!(!shown.contains("Locking.Default"), "{shown}");
 
@@ -561,11 +559,7 @@ async fn the_fixture_restarts_on_the_same_port_and_keeps_blobs_on_disk() {
         .try_acquire(&key)
         .await
         .expect("acquire after restart");
-    assert!(
-        again.fencing_token() > token,
-        "tokens survive an on-disk restart"
-    );
-    again.release().await.expect("release");
+    assert_token_grew(again, token, "an on-disk restart").await;
 }
 
 #[tokio::test]
@@ -1105,13 +1099,7 @@ mod semaphore {
         for handle in &held {
             handle.ensure_held().expect("renewed past the lease");
         }
-        let busy = other
-            .semaphore(&key, 2)
-            .expect("a semaphore of two")
-            .try_acquire()
-            .await
-            .unwrap_err();
-        assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+        assert_semaphore_full(&other, &key, 2).await;
         for handle in held {
             handle.release().await.expect("release");
         }

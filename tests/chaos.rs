@@ -39,6 +39,7 @@ use lockingkit_tests::chaos::{
     acquire_through_outages, assert_lost, assert_near, contender_lock, record, Loss, Process,
     Watched, PATIENCE,
 };
+use lockingkit_tests::checks::assert_semaphore_full;
 use lockingkit_tests::os::this_test_again;
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::proxy::{Fault, FaultProxy};
@@ -1079,14 +1080,7 @@ async fn broken_slot_lease_through_the_engine(server: Server) {
     let next_lease = next.azure_blob_lease().expect("an Azure lease");
     assert_eq!(slot_of(&next_lease), slot_of(&victim_lease));
     assert!(next.fencing_token() > victim_lease.fencing_token());
-    let busy = processes[1]
-        .locks
-        .semaphore(&key, 3)
-        .expect("a semaphore of three")
-        .try_acquire()
-        .await
-        .unwrap_err();
-    assert_eq!(busy.kind(), ErrorKind::Busy, "{busy}");
+    assert_semaphore_full(&processes[1].locks, &key, 3).await;
     next.release().await.expect("release");
     for kept in watched {
         kept.loss.abort();

@@ -16,6 +16,7 @@ use lockingkit::{
     AzureBlobOptions, ErrorKind, LockError, LockOptions, Locking, LockingConfig, MemoryBackend,
     MemoryStore, PostgresOptions,
 };
+use lockingkit_tests::checks::assert_mentions;
 
 const PG_PASSWORD: &str = "pg-hunter2-from-file";
 const ENV_PASSWORD: &str = "pg-hunter2-from-env";
@@ -575,13 +576,12 @@ fn sections_from_environment_variables_are_named_as_the_docs_spell_them() {
             ]))
             .build(),
     );
-    assert!(
-        shown.contains("Locking.Reports.provider carrier_pigeon is not a known provider"),
-        "{shown}"
-    );
-    assert!(
-        shown.contains("Locking.Nightly_jobs.provider is missing"),
-        "{shown}"
+    assert_mentions(
+        &shown,
+        &[
+            "Locking.Reports.provider carrier_pigeon is not a known provider",
+            "Locking.Nightly_jobs.provider is missing",
+        ],
     );
     assert!(!shown.contains("Locking.reports"), "{shown}");
 }

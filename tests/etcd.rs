@@ -10,6 +10,7 @@ use std::time::Duration;
 use lockingkit::keys::EtcdLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix, ContractBackend};
 use lockingkit::{DistributedLock, ErrorKind, EtcdBackend, EtcdOptions, LockOptions};
+use lockingkit_tests::checks::release_once_won;
 use lockingkit_tests::etcd::{add_user, Auth, EtcdCluster};
 use lockingkit_tests::polling::eventually;
 use tokio::time::Instant;
@@ -585,12 +586,7 @@ async fn readers_queued_together_hold_together_before_a_later_writer() {
     for read in reads {
         read.release().await.expect("release");
     }
-    let written = tokio::time::timeout(Duration::from_secs(5), writer)
-        .await
-        .expect("the writer goes once the readers left")
-        .expect("task")
-        .expect("the writer's lock");
-    written.release().await.expect("release");
+    release_once_won(writer, "once the readers left").await;
 }
 
 /// A semaphore's waiters in other processes are not woken by the watch (the engine gives

@@ -12,6 +12,7 @@ use lockingkit::{
     DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, LossReason, PostgresBackend,
     PostgresOptions,
 };
+use lockingkit_tests::checks::release_once_won;
 use lockingkit_tests::contract::FixtureContract;
 use lockingkit_tests::polling::eventually;
 use lockingkit_tests::postgres::PostgresServer;
@@ -1314,12 +1315,7 @@ async fn a_holder_can_create_an_index_concurrently_under_its_lock_while_another_
         .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
         .await
         .expect("unlock");
-    let handed = tokio::time::timeout(Duration::from_secs(5), waiting)
-        .await
-        .expect("handed over")
-        .expect("task")
-        .expect("no error on the waiter's side either");
-    handed.release().await.expect("release");
+    release_once_won(waiting, "handed over after the unlock").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,6 +45,23 @@ async fn writer_queued(admin: &tokio_postgres::Client, key: &str) -> bool {
         > 0
 }
 
+/// Whether plain SQL on `admin` takes the advisory lock `advisory_key` at once (giving it
+/// back if so).
+async fn plain_sql_takes_and_gives_back(admin: &tokio_postgres::Client, advisory_key: i64) -> bool {
+    let row = admin
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&advisory_key])
+        .await
+        .expect("plain try");
+    let taken = row.get::<_, bool>(0);
+    if taken {
+        admin
+            .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
+            .await
+            .expect("plain unlock");
+    }
+    taken
+}
+
 /// Runs two readers' turn loops side by side, `reader(0)` and `reader(1)`; the task returns
 /// the turns granted to both.
 fn two_readers<F>(reader: impl Fn(u32) -> F) -> JoinHandle<usize>
@@ -73,14 +90,18 @@ async fn plain_session(url: &str) -> tokio_postgres::Client {
     sql
 }
 
-/// Two plain-SQL clients take `key` shared in overlapping turns with blocking
-/// `pg_advisory_lock_shared`, each holding [`READ`], until `stop`: some reader always holds
-/// the key unless a writer queued ahead of them. Returns the turns granted.
-fn blocking_sql_readers(
+/// Two plain-SQL readers of `key`, each on a session of its own and the second starting half
+/// a turn after the first, running `turns(session, advisory key, client, stop)`; the task
+/// returns the turns granted to both.
+fn two_sql_readers<F>(
     server: &PostgresServer,
     key: &str,
     stop: Arc<AtomicBool>,
-) -> JoinHandle<usize> {
+    turns: fn(tokio_postgres::Client, i64, u32, Arc<AtomicBool>) -> F,
+) -> JoinHandle<usize>
+where
+    F: Future<Output = usize> + Send + 'static,
+{
     let (url, k) = (
         server.connection_string(),
         PostgresLockKeys::advisory_key(key),
@@ -90,58 +111,61 @@ fn blocking_sql_readers(
         async move {
             let sql = plain_session(&url).await;
             tokio::time::sleep(READ / 2 * client).await;
-            let mut granted = 0;
-            while !stop.load(Ordering::SeqCst) {
-                sql.execute("SELECT pg_advisory_lock_shared($1)", &[&k])
-                    .await
-                    .expect("blocking shared lock");
-                granted += 1;
-                tokio::time::sleep(READ).await;
-                sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
-                    .await
-                    .expect("unlock");
-                // The other client holds meanwhile; take the next turn before it ends.
-                tokio::time::sleep(READ / 4).await;
-            }
-            granted
+            turns(sql, k, client, stop).await
         }
     })
 }
 
-/// Plain-SQL readers that retry `pg_try_advisory_lock_shared` every 1–10 ms and hold [`READ`].
-fn retrying_sql_readers(
-    server: &PostgresServer,
-    key: &str,
+/// A plain-SQL client's turns with blocking `pg_advisory_lock_shared`, each holding [`READ`],
+/// until `stop`: with two of them in overlapping turns, some reader always holds the key
+/// unless a writer queued ahead of them. Returns the turns granted.
+async fn blocking_turns(
+    sql: tokio_postgres::Client,
+    k: i64,
+    _client: u32,
     stop: Arc<AtomicBool>,
-) -> JoinHandle<usize> {
-    let (url, k) = (
-        server.connection_string(),
-        PostgresLockKeys::advisory_key(key),
-    );
-    two_readers(move |client| {
-        let (url, stop) = (url.clone(), stop.clone());
-        async move {
-            let sql = plain_session(&url).await;
-            tokio::time::sleep(READ / 2 * client).await;
-            let (mut granted, mut round) = (0, u64::from(client));
-            while !stop.load(Ordering::SeqCst) {
-                let row = sql
-                    .query_one("SELECT pg_try_advisory_lock_shared($1)", &[&k])
-                    .await
-                    .expect("try shared");
-                if row.get::<_, bool>(0) {
-                    granted += 1;
-                    tokio::time::sleep(READ).await;
-                    sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
-                        .await
-                        .expect("unlock");
-                }
-                round += 1;
-                tokio::time::sleep(Duration::from_millis(1 + round * 7 % 10)).await;
-            }
-            granted
+) -> usize {
+    let mut granted = 0;
+    while !stop.load(Ordering::SeqCst) {
+        sql.execute("SELECT pg_advisory_lock_shared($1)", &[&k])
+            .await
+            .expect("blocking shared lock");
+        granted += 1;
+        tokio::time::sleep(READ).await;
+        sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
+            .await
+            .expect("unlock");
+        // The other client holds meanwhile; take the next turn before it ends.
+        tokio::time::sleep(READ / 4).await;
+    }
+    granted
+}
+
+/// A plain-SQL client's turns retrying `pg_try_advisory_lock_shared` every 1–10 ms and holding
+/// [`READ`], until `stop`. Returns the turns granted.
+async fn retrying_turns(
+    sql: tokio_postgres::Client,
+    k: i64,
+    client: u32,
+    stop: Arc<AtomicBool>,
+) -> usize {
+    let (mut granted, mut round) = (0, u64::from(client));
+    while !stop.load(Ordering::SeqCst) {
+        let row = sql
+            .query_one("SELECT pg_try_advisory_lock_shared($1)", &[&k])
+            .await
+            .expect("try shared");
+        if row.get::<_, bool>(0) {
+            granted += 1;
+            tokio::time::sleep(READ).await;
+            sql.execute("SELECT pg_advisory_unlock_shared($1)", &[&k])
+                .await
+                .expect("unlock");
         }
-    })
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(1 + round * 7 % 10)).await;
+    }
+    granted
 }
 
 /// LockingKit readers in two other processes, taking turns as the plain-SQL ones do.
@@ -182,14 +206,14 @@ fn lockingkit_readers(
 /// more covers a reader that got in before the writer's watcher queued), with headroom for a
 /// loaded machine.
 async fn writer_gets_in_behind(
+    server: &PostgresServer,
     readers: fn(&PostgresServer, &str, Arc<AtomicBool>) -> JoinHandle<usize>,
     name: &str,
 ) {
-    let server = PostgresServer::start().await;
     let key = unique_prefix(name);
     let stop = Arc::new(AtomicBool::new(false));
-    let stream = readers(&server, &key, stop.clone());
-    let writers = process(&server).reader_writer(&key).expect("writers");
+    let stream = readers(server, &key, stop.clone());
+    let writers = process(server).reader_writer(&key).expect("writers");
     // A first hand-off warms the writer's sessions up, so the timed wait is not a connect.
     tokio::time::sleep(READ * 3).await;
     let mut waits = Vec::new();
@@ -219,18 +243,26 @@ async fn writer_gets_in_behind(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writer_gets_in_within_two_reader_holds_behind_blocking_plain_sql_readers() {
-    writer_gets_in_behind(blocking_sql_readers, "writers/blocking-sql").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writer_gets_in_within_two_reader_holds_behind_retrying_plain_sql_readers() {
-    writer_gets_in_behind(retrying_sql_readers, "writers/retrying-sql").await;
+async fn a_writer_gets_in_within_two_reader_holds_behind_blocking_or_retrying_sql_readers() {
+    let server = PostgresServer::start().await;
+    writer_gets_in_behind(
+        &server,
+        |server, key, stop| two_sql_readers(server, key, stop, blocking_turns),
+        "writers/blocking-sql",
+    )
+    .await;
+    writer_gets_in_behind(
+        &server,
+        |server, key, stop| two_sql_readers(server, key, stop, retrying_turns),
+        "writers/retrying-sql",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_writer_gets_in_within_two_reader_holds_behind_lockingkit_readers_elsewhere() {
-    writer_gets_in_behind(lockingkit_readers, "writers/lockingkit").await;
+    let server = PostgresServer::start().await;
+    writer_gets_in_behind(&server, lockingkit_readers, "writers/lockingkit").await;
 }
 
 /// Hold → another process waits → release → the waiter takes it and releases → at once, a
@@ -270,16 +302,7 @@ async fn after_a_hand_off_and_its_release_the_key_is_free_for_everyone_at_once()
             }
             Err(error) => panic!("round {round}: {error}"),
         }
-        let row = admin
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&advisory_key])
-            .await
-            .expect("plain try");
-        if row.get::<_, bool>(0) {
-            admin
-                .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
-                .await
-                .expect("plain unlock");
-        } else {
+        if !plain_sql_takes_and_gives_back(&admin, advisory_key).await {
             refused.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -321,16 +344,7 @@ async fn three_hundred_reader_hand_offs_leave_the_key_free_for_writers_elsewhere
         held.release().await.expect("writer release");
         let taken = waiting.await.expect("reader task").expect("handed over");
         taken.release().await.expect("reader release");
-        let row = admin
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&advisory_key])
-            .await
-            .expect("plain try");
-        if row.get::<_, bool>(0) {
-            admin
-                .execute("SELECT pg_advisory_unlock($1)", &[&advisory_key])
-                .await
-                .expect("plain unlock");
-        } else {
+        if !plain_sql_takes_and_gives_back(&admin, advisory_key).await {
             refused_sql.push(round);
         }
         match third.try_acquire(&key).await {

@@ -15,16 +15,24 @@ use http::StatusCode;
 use lockingkit::{DistributedLock, LockMode, MemoryStore};
 use lockingkit_axum::{lock_route, HeldLock};
 use lockingkit_tower::OnLoss;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use support::{guarded, post as http_post, serve, short_lease_locks, Reply};
 
 /// A "database" that applies a write once it is sent, whether or not the caller is still
 /// there to hear back — as a server commits a statement whose client future was dropped.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Database {
-    applied: Arc<AtomicUsize>,
+    applied: Arc<watch::Sender<usize>>,
+}
+
+impl Default for Database {
+    fn default() -> Self {
+        Self {
+            applied: Arc::new(watch::channel(0).0),
+        }
+    }
 }
 
 impl Database {
@@ -33,13 +41,21 @@ impl Database {
         let applied = self.applied.clone();
         let server = tokio::spawn(async move {
             let _ = commit.await;
-            applied.fetch_add(1, Ordering::SeqCst);
+            applied.send_modify(|applied| *applied += 1);
         });
         let _ = server.await;
     }
 
     fn applied(&self) -> usize {
-        self.applied.load(Ordering::SeqCst)
+        *self.applied.borrow()
+    }
+
+    /// Returns once `writes` writes are applied.
+    async fn until_applied(&self, writes: usize) {
+        let mut applied = self.applied.subscribe();
+        guarded(applied.wait_for(|applied| *applied >= writes))
+            .await
+            .expect("the database is still there");
     }
 }
 
@@ -104,22 +120,12 @@ async fn lose_the_lock_mid_write(on_loss: OnLoss, account: u32) -> LostMidWrite 
 
 #[tokio::test]
 async fn a_lock_lost_while_the_write_is_in_flight_is_answered_outcome_unknown() {
-    let LostMidWrite {
-        database,
-        request,
-        commit,
-    } = lose_the_lock_mid_write(OnLoss::Cancel, 7).await;
-    let reply = guarded(request).await.expect("reply");
+    let lost = lose_the_lock_mid_write(OnLoss::Cancel, 7).await;
+    let reply = guarded(lost.request).await.expect("reply");
     // The database applies the write after all: the answer must not have claimed it stopped.
-    commit.send(()).expect("the database is still there");
-    tokio::task::yield_now().await;
-    for _ in 0..100 {
-        if database.applied() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    assert_eq!(database.applied(), 1, "the write was applied");
+    lost.commit.send(()).expect("the database is still there");
+    lost.database.until_applied(1).await;
+    assert_eq!(lost.database.applied(), 1, "the write was applied once");
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{reply:?}");
     assert_eq!(reply.code(), "locking.lost");
     assert!(
@@ -136,19 +142,15 @@ async fn a_lock_lost_while_the_write_is_in_flight_is_answered_outcome_unknown() 
 
 #[tokio::test]
 async fn with_on_loss_signal_the_handler_finishes_its_write_and_answers_itself() {
-    let LostMidWrite {
-        database,
-        request,
-        commit,
-    } = lose_the_lock_mid_write(OnLoss::Signal, 8).await;
+    let lost = lose_the_lock_mid_write(OnLoss::Signal, 8).await;
     // The loss is noticed by the next renewal (every 100 ms), while the write is in flight.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(!request.is_finished(), "the handler was not dropped");
-    commit
+    assert!(!lost.request.is_finished(), "the handler was not dropped");
+    lost.commit
         .send(())
         .expect("the handler still waits for its write");
-    let reply = guarded(request).await.expect("reply");
-    assert_eq!(database.applied(), 1);
+    let reply = guarded(lost.request).await.expect("reply");
+    assert_eq!(lost.database.applied(), 1);
     assert_eq!(reply.status, StatusCode::ACCEPTED, "{reply:?}");
     assert!(reply.text().contains("lost meanwhile"), "{reply:?}");
 }

@@ -8,25 +8,29 @@ use lockingkit::testing::Intercept;
 use lockingkit::{DistributedLock, ErrorKind, LockOptions, MemoryBackend, MemoryStore};
 use tokio::sync::{watch, Notify};
 
-/// A process on `store` whose attempts after the first read the store at once but answer only
-/// once `open` says so; `reached` is told when such an answer is held back.
-fn held_back_answers(
-    store: &MemoryStore,
+/// A point where calls wait until the test opens it; `reached` is told each time one waits.
+#[derive(Clone)]
+struct Gate {
     reached: Arc<Notify>,
     open: watch::Receiver<bool>,
-) -> DistributedLock {
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let backend = Intercept::new(MemoryBackend::new(store.clone())).on_try_acquire(move |call| {
-        let (attempts, reached, mut open) = (attempts.clone(), reached.clone(), open.clone());
-        Box::pin(async move {
-            let answer = call.await;
-            if attempts.fetch_add(1, Ordering::SeqCst) > 0 && !*open.borrow() {
-                reached.notify_one();
-                let _ = open.wait_for(|open| *open).await;
-            }
-            answer
-        })
-    });
+}
+
+impl Gate {
+    fn new(reached: Arc<Notify>, open: watch::Receiver<bool>) -> Self {
+        Self { reached, open }
+    }
+
+    /// Returns at once while the gate is open; otherwise tells `reached` and waits for it.
+    async fn pass(mut self) {
+        if !*self.open.borrow() {
+            self.reached.notify_one();
+            let _ = self.open.wait_for(|open| *open).await;
+        }
+    }
+}
+
+/// `backend` behind a lock that retries every few milliseconds.
+fn quickly_retrying(backend: Intercept<MemoryBackend>) -> DistributedLock {
     DistributedLock::builder(backend)
         .options(
             LockOptions::default()
@@ -35,6 +39,23 @@ fn held_back_answers(
         )
         .build()
         .expect("valid options")
+}
+
+/// A process on `store` whose attempts after the first read the store at once but answer only
+/// once `gate` opens.
+fn held_back_answers(store: &MemoryStore, gate: Gate) -> DistributedLock {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let backend = Intercept::new(MemoryBackend::new(store.clone())).on_try_acquire(move |call| {
+        let (attempts, gate) = (attempts.clone(), gate.clone());
+        Box::pin(async move {
+            let answer = call.await;
+            if attempts.fetch_add(1, Ordering::SeqCst) > 0 {
+                gate.pass().await;
+            }
+            answer
+        })
+    });
+    quickly_retrying(backend)
 }
 
 /// A waiter's attempt reads "busy" and its caller goes away before the answer arrives; the
@@ -46,7 +67,7 @@ async fn a_try_after_a_confirmed_release_is_not_told_busy_by_an_abandoned_read()
     let store = MemoryStore::new();
     let reached = Arc::new(Notify::new());
     let (open, gate) = watch::channel(false);
-    let waiters = held_back_answers(&store, reached.clone(), gate);
+    let waiters = held_back_answers(&store, Gate::new(reached.clone(), gate));
     let holder = DistributedLock::in_memory_shared(&store);
 
     let held = holder.try_acquire("jobs").await.expect("the holder");
@@ -83,43 +104,27 @@ async fn a_try_after_a_confirmed_release_is_not_told_busy_by_an_abandoned_read()
 }
 
 /// A process on `store` whose attempts after the first wait for `send` before they reach the
-/// store (`reached` is told when one waits), and whose releases wait for `release`
-/// (`releasing` is told when one waits).
-fn held_back_sends(
-    store: &MemoryStore,
-    (reached, send): (Arc<Notify>, watch::Receiver<bool>),
-    (releasing, release): (Arc<Notify>, watch::Receiver<bool>),
-) -> DistributedLock {
+/// store, and whose releases wait for `release`.
+fn held_back_sends(store: &MemoryStore, send: Gate, release: Gate) -> DistributedLock {
     let attempts = Arc::new(AtomicUsize::new(0));
     let backend = Intercept::new(MemoryBackend::new(store.clone()))
         .on_try_acquire(move |call| {
-            let (attempts, reached, mut send) = (attempts.clone(), reached.clone(), send.clone());
+            let (attempts, send) = (attempts.clone(), send.clone());
             Box::pin(async move {
-                if attempts.fetch_add(1, Ordering::SeqCst) > 0 && !*send.borrow() {
-                    reached.notify_one();
-                    let _ = send.wait_for(|open| *open).await;
+                if attempts.fetch_add(1, Ordering::SeqCst) > 0 {
+                    send.pass().await;
                 }
                 call.await
             })
         })
         .on_release(move |call| {
-            let (releasing, mut release) = (releasing.clone(), release.clone());
+            let release = release.clone();
             Box::pin(async move {
-                if !*release.borrow() {
-                    releasing.notify_one();
-                    let _ = release.wait_for(|open| *open).await;
-                }
+                release.pass().await;
                 call.await
             })
         });
-    DistributedLock::builder(backend)
-        .options(
-            LockOptions::default()
-                .with_min_retry_delay(Duration::from_millis(5))
-                .with_max_retry_delay(Duration::from_millis(20)),
-        )
-        .build()
-        .expect("valid options")
+    quickly_retrying(backend)
 }
 
 /// A reader's attempt is on its way when its caller goes away, and reaches the backend only
@@ -135,8 +140,8 @@ async fn a_writer_try_is_not_told_busy_by_a_read_lock_won_for_nobody() {
     let (release, release_gate) = watch::channel(false);
     let waiters = held_back_sends(
         &store,
-        (reached.clone(), send_gate),
-        (releasing.clone(), release_gate),
+        Gate::new(reached.clone(), send_gate),
+        Gate::new(releasing.clone(), release_gate),
     );
     let holder = DistributedLock::in_memory_shared(&store);
 

@@ -207,6 +207,28 @@ proptest! {
     }
 }
 
+/// A backend that `build` makes for a server nobody listens at (port 1 of loopback refuses
+/// at once): either its options are refused with `Misconfigured`, or a try is `Unavailable`.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+fn unreachable_is_refused_or_unavailable<B: lockingkit::backend::LockBackend>(
+    build: impl FnOnce() -> Result<B, LockError>,
+) -> Result<(), TestCaseError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        match build().and_then(|backend| DistributedLock::builder(backend).build()) {
+            Ok(locks) => {
+                let result = locks.try_acquire("k").await;
+                prop_assert_eq!(result.err().map(|e| e.kind()), Some(ErrorKind::Unavailable));
+            }
+            Err(error) => prop_assert_eq!(error.kind(), ErrorKind::Misconfigured),
+        }
+        Ok(())
+    })
+}
+
 #[cfg(feature = "postgres")]
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
@@ -214,27 +236,12 @@ proptest! {
     #[test]
     fn postgres_options_take_any_duration(check in duration(), query in duration()) {
         use lockingkit::{PostgresBackend, PostgresOptions};
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
-            // Nothing listens on port 1 of loopback: every attempt is refused at once.
-            let built = PostgresBackend::new(PostgresOptions::new("postgres://nobody@127.0.0.1:1/none")
-                .with_check_interval(check)
-                .with_query_timeout(query))
-            .and_then(|backend| DistributedLock::builder(backend).build());
-            match built {
-                Ok(locks) => {
-                    let result = locks.try_acquire("k").await;
-                    prop_assert_eq!(
-                        result.err().map(|e| e.kind()),
-                        Some(ErrorKind::Unavailable)
-                    );
-                }
-                Err(error) => prop_assert_eq!(error.kind(), ErrorKind::Misconfigured),
-            }
-            Ok(())
+        unreachable_is_refused_or_unavailable(|| {
+            PostgresBackend::new(
+                PostgresOptions::new("postgres://nobody@127.0.0.1:1/none")
+                    .with_check_interval(check)
+                    .with_query_timeout(query),
+            )
         })?;
     }
 }
@@ -269,30 +276,15 @@ proptest! {
         intent in duration(),
     ) {
         use lockingkit::{RedisBackend, RedisOptions};
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        runtime.block_on(async {
-            // Nothing listens on port 1 of loopback: every attempt is refused at once.
-            let built = RedisBackend::new(RedisOptions::new("redis://127.0.0.1:1")
-                .with_lease_duration(lease)
-                .with_request_timeout(request)
-                .with_replicas(1)
-                .with_replica_timeout(replica)
-                .with_writer_intent(intent))
-            .and_then(|backend| DistributedLock::builder(backend).build());
-            match built {
-                Ok(locks) => {
-                    let result = locks.try_acquire("k").await;
-                    prop_assert_eq!(
-                        result.err().map(|e| e.kind()),
-                        Some(ErrorKind::Unavailable)
-                    );
-                }
-                Err(error) => prop_assert_eq!(error.kind(), ErrorKind::Misconfigured),
-            }
-            Ok(())
+        unreachable_is_refused_or_unavailable(|| {
+            RedisBackend::new(
+                RedisOptions::new("redis://127.0.0.1:1")
+                    .with_lease_duration(lease)
+                    .with_request_timeout(request)
+                    .with_replicas(1)
+                    .with_replica_timeout(replica)
+                    .with_writer_intent(intent),
+            )
         })?;
     }
 }

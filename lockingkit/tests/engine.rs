@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::support;
+use crate::support::watched::{watched, Watch};
 
 use support::queue::queued_waiter;
 
@@ -75,20 +76,6 @@ impl Recording {
         }
     }
 
-    /// The in-memory backend on `store`, its attempts and releases recorded here.
-    fn backend(&self, store: &MemoryStore) -> Intercept<MemoryBackend> {
-        let (attempts, releases) = (self.clone(), self.clone());
-        Intercept::new(MemoryBackend::new(store.clone()))
-            .on_try_acquire(move |attempt| {
-                let recording = attempts.clone();
-                Box::pin(async move { recording.attempt(attempt).await })
-            })
-            .on_release(move |release| {
-                let recording = releases.clone();
-                Box::pin(async move { recording.release(release).await })
-            })
-    }
-
     async fn attempt<T>(&self, attempt: Call<'_, T>) -> Result<T, BackendError> {
         self.attempts.lock().unwrap().push(Instant::now());
         let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
@@ -145,13 +132,20 @@ impl Recording {
     }
 }
 
-/// A store, a [`Recording`] and a lock on the recorded backend.
-fn recorded_pair() -> (MemoryStore, Recording, DistributedLock) {
-    let (store, recording) = (MemoryStore::new(), Recording::new());
-    let locks = DistributedLock::builder(recording.backend(&store))
-        .build()
-        .unwrap();
-    (store, recording, locks)
+impl Watch for Recording {
+    /// The in-memory backend on `store`, its attempts and releases recorded here.
+    fn backend(&self, store: &MemoryStore) -> Intercept<MemoryBackend> {
+        let (attempts, releases) = (self.clone(), self.clone());
+        Intercept::new(MemoryBackend::new(store.clone()))
+            .on_try_acquire(move |attempt| {
+                let recording = attempts.clone();
+                Box::pin(async move { recording.attempt(attempt).await })
+            })
+            .on_release(move |release| {
+                let recording = releases.clone();
+                Box::pin(async move { recording.release(release).await })
+            })
+    }
 }
 
 /// A backend whose every attempt `answer` answers in place of the in-memory store (whose
@@ -629,7 +623,7 @@ async fn a_local_release_wakes_the_next_waiter_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn locks_are_not_reentrant_and_busy_needs_no_backend_call() {
-    let (_store, recording, locks) = recorded_pair();
+    let (_store, recording, locks) = watched(Recording::new());
     let handle = locks.try_acquire("k").await.unwrap();
     let err = locks.try_acquire("k").await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Busy);
@@ -836,7 +830,7 @@ async fn cancelling_a_queued_waiter_leaks_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn cancelling_during_an_attempt_releases_what_it_won() {
-    let (store, recording, locks) = recorded_pair();
+    let (store, recording, locks) = watched(Recording::new());
     let gate = recording.close_gate();
     let attempt = locks.try_acquire("k");
     // The attempt reaches the backend and waits at the gate; then its caller goes away.
@@ -867,7 +861,7 @@ async fn cancelling_during_an_attempt_releases_what_it_won() {
 
 #[tokio::test(start_paused = true)]
 async fn cancelling_after_the_attempt_means_dropping_the_handle_which_releases_it() {
-    let (store, recording, locks) = recorded_pair();
+    let (store, recording, locks) = watched(Recording::new());
     let handle = locks.try_acquire("k").await.unwrap();
     let lost = handle.lost_token();
     let released = recording.released.notified();
@@ -901,7 +895,7 @@ async fn release_is_confirmed_fires_the_lost_token_and_happens_once() {
 
 #[tokio::test(start_paused = true)]
 async fn every_way_a_hold_ends_sends_exactly_one_release() {
-    let (store, recording, locks) = recorded_pair();
+    let (store, recording, locks) = watched(Recording::new());
 
     locks
         .try_acquire("k")
@@ -941,7 +935,7 @@ async fn every_way_a_hold_ends_sends_exactly_one_release() {
 
 #[tokio::test(start_paused = true)]
 async fn a_late_release_of_a_lost_lock_cannot_free_the_next_holder() {
-    let (store, recording, locks) = recorded_pair();
+    let (store, recording, locks) = watched(Recording::new());
     let start = Instant::now();
     let first = locks.try_acquire("k").await.unwrap();
     store.set_renewal_fault(RenewalFault::Hang);
@@ -1796,7 +1790,7 @@ async fn short_waits_on_a_healthy_busy_backend_are_told_busy_or_timeout_never_un
 
 #[tokio::test(start_paused = true)]
 async fn a_release_unanswered_for_the_patience_is_an_outage_to_the_waiters_behind_it() {
-    let (_store, recording, locks) = recorded_pair();
+    let (_store, recording, locks) = watched(Recording::new());
     let held = locks.try_acquire("k").await.unwrap();
     let waiter = queued_waiter(&locks, "k", Duration::from_secs(30)).await;
     // The release hangs, as against a server that froze while the lock was held.

@@ -76,22 +76,21 @@ fn campaign(locks: &DistributedLock, works: &Works) -> Leadership {
 }
 
 /// A campaign on `store` whose work runs until it is dropped, once it leads: its works, the
-/// leadership and its state.
-async fn leading(store: &MemoryStore) -> (Works, Leadership, watch::Receiver<LeaderState>) {
+/// leadership, its state and the state it first led in.
+async fn leading(
+    store: &MemoryStore,
+) -> (Works, Leadership, watch::Receiver<LeaderState>, LeaderState) {
     let works = Works::default();
     let leadership = campaign(&locks(store), &works);
     let mut state = leadership.state();
-    until(&mut state, "leads", LeaderState::is_leading).await;
-    (works, leadership, state)
+    let led = until(&mut state, "leads", LeaderState::is_leading).await;
+    (works, leadership, state, led)
 }
 
 #[tokio::test(start_paused = true)]
 async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_term() {
     let store = MemoryStore::new();
-    let works = Works::default();
-    let leadership = campaign(&locks(&store), &works);
-    let mut state = leadership.state();
-    let first = until(&mut state, "leads", LeaderState::is_leading).await;
+    let (works, leadership, mut state, first) = leading(&store).await;
     assert_eq!(works.running.load(Ordering::SeqCst), 1);
 
     assert!(store.break_lease(KEY), "the lease was held");
@@ -113,7 +112,7 @@ async fn leader_work_is_dropped_at_loss_and_the_campaign_leads_again_in_a_later_
 #[tokio::test(start_paused = true)]
 async fn the_work_stops_within_the_renewal_that_finds_the_lease_gone() {
     let store = MemoryStore::new();
-    let (works, leadership, mut state) = leading(&store).await;
+    let (works, leadership, mut state, _) = leading(&store).await;
     let broken = tokio::time::Instant::now();
     store.break_lease(KEY);
     until(&mut state, "deposed", |s| !s.is_leading()).await;
@@ -169,10 +168,7 @@ async fn resigning_drops_the_work_and_waits_for_the_release_to_be_confirmed() {
 #[tokio::test(start_paused = true)]
 async fn a_follower_leads_once_the_leader_resigns_and_its_term_is_greater() {
     let store = MemoryStore::new();
-    let works = Works::default();
-    let first = campaign(&locks(&store), &works);
-    let mut leader = first.state();
-    let led = until(&mut leader, "first leads", LeaderState::is_leading).await;
+    let (works, first, _leader, led) = leading(&store).await;
     let second = campaign(&locks(&store), &works);
     let mut follower = second.state();
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -280,7 +276,7 @@ async fn a_misconfiguration_stops_the_campaign_with_that_error_instead_of_spinni
 #[tokio::test(start_paused = true)]
 async fn dropping_the_leadership_resigns_in_the_background() {
     let store = MemoryStore::new();
-    let (works, leadership, mut state) = leading(&store).await;
+    let (works, leadership, mut state, _) = leading(&store).await;
     drop(leadership);
     until(&mut state, "stopped", LeaderState::is_stopped).await;
     assert!(!store.is_locked(KEY));

@@ -4,6 +4,7 @@
 //! makes the shutdown report what was left rather than wait forever.
 
 use crate::support;
+use crate::support::watched::{watched, Watch};
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,7 +24,7 @@ struct Counting {
     closed: Arc<AtomicBool>,
 }
 
-impl Counting {
+impl Watch for Counting {
     /// An in-memory backend that counts releases and can make them hang, and notes its own
     /// shutdown.
     fn backend(&self, store: &MemoryStore) -> Intercept<MemoryBackend> {
@@ -43,18 +44,9 @@ impl Counting {
     }
 }
 
-/// A store, a [`Counting`] and a lock on its backend.
-fn counted_pair() -> (MemoryStore, Counting, DistributedLock) {
-    let (store, counting) = (MemoryStore::new(), Counting::default());
-    let locks = DistributedLock::builder(counting.backend(&store))
-        .build()
-        .unwrap();
-    (store, counting, locks)
-}
-
 #[tokio::test(start_paused = true)]
 async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
-    let (store, counting, locks) = counted_pair();
+    let (store, counting, locks) = watched(Counting::default());
     // One hold whose keeper has started (held past its first renewal), one whose has not.
     let long = locks.try_acquire("jobs/long").await.unwrap();
     tokio::time::sleep(Duration::from_secs(11)).await;
@@ -104,7 +96,7 @@ async fn shutdown_gives_up_every_lock_ends_waits_and_refuses_new_acquires() {
 
 #[tokio::test(start_paused = true)]
 async fn a_release_that_hangs_is_reported_when_the_shutdown_times_out() {
-    let (_store, counting, locks) = counted_pair();
+    let (_store, counting, locks) = watched(Counting::default());
     let held = locks.try_acquire("k").await.unwrap();
     counting.hang_releases.store(true, Ordering::SeqCst);
     let started = Instant::now();
@@ -123,7 +115,7 @@ async fn a_release_that_hangs_is_reported_when_the_shutdown_times_out() {
 async fn a_dropped_handle_is_released_before_the_shutdown_returns() {
     // The handle dropped just before the process exits: its background release must finish
     // before shutdown returns, or the lease outlives the process.
-    let (store, counting, locks) = counted_pair();
+    let (store, counting, locks) = watched(Counting::default());
     drop(locks.try_acquire("k").await.unwrap());
     locks.shutdown(Duration::from_secs(1)).await.unwrap();
     assert_eq!(counting.releases.load(Ordering::SeqCst), 1);

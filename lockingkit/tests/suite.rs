@@ -5,6 +5,7 @@
 mod support {
     pub mod field_log;
     pub mod queue;
+    pub mod watched;
 }
 
 mod abandoned;

@@ -4,6 +4,7 @@
 
 pub mod azurite;
 pub mod chaos;
+pub mod checks;
 pub mod contract;
 pub mod etcd;
 // The log capture lives with the telemetry suite in `lockingkit/tests`; the Azure suite uses it too.

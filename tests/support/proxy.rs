@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::WriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -239,6 +240,16 @@ async fn passable(settings: &mut watch::Receiver<Settings>, born: u64) -> Option
     }
 }
 
+/// Whether one direction ended (`n`, the bytes read, is 0); if so, marks it closed and passes
+/// the end on to the other side.
+async fn ended(n: usize, open: &mut bool, other_side: &mut WriteHalf<'_>) -> bool {
+    if n == 0 {
+        *open = false;
+        let _ = other_side.shutdown().await;
+    }
+    n == 0
+}
+
 async fn serve(id: usize, mut client: TcpStream, shared: &Shared) {
     let mut settings = shared.settings.subscribe();
     let born = settings.borrow().resets;
@@ -275,9 +286,7 @@ async fn serve(id: usize, mut client: TcpStream, shared: &Shared) {
             }
             read = client_read.read(&mut from_client), if client_open => {
                 let n = read.unwrap_or(0);
-                if n == 0 {
-                    client_open = false;
-                    let _ = server_write.shutdown().await;
+                if ended(n, &mut client_open, &mut server_write).await {
                     continue;
                 }
                 {
@@ -294,9 +303,7 @@ async fn serve(id: usize, mut client: TcpStream, shared: &Shared) {
             }
             read = server_read.read(&mut from_server), if server_open => {
                 let n = read.unwrap_or(0);
-                if n == 0 {
-                    server_open = false;
-                    let _ = client_write.shutdown().await;
+                if ended(n, &mut server_open, &mut client_write).await {
                     continue;
                 }
                 let answered = Instant::now();

@@ -57,6 +57,15 @@ impl LockMode {
             LockMode::Semaphore { .. } => "semaphore",
         }
     }
+
+    /// Whether a backend that takes exclusive and shared locks and semaphores of 1 to
+    /// `max_count` holders takes this mode.
+    pub(crate) fn with_semaphores_up_to(self, max_count: u32) -> bool {
+        match self {
+            LockMode::Exclusive | LockMode::Shared => true,
+            LockMode::Semaphore { max_count: asked } => (1..=max_count).contains(&asked),
+        }
+    }
 }
 
 impl fmt::Display for LockMode {

@@ -475,10 +475,7 @@ impl LockBackend for EtcdBackend {
 
     /// Exclusive and shared locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] holders.
     fn supports(&self, mode: LockMode) -> bool {
-        match mode {
-            LockMode::Exclusive | LockMode::Shared => true,
-            LockMode::Semaphore { max_count } => (1..=MAX_SEMAPHORE_COUNT).contains(&max_count),
-        }
+        mode.with_semaphores_up_to(MAX_SEMAPHORE_COUNT)
     }
 
     async fn try_acquire(

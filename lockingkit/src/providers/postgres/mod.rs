@@ -535,10 +535,7 @@ impl LockBackend for PostgresBackend {
     /// server's lock table), and slot numbers stay far below the fencing setup lock's, which
     /// shares the two-`int4` lock space.
     fn supports(&self, mode: LockMode) -> bool {
-        match mode {
-            LockMode::Exclusive | LockMode::Shared => true,
-            LockMode::Semaphore { max_count } => (1..=MAX_SEMAPHORE_COUNT).contains(&max_count),
-        }
+        mode.with_semaphores_up_to(MAX_SEMAPHORE_COUNT)
     }
 
     async fn try_acquire(

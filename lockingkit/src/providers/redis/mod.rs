@@ -378,10 +378,7 @@ impl LockBackend for RedisBackend {
 
     /// Exclusive locks, readers, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] holders.
     fn supports(&self, mode: LockMode) -> bool {
-        match mode {
-            LockMode::Exclusive | LockMode::Shared => true,
-            LockMode::Semaphore { max_count } => (1..=MAX_SEMAPHORE_COUNT).contains(&max_count),
-        }
+        mode.with_semaphores_up_to(MAX_SEMAPHORE_COUNT)
     }
 
     fn writer_intent(&self) -> Option<Duration> {

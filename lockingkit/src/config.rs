@@ -81,6 +81,33 @@ impl WholeNumbers {
     }
 }
 
+/// The problem of a request timeout longer than a third of the lease, `None` when it fits: a
+/// renewal that fails must leave time to be retried before the lease runs out. `timeout` is
+/// the value of setting `timeout_setting`, `lease` that of `lease_setting`.
+#[cfg_attr(
+    not(any(feature = "azure", feature = "redis", feature = "etcd")),
+    allow(dead_code)
+)]
+pub(crate) fn timeout_beyond_a_third_of_lease(
+    timeout_setting: &str,
+    timeout: Duration,
+    lease_setting: &str,
+    lease: Duration,
+) -> Option<Problem> {
+    (timeout > lease / 3).then(|| {
+        Problem::new(
+            timeout_setting,
+            format!(
+                "must be at most a third of {{{lease_setting}}}, so a failed renewal can be \
+                 retried before the lease runs out"
+            ),
+        )
+        .involving(lease_setting)
+        .showing(timeout_setting, format!("{timeout:?}"))
+        .showing(lease_setting, format!("{lease:?}"))
+    })
+}
+
 /// Writes a duration in the form configuration sections read (`"30s"`, `"250ms"`).
 pub fn format_duration(duration: Duration) -> String {
     let millis = duration.as_millis();

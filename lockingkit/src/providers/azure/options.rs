@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Problem, SecretString, WholeNumbers};
+use crate::config::{timeout_beyond_a_third_of_lease, Problem, SecretString, WholeNumbers};
 
 use super::client::connection_string::ConnectionString;
 
@@ -212,17 +212,13 @@ impl AzureBlobOptions {
         }
         if self.request_timeout.is_zero() {
             problems.push(Problem::new("request_timeout", "must be greater than zero"));
-        } else if self.request_timeout > lease / 3 {
-            problems.push(
-                Problem::new(
-                    "request_timeout",
-                    "must be at most a third of {lease_duration}, so a failed renewal can be \
-                     retried before the lease runs out",
-                )
-                .involving("lease_duration")
-                .showing("request_timeout", format!("{:?}", self.request_timeout))
-                .showing("lease_duration", format!("{lease:?}")),
-            );
+        } else {
+            problems.extend(timeout_beyond_a_third_of_lease(
+                "request_timeout",
+                self.request_timeout,
+                "lease_duration",
+                lease,
+            ));
         }
         for range in Self::WHOLE_NUMBERS {
             problems.extend(range.check(u64::from(self.max_retries)));

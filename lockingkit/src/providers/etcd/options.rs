@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Problem, SecretString};
+use crate::config::{timeout_beyond_a_third_of_lease, Problem, SecretString};
 
 /// The shortest lease accepted. etcd itself raises a shorter TTL to one and a half election
 /// timeouts (1.5 s with the default election timeout), and the engine renews every third.
@@ -232,17 +232,13 @@ impl EtcdOptions {
         }
         if self.request_timeout < Duration::from_millis(1) {
             problems.push(Problem::new("request_timeout", "must be at least 1ms"));
-        } else if self.request_timeout > self.lease_ttl / 3 {
-            problems.push(
-                Problem::new(
-                    "request_timeout",
-                    "must be at most a third of {lease_ttl}, so a failed renewal can be \
-                     retried before the lease runs out",
-                )
-                .involving("lease_ttl")
-                .showing("request_timeout", format!("{:?}", self.request_timeout))
-                .showing("lease_ttl", format!("{:?}", self.lease_ttl)),
-            );
+        } else {
+            problems.extend(timeout_beyond_a_third_of_lease(
+                "request_timeout",
+                self.request_timeout,
+                "lease_ttl",
+                self.lease_ttl,
+            ));
         }
         problems
     }

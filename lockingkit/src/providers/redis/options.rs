@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::connection::Target;
 use super::keys::RedisLockKeys;
-use crate::config::{Problem, SecretString, WholeNumbers};
+use crate::config::{timeout_beyond_a_third_of_lease, Problem, SecretString, WholeNumbers};
 
 /// The shortest lease: a renewal every third of it must still fit a round trip.
 pub const MIN_LEASE_DURATION: Duration = Duration::from_millis(300);
@@ -250,17 +250,13 @@ impl RedisOptions {
         let timeout = self.request_timeout;
         if timeout.is_zero() {
             problems.push(Problem::new("request_timeout", "must be greater than zero"));
-        } else if timeout > lease / 3 {
-            problems.push(
-                Problem::new(
-                    "request_timeout",
-                    "must be at most a third of {lease_duration}, so a failed renewal can be \
-                     retried before the lease runs out",
-                )
-                .involving("lease_duration")
-                .showing("request_timeout", format!("{timeout:?}"))
-                .showing("lease_duration", format!("{lease:?}")),
-            );
+        } else {
+            problems.extend(timeout_beyond_a_third_of_lease(
+                "request_timeout",
+                timeout,
+                "lease_duration",
+                lease,
+            ));
         }
         if self.replicas > 0
             && (self.replica_timeout < Duration::from_millis(1) || self.replica_timeout >= timeout)

@@ -10,7 +10,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::CryptoProvider;
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -29,78 +29,56 @@ pub(super) fn connector(settings: &ConnectionSettings) -> Result<MakeRustlsConne
                 }
             })?;
         if settings.ssl_mode == SslMode::VerifyCa {
-            Arc::new(AnyHostName(chain))
+            Arc::new(Lenient::any_host_name(chain, &provider))
         } else {
             chain
         }
     } else {
-        Arc::new(EncryptOnly(provider.clone()))
+        Arc::new(Lenient::encrypt_only(&provider))
     };
     Ok(MakeRustlsConnect::new(crate::tls::client_config(
         provider, verifier,
     )?))
 }
 
-/// Accepts any certificate but still checks the handshake signatures, so the session is
-/// encrypted to whoever holds the certificate's key (libpq's `require`).
-struct EncryptOnly(Arc<CryptoProvider>);
+/// What libpq's lenient modes accept, with the handshake signatures still checked (by the
+/// provider's algorithms, as every rustls verifier checks them), so the session is encrypted to
+/// whoever holds the certificate's key.
+struct Lenient {
+    /// The chain check whose host-name verdict is ignored (libpq's `verify-ca`), or `None` to
+    /// accept any certificate (libpq's `require`).
+    chain: Option<Arc<dyn ServerCertVerifier>>,
+    /// The signature algorithms the handshake is checked with.
+    algorithms: WebPkiSupportedAlgorithms,
+}
 
-impl fmt::Debug for EncryptOnly {
+impl Lenient {
+    /// Accepts any certificate (libpq's `require`).
+    fn encrypt_only(provider: &CryptoProvider) -> Self {
+        Lenient {
+            chain: None,
+            algorithms: provider.signature_verification_algorithms,
+        }
+    }
+
+    /// Checks the chain with `chain` but not the host name (libpq's `verify-ca`).
+    fn any_host_name(chain: Arc<dyn ServerCertVerifier>, provider: &CryptoProvider) -> Self {
+        Lenient {
+            chain: Some(chain),
+            algorithms: provider.signature_verification_algorithms,
+        }
+    }
+}
+
+impl fmt::Debug for Lenient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("EncryptOnly")
+        f.debug_struct("Lenient")
+            .field("chain", &self.chain)
+            .finish_non_exhaustive()
     }
 }
 
-impl ServerCertVerifier for EncryptOnly {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-/// Checks the chain but not the host name (libpq's `verify-ca`).
-#[derive(Debug)]
-struct AnyHostName(Arc<dyn ServerCertVerifier>);
-
-impl ServerCertVerifier for AnyHostName {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -109,10 +87,10 @@ impl ServerCertVerifier for AnyHostName {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -126,7 +104,7 @@ impl ServerCertVerifier for AnyHostName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -135,10 +113,10 @@ impl ServerCertVerifier for AnyHostName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.algorithms.supported_schemes()
     }
 }

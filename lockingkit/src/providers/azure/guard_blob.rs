@@ -140,6 +140,17 @@ impl GuardBlobs {
             .map_err(|_| errors::timed_out(operation, self.request_timeout))
     }
 
+    /// [`call`](Self::call), with an error the SDK answers classified as one of `operation`.
+    async fn call_classified<T>(
+        &self,
+        operation: &'static str,
+        request: impl Future<Output = azure_core::Result<T>>,
+    ) -> Result<T, BackendError> {
+        self.call(operation, request)
+            .await?
+            .map_err(|e| self.classify(operation, &e))
+    }
+
     /// One attempt at `key`'s guard: `Ok(None)` when someone else holds the lease.
     pub(crate) async fn try_acquire(
         &self,
@@ -329,12 +340,12 @@ impl GuardBlobs {
                     ..Default::default()
                 };
                 let properties = self
-                    .call(
+                    .call_classified(
                         "read fencing token",
                         self.placeholder.get_properties(Some(options)),
                     )
-                    .await?
-                    .map_err(|e| during_acquire(self.classify("read fencing token", &e)))?;
+                    .await
+                    .map_err(during_acquire)?;
                 properties
                     .metadata()
                     .map_err(|_| errors::unexpected("read fencing token", "unreadable metadata"))?
@@ -359,12 +370,12 @@ impl GuardBlobs {
             ..Default::default()
         };
         let written = self
-            .call(
+            .call_classified(
                 "write fencing token",
                 self.placeholder.set_metadata(&metadata, Some(options)),
             )
-            .await?
-            .map_err(|e| during_acquire(self.classify("write fencing token", &e)))?;
+            .await
+            .map_err(during_acquire)?;
         let etag = written
             .headers()
             .get_optional_str(&azure_core::http::headers::ETAG)
@@ -393,14 +404,13 @@ impl GuardBlobs {
             method_options: in_context(&lease.path),
             ..Default::default()
         };
-        self.call(
+        self.call_classified(
             "renew lease",
             self.placeholder
                 .renew_lease(lease.lease_id.clone(), Some(options)),
         )
-        .await?
+        .await
         .map(drop)
-        .map_err(|e| self.classify("renew lease", &e))
     }
 
     pub(crate) async fn release(&self, lease: &AzureBlobLease) -> Result<(), BackendError> {
@@ -412,14 +422,13 @@ impl GuardBlobs {
             method_options: in_context(path),
             ..Default::default()
         };
-        self.call(
+        self.call_classified(
             "release lease",
             self.placeholder
                 .release_lease(lease_id.to_owned(), Some(options)),
         )
-        .await?
+        .await
         .map(drop)
-        .map_err(|e| self.classify("release lease", &e))
     }
 }
 

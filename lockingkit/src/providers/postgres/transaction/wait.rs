@@ -88,6 +88,15 @@ mod tests {
             self.bounds.borrow_mut().push(bound);
             self.answers.borrow_mut().pop().unwrap_or(Ok(None))
         }
+
+        /// A wait of at most `timeout` whose every attempt is this script's, with the query
+        /// timeout and delays of every test here.
+        async fn wait(&self, timeout: Duration) -> Result<u64, LockError> {
+            until_taken(timeout, QUERY_TIMEOUT, delays(), |bound| {
+                self.attempt(bound)
+            })
+            .await
+        }
     }
 
     const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -100,10 +109,7 @@ mod tests {
     async fn a_wait_that_stays_busy_ends_in_timeout_at_its_deadline_with_no_attempt_after_it() {
         let script = Script::new(Vec::new());
         let timeout = Duration::from_millis(3500);
-        let result = until_taken(timeout, QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await;
+        let result = script.wait(timeout).await;
         assert_eq!(result.unwrap_err().kind(), ErrorKind::Timeout);
         assert_eq!(script.started.elapsed(), timeout);
         let at = script.at.borrow();
@@ -124,10 +130,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_wait_returns_the_lock_as_soon_as_an_attempt_takes_it() {
         let script = Script::new(vec![Ok(None), Ok(None), Ok(Some(7))]);
-        let taken = until_taken(Duration::from_secs(30), QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await;
+        let taken = script.wait(Duration::from_secs(30)).await;
         assert_eq!(taken.unwrap(), 7);
         assert_eq!(script.at.borrow().len(), 3);
         assert!(script.started.elapsed() <= Duration::from_millis(150));
@@ -137,10 +140,7 @@ mod tests {
     async fn the_first_failure_ends_the_wait_with_that_failure() {
         let failure = LockError::new(ErrorKind::Unavailable, "no answer");
         let script = Script::new(vec![Ok(None), Err(failure), Ok(Some(1))]);
-        let result = until_taken(Duration::from_secs(30), QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await;
+        let result = script.wait(Duration::from_secs(30)).await;
         let error = result.unwrap_err();
         assert_eq!(
             (error.kind(), error.message()),
@@ -152,18 +152,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_zero_timeout_makes_one_attempt_and_the_longest_one_never_overflows() {
         let script = Script::new(Vec::new());
-        let result = until_taken(Duration::ZERO, QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await;
+        let result = script.wait(Duration::ZERO).await;
         assert_eq!(result.unwrap_err().kind(), ErrorKind::Timeout);
         assert_eq!(script.at.borrow().len(), 1);
 
         let script = Script::new(vec![Ok(None), Ok(Some(3))]);
-        let taken = until_taken(Duration::MAX, QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await;
+        let taken = script.wait(Duration::MAX).await;
         assert_eq!(taken.unwrap(), 3);
     }
 
@@ -171,10 +165,7 @@ mod tests {
     async fn each_attempt_is_bounded_by_the_time_left_plus_a_margin_or_the_query_timeout() {
         let script = Script::new(Vec::new());
         let timeout = Duration::from_millis(3500);
-        let result = until_taken(timeout, QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await;
+        let result = script.wait(timeout).await;
         assert_eq!(result.unwrap_err().kind(), ErrorKind::Timeout);
         {
             let (at, bounds) = (script.at.borrow(), script.bounds.borrow());
@@ -186,11 +177,7 @@ mod tests {
         }
 
         let script = Script::new(vec![Ok(Some(1))]);
-        until_taken(Duration::MAX, QUERY_TIMEOUT, delays(), |bound| {
-            script.attempt(bound)
-        })
-        .await
-        .unwrap();
+        script.wait(Duration::MAX).await.unwrap();
         assert_eq!(*script.bounds.borrow(), [QUERY_TIMEOUT]);
     }
 }

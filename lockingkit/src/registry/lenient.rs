@@ -276,16 +276,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-
-    #[derive(Debug, Deserialize, PartialEq)]
-    #[serde(deny_unknown_fields)]
-    struct Pool {
-        connection_string: String,
-        max_connections: u32,
-        tls: bool,
-        #[serde(default, with = "crate::config::option_duration")]
-        check_every: Option<Duration>,
-    }
+    use crate::registry::tests::Pool;
 
     fn bind(value: Value) -> Result<Pool, BindError> {
         Pool::deserialize(Lenient(value))

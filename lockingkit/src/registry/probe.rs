@@ -357,22 +357,10 @@ impl<'de> de::Deserializer<'de> for StandIn {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use serde::Deserialize;
 
     use super::*;
-
-    #[derive(Debug, Deserialize, PartialEq)]
-    #[serde(deny_unknown_fields)]
-    #[allow(dead_code)]
-    struct Pool {
-        connection_string: String,
-        max_connections: u32,
-        tls: bool,
-        #[serde(default, with = "crate::config::option_duration")]
-        check_every: Option<Duration>,
-    }
+    use crate::registry::tests::Pool;
 
     #[test]
     fn struct_fields_are_read_from_the_deserialize_impl() {

@@ -8,6 +8,18 @@ use crate::config::SecretString;
 use crate::engine::LockOptions;
 use crate::providers::memory::{MemoryBackend, MemoryOptions, MemoryStore};
 
+/// The options of a pooled provider, as the binder's and the probe's tests see them: a text, a
+/// number, a flag and an optional duration, the duration alone with a default.
+#[derive(Debug, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Pool {
+    pub(super) connection_string: String,
+    pub(super) max_connections: u32,
+    pub(super) tls: bool,
+    #[serde(default, with = "crate::config::option_duration")]
+    pub(super) check_every: Option<Duration>,
+}
+
 fn config(sections: Value) -> LockingConfig {
     serde_json::from_value(sections).unwrap()
 }

@@ -127,14 +127,7 @@ pub async fn one_leader_at_a_time_among_campaigners_in_three_processes<B: Contra
         leaders.len() >= 2,
         "contract broken: leadership never changed hands: {leaders:?}"
     );
-    for lock in &procs {
-        until_idle(
-            lock,
-            Duration::from_secs(5),
-            "a resigned campaign leaves nothing behind",
-        )
-        .await;
-    }
+    all_idle_after_resigning(&procs).await;
 }
 
 /// A leader that resigns releases at once: a follower in another process leads within its
@@ -205,7 +198,12 @@ pub async fn leadership_passes_on_resign_within_the_bound<B: ContractBackend>(ba
     ));
     required(leader.resign().await, "the new leader resigns");
     checker.assert_consistent();
-    for lock in &procs {
+    all_idle_after_resigning(&procs).await;
+}
+
+/// Waits until every process of `procs` has given back all it held once its campaigns resigned.
+async fn all_idle_after_resigning(procs: &[DistributedLock]) {
+    for lock in procs {
         until_idle(
             lock,
             Duration::from_secs(5),

@@ -41,14 +41,14 @@ pub(super) fn connector(settings: &ConnectionSettings) -> Result<MakeRustlsConne
     )?))
 }
 
-/// What libpq's lenient modes accept, with the handshake signatures still checked (by the
-/// provider's algorithms, as every rustls verifier checks them), so the session is encrypted to
-/// whoever holds the certificate's key.
+/// What libpq's lenient modes accept, with the handshake signatures still checked (by the chain
+/// check's verifier where there is one, else by the provider's algorithms), so the session is
+/// encrypted to whoever holds the certificate's key.
 struct Lenient {
     /// The chain check whose host-name verdict is ignored (libpq's `verify-ca`), or `None` to
     /// accept any certificate (libpq's `require`).
     chain: Option<Arc<dyn ServerCertVerifier>>,
-    /// The signature algorithms the handshake is checked with.
+    /// The signature algorithms the handshake is checked with when there is no chain check.
     algorithms: WebPkiSupportedAlgorithms,
 }
 
@@ -104,7 +104,10 @@ impl ServerCertVerifier for Lenient {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+        match &self.chain {
+            Some(chain) => chain.verify_tls12_signature(message, cert, dss),
+            None => rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms),
+        }
     }
 
     fn verify_tls13_signature(
@@ -113,10 +116,16 @@ impl ServerCertVerifier for Lenient {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+        match &self.chain {
+            Some(chain) => chain.verify_tls13_signature(message, cert, dss),
+            None => rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms),
+        }
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algorithms.supported_schemes()
+        match &self.chain {
+            Some(chain) => chain.supported_verify_schemes(),
+            None => self.algorithms.supported_schemes(),
+        }
     }
 }

@@ -25,7 +25,8 @@
 //! - **One connection in all**, opened on the first subscription and closed after [`IDLE`]
 //!   with no channel subscribed. It opens through the backend's outage gate (see
 //!   `connection`): while Redis is failing it waits for the gate's probe like every request,
-//!   and only the server's first answer on it counts as Redis answering again. A lost
+//!   and only the server's first answer on it counts as Redis answering again; a connection
+//!   closed before that answer counts for nothing (see [`Report`]). A lost
 //!   connection is opened again only after a backoff ([`FIRST_DELAY`] doubling to
 //!   [`MOST_DELAY`]) that starts over once a connection stayed subscribed for [`STEADY`]. A
 //!   connection that stops answering pings is treated as lost.
@@ -342,32 +343,41 @@ struct Opened {
 /// What the first request on a new connection tells the backend's [`Health`]. Opening a
 /// connection proves little (a server that needs no password is sent nothing), so only the
 /// server's first answer counts as one.
+///
+/// A connection that opened and then closed before its first answer is not counted as Redis
+/// failing either: the server (or a proxy) accepted it, and servers close pub/sub connections
+/// for reasons of their own (`CLIENT KILL TYPE pubsub`, the pub/sub output buffer limit) while
+/// lock requests on the command connection are served. Counting it made such a kill refuse
+/// lock attempts, and end waits, as an outage. The watch paces its own reopening (its backoff),
+/// and a server that is really gone is found by the next connect, which is counted.
 struct Report {
     health: Arc<Health>,
     probe: Option<Probe>,
 }
 
 impl Report {
-    /// The server answered (whatever it said), or the request failed with `result`'s error.
+    /// The server answered (whatever it said); any other outcome is no evidence either way (a
+    /// probe dropped without an outcome lets the next caller probe).
     fn outcome<T>(self, result: &Result<redis::RedisResult<T>, tokio::time::error::Elapsed>) {
-        let failure = match result {
-            Ok(Ok(_)) => None,
-            Ok(Err(error)) => Some(errors::request_error(error, Stage::Connect))
-                .filter(|e| e.kind() == (BackendErrorKind::Transient { reached: false })),
-            // A connection that opened and then stayed silent: slow or frozen, not counted
-            // (a probe dropped without an outcome lets the next caller probe).
-            Err(_) => return,
+        // A request error that is an answer (an ACL refusal, say) still shows a server that
+        // answers; one that is not (closed, reset, silent) shows nothing.
+        let answered = match result {
+            Ok(Ok(_)) => true,
+            Ok(Err(error)) => !matches!(
+                errors::request_error(error, Stage::Connect).kind(),
+                BackendErrorKind::Transient { reached: false }
+            ),
+            Err(_) => false,
         };
-        match (failure, self.probe) {
-            (None, Some(probe)) => {
+        if !answered {
+            return;
+        }
+        match self.probe {
+            Some(probe) => {
                 probe.answered();
             }
-            (None, None) => {
+            None => {
                 self.health.answered();
-            }
-            (Some(cause), Some(probe)) => probe.failed(&cause),
-            (Some(cause), None) => {
-                self.health.failed(&cause, false);
             }
         }
     }
@@ -642,4 +652,39 @@ fn sweep(shared: &Weak<Shared>) -> Option<Vec<String>> {
         state.channels.remove(name);
     }
     Some(gone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn closed() -> redis::RedisError {
+        std::io::Error::new(std::io::ErrorKind::ConnectionReset, "closed by the server").into()
+    }
+
+    fn report(health: &Arc<Health>) -> Report {
+        Report {
+            health: health.clone(),
+            probe: None,
+        }
+    }
+
+    #[test]
+    fn a_connection_closed_before_its_first_answer_is_no_outage() {
+        let health = Arc::new(Health::new(FIRST_DELAY, MOST_DELAY));
+        report(&health).outcome::<()>(&Ok(Err(closed())));
+        assert!(
+            !health.is_failing(),
+            "a killed pub/sub connection refused lock attempts"
+        );
+    }
+
+    #[test]
+    fn a_failed_connect_is_an_outage_and_an_answer_ends_it() {
+        let health = Arc::new(Health::new(FIRST_DELAY, MOST_DELAY));
+        report(&health).failed(&errors::request_error(&closed(), Stage::Connect));
+        assert!(health.is_failing(), "a refused connect went uncounted");
+        report(&health).outcome(&Ok(Ok(())));
+        assert!(!health.is_failing(), "the server's answer did not end it");
+    }
 }

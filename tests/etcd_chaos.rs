@@ -814,6 +814,11 @@ enum Taken {
 /// Takes the holder's key away through `client` as the first write since the key was created,
 /// then compacts the history as `compaction` says, physically: the member no longer has the
 /// history when it answers.
+///
+/// The cluster has just lost a member, and on a loaded machine it may still be electing a
+/// leader: a write can come back `Unavailable` ("request timed out") whether or not it was
+/// applied. Each write is read back before it is tried again, so none is applied twice and the
+/// revisions the case asserts on are the ones the writes made.
 async fn take_and_compact(
     client: &mut etcd_client::Client,
     key: &[u8],
@@ -821,19 +826,7 @@ async fn take_and_compact(
     taken: Taken,
     compaction: Compaction,
 ) {
-    let header = match taken {
-        Taken::Deleted => client
-            .delete(key, None)
-            .await
-            .expect("delete")
-            .take_header(),
-        Taken::Overwritten => client
-            .put(key, "someone else", None)
-            .await
-            .expect("put")
-            .take_header(),
-    };
-    let taken_at = header.expect("a header").revision();
+    let taken_at = take(client, key, created, taken).await;
     assert_eq!(
         taken_at,
         created + 1,
@@ -841,19 +834,94 @@ async fn take_and_compact(
     );
     let mut compact_at = taken_at;
     for i in 0..compaction.writes_after_the_change() {
-        let put = client
-            .put("chaos-filler", i.to_string(), None)
-            .await
-            .expect("put");
-        compact_at = put.header().expect("a header").revision();
+        // Unique values: a read-back must not find an earlier case's filler.
+        compact_at = put_once(client, b"chaos-filler", &format!("{created}/{i}")).await;
     }
-    client
-        .compact(
-            compact_at,
-            Some(etcd_client::CompactionOptions::new().with_physical()),
-        )
-        .await
-        .expect("compact");
+    let give_up = Instant::now() + CLUSTER_PATIENCE;
+    loop {
+        let options = etcd_client::CompactionOptions::new().with_physical();
+        match client.compact(compact_at, Some(options)).await {
+            Ok(_) => return,
+            // An earlier try that timed out compacted it after all.
+            Err(error) if error.to_string().contains("compacted") => return,
+            Err(error) => patience_left(give_up, "compact", &error).await,
+        }
+    }
+}
+
+/// How long the test's own writes may be refused by a cluster that is electing a leader.
+const CLUSTER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Fails the case once `give_up` has passed, else pauses before the next try.
+async fn patience_left(give_up: Instant, what: &str, error: &etcd_client::Error) {
+    assert!(Instant::now() < give_up, "{what}: {error}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Deletes or overwrites `key` once, and returns the revision of that change.
+async fn take(client: &mut etcd_client::Client, key: &[u8], created: i64, taken: Taken) -> i64 {
+    let give_up = Instant::now() + CLUSTER_PATIENCE;
+    loop {
+        let written = match taken {
+            Taken::Deleted => client.delete(key, None).await.map(|mut r| r.take_header()),
+            Taken::Overwritten => client
+                .put(key, "someone else", None)
+                .await
+                .map(|mut r| r.take_header()),
+        };
+        let error = match written {
+            Ok(header) => return header.expect("a header").revision(),
+            Err(error) => error,
+        };
+        // Did the write that failed happen? Then the key's first change since `created` is it.
+        if let Ok(found) = client.get(key, None).await {
+            let done = match taken {
+                Taken::Deleted => found.kvs().is_empty(),
+                Taken::Overwritten => found
+                    .kvs()
+                    .first()
+                    .is_some_and(|kv| kv.value() == b"someone else"),
+            };
+            if done {
+                return first_change_after(client, key, created).await;
+            }
+        }
+        patience_left(give_up, "take the key", &error).await;
+    }
+}
+
+/// The revision of the first change of `key` after revision `created`, from its history.
+async fn first_change_after(client: &mut etcd_client::Client, key: &[u8], created: i64) -> i64 {
+    let options = etcd_client::WatchOptions::new().with_start_revision(created + 1);
+    let mut stream = client.watch(key, Some(options)).await.expect("watch");
+    loop {
+        let message = stream.message().await.expect("a watch message");
+        let answer = message.expect("the watch stays open");
+        if let Some(kv) = answer.events().first().and_then(|event| event.kv()) {
+            return kv.mod_revision();
+        }
+    }
+}
+
+/// Puts `value` at `key` once, and returns the revision of that write.
+async fn put_once(client: &mut etcd_client::Client, key: &[u8], value: &str) -> i64 {
+    let give_up = Instant::now() + CLUSTER_PATIENCE;
+    loop {
+        let error = match client.put(key, value, None).await {
+            Ok(put) => return put.header().expect("a header").revision(),
+            Err(error) => error,
+        };
+        if let Ok(found) = client.get(key, None).await {
+            if let Some(kv) = found
+                .kvs()
+                .first()
+                .filter(|kv| kv.value() == value.as_bytes())
+            {
+                return kv.mod_revision();
+            }
+        }
+        patience_left(give_up, "put", &error).await;
+    }
 }
 
 /// Kills the member the holder talks to and deletes or overwrites its key through another,

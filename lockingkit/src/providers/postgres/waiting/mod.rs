@@ -88,6 +88,7 @@ use std::time::Duration;
 
 use tokio::sync::{watch as channel, Notify};
 use tokio::time::Instant;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_util::sync::CancellationToken;
 
@@ -497,11 +498,18 @@ async fn unlock(
         super::UNLOCK_SHARED
     };
     let params: [(&(dyn ToSql + Sync), Type); 1] = [(&advisory_key, Type::INT8)];
-    let unlock = waiting.session.client().query_typed_one(sql, &params);
-    matches!(
-        crate::background::within(timeout, unlock).await,
-        Some(Ok(row)) if row.try_get::<_, bool>(0).unwrap_or(false)
-    )
+    // A withdrawal of the request that was granted (`pg_cancel_backend`, sent by a wait that
+    // ended as the grant came) can reach the session while this unlock runs, and cancels it:
+    // the unlock did not happen, so it is sent once more (a request is withdrawn only once).
+    for _ in 0..2 {
+        let unlock = waiting.session.client().query_typed_one(sql, &params);
+        match crate::background::within(timeout, unlock).await {
+            Some(Ok(row)) => return row.try_get::<_, bool>(0).unwrap_or(false),
+            Some(Err(error)) if error.code() == Some(&SqlState::QUERY_CANCELED) => continue,
+            Some(Err(_)) | None => return false,
+        }
+    }
+    false
 }
 
 /// Withdraws the watch statement of the waiting session whose server process is `process`

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::slice::SLICE;
-use super::{unlock, Grant, KeyWaits, Queued, WaitingSession, WatchState};
+use super::{unlock, Grant, KeyState, KeyWaits, Queued, WaitingSession, WatchState};
 
 /// How a watcher ended.
 enum Exit {
@@ -69,12 +69,7 @@ async fn watch_key(
             _ = shared.stop.cancelled() => None,
             answer = crate::background::within(SLICE + shared.timeout, statement) => answer,
         };
-        let withdrawn = key
-            .state()
-            .queued
-            .take()
-            .is_some_and(|queued| queued.withdrawn);
-        let next = match answer {
+        let (withdrawn, next) = match answer {
             // Granted: the session holds the key now.
             Some(Ok(Some(fencing_token))) => {
                 let grant = Grant {
@@ -84,8 +79,8 @@ async fn watch_key(
                     sent,
                 };
                 match hand_over(shared, key, advisory_key, grant).await {
-                    Ok(waiting) => Some(waiting),
-                    Err(exit) => {
+                    (withdrawn, Ok(waiting)) => (withdrawn, Some(waiting)),
+                    (withdrawn, Err(exit)) => {
                         settle_if(withdrawn, shared, advisory_key, key);
                         return exit;
                     }
@@ -93,10 +88,10 @@ async fn watch_key(
             }
             // The slice ended (or was withdrawn) with the key still taken: the next one queues
             // again, as the waits want it now.
-            Some(Ok(None)) => Some(waiting),
+            Some(Ok(None)) => (unqueue(key), Some(waiting)),
             // An error may come after the grant, and an unanswered statement may still be
             // granted: either way the session closes, which frees whatever it holds.
-            Some(Err(_)) | None => None,
+            Some(Err(_)) | None => (unqueue(key), None),
         };
         settle_if(withdrawn, shared, advisory_key, key);
         match next {
@@ -104,6 +99,16 @@ async fn watch_key(
             None => return Exit::Failed,
         }
     }
+}
+
+/// The watcher's request answered: it is no longer queued. Returns whether it was withdrawn.
+fn unqueue(key: &KeyWaits) -> bool {
+    take_queued(&mut key.state())
+}
+
+/// [`unqueue`] with the key's state already locked.
+fn take_queued(state: &mut KeyState) -> bool {
+    state.queued.take().is_some_and(|queued| queued.withdrawn)
 }
 
 /// A withdrawn request has answered: that clean-up of the key is done.
@@ -115,32 +120,40 @@ fn settle_if(withdrawn: bool, shared: &WatchState, advisory_key: i64, key: &KeyW
 
 /// Parks `grant` for the waits of its kind and wakes them, or, if none is left, unlocks it at
 /// once: `Ok` with the session, clean again, to go on watching. The watcher never holds a key
-/// for nobody longer than that unlock.
+/// for nobody longer than that unlock. Also returns whether the request had been withdrawn.
+///
+/// The request stops counting as queued in the same critical section that parks the grant or
+/// starts its unlock, so no moment lies between them in which a wait that ends sees neither
+/// (and withdraws nothing) while the next attempt finds nothing settling and the grant answers
+/// it "busy" for nobody.
 async fn hand_over(
     shared: &WatchState,
     key: &KeyWaits,
     advisory_key: i64,
     grant: Grant,
-) -> Result<WaitingSession, Exit> {
+) -> (bool, Result<WaitingSession, Exit>) {
     let exclusive = grant.exclusive;
-    {
+    let withdrawn = {
         let mut state = key.state();
+        let withdrawn = take_queued(&mut state);
         // Two grants are never parked at once (a second request queues behind the first
         // grant); were one there, the new one would be unlocked like one nobody waits for.
         if state.waits(exclusive) > 0 && state.grant.is_none() {
             state.grant = Some(grant);
             drop(state);
             key.events.send_replace(());
-            return Err(Exit::Granted);
+            return (withdrawn, Err(Exit::Granted));
         }
         // Nobody of its kind waits: an attempt of this process waits until it is unlocked.
         shared.begin_settling(&mut state);
-    }
+        withdrawn
+    };
     let unlocked = unlock(&grant.waiting, advisory_key, exclusive, shared.timeout).await;
     shared.end_settling(advisory_key, key);
-    if unlocked {
+    let session = if unlocked {
         Ok(grant.waiting)
     } else {
         Err(Exit::Failed)
-    }
+    };
+    (withdrawn, session)
 }

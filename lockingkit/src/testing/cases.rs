@@ -65,10 +65,16 @@ async fn until_queued(lock: &DistributedLock, key: &str, count: usize) {
 /// period is only the check interval: there the bound only catches a hang (5 s), and the tries
 /// that follow catch a leak.
 pub(super) fn release_settles_within<B: ContractBackend>(backend: &B) -> Duration {
-    if backend.leases_held_by_connection() {
+    settles_within(backend.leases_held_by_connection(), backend.lease_period())
+}
+
+/// [`release_settles_within`] for a backend whose leases are held by a connection or not, with
+/// the given lease period.
+pub(super) fn settles_within(held_by_connection: bool, lease_period: Duration) -> Duration {
+    if held_by_connection {
         Duration::from_secs(5)
     } else {
-        backend.lease_period() / 4
+        lease_period / 4
     }
 }
 

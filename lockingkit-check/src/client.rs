@@ -24,6 +24,9 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a client waits for the register's answer before calling the outcome unknown.
 pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a client waits after a failed acquire before trying again.
+pub const FAILED_ACQUIRE_PAUSE: Duration = Duration::from_millis(50);
+
 /// What a client is.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
@@ -153,6 +156,8 @@ pub async fn run(
             Err(error) => {
                 let error = Some(error.to_string());
                 recorder.record(Phase::Fail, OpKind::Acquire, key, None, None, error)?;
+                // An outage answers at once: without a pause the history fills with refusals.
+                tokio::time::sleep(FAILED_ACQUIRE_PAUSE).await;
                 continue;
             }
         };

@@ -18,7 +18,9 @@ pub mod client;
 pub mod clock;
 pub mod error;
 pub mod history;
+pub mod nemesis;
 pub mod register;
 pub mod rng;
+pub mod run;
 
 pub use error::CheckError;

@@ -1,0 +1,163 @@
+//! The nemesis: a fault schedule drawn from a seed, and the loop that applies it to a fleet of
+//! clients, logging each fault's start and end.
+//!
+//! Faults come one at a time, each lifted before the next begins, so every fault in the history
+//! has a clear span; all are over a second before the run ends, so the last operations run on a
+//! quiet system.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::clock::monotonic_ns;
+use crate::error::CheckError;
+use crate::history::{Event, FaultEvent, FaultKind, FaultPhase};
+use crate::rng::SeededRng;
+
+/// One planned fault.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedFault {
+    /// The quiet time before it.
+    pub after: Duration,
+    /// What it is.
+    pub kind: FaultKind,
+    /// Which client slot it hits.
+    pub slot: usize,
+    /// How long it lasts (for a kill: how long until the replacement starts).
+    pub lasts: Duration,
+}
+
+/// Draws the schedule of a run of `run` long against `clients` clients: faults of `kinds`,
+/// timed against the lease (a short pause is a third of it, a long one two and a half).
+pub fn schedule(
+    seed: u64,
+    kinds: &[FaultKind],
+    clients: usize,
+    lease: Duration,
+    run: Duration,
+) -> Vec<PlannedFault> {
+    // The nemesis draws from its own stream of the seed, apart from the clients' key choices.
+    let mut rng = SeededRng::new(seed ^ 0x006e_656d_6573_6973);
+    let lease_ms = lease.as_millis() as u64;
+    let quiet_end = run.saturating_sub(Duration::from_secs(1));
+    let mut plan = Vec::new();
+    let mut at = Duration::ZERO;
+    while !kinds.is_empty() && clients > 0 {
+        let after = Duration::from_millis(rng.between(200, 1000));
+        let kind = kinds[rng.below(kinds.len() as u64) as usize];
+        let slot = rng.below(clients as u64) as usize;
+        let lasts = Duration::from_millis(match kind {
+            FaultKind::Kill => rng.between(100, 500),
+            FaultKind::PauseShort => lease_ms / 3,
+            FaultKind::PauseLong => lease_ms * 5 / 2,
+            FaultKind::Blackhole | FaultKind::Reset | FaultKind::Delay => {
+                rng.between(lease_ms, lease_ms * 2)
+            }
+        });
+        at += after + lasts;
+        if at > quiet_end {
+            break;
+        }
+        plan.push(PlannedFault {
+            after,
+            kind,
+            slot,
+            lasts,
+        });
+    }
+    plan
+}
+
+/// What the nemesis can do to the clients of one provider.
+pub trait Fleet {
+    /// The fault kinds this fleet can suffer.
+    fn kinds(&self) -> &'static [FaultKind];
+    /// The process in `slot` now.
+    fn process(&self, slot: usize) -> Option<u32>;
+    /// Begins `kind` on `slot`.
+    fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError>;
+    /// Lifts `kind` from `slot` (for a kill: starts the replacement).
+    fn end(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError>;
+    /// Stops every client (any fault still on is lifted by the stop) and returns their events.
+    fn stop(&mut self) -> StopFuture<'_>;
+}
+
+/// What stopping a fleet returns: the clients' events.
+pub type StopFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<Event>, CheckError>> + Send + 'a>>;
+
+/// The faults so far, shared with the progress lines and the final history.
+#[derive(Clone, Default)]
+pub struct FaultLog {
+    events: Arc<Mutex<Vec<Event>>>,
+}
+
+impl FaultLog {
+    fn push(&self, event: FaultEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Event::Nemesis(event));
+    }
+
+    /// How many faults have begun.
+    pub fn begun(&self) -> usize {
+        self.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Nemesis(f) if f.phase == FaultPhase::Start))
+            .count()
+    }
+
+    /// The events so far.
+    pub fn events(&self) -> Vec<Event> {
+        self.events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// Applies `plan` to `fleet`, in order, logging into `log`.
+pub async fn inject(
+    plan: &[PlannedFault],
+    fleet: &mut dyn Fleet,
+    log: &FaultLog,
+) -> Result<(), CheckError> {
+    for (id, fault) in plan.iter().enumerate() {
+        tokio::time::sleep(fault.after).await;
+        let event = |phase, process| FaultEvent {
+            time: monotonic_ns(),
+            id: id as u64,
+            fault: fault.kind,
+            slot: fault.slot,
+            process,
+            phase,
+        };
+        let process = fleet.process(fault.slot);
+        log.push(event(FaultPhase::Start, process));
+        fleet.begin(fault.kind, fault.slot)?;
+        tokio::time::sleep(fault.lasts).await;
+        fleet.end(fault.kind, fault.slot)?;
+        log.push(event(FaultPhase::End, process));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_gives_one_schedule_that_ends_a_second_before_the_run() {
+        let kinds = [FaultKind::Kill, FaultKind::PauseLong, FaultKind::Blackhole];
+        let lease = Duration::from_secs(1);
+        let run = Duration::from_secs(20);
+        let plan = schedule(7, &kinds, 5, lease, run);
+        assert_eq!(plan, schedule(7, &kinds, 5, lease, run));
+        assert_ne!(plan, schedule(8, &kinds, 5, lease, run));
+        let total: Duration = plan.iter().map(|f| f.after + f.lasts).sum();
+        assert!(total <= run - Duration::from_secs(1));
+        assert!(plan.iter().all(|f| f.slot < 5 && kinds.contains(&f.kind)));
+        assert!(plan.len() >= 3, "{plan:?}");
+    }
+}

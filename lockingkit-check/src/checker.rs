@@ -250,27 +250,33 @@ fn check_mutual_exclusion(register: &[&RegisterEntry], faults: &[FaultSpan]) -> 
             }
         }
         // Holds are in order of their first request; one that starts before the latest-ending
-        // earlier hold has ended interleaves with it.
+        // earlier hold has ended interleaves with it. One violation per earlier hold, however
+        // many later holds it straddles (a stale holder let in late straddles them all).
         let mut widest: Option<((u32, u64), usize)> = None;
+        let mut reported: HashMap<(u32, u64), (usize, usize)> = HashMap::new();
         for &(hold, first, last) in &holds {
             if let Some((earlier, earlier_last)) = widest {
                 if first < earlier_last {
-                    // The overlap: from the later hold's first request to the earlier's last.
-                    let ops = accepted[first..=earlier_last]
-                        .iter()
-                        .filter(|e| [earlier, hold].contains(&(e.process, e.token)))
-                        .map(|e| Event::Register((*e).clone()))
-                        .collect();
-                    violations.push(with_faults(
-                        ViolationKind::MutualExclusion,
-                        key,
-                        format!(
-                            "hold (process {}, token {}) was accepted after hold (process {}, token {}) began",
-                            earlier.0, earlier.1, hold.0, hold.1
-                        ),
-                        ops,
-                        faults,
-                    ));
+                    if let Some((index, straddled)) = reported.get_mut(&earlier) {
+                        *straddled += 1;
+                        let violation: &mut Violation = &mut violations[*index];
+                        violation.detail = straddle_detail(earlier, *straddled);
+                    } else {
+                        // The overlap: from the later hold's first request to the earlier's last.
+                        let ops = accepted[first..=earlier_last]
+                            .iter()
+                            .filter(|e| [earlier, hold].contains(&(e.process, e.token)))
+                            .map(|e| Event::Register((*e).clone()))
+                            .collect();
+                        reported.insert(earlier, (violations.len(), 1));
+                        violations.push(with_faults(
+                            ViolationKind::MutualExclusion,
+                            key,
+                            straddle_detail(earlier, 1),
+                            ops,
+                            faults,
+                        ));
+                    }
                 }
             }
             if widest.is_none_or(|(_, end)| last > end) {
@@ -279,6 +285,13 @@ fn check_mutual_exclusion(register: &[&RegisterEntry], faults: &[FaultSpan]) -> 
         }
     }
     violations
+}
+
+fn straddle_detail(hold: (u32, u64), straddled: usize) -> String {
+    format!(
+        "hold (process {}, token {}) was accepted after {straddled} later hold(s) began",
+        hold.0, hold.1
+    )
 }
 
 fn check_fencing(register: &[&RegisterEntry], faults: &[FaultSpan]) -> Vec<Violation> {

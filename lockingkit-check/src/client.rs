@@ -24,6 +24,9 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a client waits for the register's answer before calling the outcome unknown.
 pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a holder works between its read and its write.
+pub const WORK: Duration = Duration::from_millis(10);
+
 /// How long a client waits after a failed acquire before trying again.
 pub const FAILED_ACQUIRE_PAUSE: Duration = Duration::from_millis(50);
 
@@ -170,6 +173,9 @@ pub async fn run(
         pass(&mut gate).await;
         let read = access(&recorder, &mut register, key, token, Access::Read, 0).await?;
         if let Some(value) = read {
+            // The work between read and write: a hold spends most of its time here, so a pause
+            // or partition usually strikes a holder in the middle of its read-modify-write.
+            tokio::time::sleep(WORK).await;
             pass(&mut gate).await;
             let next = value.saturating_add(1);
             access(&recorder, &mut register, key, token, Access::Write, next).await?;

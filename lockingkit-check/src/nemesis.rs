@@ -118,29 +118,49 @@ impl FaultLog {
 }
 
 /// Applies `plan` to `fleet`, in order, logging into `log`.
+///
+/// A fault strikes a client that `mid_update` (the register's view) names as in the middle of a
+/// read-modify-write, when there is one, else the planned slot: clients spend much of their
+/// time waiting for a lock, and a pause there tests nothing. So the seed fixes the kinds and
+/// times of the faults, and the timing of the run picks among the holders.
 pub async fn inject(
     plan: &[PlannedFault],
     fleet: &mut dyn Fleet,
     log: &FaultLog,
+    mid_update: &(dyn Fn() -> Vec<u32> + Send + Sync),
 ) -> Result<(), CheckError> {
     for (id, fault) in plan.iter().enumerate() {
         tokio::time::sleep(fault.after).await;
+        let slot = target(fault.slot, fleet, &mid_update());
         let event = |phase, process| FaultEvent {
             time: monotonic_ns(),
             id: id as u64,
             fault: fault.kind,
-            slot: fault.slot,
+            slot,
             process,
             phase,
         };
-        let process = fleet.process(fault.slot);
+        let process = fleet.process(slot);
         log.push(event(FaultPhase::Start, process));
-        fleet.begin(fault.kind, fault.slot)?;
+        fleet.begin(fault.kind, slot)?;
         tokio::time::sleep(fault.lasts).await;
-        fleet.end(fault.kind, fault.slot)?;
+        fleet.end(fault.kind, slot)?;
         log.push(event(FaultPhase::End, process));
     }
     Ok(())
+}
+
+/// The slot of one of the `holders`, chosen by the planned slot, or the planned slot itself.
+fn target(planned: usize, fleet: &dyn Fleet, holders: &[u32]) -> usize {
+    let slots: Vec<usize> = (0..)
+        .take_while(|&slot| fleet.process(slot).is_some())
+        .filter(|&slot| fleet.process(slot).is_some_and(|p| holders.contains(&p)))
+        .collect();
+    if slots.is_empty() {
+        planned
+    } else {
+        slots[planned % slots.len()]
+    }
 }
 
 #[cfg(test)]

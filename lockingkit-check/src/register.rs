@@ -53,6 +53,9 @@ pub struct Reply {
 struct Cell {
     value: u64,
     highest: u64,
+    /// The process whose accepted read was the key's last accepted request: a holder in the
+    /// middle of its read-modify-write.
+    reader: Option<u32>,
 }
 
 #[derive(Default)]
@@ -68,8 +71,12 @@ impl State {
         let accepted = request.token >= cell.highest;
         if accepted {
             cell.highest = request.token;
-            if request.access == Access::Write {
-                cell.value = request.value;
+            match request.access {
+                Access::Write => {
+                    cell.value = request.value;
+                    cell.reader = None;
+                }
+                Access::Read => cell.reader = Some(request.process),
             }
         }
         let reply = Reply {
@@ -124,6 +131,15 @@ impl Register {
     /// The log so far (every answered request, in order).
     pub fn log(&self) -> Vec<RegisterEntry> {
         lock(&self.state).log.clone()
+    }
+
+    /// The processes in the middle of a read-modify-write now (their read was the last accepted
+    /// request on a key), which the nemesis prefers to strike.
+    pub fn mid_update(&self) -> Vec<u32> {
+        let state = lock(&self.state);
+        let mut processes: Vec<u32> = state.cells.values().filter_map(|c| c.reader).collect();
+        processes.sort_unstable();
+        processes
     }
 
     /// How many requests it has answered.

@@ -191,7 +191,9 @@ pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
     let faults = FaultLog::default();
     let progress = tokio::spawn(progress(register.clone(), faults.clone()));
     let began = tokio::time::Instant::now();
-    let injected = nemesis::inject(&plan, fleet.as_mut(), &faults).await;
+    let view = register.clone();
+    let mid_update = move || view.mid_update();
+    let injected = nemesis::inject(&plan, fleet.as_mut(), &faults, &mid_update).await;
     tokio::time::sleep_until(began + config.duration).await;
     progress.abort();
     let client_events = fleet.stop().await;
@@ -249,6 +251,9 @@ async fn progress(register: Arc<Register>, faults: FaultLog) {
     }
 }
 
+/// How many violations the report details (the counts cover all).
+const VIOLATIONS_SHOWN: usize = 10;
+
 /// The report as the run prints it.
 pub fn render(report: &Report) -> String {
     let mut out = String::new();
@@ -295,7 +300,7 @@ pub fn render(report: &Report) -> String {
     for kind in ViolationKind::ALL {
         let _ = writeln!(out, "{:<17} {:>5}", kind.name(), report.count(kind));
     }
-    for (n, violation) in report.violations.iter().enumerate() {
+    for (n, violation) in report.violations.iter().enumerate().take(VIOLATIONS_SHOWN) {
         let _ = writeln!(
             out,
             "-- #{} {} on {}: {}",
@@ -317,6 +322,13 @@ pub fn render(report: &Report) -> String {
                 fault.time
             );
         }
+    }
+    if report.violations.len() > VIOLATIONS_SHOWN {
+        let _ = writeln!(
+            out,
+            "-- and {} more (all are in the counts above)",
+            report.violations.len() - VIOLATIONS_SHOWN
+        );
     }
     let verdict = if report.violations.is_empty() {
         "PASS: no violation"
@@ -387,8 +399,15 @@ impl SimulatedFleet {
 }
 
 impl Fleet for SimulatedFleet {
+    // Drawn uniformly from this list; the long pause is listed twice because it is the fault
+    // that makes stale holders, the ones fencing must stop.
     fn kinds(&self) -> &'static [FaultKind] {
-        &[FaultKind::Kill, FaultKind::PauseShort, FaultKind::PauseLong]
+        &[
+            FaultKind::Kill,
+            FaultKind::PauseShort,
+            FaultKind::PauseLong,
+            FaultKind::PauseLong,
+        ]
     }
 
     fn process(&self, slot: usize) -> Option<u32> {
@@ -407,15 +426,20 @@ impl Fleet for SimulatedFleet {
             FaultKind::PauseLong => {
                 client.pause.send_replace(true);
                 // A frozen process stops renewing and its lease runs out; a paused task's
-                // renewals go on in the engine's own task, so the lease is broken instead.
-                let held = client
-                    .holding
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone();
-                if let Some(key) = held {
-                    self.store.break_lease(&key);
-                }
+                // renewals go on in the engine's own task, so the lease is broken instead,
+                // once the task has parked at its next step (within its 10 ms of work).
+                let holding = client.holding.clone();
+                let store = self.store.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(client::WORK * 5).await;
+                    let held = holding
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    if let Some(key) = held {
+                        store.break_lease(&key);
+                    }
+                });
             }
             _ => {}
         }
@@ -537,9 +561,11 @@ fn signal(pid: u32, signal: libc::c_int) -> Result<(), CheckError> {
 
 impl Fleet for ProcessFleet {
     fn kinds(&self) -> &'static [FaultKind] {
+        // As for the simulated fleet, the long pause is listed twice.
         &[
             FaultKind::Kill,
             FaultKind::PauseShort,
+            FaultKind::PauseLong,
             FaultKind::PauseLong,
             FaultKind::Blackhole,
             FaultKind::Reset,

@@ -226,3 +226,18 @@ fn the_register_check_alone_counts_fencing_and_exclusion_violations() {
         .collect();
     assert_eq!(check_register(&entries), 1);
 }
+
+#[test]
+fn a_stale_hold_let_in_late_is_one_violation_however_many_holds_it_straddles() {
+    let mut s = Script::default();
+    s.op(1, Phase::Invoke, OpKind::Read, 1, None);
+    s.register(1, Access::Read, 1, 0, true);
+    s.op(1, Phase::Ok, OpKind::Read, 1, Some(0));
+    for (n, token) in (2..6).enumerate() {
+        s.increment(2, token, n as u64);
+    }
+    s.write(1, 1, 1, Phase::Ok);
+    let report = check(&s.finish(1));
+    assert_eq!(report.count(ViolationKind::MutualExclusion), 1);
+    assert!(report.violations[0].detail.contains("4 later hold(s)"));
+}

@@ -25,7 +25,11 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a holder works between its read and its write.
-pub const WORK: Duration = Duration::from_millis(10);
+///
+/// Long enough that a holder cut off mid-update (a reset connection frees a PostgreSQL lock at
+/// once) is often still working when the next holder has read: shorter, and a stale write
+/// would usually beat the next holder and be accepted, testing nothing.
+pub const WORK: Duration = Duration::from_millis(30);
 
 /// How long a client waits after a failed acquire before trying again.
 pub const FAILED_ACQUIRE_PAUSE: Duration = Duration::from_millis(50);

@@ -167,6 +167,37 @@ fn target(planned: usize, fleet: &dyn Fleet, holders: &[u32]) -> usize {
 mod tests {
     use super::*;
 
+    /// Processes 10, 11, 12 in slots 0, 1, 2.
+    struct Three;
+
+    impl Fleet for Three {
+        fn kinds(&self) -> &'static [FaultKind] {
+            &[FaultKind::Kill]
+        }
+        fn process(&self, slot: usize) -> Option<u32> {
+            (slot < 3).then_some(10 + slot as u32)
+        }
+        fn begin(&mut self, _: FaultKind, _: usize) -> Result<(), CheckError> {
+            Ok(())
+        }
+        fn end(&mut self, _: FaultKind, _: usize) -> Result<(), CheckError> {
+            Ok(())
+        }
+        fn stop(&mut self) -> StopFuture<'_> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+    }
+
+    #[test]
+    fn a_fault_strikes_a_client_mid_update_when_there_is_one() {
+        assert_eq!(target(1, &Three, &[]), 1);
+        assert_eq!(target(1, &Three, &[12]), 2);
+        assert_eq!(target(0, &Three, &[10, 12]), 0);
+        assert_eq!(target(1, &Three, &[10, 12]), 2);
+        // A process the register names that is no longer in a slot (killed) is no target.
+        assert_eq!(target(2, &Three, &[99]), 2);
+    }
+
     #[test]
     fn a_seed_gives_one_schedule_that_ends_a_second_before_the_run() {
         let kinds = [FaultKind::Kill, FaultKind::PauseLong, FaultKind::Blackhole];

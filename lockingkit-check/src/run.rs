@@ -561,16 +561,29 @@ fn signal(pid: u32, signal: libc::c_int) -> Result<(), CheckError> {
 
 impl Fleet for ProcessFleet {
     fn kinds(&self) -> &'static [FaultKind] {
-        // As for the simulated fleet, the long pause is listed twice.
-        &[
-            FaultKind::Kill,
-            FaultKind::PauseShort,
-            FaultKind::PauseLong,
-            FaultKind::PauseLong,
-            FaultKind::Blackhole,
-            FaultKind::Reset,
-            FaultKind::Delay,
-        ]
+        // Drawn uniformly; the fault that makes stale holders is listed twice. On Redis that is
+        // the long pause (the lease runs out); a PostgreSQL session keeps its lock through any
+        // pause or partition, and only a reset connection frees it under a live holder.
+        match self.provider {
+            Provider::Postgres => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::Blackhole,
+                FaultKind::Reset,
+                FaultKind::Reset,
+                FaultKind::Delay,
+            ],
+            _ => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::PauseLong,
+                FaultKind::Blackhole,
+                FaultKind::Reset,
+                FaultKind::Delay,
+            ],
+        }
     }
 
     fn process(&self, slot: usize) -> Option<u32> {

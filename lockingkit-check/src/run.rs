@@ -427,7 +427,7 @@ impl Fleet for SimulatedFleet {
                 client.pause.send_replace(true);
                 // A frozen process stops renewing and its lease runs out; a paused task's
                 // renewals go on in the engine's own task, so the lease is broken instead,
-                // once the task has parked at its next step (within its 10 ms of work).
+                // once the task has parked at its next step (its work ends well within the wait).
                 let holding = client.holding.clone();
                 let store = self.store.clone();
                 tokio::spawn(async move {

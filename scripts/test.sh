@@ -68,4 +68,4 @@ step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --n
 # later run verifies against the sources of an earlier one.
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/lockingkit*-0.1.0 \
   "${CARGO_TARGET_DIR:-target}"/debug/.fingerprint/lockingkit*
-step package cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-benches --exclude lockingkit-examples --allow-dirty
+step package cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-benches --exclude lockingkit-examples --exclude lockingkit-check --allow-dirty

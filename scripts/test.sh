@@ -48,6 +48,16 @@ step each-feature check_each_feature
 # nextest builds what it runs, examples included. The benchmarks are type-checked by clippy's
 # --all-targets above; building them is left to `cargo bench`.
 step nextest cargo nextest run --workspace --all-features --no-fail-fast
+# The history checker (docs/reliability.md): a short run per provider, clients under kills,
+# pauses and partitions. Its verdict depends only on safety violations found in the histories,
+# never on timing, throughput or how many faults landed; the seed is printed first for a replay.
+check_histories() {
+  local seed=${LOCKINGKIT_CHECK_SEED:-$(date +%s)}
+  for provider in memory postgres redis; do
+    cargo run --quiet -p lockingkit-check -- run --provider "$provider" --seconds 15 --seed "$seed"
+  done
+}
+step check-histories check_histories
 step doctests cargo test --workspace --all-features --doc
 # The API docs build without a broken link or a missing item, as docs.rs would build them.
 step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps
@@ -58,4 +68,4 @@ step doc env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --n
 # later run verifies against the sources of an earlier one.
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/lockingkit*-0.1.0 \
   "${CARGO_TARGET_DIR:-target}"/debug/.fingerprint/lockingkit*
-step package cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-benches --exclude lockingkit-examples --allow-dirty
+step package cargo package --workspace --exclude lockingkit-tests --exclude lockingkit-benches --exclude lockingkit-examples --exclude lockingkit-check --allow-dirty

@@ -1,0 +1,670 @@
+//! One run: servers, register, clients, nemesis, progress lines, then the history and the
+//! verdict.
+//!
+//! For the in-memory provider the clients are *simulated processes*: tasks of this process, each
+//! with its own `DistributedLock` on one shared `MemoryStore`. For PostgreSQL and Redis they are
+//! real OS processes: this binary started again in `client` mode, each behind its own
+//! [`FaultProxy`] to the server, so a partition hits one client only.
+
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use lockingkit::{
+    DistributedLock, MemoryBackend, MemoryStore, PostgresBackend, PostgresOptions, RedisBackend,
+    RedisOptions,
+};
+use lockingkit_tests::postgres::PostgresServer;
+use lockingkit_tests::proxy::{Fault, FaultProxy};
+use lockingkit_tests::redis::RedisServer;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::checker::{self, Report, ViolationKind};
+use crate::client::{self, ClientConfig, Journal, PauseGate};
+use crate::error::CheckError;
+use crate::history::{self, Event, FaultKind};
+use crate::nemesis::{self, FaultLog, Fleet, StopFuture};
+use crate::register::Register;
+
+/// The lease the runs use (Redis, in-memory), and the yardstick of pauses for PostgreSQL, which
+/// has no lease: a session holds its lock until the server sees it gone.
+pub const LEASE: Duration = Duration::from_secs(1);
+
+/// How often a PostgreSQL hold checks its session.
+pub const CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The backend a run checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provider {
+    /// The in-memory provider, clients as tasks on one store.
+    Memory,
+    /// A local PostgreSQL server.
+    Postgres,
+    /// A single local Redis server.
+    Redis,
+}
+
+impl Provider {
+    /// From its command-line name.
+    pub fn parse(name: &str) -> Result<Provider, CheckError> {
+        match name {
+            "memory" => Ok(Provider::Memory),
+            "postgres" => Ok(Provider::Postgres),
+            "redis" => Ok(Provider::Redis),
+            other => Err(CheckError::Usage(format!(
+                "unknown provider {other:?} (memory, postgres, redis)"
+            ))),
+        }
+    }
+
+    /// Its command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Memory => "memory",
+            Provider::Postgres => "postgres",
+            Provider::Redis => "redis",
+        }
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// The backend.
+    pub provider: Provider,
+    /// How long the clients run.
+    pub duration: Duration,
+    /// The seed of the fault schedule and of the clients' key choices.
+    pub seed: u64,
+    /// How many clients.
+    pub clients: usize,
+    /// How many keys they share.
+    pub keys: usize,
+}
+
+/// The keys of a run.
+pub fn keys(count: usize) -> Vec<String> {
+    (0..count).map(|n| format!("check/{n}")).collect()
+}
+
+/// The engine options every client uses: quick retries, so a freed key is taken again soon.
+fn build(backend: impl lockingkit::backend::LockBackend) -> Result<DistributedLock, CheckError> {
+    Ok(DistributedLock::builder(backend)
+        .min_retry_delay(Duration::from_millis(10))
+        .max_retry_delay(Duration::from_millis(100))
+        .build()?)
+}
+
+/// A client's lock on a server, through `address` (its proxy): how a client process builds it.
+pub fn server_lock(provider: Provider, address: &str) -> Result<DistributedLock, CheckError> {
+    match provider {
+        Provider::Memory => Err(CheckError::Usage(
+            "the memory provider has no client processes".into(),
+        )),
+        Provider::Postgres => build(PostgresBackend::new(
+            PostgresOptions::new(address.to_string()).with_check_interval(CHECK_INTERVAL),
+        )?),
+        Provider::Redis => build(RedisBackend::new(
+            RedisOptions::new(address.to_string())
+                .with_lease_duration(LEASE)
+                .with_request_timeout(LEASE / 3)
+                // A writer's intent must fit in the lease (the default is longer than 1 s).
+                .with_writer_intent(LEASE / 2),
+        )?),
+    }
+}
+
+/// The address a client process is given for a server behind the proxy on `port`.
+fn backend_address(provider: Provider, port: u16) -> String {
+    match provider {
+        Provider::Postgres => {
+            format!("host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=disable")
+        }
+        _ => format!("redis://127.0.0.1:{port}"),
+    }
+}
+
+/// Runs a fixture's start, which panics when it cannot start, as a task: a panic becomes a
+/// harness error instead of a crash.
+async fn start_fixture<T: Send + 'static>(
+    what: &str,
+    start: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, CheckError> {
+    tokio::spawn(start)
+        .await
+        .map_err(|e| CheckError::Server(format!("{what}: {e}")))
+}
+
+/// The server a run keeps alive until it ends (stopped on drop).
+type Servers = Option<Box<dyn std::any::Any + Send>>;
+
+/// Runs one check and returns its report (printing the seed first, progress while it runs).
+pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
+    println!(
+        "lockingkit-check: seed {} (replay: lockingkit-check run --provider {} --seconds {} --seed {} --clients {})",
+        config.seed,
+        config.provider.name(),
+        config.duration.as_secs(),
+        config.seed,
+        config.clients
+    );
+    let dir = std::env::temp_dir().join("lockingkit-check").join(format!(
+        "{}-{}-{}",
+        config.provider.name(),
+        config.seed,
+        std::process::id()
+    ));
+    fs::create_dir_all(&dir)?;
+    let register = Arc::new(Register::start().await?);
+
+    let (servers, mut fleet): (Servers, Box<dyn Fleet + Send>) = match config.provider {
+        Provider::Memory => (
+            None,
+            Box::new(SimulatedFleet::start(config, register.address())?),
+        ),
+        Provider::Postgres => {
+            let server = start_fixture("PostgreSQL", PostgresServer::start_local()).await?;
+            let port = server.port();
+            let fleet = ProcessFleet::start(config, register.address(), port, &dir).await?;
+            (Some(Box::new(server)), Box::new(fleet))
+        }
+        Provider::Redis => {
+            let server = start_fixture("Redis", RedisServer::start()).await?;
+            let port = server.port();
+            let fleet = ProcessFleet::start(config, register.address(), port, &dir).await?;
+            (Some(Box::new(server)), Box::new(fleet))
+        }
+    };
+
+    let plan = nemesis::schedule(
+        config.seed,
+        fleet.kinds(),
+        config.clients,
+        LEASE,
+        config.duration,
+    );
+    let faults = FaultLog::default();
+    let progress = tokio::spawn(progress(register.clone(), faults.clone()));
+    let began = tokio::time::Instant::now();
+    let view = register.clone();
+    let mid_update = move || view.mid_update();
+    let injected = nemesis::inject(&plan, fleet.as_mut(), &faults, &mid_update).await;
+    tokio::time::sleep_until(began + config.duration).await;
+    progress.abort();
+    let client_events = fleet.stop().await;
+    // Requests already on their way are answered before the final values are read.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    injected?;
+
+    let mut events = client_events?;
+    events.extend(faults.events());
+    events.extend(register.history());
+    let mut text = String::new();
+    for event in &events {
+        text.push_str(&history::to_line(event));
+    }
+    let path = dir.join("history.jsonl");
+    fs::write(&path, text)?;
+    drop(servers);
+    let report = checker::check(&events);
+    println!("history: {}", path.display());
+    print!("{}", render(&report));
+    // A run that checked nothing is no pass.
+    let acknowledged = report
+        .tally
+        .ops
+        .get(&("write".to_string(), "ok".to_string()))
+        .copied()
+        .unwrap_or(0);
+    if acknowledged == 0 {
+        return Err(CheckError::Server(
+            "no write was acknowledged: nothing was checked".into(),
+        ));
+    }
+    Ok(report)
+}
+
+async fn progress(register: Arc<Register>, faults: FaultLog) {
+    let began = tokio::time::Instant::now();
+    let mut last = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let log = register.log();
+        let refused = log.iter().filter(|e| !e.accepted).count();
+        println!(
+            "[{:>3}s] register requests {} ({}/s), refused {}, faults {}, anomalies {}",
+            began.elapsed().as_secs(),
+            log.len(),
+            (log.len() - last) / 2,
+            refused,
+            faults.begun(),
+            checker::check_register(&log),
+        );
+        last = log.len();
+    }
+}
+
+/// How many violations the report details (the counts cover all).
+const VIOLATIONS_SHOWN: usize = 10;
+
+/// The report as the run prints it.
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    let t = &report.tally;
+    let _ = writeln!(out, "== operations");
+    let _ = writeln!(out, "{:<10} {:>8} {:>8} {:>8}", "op", "ok", "fail", "info");
+    for op in ["acquire", "read", "write", "release"] {
+        let n = |outcome: &str| {
+            t.ops
+                .get(&(op.to_string(), outcome.to_string()))
+                .copied()
+                .unwrap_or(0)
+        };
+        let _ = writeln!(
+            out,
+            "{op:<10} {:>8} {:>8} {:>8}",
+            n("ok"),
+            n("fail"),
+            n("info")
+        );
+    }
+    let _ = writeln!(
+        out,
+        "register: {} accepted, {} refused (stale token)",
+        t.accepted, t.refused
+    );
+    let _ = writeln!(out, "== faults");
+    for kind in [
+        FaultKind::Kill,
+        FaultKind::PauseShort,
+        FaultKind::PauseLong,
+        FaultKind::Blackhole,
+        FaultKind::Reset,
+        FaultKind::Delay,
+    ] {
+        let _ = writeln!(
+            out,
+            "{:<12} {:>5}",
+            kind.name(),
+            t.faults.get(&kind).copied().unwrap_or(0)
+        );
+    }
+    let _ = writeln!(out, "== violations");
+    for kind in ViolationKind::ALL {
+        let _ = writeln!(out, "{:<17} {:>5}", kind.name(), report.count(kind));
+    }
+    for (n, violation) in report.violations.iter().enumerate().take(VIOLATIONS_SHOWN) {
+        let _ = writeln!(
+            out,
+            "-- #{} {} on {}: {}",
+            n + 1,
+            violation.kind.name(),
+            violation.key,
+            violation.detail
+        );
+        for op in &violation.ops {
+            let _ = write!(out, "   op    {}", history::to_line(op));
+        }
+        for fault in &violation.faults {
+            let _ = writeln!(
+                out,
+                "   fault {} on slot {} (process {:?}) at {}",
+                fault.fault.name(),
+                fault.slot,
+                fault.process,
+                fault.time
+            );
+        }
+    }
+    if report.violations.len() > VIOLATIONS_SHOWN {
+        let _ = writeln!(
+            out,
+            "-- and {} more (all are in the counts above)",
+            report.violations.len() - VIOLATIONS_SHOWN
+        );
+    }
+    let verdict = if report.violations.is_empty() {
+        "PASS: no violation"
+    } else {
+        "FAIL: violations found"
+    };
+    let _ = writeln!(out, "== {verdict}");
+    out
+}
+
+/// A client slot of the in-memory fleet: a task, its pause switch, the key it holds.
+struct SimulatedClient {
+    task: JoinHandle<Result<(), CheckError>>,
+    pause: watch::Sender<bool>,
+    holding: Arc<Mutex<Option<String>>>,
+    process: u32,
+}
+
+/// Simulated processes on one `MemoryStore`.
+struct SimulatedFleet {
+    store: MemoryStore,
+    register: SocketAddr,
+    keys: Vec<String>,
+    seed: u64,
+    events: Arc<Mutex<Vec<Event>>>,
+    slots: Vec<SimulatedClient>,
+    next_process: u32,
+}
+
+impl SimulatedFleet {
+    fn start(config: &RunConfig, register: SocketAddr) -> Result<Self, CheckError> {
+        let mut fleet = SimulatedFleet {
+            store: MemoryStore::new(),
+            register,
+            keys: keys(config.keys),
+            seed: config.seed,
+            events: Arc::default(),
+            slots: Vec::new(),
+            next_process: 1,
+        };
+        for _ in 0..config.clients {
+            let client = fleet.spawn()?;
+            fleet.slots.push(client);
+        }
+        Ok(fleet)
+    }
+
+    fn spawn(&mut self) -> Result<SimulatedClient, CheckError> {
+        let process = self.next_process;
+        self.next_process += 1;
+        let locks = build(MemoryBackend::with_lease(self.store.clone(), LEASE))?;
+        let (gate, pause, holding) = PauseGate::new();
+        let config = ClientConfig {
+            process,
+            keys: self.keys.clone(),
+            register: self.register,
+            seed: self.seed ^ u64::from(process),
+        };
+        let journal = Journal::Shared(self.events.clone());
+        let task = tokio::spawn(client::run(locks, config, journal, Some(gate)));
+        Ok(SimulatedClient {
+            task,
+            pause,
+            holding,
+            process,
+        })
+    }
+}
+
+impl Fleet for SimulatedFleet {
+    // Drawn uniformly from this list; the long pause is listed twice because it is the fault
+    // that makes stale holders, the ones fencing must stop.
+    fn kinds(&self) -> &'static [FaultKind] {
+        &[
+            FaultKind::Kill,
+            FaultKind::PauseShort,
+            FaultKind::PauseLong,
+            FaultKind::PauseLong,
+        ]
+    }
+
+    fn process(&self, slot: usize) -> Option<u32> {
+        self.slots.get(slot).map(|c| c.process)
+    }
+
+    fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError> {
+        let Some(client) = self.slots.get(slot) else {
+            return Ok(());
+        };
+        match kind {
+            FaultKind::Kill => client.task.abort(),
+            FaultKind::PauseShort => {
+                client.pause.send_replace(true);
+            }
+            FaultKind::PauseLong => {
+                client.pause.send_replace(true);
+                // A frozen process stops renewing and its lease runs out; a paused task's
+                // renewals go on in the engine's own task, so the lease is broken instead,
+                // once the task has parked at its next step (its work ends well within the wait).
+                let holding = client.holding.clone();
+                let store = self.store.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(client::WORK * 5).await;
+                    let held = holding
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    if let Some(key) = held {
+                        store.break_lease(&key);
+                    }
+                });
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn end(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError> {
+        if kind == FaultKind::Kill {
+            let replacement = self.spawn()?;
+            if let Some(client) = self.slots.get_mut(slot) {
+                *client = replacement;
+            }
+        } else if let Some(client) = self.slots.get(slot) {
+            client.pause.send_replace(false);
+        }
+        Ok(())
+    }
+
+    fn stop(&mut self) -> StopFuture<'_> {
+        Box::pin(async move {
+            for client in &self.slots {
+                client.task.abort();
+            }
+            for client in self.slots.drain(..) {
+                // A cancelled task is a stopped client; one that returned an error could not
+                // write its history.
+                if let Ok(Err(error)) = client.task.await {
+                    return Err(error);
+                }
+            }
+            Ok(self
+                .events
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone())
+        })
+    }
+}
+
+/// A client process and its proxy to the server.
+struct ClientProcess {
+    child: tokio::process::Child,
+    pid: u32,
+    proxy: FaultProxy,
+}
+
+/// Client processes, this binary in `client` mode.
+struct ProcessFleet {
+    exe: PathBuf,
+    provider: Provider,
+    register: SocketAddr,
+    keys: usize,
+    seed: u64,
+    dir: PathBuf,
+    slots: Vec<ClientProcess>,
+    killed: Vec<tokio::process::Child>,
+    histories: Vec<PathBuf>,
+}
+
+impl ProcessFleet {
+    async fn start(
+        config: &RunConfig,
+        register: SocketAddr,
+        server_port: u16,
+        dir: &std::path::Path,
+    ) -> Result<Self, CheckError> {
+        let mut fleet = ProcessFleet {
+            exe: std::env::current_exe()?,
+            provider: config.provider,
+            register,
+            keys: config.keys,
+            seed: config.seed,
+            dir: dir.to_path_buf(),
+            slots: Vec::new(),
+            killed: Vec::new(),
+            histories: Vec::new(),
+        };
+        for slot in 0..config.clients {
+            let proxy = start_fixture("proxy", FaultProxy::to_port(server_port)).await?;
+            let client = fleet.spawn(slot, proxy)?;
+            fleet.slots.push(client);
+        }
+        Ok(fleet)
+    }
+
+    fn spawn(&mut self, slot: usize, proxy: FaultProxy) -> Result<ClientProcess, CheckError> {
+        let n = self.histories.len();
+        let history = self.dir.join(format!("client-{slot}-{n}.jsonl"));
+        let log = self.dir.join(format!("client-{slot}-{n}.log"));
+        let child = tokio::process::Command::new(&self.exe)
+            .arg("client")
+            .args(["--provider", self.provider.name()])
+            .args(["--backend", &backend_address(self.provider, proxy.port())])
+            .args(["--register", &self.register.to_string()])
+            .args(["--keys", &self.keys.to_string()])
+            .args(["--seed", &(self.seed ^ (n as u64 + 1)).to_string()])
+            .stdin(Stdio::null())
+            .stdout(File::create(&history)?)
+            .stderr(File::create(&log)?)
+            .kill_on_drop(true)
+            .spawn()?;
+        self.histories.push(history);
+        let pid = child
+            .id()
+            .ok_or_else(|| CheckError::Server("a client exited at once".into()))?;
+        Ok(ClientProcess { child, pid, proxy })
+    }
+}
+
+fn signal(pid: u32, signal: libc::c_int) -> Result<(), CheckError> {
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| CheckError::Server(format!("pid {pid} out of range")))?;
+    // SAFETY: kill(2) with a pid of a child this harness started and has not reaped.
+    if unsafe { libc::kill(pid, signal) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(())
+}
+
+impl Fleet for ProcessFleet {
+    fn kinds(&self) -> &'static [FaultKind] {
+        // Drawn uniformly; the fault that makes stale holders is listed twice. On Redis that is
+        // the long pause (the lease runs out); a PostgreSQL session keeps its lock through any
+        // pause or partition, and only a reset connection frees it under a live holder.
+        match self.provider {
+            Provider::Postgres => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::Blackhole,
+                FaultKind::Reset,
+                FaultKind::Reset,
+                FaultKind::Delay,
+            ],
+            _ => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::PauseLong,
+                FaultKind::Blackhole,
+                FaultKind::Reset,
+                FaultKind::Delay,
+            ],
+        }
+    }
+
+    fn process(&self, slot: usize) -> Option<u32> {
+        self.slots.get(slot).map(|c| c.pid)
+    }
+
+    fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError> {
+        let Some(client) = self.slots.get_mut(slot) else {
+            return Ok(());
+        };
+        match kind {
+            FaultKind::Kill => signal(client.pid, libc::SIGKILL),
+            FaultKind::PauseShort | FaultKind::PauseLong => signal(client.pid, libc::SIGSTOP),
+            FaultKind::Blackhole => {
+                client.proxy.set_fault(Fault::Blackhole);
+                Ok(())
+            }
+            FaultKind::Reset => {
+                client.proxy.set_fault(Fault::Reset);
+                Ok(())
+            }
+            FaultKind::Delay => {
+                client.proxy.set_latency(LEASE / 2);
+                Ok(())
+            }
+        }
+    }
+
+    fn end(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError> {
+        if slot >= self.slots.len() {
+            return Ok(());
+        }
+        match kind {
+            FaultKind::Kill => {
+                // The replacement keeps the slot's proxy; the dead process is reaped at the end.
+                let dead = self.slots.remove(slot);
+                let replacement = self.spawn(slot, dead.proxy)?;
+                self.killed.push(dead.child);
+                self.slots.insert(slot, replacement);
+                Ok(())
+            }
+            FaultKind::PauseShort | FaultKind::PauseLong => {
+                signal(self.slots[slot].pid, libc::SIGCONT)
+            }
+            FaultKind::Blackhole | FaultKind::Reset => {
+                self.slots[slot].proxy.set_fault(Fault::Pass);
+                Ok(())
+            }
+            FaultKind::Delay => {
+                self.slots[slot].proxy.set_latency(Duration::ZERO);
+                Ok(())
+            }
+        }
+    }
+
+    fn stop(&mut self) -> StopFuture<'_> {
+        Box::pin(async move {
+            for client in &mut self.slots {
+                // A client that exited by itself could not run: its log says why.
+                if let Ok(Some(status)) = client.child.try_wait() {
+                    return Err(CheckError::Server(format!(
+                        "client process {} exited ({status}); see its log in {}",
+                        client.pid,
+                        self.dir.display()
+                    )));
+                }
+                // A stopped process is killed all the same; its half-done operations are
+                // unknown, which the checker allows.
+                let _ = client.child.start_kill();
+            }
+            for mut client in self.slots.drain(..) {
+                let _ = client.child.wait().await;
+            }
+            for mut child in self.killed.drain(..) {
+                let _ = child.wait().await;
+            }
+            let mut events = Vec::new();
+            for path in &self.histories {
+                events.extend(history::parse_lines(&fs::read_to_string(path)?)?);
+            }
+            Ok(events)
+        })
+    }
+}

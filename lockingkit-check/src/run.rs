@@ -161,25 +161,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
     ));
     fs::create_dir_all(&dir)?;
     let register = Arc::new(Register::start().await?);
-
-    let (servers, mut fleet): (Servers, Box<dyn Fleet + Send>) = match config.provider {
-        Provider::Memory => (
-            None,
-            Box::new(SimulatedFleet::start(config, register.address())?),
-        ),
-        Provider::Postgres => {
-            let server = start_fixture("PostgreSQL", PostgresServer::start_local()).await?;
-            let port = server.port();
-            let fleet = ProcessFleet::start(config, register.address(), port, &dir).await?;
-            (Some(Box::new(server)), Box::new(fleet))
-        }
-        Provider::Redis => {
-            let server = start_fixture("Redis", RedisServer::start()).await?;
-            let port = server.port();
-            let fleet = ProcessFleet::start(config, register.address(), port, &dir).await?;
-            (Some(Box::new(server)), Box::new(fleet))
-        }
-    };
+    let (servers, mut fleet) = start_fleet(config, &register, &dir).await?;
 
     let plan = nemesis::schedule(
         config.seed,
@@ -204,17 +186,56 @@ pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
     let mut events = client_events?;
     events.extend(faults.events());
     events.extend(register.history());
-    let mut text = String::new();
-    for event in &events {
-        text.push_str(&history::to_line(event));
-    }
-    let path = dir.join("history.jsonl");
-    fs::write(&path, text)?;
+    let path = write_history(&dir, &events)?;
     drop(servers);
     let report = checker::check(&events);
     println!("history: {}", path.display());
     print!("{}", render(&report));
-    // A run that checked nothing is no pass.
+    checked_something(report)
+}
+
+/// The clients of `config`'s provider, and the server they lock on (none for memory).
+async fn start_fleet(
+    config: &RunConfig,
+    register: &Register,
+    dir: &std::path::Path,
+) -> Result<(Servers, Box<dyn Fleet + Send>), CheckError> {
+    Ok(match config.provider {
+        Provider::Memory => (
+            None,
+            Box::new(SimulatedFleet::start(config, register.address())?),
+        ),
+        Provider::Postgres => {
+            let server = start_fixture("PostgreSQL", PostgresServer::start_local()).await?;
+            let port = server.port();
+            let fleet = ProcessFleet::start(config, register.address(), port, dir).await?;
+            (Some(Box::new(server)), Box::new(fleet))
+        }
+        Provider::Redis => {
+            let server = start_fixture("Redis", RedisServer::start()).await?;
+            let port = server.port();
+            let fleet = ProcessFleet::start(config, register.address(), port, dir).await?;
+            (Some(Box::new(server)), Box::new(fleet))
+        }
+    })
+}
+
+/// Writes the merged history as JSON lines into `dir`; returns the file's path.
+fn write_history(
+    dir: &std::path::Path,
+    events: &[Event],
+) -> Result<std::path::PathBuf, CheckError> {
+    let mut text = String::new();
+    for event in events {
+        text.push_str(&history::to_line(event));
+    }
+    let path = dir.join("history.jsonl");
+    fs::write(&path, text)?;
+    Ok(path)
+}
+
+/// `report`, unless no write was acknowledged: a run that checked nothing is no pass.
+fn checked_something(report: Report) -> Result<Report, CheckError> {
     let acknowledged = report
         .tally
         .ops
@@ -280,22 +301,7 @@ pub fn render(report: &Report) -> String {
         "register: {} accepted, {} refused (stale token)",
         t.accepted, t.refused
     );
-    let _ = writeln!(out, "== faults");
-    for kind in [
-        FaultKind::Kill,
-        FaultKind::PauseShort,
-        FaultKind::PauseLong,
-        FaultKind::Blackhole,
-        FaultKind::Reset,
-        FaultKind::Delay,
-    ] {
-        let _ = writeln!(
-            out,
-            "{:<12} {:>5}",
-            kind.name(),
-            t.faults.get(&kind).copied().unwrap_or(0)
-        );
-    }
+    render_faults(&mut out, t);
     let _ = writeln!(out, "== violations");
     for kind in ViolationKind::ALL {
         let _ = writeln!(out, "{:<17} {:>5}", kind.name(), report.count(kind));
@@ -337,6 +343,26 @@ pub fn render(report: &Report) -> String {
     };
     let _ = writeln!(out, "== {verdict}");
     out
+}
+
+/// The report's count of faults by kind.
+fn render_faults(out: &mut String, t: &crate::checker::Tally) {
+    let _ = writeln!(out, "== faults");
+    for kind in [
+        FaultKind::Kill,
+        FaultKind::PauseShort,
+        FaultKind::PauseLong,
+        FaultKind::Blackhole,
+        FaultKind::Reset,
+        FaultKind::Delay,
+    ] {
+        let _ = writeln!(
+            out,
+            "{:<12} {:>5}",
+            kind.name(),
+            t.faults.get(&kind).copied().unwrap_or(0)
+        );
+    }
 }
 
 /// A client slot of the in-memory fleet: a task, its pause switch, the key it holds.

@@ -764,13 +764,24 @@ impl Lines {
     }
 
     /// The member the holder talks to: a backend sends everything to one member while it
-    /// answers.
-    fn in_use(&self) -> usize {
-        let open: Vec<usize> = (0..self.0.len())
-            .filter(|&index| self.0[index].connections_open() > 0)
-            .collect();
-        assert_eq!(open.len(), 1, "the holder talks to one member: {open:?}");
-        open[0]
+    /// answers. The connections of the case before (its holder shut down, its member killed)
+    /// may take a moment to close on a loaded machine, so this waits until one line alone
+    /// has connections open.
+    async fn in_use(&self) -> usize {
+        let give_up = Instant::now() + Duration::from_secs(10);
+        loop {
+            let open: Vec<usize> = (0..self.0.len())
+                .filter(|&index| self.0[index].connections_open() > 0)
+                .collect();
+            if let [member] = open.as_slice() {
+                return *member;
+            }
+            assert!(
+                Instant::now() < give_up,
+                "the holder talks to one member: {open:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     fn set_fault(&self, fault: Fault) {
@@ -945,7 +956,7 @@ async fn a_holders_key_taken_while_its_member_is_down_is_loss_whatever_the_compa
         let locks = lock_on(cluster.options(ttl).with_endpoints(lines.endpoints()));
         let key = unique_prefix("compacted");
         let held = locks.try_acquire(&key).await.expect("lock");
-        let member = lines.in_use();
+        let member = lines.in_use().await;
         until_watched_at(&cluster, member).await;
         let elsewhere = (member + 1) % cluster.size();
         let mut other = cluster.client_of(elsewhere).await;
@@ -1019,7 +1030,7 @@ async fn a_paused_holder_whose_key_was_deleted_and_compacted_away_reports_the_lo
             .expect("the holder holds")
             .parse()
             .expect("a token");
-        let member = lines.in_use();
+        let member = lines.in_use().await;
         until_watched_at(&cluster, member).await;
         let elsewhere = (member + 1) % cluster.size();
         let mut other = cluster.client_of(elsewhere).await;

@@ -69,26 +69,6 @@ pub fn alive(pid: impl Into<i64>) -> bool {
         .is_some_and(|state| state != "Z" && state != "X")
 }
 
-/// Whether every thread of process `pid` is stopped (by SIGSTOP), or the process is gone.
-/// `kill` returns once the signal is sent: a thread busy in a system call (an fsync, a write)
-/// finishes it, and may send what it was sending, before it stops.
-pub fn stopped(pid: impl Into<i64>) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", pid.into())) else {
-        return true;
-    };
-    tasks.flatten().all(|task| {
-        std::fs::read_to_string(task.path().join("stat"))
-            .ok()
-            .and_then(|stat| {
-                let (_, rest) = stat.rsplit_once(')')?;
-                rest.split_whitespace()
-                    .next()
-                    .map(|state| state == "T" || state == "Z" || state == "X")
-            })
-            .unwrap_or(true)
-    })
-}
-
 /// Every process whose parent is `parent` (a PostgreSQL postmaster's backends, say).
 pub fn children_of(parent: impl Into<i64>) -> Vec<u32> {
     let parent = parent.into().to_string();

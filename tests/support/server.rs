@@ -476,21 +476,11 @@ impl ServerProcess {
         }
     }
 
-    /// Freezes the process (SIGSTOP): its connections stay open and nothing answers. Returns
-    /// once every thread has stopped, so nothing the process was busy sending goes out after.
+    /// Freezes the process (SIGSTOP): its connections stay open and nothing answers.
     pub fn pause(&mut self) {
-        let Some(pid) = self.pid() else {
-            return;
-        };
-        self.signal(libc::SIGSTOP);
-        self.paused = true;
-        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !crate::os::stopped(pid) {
-            assert!(
-                std::time::Instant::now() < give_up,
-                "process {pid} did not stop within 10 s of SIGSTOP"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(1));
+        if self.pid().is_some() {
+            self.signal(libc::SIGSTOP);
+            self.paused = true;
         }
     }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 use lockingkit::EtcdOptions;
 
-use crate::os::free_port;
+use crate::os::{free_port, listens_on};
 use crate::server::{ScratchDir, ServerCommand, ServerProcess};
 
 /// The root user's password on clusters with authentication.
@@ -139,7 +139,7 @@ impl EtcdCluster {
             })
             .await;
             match ready {
-                Ok(true) => {}
+                Ok(true) => self.owns_its_ports(index)?,
                 Ok(false) => return Err(format!("member {index} exited: {}", self.log(index))),
                 Err(_) => {
                     return Err(format!(
@@ -150,6 +150,25 @@ impl EtcdCluster {
             }
         }
         Ok(())
+    }
+
+    /// `Err` when another test process's server holds a port of member `index`: a member that
+    /// lost its port cannot bind it, and what answered there was someone else's cluster.
+    fn owns_its_ports(&self, index: usize) -> Result<(), String> {
+        let member = &self.members[index];
+        let Some(pid) = member.pid() else {
+            return Ok(());
+        };
+        match member
+            .ports()
+            .iter()
+            .find(|&&port| listens_on(pid, port) == Some(false))
+        {
+            Some(port) => Err(format!(
+                "member {index} lost port {port} to another process"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Whether member `index`'s process has ended.

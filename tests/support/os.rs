@@ -19,10 +19,11 @@ const PORTS: u32 = 10_000;
 /// range): nextest runs one test a process, and a test starts a few servers at most.
 const PORTS_PER_PROCESS: u32 = 50;
 
-/// A loopback port that no listener holds now, for a server that must bind it itself; never
-/// the same one twice in a process (until the range wraps). The server may still lose it to
-/// another test process between this check and its bind: `ServerProcess::start` (server.rs)
-/// tries again on new ports when its server fails to bind.
+/// A loopback port that no listener holds now and no other test process has reserved, for a
+/// server that must bind it itself; never the same one twice in a process (until the range
+/// wraps). A program that is no fixture may still bind it first: `ServerProcess::start`
+/// (server.rs) tries again on new ports when its server fails to bind or another process
+/// answers on its port.
 pub fn free_port() -> io::Result<u16> {
     free_port_with_partner(0)
 }
@@ -38,13 +39,38 @@ pub fn free_port_with_partner(partner_offset: u16) -> io::Result<u16> {
         let port = FIRST_PORT + (NEXT.fetch_add(1, Ordering::Relaxed) % PORTS) as u16;
         let partner_free =
             partner_offset == 0 || port.checked_add(partner_offset).is_some_and(is_free);
-        if is_free(port) && partner_free {
+        if reserve(port) && is_free(port) && partner_free {
             return Ok(port);
         }
     }
     Err(io::Error::other(
         "no free loopback port in the fixtures' range",
     ))
+}
+
+/// Reserves `port` for this test process until it exits, against every other test process:
+/// an exclusive `flock` on a file named after the port, which the kernel drops with the
+/// process. Two processes whose walks through the range meet can otherwise both find a port
+/// free and start servers on it, and the loser's readiness check is answered by the winner.
+/// `true` also when the reservation files cannot be made (the bind check still applies).
+fn reserve(port: u16) -> bool {
+    use std::os::fd::AsRawFd;
+    static HELD: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("lockingkit-ports");
+    if std::fs::create_dir_all(&dir).is_err() {
+        return true;
+    }
+    let Ok(file) = std::fs::File::create(dir.join(port.to_string())) else {
+        return true;
+    };
+    // SAFETY: flock only reads the descriptor, which `file` owns and keeps open.
+    let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    if locked {
+        HELD.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(file);
+    }
+    locked
 }
 
 fn is_free(port: u16) -> bool {
@@ -82,6 +108,51 @@ pub fn children_of(parent: impl Into<i64>) -> Vec<u32> {
         .collect()
 }
 
+/// Whether process `pid` or one of its descendants holds the listening socket on loopback
+/// `port`. A readiness check that connects to a port cannot tell our server from another test
+/// process's server that won the port between the allocator's check and our server's bind:
+/// ours then exits (or never binds) while theirs answers for it. `None` when `/proc` cannot
+/// say (a process of another user whose descriptors we may not read).
+pub fn listens_on(pid: u32, port: u16) -> Option<bool> {
+    let sockets = listening_sockets(port)?;
+    let mut pending = vec![pid];
+    while let Some(pid) = pending.pop() {
+        let descriptors = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+        let holds = descriptors.flatten().any(|entry| {
+            std::fs::read_link(entry.path()).is_ok_and(|target| {
+                let target = target.to_string_lossy();
+                target
+                    .strip_prefix("socket:[")
+                    .and_then(|rest| rest.strip_suffix(']'))
+                    .is_some_and(|inode| sockets.iter().any(|s| s == inode))
+            })
+        });
+        if holds {
+            return Some(true);
+        }
+        pending.extend(children_of(pid));
+    }
+    Some(false)
+}
+
+/// The inodes of the sockets listening on `port` (IPv4 `/proc/net/tcp`; state `0A` is LISTEN).
+fn listening_sockets(port: u16) -> Option<Vec<String>> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    let wanted = format!(":{port:04X}");
+    Some(
+        table
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let listening = fields.get(3) == Some(&"0A");
+                let on_port = fields.get(1).is_some_and(|local| local.ends_with(&wanted));
+                (listening && on_port).then(|| fields.get(9).map(|inode| (*inode).to_owned()))?
+            })
+            .collect(),
+    )
+}
+
 /// When process `pid` started, in clock ticks since boot: with the pid, it names one process
 /// even after the pid is reused.
 pub fn start_time(pid: impl Into<i64>) -> Option<u64> {
@@ -110,4 +181,35 @@ pub fn this_test_again(module_path: &str, name: &str) -> std::process::Command {
     let mut command = std::process::Command::new(exe);
     command.args([path.as_str(), "--exact", "--ignored", "--nocapture"]);
     command
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reserved_port_is_refused_to_every_other_reservation() {
+        let port = free_port().expect("a port");
+        // Another open file description conflicts like another process's would.
+        assert!(!reserve(port), "a port reserved twice");
+    }
+
+    #[test]
+    fn the_listener_of_a_port_is_told_from_a_process_that_is_not() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("a listener");
+        let port = listener.local_addr().expect("its address").port();
+        assert_eq!(listens_on(std::process::id(), port), Some(true));
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("a process");
+        let answer = listens_on(other.id(), port);
+        let _ = other.kill();
+        let _ = other.wait();
+        assert_eq!(
+            answer,
+            Some(false),
+            "a process that holds no socket on the port"
+        );
+    }
 }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::os::{alive, children_of, free_port_with_partner, signal, start_time};
+use crate::os::{alive, children_of, free_port_with_partner, listens_on, signal, start_time};
 
 /// How many sets of ports [`ServerProcess::start`] tries before it gives up: each failed try
 /// is a port taken by another test process between the allocator's check and the server's bind.
@@ -393,9 +393,18 @@ impl ServerProcess {
                 )));
             }
             let launch = self.launch()?;
+            let (pid, port) = (launch.pid(), launch.port());
             let check = check.clone();
             let ready = tokio::task::spawn_blocking(move || check(&launch)).await;
             if ready.unwrap_or(false) && self.try_wait().is_none() {
+                if listens_on(pid, port) == Some(false) {
+                    // Another test process's server answered on the port ours lost to it.
+                    self.kill();
+                    return Err(io::Error::other(format!(
+                        "{} lost port {port} to another process",
+                        self.name
+                    )));
+                }
                 return Ok(());
             }
             if Instant::now() > give_up {

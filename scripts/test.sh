@@ -54,7 +54,7 @@ step nextest cargo nextest run --workspace --all-features --no-fail-fast
 check_histories() {
   local seed=${LOCKINGKIT_CHECK_SEED:-$(date +%s)}
   for provider in memory postgres redis; do
-    cargo run --quiet -p lockingkit-check -- run --provider "$provider" --seconds 15 --seed "$seed"
+    cargo run --quiet -p lockingkit-check -- run --provider "$provider" --seconds 20 --seed "$seed"
   done
 }
 step check-histories check_histories

@@ -14,6 +14,19 @@
 //!   outcome is unknown (`info`, or invoked and never finished: its client was killed) may or
 //!   may not count.
 //!
+//! - **Readers and writers.** In the register's order, no reader's accepted read falls between
+//!   an exclusive hold's first and last accepted requests.
+//! - **A holder's belief.** A client that asked `is_held()` and was told yes, at an instant after
+//!   another hold of the key that excludes it was granted with a greater token, believed it held
+//!   a lock someone else held: for a lease this breaks the engine's deadline (90% of the lease
+//!   after the last renewal's *send*), whatever the faults, while the clock runs within the
+//!   margin. Where the provider's documented guarantees allow the overlap (a session-held lock
+//!   that the server freed under a fault is seen lost at the holder's next check; a restart of
+//!   a server without persistence loses every lock), the violation is reported as *expected*,
+//!   with the reason, and fails nothing: fencing is what must, and does, refuse such a holder.
+//! - **Tokens grow.** A hold granted after another hold's grant was answered (in real time) has
+//!   a greater token, whatever the modes and whatever happened to the backend in between.
+//!
 //! Each violation names its operations and the faults active while they ran (or that ended less
 //! than [`FAULT_MARGIN_NS`] before), so a reader can see what led to it.
 
@@ -41,6 +54,12 @@ pub enum ViolationKind {
     LostUpdate,
     /// An increment counted more than once in the final value.
     DoubledUpdate,
+    /// A reader's accepted read inside an exclusive hold's accepted requests.
+    ReaderWriter,
+    /// A client told its lock was held after an excluding hold with a greater token was granted.
+    HeldAfterTaken,
+    /// A hold whose token is not greater than that of a hold granted before it was asked for.
+    TokenOrder,
 }
 
 impl ViolationKind {
@@ -51,15 +70,21 @@ impl ViolationKind {
             ViolationKind::Fencing => "fencing",
             ViolationKind::LostUpdate => "lost-update",
             ViolationKind::DoubledUpdate => "doubled-update",
+            ViolationKind::ReaderWriter => "reader-in-writer",
+            ViolationKind::HeldAfterTaken => "held-after-taken",
+            ViolationKind::TokenOrder => "token-order",
         }
     }
 
     /// Every kind, in report order.
-    pub const ALL: [ViolationKind; 4] = [
+    pub const ALL: [ViolationKind; 7] = [
         ViolationKind::MutualExclusion,
         ViolationKind::Fencing,
         ViolationKind::LostUpdate,
         ViolationKind::DoubledUpdate,
+        ViolationKind::ReaderWriter,
+        ViolationKind::HeldAfterTaken,
+        ViolationKind::TokenOrder,
     ];
 }
 
@@ -76,6 +101,8 @@ pub struct Violation {
     pub ops: Vec<Event>,
     /// The faults active at the time (their start events).
     pub faults: Vec<FaultEvent>,
+    /// Why the provider's documented guarantees allow it, when they do: it then fails nothing.
+    pub expected: Option<String>,
 }
 
 /// Counts of what a history holds, for the report.
@@ -101,14 +128,46 @@ pub struct Report {
 }
 
 impl Report {
-    /// How many violations of `kind`.
+    /// How many violations of `kind` the guarantees do not allow.
     pub fn count(&self, kind: ViolationKind) -> usize {
-        self.violations.iter().filter(|v| v.kind == kind).count()
+        self.violations
+            .iter()
+            .filter(|v| v.kind == kind && v.expected.is_none())
+            .count()
+    }
+
+    /// How many violations of `kind` the provider's documented guarantees allow.
+    pub fn expected(&self, kind: ViolationKind) -> usize {
+        self.violations
+            .iter()
+            .filter(|v| v.kind == kind && v.expected.is_some())
+            .count()
+    }
+
+    /// Whether no violation breaks a guarantee.
+    pub fn passed(&self) -> bool {
+        self.violations.iter().all(|v| v.expected.is_some())
     }
 }
 
-/// Checks a whole history.
+/// What the provider under check promises, for the violations its guarantees allow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Guarantees {
+    /// Locks are held by a server session (PostgreSQL): a session the server ends under a fault
+    /// frees the lock at once, and its holder learns it at its next check.
+    pub session_held: bool,
+    /// A server restart loses every lock (Redis without persistence): each holder learns it at
+    /// its next renewal.
+    pub restart_loses_locks: bool,
+}
+
+/// Checks a whole history, allowing nothing.
 pub fn check(events: &[Event]) -> Report {
+    check_with(events, Guarantees::default())
+}
+
+/// Checks a whole history of a provider with these guarantees.
+pub fn check_with(events: &[Event], guarantees: Guarantees) -> Report {
     let faults = fault_spans(events);
     let mut register: Vec<&RegisterEntry> = events
         .iter()
@@ -122,8 +181,13 @@ pub fn check(events: &[Event]) -> Report {
     let mut violations = Vec::new();
     violations.extend(check_mutual_exclusion(&register, &faults));
     violations.extend(check_fencing(&register, &faults));
+    violations.extend(check_readers(&register, &faults));
     let ops = complete_ops(events);
     violations.extend(check_updates(events, &ops, &faults));
+    violations.extend(beliefs::check_held_after_taken(events, &faults, guarantees));
+    violations.extend(beliefs::check_token_order(&ops, &faults));
+    // What breaks a guarantee first.
+    violations.sort_by_key(|v| v.expected.is_some());
 
     let mut tally = Tally::default();
     for op in &ops {
@@ -157,7 +221,7 @@ pub fn check_register(entries: &[RegisterEntry]) -> usize {
 }
 
 /// A fault from its start to its end (or the end of the run).
-struct FaultSpan {
+pub(crate) struct FaultSpan {
     start: FaultEvent,
     end: u64,
 }
@@ -188,7 +252,7 @@ fn fault_spans(events: &[Event]) -> Vec<FaultSpan> {
 }
 
 /// The faults active between `from` and `to`, or ended less than the margin before `from`.
-fn active_faults(faults: &[FaultSpan], from: u64, to: u64) -> Vec<FaultEvent> {
+pub(crate) fn active_faults(faults: &[FaultSpan], from: u64, to: u64) -> Vec<FaultEvent> {
     faults
         .iter()
         .filter(|f| f.start.time <= to && f.end.saturating_add(FAULT_MARGIN_NS) >= from)
@@ -196,7 +260,7 @@ fn active_faults(faults: &[FaultSpan], from: u64, to: u64) -> Vec<FaultEvent> {
         .collect()
 }
 
-fn with_faults(
+pub(crate) fn with_faults(
     kind: ViolationKind,
     key: &str,
     detail: String,
@@ -213,6 +277,7 @@ fn with_faults(
         detail,
         ops,
         faults: active_faults(faults, from, to),
+        expected: None,
     }
 }
 
@@ -225,6 +290,7 @@ fn event_time(event: &Event) -> Option<u64> {
     }
 }
 
+/// The accepted entries of each key, in the register's order.
 fn by_key<'a>(register: &[&'a RegisterEntry]) -> BTreeMap<&'a str, Vec<&'a RegisterEntry>> {
     let mut keys: BTreeMap<&str, Vec<&RegisterEntry>> = BTreeMap::new();
     for entry in register.iter().filter(|e| e.accepted) {
@@ -233,22 +299,55 @@ fn by_key<'a>(register: &[&'a RegisterEntry]) -> BTreeMap<&'a str, Vec<&'a Regis
     keys
 }
 
+/// Each exclusive hold's first and last accepted request, in the register's order (positions
+/// in `accepted`), in order of their first request.
+fn exclusive_holds(accepted: &[&RegisterEntry]) -> Vec<((u32, u64), usize, usize)> {
+    let mut holds: Vec<((u32, u64), usize, usize)> = Vec::new();
+    let mut index_of: HashMap<(u32, u64), usize> = HashMap::new();
+    for (at, entry) in accepted.iter().enumerate().filter(|(_, e)| !e.shared) {
+        let hold = (entry.process, entry.token);
+        match index_of.get(&hold) {
+            Some(&i) => holds[i].2 = at,
+            None => {
+                index_of.insert(hold, holds.len());
+                holds.push((hold, at, at));
+            }
+        }
+    }
+    holds
+}
+
+/// A reader's accepted read between an exclusive hold's first and last accepted requests.
+fn check_readers(register: &[&RegisterEntry], faults: &[FaultSpan]) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    for (key, accepted) in by_key(register) {
+        for (hold, first, last) in exclusive_holds(&accepted) {
+            let inside = accepted[first..=last].iter().find(|e| e.shared);
+            if let Some(reader) = inside {
+                violations.push(with_faults(
+                    ViolationKind::ReaderWriter,
+                    key,
+                    format!(
+                        "reader (process {}, token {}) read inside hold (process {}, token {})",
+                        reader.process, reader.token, hold.0, hold.1
+                    ),
+                    vec![
+                        Event::Register(accepted[first].clone()),
+                        Event::Register((*reader).clone()),
+                        Event::Register(accepted[last].clone()),
+                    ],
+                    faults,
+                ));
+            }
+        }
+    }
+    violations
+}
+
 fn check_mutual_exclusion(register: &[&RegisterEntry], faults: &[FaultSpan]) -> Vec<Violation> {
     let mut violations = Vec::new();
     for (key, accepted) in by_key(register) {
-        // Each hold's first and last accepted request, in the register's order.
-        let mut holds: Vec<((u32, u64), usize, usize)> = Vec::new();
-        let mut index_of: HashMap<(u32, u64), usize> = HashMap::new();
-        for (at, entry) in accepted.iter().enumerate() {
-            let hold = (entry.process, entry.token);
-            match index_of.get(&hold) {
-                Some(&i) => holds[i].2 = at,
-                None => {
-                    index_of.insert(hold, holds.len());
-                    holds.push((hold, at, at));
-                }
-            }
-        }
+        let holds = exclusive_holds(&accepted);
         // Holds are in order of their first request; one that starts before the latest-ending
         // earlier hold has ended interleaves with it. One violation per earlier hold, however
         // many later holds it straddles (a stale holder let in late straddles them all).
@@ -297,9 +396,16 @@ fn straddle_detail(hold: (u32, u64), straddled: usize) -> String {
 fn check_fencing(register: &[&RegisterEntry], faults: &[FaultSpan]) -> Vec<Violation> {
     let mut violations = Vec::new();
     for (key, accepted) in by_key(register) {
+        // A reader is fenced by exclusive holds only; an exclusive hold by every hold.
         let mut highest: Option<&RegisterEntry> = None;
+        let mut highest_exclusive: Option<&RegisterEntry> = None;
         for entry in accepted {
-            match highest {
+            let floor = if entry.shared {
+                highest_exclusive
+            } else {
+                highest
+            };
+            match floor {
                 Some(top) if entry.token < top.token => violations.push(with_faults(
                     ViolationKind::Fencing,
                     key,
@@ -310,8 +416,15 @@ fn check_fencing(register: &[&RegisterEntry], faults: &[FaultSpan]) -> Vec<Viola
                     vec![Event::Register(top.clone()), Event::Register(entry.clone())],
                     faults,
                 )),
-                Some(top) if entry.token == top.token => {}
-                _ => highest = Some(entry),
+                _ => {
+                    if highest.is_none_or(|top| entry.token > top.token) {
+                        highest = Some(entry);
+                    }
+                    let exclusive_top = highest_exclusive.is_none_or(|top| entry.token > top.token);
+                    if !entry.shared && exclusive_top {
+                        highest_exclusive = Some(entry);
+                    }
+                }
             }
         }
     }
@@ -319,10 +432,10 @@ fn check_fencing(register: &[&RegisterEntry], faults: &[FaultSpan]) -> Vec<Viola
 }
 
 /// A client operation and how it finished (`Invoke` when it never did).
-struct CompleteOp<'a> {
-    invoke: &'a OpEvent,
-    completion: Option<&'a OpEvent>,
-    outcome: Phase,
+pub(crate) struct CompleteOp<'a> {
+    pub(crate) invoke: &'a OpEvent,
+    pub(crate) completion: Option<&'a OpEvent>,
+    pub(crate) outcome: Phase,
 }
 
 /// Pairs each invoke with its completion: a client process runs one operation at a time, so
@@ -445,6 +558,8 @@ fn check_updates(events: &[Event], ops: &[CompleteOp<'_>], faults: &[FaultSpan])
     }
     violations
 }
+
+mod beliefs;
 
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,8 @@
-//! One client's loop: acquire a key, read the register with the lock's fencing token, write
-//! the value plus one with the same token, release; every step recorded as an invoke and its
-//! completion.
+//! One client's loop: acquire a key (exclusively, or one hold in four as a reader), read the
+//! register with the lock's fencing token, write the value plus one with the same token (a
+//! reader only reads), release; one hold in four repeats its work past the lease, so it is
+//! renewed under it. Every step is recorded as an invoke and its completion; a register
+//! request's invoke also records whether the lock said it was held.
 //!
 //! The client does not check that it still holds the lock before writing: the widest window for
 //! a stale write is what the register's fencing must close.
@@ -9,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use lockingkit::DistributedLock;
+use lockingkit::{DistributedLock, LockHandle};
 use tokio::sync::watch;
 
 use crate::clock::monotonic_ns;
@@ -45,6 +47,10 @@ pub struct ClientConfig {
     pub register: SocketAddr,
     /// The seed of its key choices.
     pub seed: u64,
+    /// Whether one hold in four is a reader's (the provider supports reader-writer locks).
+    pub readers: bool,
+    /// How long one hold in four keeps working (longer than the lease, so it is renewed).
+    pub long_hold: Duration,
 }
 
 /// Where a client's events go.
@@ -113,25 +119,42 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn record(
-        &self,
-        phase: Phase,
-        op: OpKind,
-        key: &str,
-        token: Option<u64>,
-        value: Option<u64>,
-        error: Option<String>,
-    ) -> Result<(), CheckError> {
-        self.journal.record(OpEvent {
+    /// An event of this process, timed now, with nothing but its phase, operation and key.
+    fn event(&self, phase: Phase, op: OpKind, key: &str) -> OpEvent {
+        OpEvent {
             time: monotonic_ns(),
             process: self.process,
             phase,
             op,
             key: key.to_string(),
-            token,
-            value,
-            error,
-        })
+            token: None,
+            value: None,
+            error: None,
+            shared: false,
+            held: None,
+        }
+    }
+
+    fn record(&self, event: OpEvent) -> Result<(), CheckError> {
+        self.journal.record(event)
+    }
+}
+
+/// The hold a client works under.
+struct Held<'a> {
+    key: &'a str,
+    token: u64,
+    shared: bool,
+}
+
+impl Held<'_> {
+    /// An event of this hold.
+    fn event(&self, recorder: &Recorder, phase: Phase, op: OpKind) -> OpEvent {
+        OpEvent {
+            token: Some(self.token),
+            shared: self.shared,
+            ..recorder.event(phase, op, self.key)
+        }
     }
 }
 
@@ -157,46 +180,102 @@ pub async fn run(
         else {
             return Err(CheckError::Usage("a client needs at least one key".into()));
         };
-        recorder.record(Phase::Invoke, OpKind::Acquire, key, None, None, None)?;
-        let handle = match locks.acquire(key, ACQUIRE_TIMEOUT).await {
+        let shared = config.readers && rng.below(4) == 0;
+        let hold_for = if rng.below(4) == 0 {
+            config.long_hold
+        } else {
+            Duration::ZERO
+        };
+        recorder.record(OpEvent {
+            shared,
+            ..recorder.event(Phase::Invoke, OpKind::Acquire, key)
+        })?;
+        let handle = match acquire(&locks, key, shared).await {
             Ok(handle) => handle,
             Err(error) => {
-                let error = Some(error.to_string());
-                recorder.record(Phase::Fail, OpKind::Acquire, key, None, None, error)?;
+                recorder.record(OpEvent {
+                    shared,
+                    error: Some(error.to_string()),
+                    ..recorder.event(Phase::Fail, OpKind::Acquire, key)
+                })?;
                 // An outage answers at once: without a pause the history fills with refusals.
                 tokio::time::sleep(FAILED_ACQUIRE_PAUSE).await;
                 continue;
             }
         };
-        let token = Some(handle.fencing_token());
+        let held = Held {
+            key,
+            token: handle.fencing_token(),
+            shared,
+        };
         if let Some(gate) = &gate {
             gate.hold(Some(key));
         }
-        recorder.record(Phase::Ok, OpKind::Acquire, key, token, None, None)?;
+        recorder.record(held.event(&recorder, Phase::Ok, OpKind::Acquire))?;
+        let hold = (&held, &handle);
+        work(&recorder, &mut register, hold, hold_for, &mut gate).await?;
 
         pass(&mut gate).await;
-        let read = access(&recorder, &mut register, key, token, Access::Read, 0).await?;
-        if let Some(value) = read {
-            // The work between read and write: a hold spends most of its time here, so a pause
-            // or partition usually strikes a holder in the middle of its read-modify-write.
-            tokio::time::sleep(WORK).await;
-            pass(&mut gate).await;
-            let next = value.saturating_add(1);
-            access(&recorder, &mut register, key, token, Access::Write, next).await?;
-        }
-
-        pass(&mut gate).await;
-        recorder.record(Phase::Invoke, OpKind::Release, key, token, None, None)?;
+        recorder.record(held.event(&recorder, Phase::Invoke, OpKind::Release))?;
         let released = handle.release().await;
         if let Some(gate) = &gate {
             gate.hold(None);
         }
-        match released {
-            Ok(()) => recorder.record(Phase::Ok, OpKind::Release, key, token, None, None)?,
-            Err(e) => {
-                let error = Some(e.to_string());
-                recorder.record(Phase::Fail, OpKind::Release, key, token, None, error)?;
+        let done = match released {
+            Ok(()) => held.event(&recorder, Phase::Ok, OpKind::Release),
+            Err(e) => OpEvent {
+                error: Some(e.to_string()),
+                ..held.event(&recorder, Phase::Fail, OpKind::Release)
+            },
+        };
+        recorder.record(done)?;
+    }
+}
+
+/// A reader's or an exclusive hold of `key`.
+async fn acquire(
+    locks: &DistributedLock,
+    key: &str,
+    shared: bool,
+) -> Result<LockHandle, lockingkit::LockError> {
+    if shared {
+        locks.reader_writer(key)?.read(ACQUIRE_TIMEOUT).await
+    } else {
+        locks.acquire(key, ACQUIRE_TIMEOUT).await
+    }
+}
+
+/// The work of one hold: a read-modify-write (a read for a reader), again and again until
+/// `hold_for` has passed, so long holds run through renewals; stops at a refusal.
+async fn work(
+    recorder: &Recorder,
+    register: &mut RegisterClient,
+    hold: (&Held<'_>, &LockHandle),
+    hold_for: Duration,
+    gate: &mut Option<PauseGate>,
+) -> Result<(), CheckError> {
+    let until = tokio::time::Instant::now() + hold_for;
+    let held = hold.0;
+    loop {
+        pass(gate).await;
+        let Some(value) = access(recorder, register, hold, Access::Read, 0).await? else {
+            return Ok(());
+        };
+        // The work between read and write: a hold spends most of its time here, so a pause or
+        // partition usually strikes a holder in the middle of its read-modify-write.
+        tokio::time::sleep(WORK).await;
+        if !held.shared {
+            pass(gate).await;
+            let next = value.saturating_add(1);
+            if access(recorder, register, hold, Access::Write, next)
+                .await?
+                .is_none()
+            {
+                return Ok(());
             }
+        }
+        if tokio::time::Instant::now() >= until {
+            return Ok(());
         }
     }
 }
@@ -207,12 +286,12 @@ async fn pass(gate: &mut Option<PauseGate>) {
     }
 }
 
-/// One register request as an operation; the value read when a read is accepted.
+/// One register request as an operation; the value read when a read is accepted, the value
+/// written when a write is. Its invoke records whether the client believed it held the lock.
 async fn access(
     recorder: &Recorder,
     register: &mut RegisterClient,
-    key: &str,
-    token: Option<u64>,
+    (held, handle): (&Held<'_>, &LockHandle),
     access: Access,
     value: u64,
 ) -> Result<Option<u64>, CheckError> {
@@ -220,31 +299,43 @@ async fn access(
         Access::Read => (OpKind::Read, None),
         Access::Write => (OpKind::Write, Some(value)),
     };
-    recorder.record(Phase::Invoke, op, key, token, sent, None)?;
+    // Timed before asking: the answer holds at that instant or later.
+    let invoke = held.event(recorder, Phase::Invoke, op);
+    let believed = handle.is_held();
+    recorder.record(OpEvent {
+        value: sent,
+        held: Some(believed),
+        ..invoke
+    })?;
     let request = Request {
         process: recorder.process,
-        key: key.to_string(),
-        token: token.unwrap_or(0),
+        key: held.key.to_string(),
+        token: held.token,
         access,
         value,
+        shared: held.shared,
     };
-    match register.request(&request).await {
+    let (phase, value, error) = match register.request(&request).await {
         Ok(reply) if reply.accepted => {
             let value = match access {
                 Access::Read => reply.value,
                 Access::Write => value,
             };
-            recorder.record(Phase::Ok, op, key, token, Some(value), None)?;
-            Ok(Some(value))
+            (Phase::Ok, Some(value), None)
         }
-        Ok(reply) => {
-            let error = Some(format!("stale token; highest {}", reply.highest));
-            recorder.record(Phase::Fail, op, key, token, sent, error)?;
-            Ok(None)
-        }
+        Ok(reply) => (
+            Phase::Fail,
+            sent,
+            Some(format!("stale token; highest {}", reply.highest)),
+        ),
         Err(failure @ (RegisterFailure::TimedOut | RegisterFailure::Io(_))) => {
-            recorder.record(Phase::Info, op, key, token, sent, Some(failure.to_string()))?;
-            Ok(None)
+            (Phase::Info, sent, Some(failure.to_string()))
         }
-    }
+    };
+    recorder.record(OpEvent {
+        value,
+        error,
+        ..held.event(recorder, phase, op)
+    })?;
+    Ok(if phase == Phase::Ok { value } else { None })
 }

@@ -78,6 +78,13 @@ pub struct OpEvent {
     /// Why it failed or is unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Whether the hold is a reader's (shared with other readers); false for an exclusive hold.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
+    /// On a register request's invoke: what the lock's `is_held()` answered just after `time`,
+    /// so the client believed it held the lock at `time` or later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<bool>,
 }
 
 /// A register access.
@@ -107,8 +114,11 @@ pub struct RegisterEntry {
     pub token: u64,
     /// The value read or written (for a refused request, the value it would have read or set).
     pub value: u64,
-    /// Whether the register accepted it (the token was not lower than the highest seen).
+    /// Whether the register accepted it (see [`register`](crate::register) for the rule).
     pub accepted: bool,
+    /// Whether it came from a reader's hold.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
 }
 
 /// The kinds of fault the nemesis injects.
@@ -127,9 +137,35 @@ pub enum FaultKind {
     Reset,
     /// The client's connections to the backend are delayed.
     Delay,
+    /// The client's next renewal reaches the backend but its answer comes late (0.4 of the
+    /// lease); every renewal after it is cut off. A lease renewed just before a partition, on a
+    /// slow line: the deadline must count from the renewal's send, not its answer.
+    SlowThenCut,
+    /// The backend server is killed (SIGKILL) and started again on its port.
+    ServerCrash,
+    /// The backend server is frozen (SIGSTOP), then thawed.
+    ServerPause,
 }
 
 impl FaultKind {
+    /// Every kind, in report order.
+    pub const ALL: [FaultKind; 9] = [
+        FaultKind::Kill,
+        FaultKind::PauseShort,
+        FaultKind::PauseLong,
+        FaultKind::Blackhole,
+        FaultKind::Reset,
+        FaultKind::Delay,
+        FaultKind::SlowThenCut,
+        FaultKind::ServerCrash,
+        FaultKind::ServerPause,
+    ];
+
+    /// Whether it strikes the backend server, all clients at once, rather than one client.
+    pub fn hits_server(self) -> bool {
+        matches!(self, FaultKind::ServerCrash | FaultKind::ServerPause)
+    }
+
     /// The name the report prints.
     pub fn name(self) -> &'static str {
         match self {
@@ -139,6 +175,9 @@ impl FaultKind {
             FaultKind::Blackhole => "blackhole",
             FaultKind::Reset => "reset",
             FaultKind::Delay => "delay",
+            FaultKind::SlowThenCut => "slow-then-cut",
+            FaultKind::ServerCrash => "server-crash",
+            FaultKind::ServerPause => "server-pause",
         }
     }
 }

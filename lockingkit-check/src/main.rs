@@ -81,7 +81,7 @@ fn run_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> {
         keys: usize::try_from(number(flags, "keys", 3)?).unwrap_or(3),
     };
     let report = runtime(true)?.block_on(run::run(&config))?;
-    Ok(if report.violations.is_empty() {
+    Ok(if report.passed() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
@@ -99,6 +99,8 @@ fn client_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> 
         keys: run::keys(usize::try_from(number(flags, "keys", 3)?).unwrap_or(3)),
         register,
         seed: number(flags, "seed", 0)?,
+        readers: true,
+        long_hold: run::LONG_HOLD,
     };
     runtime(false)?.block_on(async {
         let locks = run::server_lock(provider, &backend)?;

@@ -43,9 +43,24 @@ pub fn schedule(
     let quiet_end = run.saturating_sub(Duration::from_secs(1));
     let mut plan = Vec::new();
     let mut at = Duration::ZERO;
+    // Every kind once first, in an order of the seed's, so that a short run meets each; then
+    // drawn from the list, where a kind listed twice comes twice as often.
+    let mut first: Vec<FaultKind> = Vec::new();
+    for &kind in kinds {
+        if !first.contains(&kind) {
+            first.push(kind);
+        }
+    }
+    for i in (1..first.len()).rev() {
+        first.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut first = first.into_iter();
     while !kinds.is_empty() && clients > 0 {
         let after = Duration::from_millis(rng.between(200, 1000));
-        let kind = kinds[rng.below(kinds.len() as u64) as usize];
+        let kind = match first.next() {
+            Some(kind) => kind,
+            None => kinds[rng.below(kinds.len() as u64) as usize],
+        };
         let slot = rng.below(clients as u64) as usize;
         let lasts = Duration::from_millis(match kind {
             FaultKind::Kill => rng.between(100, 500),
@@ -54,6 +69,10 @@ pub fn schedule(
             FaultKind::Blackhole | FaultKind::Reset | FaultKind::Delay => {
                 rng.between(lease_ms, lease_ms * 2)
             }
+            // Long enough for the slow renewal's answer and the lease to run out after it.
+            FaultKind::SlowThenCut => lease_ms * 2,
+            FaultKind::ServerCrash => rng.between(200, 1000),
+            FaultKind::ServerPause => rng.between(lease_ms / 3, lease_ms * 2),
         });
         at += after + lasts;
         if at > quiet_end {
@@ -77,11 +96,15 @@ pub trait Fleet {
     fn process(&self, slot: usize) -> Option<u32>;
     /// Begins `kind` on `slot`.
     fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError>;
-    /// Lifts `kind` from `slot` (for a kill: starts the replacement).
-    fn end(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError>;
+    /// Lifts `kind` from `slot` (for a kill: starts the replacement; for a server crash: starts
+    /// the server again).
+    fn end(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_>;
     /// Stops every client (any fault still on is lifted by the stop) and returns their events.
     fn stop(&mut self) -> StopFuture<'_>;
 }
+
+/// What lifting a fault returns.
+pub type EndFuture<'a> = Pin<Box<dyn Future<Output = Result<(), CheckError>> + Send + 'a>>;
 
 /// What stopping a fleet returns: the clients' events.
 pub type StopFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<Event>, CheckError>> + Send + 'a>>;
@@ -140,11 +163,14 @@ pub async fn inject(
             process,
             phase,
         };
-        let process = fleet.process(slot);
+        // A fault of the server strikes no one client.
+        let process = (!fault.kind.hits_server())
+            .then(|| fleet.process(slot))
+            .flatten();
         log.push(event(FaultPhase::Start, process));
         fleet.begin(fault.kind, slot)?;
         tokio::time::sleep(fault.lasts).await;
-        fleet.end(fault.kind, slot)?;
+        fleet.end(fault.kind, slot).await?;
         log.push(event(FaultPhase::End, process));
     }
     Ok(())
@@ -180,8 +206,8 @@ mod tests {
         fn begin(&mut self, _: FaultKind, _: usize) -> Result<(), CheckError> {
             Ok(())
         }
-        fn end(&mut self, _: FaultKind, _: usize) -> Result<(), CheckError> {
-            Ok(())
+        fn end(&mut self, _: FaultKind, _: usize) -> EndFuture<'_> {
+            Box::pin(async { Ok(()) })
         }
         fn stop(&mut self) -> StopFuture<'_> {
             Box::pin(async { Ok(Vec::new()) })
@@ -210,5 +236,11 @@ mod tests {
         assert!(total <= run - Duration::from_secs(1));
         assert!(plan.iter().all(|f| f.slot < 5 && kinds.contains(&f.kind)));
         assert!(plan.len() >= 3, "{plan:?}");
+        // Every kind comes before any comes twice.
+        let mut opening: Vec<FaultKind> = plan.iter().take(3).map(|f| f.kind).collect();
+        opening.sort();
+        let mut all = kinds.to_vec();
+        all.sort();
+        assert_eq!(opening, all);
     }
 }

@@ -3,9 +3,11 @@
 //! seen for that key.
 //!
 //! The rule covers reads as well as writes: once a newer holder has read, a stale holder can
-//! neither write nor read, so its read-modify-write cannot straddle the newer one. Every
-//! request, accepted or refused, goes into the register's log in the order it was answered;
-//! that order is the one the checker trusts.
+//! neither write nor read, so its read-modify-write cannot straddle the newer one. Readers hold
+//! a key together, so a reader's read is refused only below the highest token of an exclusive
+//! hold; it still raises the key's highest token, so a writer older than the reader is refused
+//! from then on. Every request, accepted or refused, goes into the register's log in the order
+//! it was answered; that order is the one the checker trusts.
 //!
 //! The protocol is one JSON line each way: a [`Request`], then a [`Reply`].
 
@@ -36,6 +38,9 @@ pub struct Request {
     /// The value to write (ignored for a read).
     #[serde(default)]
     pub value: u64,
+    /// Whether the token is a reader's (a read only).
+    #[serde(default)]
+    pub shared: bool,
 }
 
 /// The register's answer.
@@ -52,7 +57,10 @@ pub struct Reply {
 #[derive(Default)]
 struct Cell {
     value: u64,
+    /// The highest token accepted, from any hold.
     highest: u64,
+    /// The highest token accepted from an exclusive hold: the floor of a reader's token.
+    highest_exclusive: u64,
     /// The process whose accepted read was the key's last accepted request: a holder in the
     /// middle of its read-modify-write.
     reader: Option<u32>,
@@ -68,9 +76,18 @@ impl State {
     /// Answers one request and logs it: the one place the fencing rule lives.
     fn answer(&mut self, request: &Request) -> Reply {
         let cell = self.cells.entry(request.key.clone()).or_default();
-        let accepted = request.token >= cell.highest;
+        // A reader may only read; a write with a reader's token is refused.
+        let shared = request.shared;
+        let accepted = if shared {
+            request.access == Access::Read && request.token >= cell.highest_exclusive
+        } else {
+            request.token >= cell.highest
+        };
         if accepted {
-            cell.highest = request.token;
+            cell.highest = cell.highest.max(request.token);
+            if !shared {
+                cell.highest_exclusive = request.token;
+            }
             match request.access {
                 Access::Write => {
                     cell.value = request.value;
@@ -97,6 +114,7 @@ impl State {
                 Access::Write => request.value,
             },
             accepted,
+            shared,
         });
         reply
     }
@@ -276,7 +294,38 @@ mod tests {
             token,
             access,
             value,
+            shared: false,
         }
+    }
+
+    fn reader(token: u64) -> Request {
+        Request {
+            shared: true,
+            ..request(token, Access::Read, 0)
+        }
+    }
+
+    #[test]
+    fn readers_do_not_fence_one_another_but_fence_older_writers() {
+        let mut state = State::default();
+        assert!(state.answer(&request(2, Access::Read, 0)).accepted);
+        // A reader older than an exclusive hold that has been accepted is stale.
+        assert!(!state.answer(&reader(1)).accepted);
+        assert!(state.answer(&reader(4)).accepted);
+        assert!(state.answer(&reader(3)).accepted, "readers hold together");
+        assert!(!state.answer(&request(2, Access::Write, 1)).accepted);
+        assert!(
+            !state
+                .answer(&Request {
+                    shared: true,
+                    ..request(5, Access::Write, 1)
+                })
+                .accepted,
+            "a reader never writes"
+        );
+        assert!(state.answer(&request(6, Access::Write, 1)).accepted);
+        assert!(!state.answer(&reader(5)).accepted);
+        assert!(state.log.iter().filter(|e| e.shared).count() == 5);
     }
 
     #[test]

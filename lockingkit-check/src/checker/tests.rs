@@ -30,6 +30,8 @@ impl Script {
             token: Some(token),
             value,
             error: None,
+            shared: false,
+            held: None,
         }));
     }
 
@@ -44,6 +46,7 @@ impl Script {
             token,
             value,
             accepted,
+            shared: false,
         }));
         self.seq += 1;
     }
@@ -240,4 +243,149 @@ fn a_stale_hold_let_in_late_is_one_violation_however_many_holds_it_straddles() {
     let report = check(&s.finish(1));
     assert_eq!(report.count(ViolationKind::MutualExclusion), 1);
     assert!(report.violations[0].detail.contains("4 later hold(s)"));
+}
+
+impl Script {
+    fn acquire_event(&mut self, process: u32, phase: Phase, token: Option<u64>, shared: bool) {
+        let time = self.tick();
+        self.events.push(Event::Op(OpEvent {
+            time,
+            process,
+            phase,
+            op: OpKind::Acquire,
+            key: "k".into(),
+            token,
+            value: None,
+            error: None,
+            shared,
+            held: None,
+        }));
+    }
+
+    /// A granted acquire, invoked and answered with nothing in between.
+    fn acquire(&mut self, process: u32, token: u64, shared: bool) {
+        self.acquire_event(process, Phase::Invoke, None, shared);
+        self.acquire_event(process, Phase::Ok, Some(token), shared);
+    }
+
+    /// A read's invoke at which the lock answered `held`.
+    fn asks(&mut self, process: u32, token: u64, shared: bool, held: bool) {
+        let time = self.tick();
+        self.events.push(Event::Op(OpEvent {
+            time,
+            process,
+            phase: Phase::Invoke,
+            op: OpKind::Read,
+            key: "k".into(),
+            token: Some(token),
+            value: None,
+            error: None,
+            shared,
+            held: Some(held),
+        }));
+    }
+
+    fn shared_read(&mut self, process: u32, token: u64) {
+        self.register(process, Access::Read, token, 0, true);
+        if let Some(Event::Register(entry)) = self.events.last_mut() {
+            entry.shared = true;
+        }
+    }
+}
+
+#[test]
+fn a_holder_told_it_holds_after_the_key_was_taken_is_a_violation() {
+    for held in [true, false] {
+        let mut s = Script::default();
+        s.acquire(1, 1, false);
+        s.acquire(2, 2, false);
+        s.asks(1, 1, false, held);
+        let report = check(&s.finish(0));
+        let found = usize::from(held);
+        assert_eq!(report.count(ViolationKind::HeldAfterTaken), found, "{held}");
+        assert_eq!(report.passed(), !held);
+    }
+}
+
+#[test]
+fn readers_told_they_hold_together_are_no_violation_but_a_reader_under_a_writer_is() {
+    let mut s = Script::default();
+    s.acquire(1, 1, true);
+    s.acquire(2, 2, true);
+    s.asks(1, 1, true, true);
+    assert_eq!(check(&s.events.clone()).violations, vec![]);
+    s.acquire(3, 3, false);
+    s.asks(2, 2, true, true);
+    let report = check(&s.finish(0));
+    assert_eq!(kinds(&report), vec![ViolationKind::HeldAfterTaken]);
+    assert!(report.violations[0].detail.contains("process 3"));
+}
+
+#[test]
+fn a_session_freed_under_a_fault_on_its_holder_is_expected_only_with_session_held_locks() {
+    let mut s = Script::default();
+    s.acquire(1, 1, false);
+    s.fault(0, FaultKind::Reset, FaultPhase::Start);
+    s.acquire(2, 2, false);
+    s.asks(1, 1, false, true);
+    s.fault(0, FaultKind::Reset, FaultPhase::End);
+    let events = s.finish(0);
+    let session = Guarantees {
+        session_held: true,
+        ..Guarantees::default()
+    };
+    let report = check_with(&events, session);
+    assert_eq!(report.expected(ViolationKind::HeldAfterTaken), 1);
+    assert!(report.passed());
+    // A lease gives no such excuse: its deadline must pass before the store lets it go.
+    assert!(!check(&events).passed());
+}
+
+#[test]
+fn a_restart_that_loses_locks_excuses_only_the_providers_that_say_so() {
+    let mut s = Script::default();
+    s.acquire(1, 1, false);
+    let time = s.tick();
+    s.events.push(Event::Nemesis(FaultEvent {
+        time,
+        id: 0,
+        fault: FaultKind::ServerCrash,
+        slot: 0,
+        process: None,
+        phase: FaultPhase::Start,
+    }));
+    s.acquire(2, 2, false);
+    s.asks(1, 1, false, true);
+    let events = s.finish(0);
+    let restart = Guarantees {
+        restart_loses_locks: true,
+        ..Guarantees::default()
+    };
+    assert!(check_with(&events, restart).passed());
+    assert!(!check(&events).passed());
+}
+
+#[test]
+fn a_token_not_above_one_granted_before_the_acquire_began_is_out_of_order() {
+    let mut s = Script::default();
+    // Invoked before the other grants were answered: they raced, any order is fine.
+    s.acquire_event(3, Phase::Invoke, None, true);
+    s.acquire(1, 5, false);
+    s.acquire(2, 6, true);
+    s.acquire_event(3, Phase::Ok, Some(4), true);
+    assert_eq!(check(&s.events.clone()).violations, vec![]);
+    // Invoked after grants of 5 and 6 were answered, yet given 6 again.
+    s.acquire(4, 6, true);
+    let report = check(&s.finish(0));
+    assert_eq!(kinds(&report), vec![ViolationKind::TokenOrder]);
+}
+
+#[test]
+fn a_readers_read_inside_an_exclusive_hold_is_a_violation() {
+    let mut s = Script::default();
+    s.register(1, Access::Read, 1, 0, true);
+    s.shared_read(2, 2);
+    s.register(1, Access::Write, 1, 1, true);
+    let report = check(&s.finish(1));
+    assert_eq!(report.count(ViolationKind::ReaderWriter), 1);
 }

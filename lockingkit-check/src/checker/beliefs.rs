@@ -1,0 +1,163 @@
+//! The checks on what clients were told rather than what the register accepted: a holder told
+//! its lock was held after another hold took the key, and tokens that did not grow.
+
+use std::collections::{BTreeMap, HashSet};
+
+use super::ViolationKind;
+use super::{active_faults, with_faults, CompleteOp, FaultSpan, Guarantees, Violation};
+use crate::history::{Event, FaultEvent, FaultKind, OpEvent, OpKind, Phase};
+
+/// Every granted hold's acquire completion, by key, in order of time.
+fn grants(events: &[Event]) -> BTreeMap<&str, Vec<&OpEvent>> {
+    let mut grants: BTreeMap<&str, Vec<&OpEvent>> = BTreeMap::new();
+    for event in events {
+        if let Event::Op(op) = event {
+            if op.op == OpKind::Acquire && op.phase == Phase::Ok && op.token.is_some() {
+                grants.entry(op.key.as_str()).or_default().push(op);
+            }
+        }
+    }
+    for list in grants.values_mut() {
+        list.sort_by_key(|op| op.time);
+    }
+    grants
+}
+
+/// A register request's invoke at which the client's lock said it was held.
+fn is_belief(op: &OpEvent) -> bool {
+    op.phase == Phase::Invoke
+        && matches!(op.op, OpKind::Read | OpKind::Write)
+        && op.held == Some(true)
+        && op.token.is_some()
+}
+
+/// Beliefs of holding after an excluding hold with a greater token was granted: one violation
+/// per hold, at its first such belief.
+pub(crate) fn check_held_after_taken(
+    events: &[Event],
+    faults: &[FaultSpan],
+    guarantees: Guarantees,
+) -> Vec<Violation> {
+    let grants = grants(events);
+    let mut reported: HashSet<(u32, u64)> = HashSet::new();
+    let mut violations = Vec::new();
+    for event in events {
+        let Event::Op(belief) = event else {
+            continue;
+        };
+        let token = belief.token.unwrap_or(0);
+        if !is_belief(belief) || reported.contains(&(belief.process, token)) {
+            continue;
+        }
+        let Some(list) = grants.get(belief.key.as_str()) else {
+            continue;
+        };
+        // Granted (its answer recorded) before the client asked whether it held.
+        let before = list.partition_point(|g| g.time < belief.time);
+        let taker = list[..before]
+            .iter()
+            .filter(|g| !(g.shared && belief.shared) && g.token.unwrap_or(0) > token)
+            .min_by_key(|g| g.time);
+        let Some(taker) = taker else {
+            continue;
+        };
+        reported.insert((belief.process, token));
+        let mut violation = with_faults(
+            ViolationKind::HeldAfterTaken,
+            &belief.key,
+            format!(
+                "process {} was told its hold (token {token}) was held {} ms after process {} \
+                 was granted token {}",
+                belief.process,
+                belief.time.saturating_sub(taker.time) / 1_000_000,
+                taker.process,
+                taker.token.unwrap_or(0)
+            ),
+            vec![Event::Op((*taker).clone()), Event::Op(belief.clone())],
+            faults,
+        );
+        let on_holder: Vec<FaultEvent> = active_faults(faults, taker.time, belief.time)
+            .into_iter()
+            .filter(|f| f.fault.hits_server() || f.process == Some(belief.process))
+            .collect();
+        violation.expected = allowed_by(guarantees, &on_holder);
+        violations.push(violation);
+    }
+    violations
+}
+
+/// Why `guarantees` allow a holder to believe it holds after the key was taken, given the
+/// faults that struck it or the server: `None` when they do not.
+fn allowed_by(guarantees: Guarantees, faults: &[FaultEvent]) -> Option<String> {
+    if guarantees.session_held {
+        if let Some(fault) = faults.first() {
+            return Some(format!(
+                "a session-held lock that the server freed under a fault ({}) is seen lost at \
+                 the holder's next check",
+                fault.fault.name()
+            ));
+        }
+    }
+    let crashed = faults.iter().any(|f| f.fault == FaultKind::ServerCrash);
+    if guarantees.restart_loses_locks && crashed {
+        return Some(
+            "a restart of a server without persistence loses every lock; the holder learns it \
+             at its next renewal"
+                .to_string(),
+        );
+    }
+    None
+}
+
+/// Holds whose token is not greater than one granted (answered) before the hold was asked for.
+pub(crate) fn check_token_order(ops: &[CompleteOp<'_>], faults: &[FaultSpan]) -> Vec<Violation> {
+    // Each key's grants as (invoke, completion), in order of completion.
+    let mut by_key: BTreeMap<&str, Vec<(&OpEvent, &OpEvent)>> = BTreeMap::new();
+    for op in ops {
+        if let (OpKind::Acquire, Phase::Ok, Some(done)) = (op.invoke.op, op.outcome, op.completion)
+        {
+            if done.token.is_some() {
+                by_key
+                    .entry(done.key.as_str())
+                    .or_default()
+                    .push((op.invoke, done));
+            }
+        }
+    }
+    let mut violations = Vec::new();
+    for (key, mut list) in by_key {
+        list.sort_by_key(|(_, done)| done.time);
+        // The grant with the greatest token among the first n, for every n.
+        let mut greatest: Vec<&OpEvent> = Vec::with_capacity(list.len());
+        for (_, done) in &list {
+            let top = match greatest.last() {
+                Some(top) if top.token >= done.token => *top,
+                _ => *done,
+            };
+            greatest.push(top);
+        }
+        for (invoke, done) in &list {
+            let before = list.partition_point(|(_, earlier)| earlier.time < invoke.time);
+            let Some(top) = before.checked_sub(1).map(|i| greatest[i]) else {
+                continue;
+            };
+            if top.token >= done.token {
+                violations.push(with_faults(
+                    ViolationKind::TokenOrder,
+                    key,
+                    format!(
+                        "token {} granted to process {} is not above token {} granted to \
+                         process {} before it asked",
+                        done.token.unwrap_or(0),
+                        done.process,
+                        top.token.unwrap_or(0),
+                        top.process
+                    ),
+                    vec![Event::Op(top.clone()), Event::Op((*done).clone())],
+                    faults,
+                ));
+            }
+        }
+    }
+    violations
+}

@@ -3,6 +3,10 @@
 //! `std::time::Instant` reads the same clock on Linux but cannot be compared across processes;
 //! `clock_gettime(CLOCK_MONOTONIC)` gives a number every process on the machine shares, so the
 //! client processes' events and the register's can be put on one time line.
+//!
+//! It is read with the system call itself, not through the C library: a client whose clock the
+//! nemesis skews runs with libfaketime preloaded, which fakes the C library's `clock_gettime`
+//! (and so `Instant`, and the lock's deadlines), while its history must stay on real time.
 
 /// Nanoseconds on `CLOCK_MONOTONIC`.
 pub fn monotonic_ns() -> u64 {
@@ -10,8 +14,15 @@ pub fn monotonic_ns() -> u64 {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `now` is a valid, writable timespec; CLOCK_MONOTONIC exists on every Linux.
-    let status = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    // SAFETY: `now` is a valid, writable timespec that outlives the call; CLOCK_MONOTONIC
+    // exists on every Linux.
+    let status = unsafe {
+        libc::syscall(
+            libc::SYS_clock_gettime,
+            libc::CLOCK_MONOTONIC,
+            &mut now as *mut libc::timespec,
+        )
+    };
     if status != 0 {
         // Cannot happen for CLOCK_MONOTONIC; a 0 would show as an obviously wrong time.
         return 0;

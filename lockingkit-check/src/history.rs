@@ -145,11 +145,14 @@ pub enum FaultKind {
     ServerCrash,
     /// The backend server is frozen (SIGSTOP), then thawed.
     ServerPause,
+    /// The client process runs with its clocks (monotonic included) at `rate_percent` of real
+    /// time, from its start to its end (libfaketime).
+    ClockRate,
 }
 
 impl FaultKind {
     /// Every kind, in report order.
-    pub const ALL: [FaultKind; 9] = [
+    pub const ALL: [FaultKind; 10] = [
         FaultKind::Kill,
         FaultKind::PauseShort,
         FaultKind::PauseLong,
@@ -159,6 +162,7 @@ impl FaultKind {
         FaultKind::SlowThenCut,
         FaultKind::ServerCrash,
         FaultKind::ServerPause,
+        FaultKind::ClockRate,
     ];
 
     /// Whether it strikes the backend server, all clients at once, rather than one client.
@@ -178,6 +182,7 @@ impl FaultKind {
             FaultKind::SlowThenCut => "slow-then-cut",
             FaultKind::ServerCrash => "server-crash",
             FaultKind::ServerPause => "server-pause",
+            FaultKind::ClockRate => "clock-rate",
         }
     }
 }
@@ -208,6 +213,9 @@ pub struct FaultEvent {
     pub process: Option<u32>,
     /// Begins or ends.
     pub phase: FaultPhase,
+    /// For a clock-rate fault: the client's clock rate, in percent of real time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_percent: Option<u32>,
 }
 
 /// Parses a history written as JSON lines. A last line cut short (a client killed in the

@@ -1,4 +1,5 @@
-//! `lockingkit-check run --provider memory|postgres|redis --seconds N --seed S --clients 5`:
+//! `lockingkit-check run --provider memory|postgres|redis --seconds N --seed S --clients 5
+//! --clock-rate 1.0`:
 //! one checked run; exit code 0 when no violation, 1 when any, 2 on a harness error.
 //!
 //! `lockingkit-check client ...` is the client-process mode the harness starts itself in.
@@ -13,8 +14,8 @@ use lockingkit_check::clock::monotonic_ns;
 use lockingkit_check::run::{self, Provider, RunConfig};
 use lockingkit_check::CheckError;
 
-const USAGE: &str = "lockingkit-check run --provider memory|postgres|redis [--seconds 15] \
-[--seed S] [--clients 5] [--keys 3]";
+const USAGE: &str = "lockingkit-check run --provider memory|postgres|redis [--seconds 20] \
+[--seed S] [--clients 5] [--keys 3] [--clock-rate 1.0]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -74,11 +75,12 @@ fn runtime(multi_thread: bool) -> Result<tokio::runtime::Runtime, CheckError> {
 fn run_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> {
     let config = RunConfig {
         provider: Provider::parse(required(flags, "provider")?)?,
-        duration: Duration::from_secs(number(flags, "seconds", 15)?),
+        duration: Duration::from_secs(number(flags, "seconds", 20)?),
         // Without a seed, one from the clock; printed first, so the run can be replayed.
         seed: number(flags, "seed", monotonic_ns() % 1_000_000)?,
         clients: usize::try_from(number(flags, "clients", 5)?).unwrap_or(5),
         keys: usize::try_from(number(flags, "keys", 3)?).unwrap_or(3),
+        clock_rate_percent: clock_rate(flags)?,
     };
     let report = runtime(true)?.block_on(run::run(&config))?;
     Ok(if report.passed() {
@@ -86,6 +88,19 @@ fn run_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// `--clock-rate R` (0.5 to 2.0, default 1.0) as a percentage of real time.
+fn clock_rate(flags: &HashMap<String, String>) -> Result<u32, CheckError> {
+    let Some(text) = flags.get("clock-rate") else {
+        return Ok(100);
+    };
+    match text.parse::<f64>() {
+        Ok(rate) if (0.5..=2.0).contains(&rate) => Ok((rate * 100.0).round() as u32),
+        _ => Err(CheckError::Usage(format!(
+            "--clock-rate wants a rate from 0.5 to 2.0, not {text:?}"
+        ))),
+    }
 }
 
 fn client_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> {

@@ -73,6 +73,8 @@ pub fn schedule(
             FaultKind::SlowThenCut => lease_ms * 2,
             FaultKind::ServerCrash => rng.between(200, 1000),
             FaultKind::ServerPause => rng.between(lease_ms / 3, lease_ms * 2),
+            // Set for a client's whole life, not scheduled.
+            FaultKind::ClockRate => 0,
         });
         at += after + lasts;
         if at > quiet_end {
@@ -162,6 +164,7 @@ pub async fn inject(
             slot,
             process,
             phase,
+            rate_percent: None,
         };
         // A fault of the server strikes no one client.
         let process = (!fault.kind.hits_server())

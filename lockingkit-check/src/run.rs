@@ -31,13 +31,16 @@ use tokio::task::JoinHandle;
 use crate::checker::{self, Guarantees, Report, ViolationKind};
 use crate::client::{self, ClientConfig, Journal, PauseGate};
 use crate::error::CheckError;
-use crate::history::{self, Event, FaultKind};
+use crate::history::{self, Event, FaultEvent, FaultKind, FaultPhase};
 use crate::nemesis::{self, EndFuture, FaultLog, Fleet, StopFuture};
 use crate::register::Register;
 
 /// The lease the runs use (Redis, in-memory), and the yardstick of pauses for PostgreSQL, which
 /// has no lease: a session holds its lock until the server sees it gone.
 pub const LEASE: Duration = Duration::from_secs(1);
+
+/// The ids of clock-rate faults start here, apart from the nemesis's numbering.
+const CLOCK_FAULT_IDS: u64 = 1_000_000;
 
 /// How long one hold in four keeps working: past the lease, so it is renewed under it.
 pub const LONG_HOLD: Duration = Duration::from_millis(2_500);
@@ -108,6 +111,24 @@ pub struct RunConfig {
     pub clients: usize,
     /// How many keys they share.
     pub keys: usize,
+    /// The clock rate of every client process, in percent of real time: 100 for a true clock.
+    /// Client processes only.
+    pub clock_rate_percent: u32,
+}
+
+/// Where Debian's libfaketime lives (`scripts/setup-faketime.sh` installs it).
+fn libfaketime() -> Result<PathBuf, CheckError> {
+    [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|dir| PathBuf::from(dir).join("faketime/libfaketime.so.1"))
+    .find(|path| path.exists())
+    .ok_or_else(|| {
+        CheckError::Usage("a clock rate needs libfaketime: run scripts/setup-faketime.sh".into())
+    })
 }
 
 /// The keys of a run.
@@ -166,12 +187,13 @@ async fn start_fixture<T: Send + 'static>(
 /// Runs one check and returns its report (printing the seed first, progress while it runs).
 pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
     println!(
-        "lockingkit-check: seed {} (replay: lockingkit-check run --provider {} --seconds {} --seed {} --clients {})",
+        "lockingkit-check: seed {} (replay: lockingkit-check run --provider {} --seconds {} --seed {} --clients {} --clock-rate {})",
         config.seed,
         config.provider.name(),
         config.duration.as_secs(),
         config.seed,
-        config.clients
+        config.clients,
+        f64::from(config.clock_rate_percent) / 100.0
     );
     let dir = std::env::temp_dir().join("lockingkit-check").join(format!(
         "{}-{}-{}",
@@ -221,6 +243,11 @@ async fn start_fleet(
     dir: &std::path::Path,
 ) -> Result<Box<dyn Fleet + Send>, CheckError> {
     let server: Box<dyn Server> = match config.provider {
+        Provider::Memory if config.clock_rate_percent != 100 => {
+            return Err(CheckError::Usage(
+                "a clock rate needs client processes; simulated clients share one clock".into(),
+            ))
+        }
         Provider::Memory => {
             return Ok(Box::new(SimulatedFleet::start(config, register.address())?))
         }
@@ -639,6 +666,10 @@ struct ProcessFleet {
     slots: Vec<ClientProcess>,
     killed: Vec<tokio::process::Child>,
     histories: Vec<PathBuf>,
+    /// The clients' clock rate (percent), and libfaketime when it is not 100.
+    clock: (u32, Option<PathBuf>),
+    /// The clock-rate faults begun so far (one per client process when the rate is not 100).
+    clocks: Vec<FaultEvent>,
 }
 
 impl ProcessFleet {
@@ -660,6 +691,11 @@ impl ProcessFleet {
             slots: Vec::new(),
             killed: Vec::new(),
             histories: Vec::new(),
+            clock: match config.clock_rate_percent {
+                100 => (100, None),
+                rate => (rate, Some(libfaketime()?)),
+            },
+            clocks: Vec::new(),
         };
         for slot in 0..config.clients {
             let proxy = start_fixture("proxy", FaultProxy::to_port(server_port)).await?;
@@ -673,7 +709,8 @@ impl ProcessFleet {
         let n = self.histories.len();
         let history = self.dir.join(format!("client-{slot}-{n}.jsonl"));
         let log = self.dir.join(format!("client-{slot}-{n}.log"));
-        let child = tokio::process::Command::new(&self.exe)
+        let mut command = tokio::process::Command::new(&self.exe);
+        command
             .arg("client")
             .args(["--provider", self.provider.name()])
             .args(["--backend", &backend_address(self.provider, proxy.port())])
@@ -683,12 +720,33 @@ impl ProcessFleet {
             .stdin(Stdio::null())
             .stdout(File::create(&history)?)
             .stderr(File::create(&log)?)
-            .kill_on_drop(true)
-            .spawn()?;
+            .kill_on_drop(true);
+        let (rate, faketime) = &self.clock;
+        let skewed = match faketime {
+            Some(library) => {
+                // Every clock of the process, monotonic included, runs at the rate from now.
+                let rate = format!("+0 x{}", f64::from(*rate) / 100.0);
+                command.env("LD_PRELOAD", library).env("FAKETIME", rate);
+                true
+            }
+            None => false,
+        };
+        let child = command.spawn()?;
         self.histories.push(history);
         let pid = child
             .id()
             .ok_or_else(|| CheckError::Server("a client exited at once".into()))?;
+        if skewed {
+            self.clocks.push(FaultEvent {
+                time: crate::clock::monotonic_ns(),
+                id: CLOCK_FAULT_IDS + self.clocks.len() as u64,
+                fault: FaultKind::ClockRate,
+                slot,
+                process: Some(pid),
+                phase: FaultPhase::Start,
+                rate_percent: Some(*rate),
+            });
+        }
         Ok(ClientProcess { child, pid, proxy })
     }
 }
@@ -719,7 +777,10 @@ impl ProcessFleet {
                 self.slots[slot].proxy.set_latency(Duration::ZERO);
                 Ok(())
             }
-            FaultKind::SlowThenCut | FaultKind::ServerCrash | FaultKind::ServerPause => Ok(()),
+            FaultKind::SlowThenCut
+            | FaultKind::ServerCrash
+            | FaultKind::ServerPause
+            | FaultKind::ClockRate => Ok(()),
         }
     }
 }
@@ -796,8 +857,8 @@ impl Fleet for ProcessFleet {
                 self.server.pause();
                 Ok(())
             }
-            // Drawn only for simulated clients.
-            FaultKind::SlowThenCut => Ok(()),
+            // Drawn only for simulated clients; a clock rate is set at a client's start.
+            FaultKind::SlowThenCut | FaultKind::ClockRate => Ok(()),
         }
     }
 
@@ -835,6 +896,17 @@ impl Fleet for ProcessFleet {
             let mut events = Vec::new();
             for path in &self.histories {
                 events.extend(history::parse_lines(&fs::read_to_string(path)?)?);
+            }
+            // A skewed clock is a fault for the client's whole life (ended here at the latest).
+            let ended = crate::clock::monotonic_ns();
+            for start in self.clocks.drain(..) {
+                let end = FaultEvent {
+                    time: ended,
+                    phase: FaultPhase::End,
+                    ..start.clone()
+                };
+                events.push(Event::Nemesis(start));
+                events.push(Event::Nemesis(end));
             }
             Ok(events)
         })

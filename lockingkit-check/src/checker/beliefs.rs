@@ -62,12 +62,14 @@ pub(crate) fn check_held_after_taken(
             continue;
         };
         reported.insert((belief.process, token));
+        let (accepted, refused) = requests_after(events, belief, taker.time);
         let mut violation = with_faults(
             ViolationKind::HeldAfterTaken,
             &belief.key,
             format!(
                 "process {} was told its hold (token {token}) was held {} ms after process {} \
-                 was granted token {}",
+                 was granted token {}; the register then accepted {accepted} and refused \
+                 {refused} of its requests",
                 belief.process,
                 belief.time.saturating_sub(taker.time) / 1_000_000,
                 taker.process,
@@ -86,9 +88,45 @@ pub(crate) fn check_held_after_taken(
     violations
 }
 
+/// How many register requests of `belief`'s hold after `since` were accepted, and refused.
+fn requests_after(events: &[Event], belief: &OpEvent, since: u64) -> (usize, usize) {
+    let mut counts = (0, 0);
+    for event in events {
+        if let Event::Register(entry) = event {
+            let same = entry.process == belief.process
+                && Some(entry.token) == belief.token
+                && entry.key == belief.key;
+            if same && entry.time > since {
+                if entry.accepted {
+                    counts.0 += 1;
+                } else {
+                    counts.1 += 1;
+                }
+            }
+        }
+    }
+    counts
+}
+
+/// The slowest clock rate, in percent of real time, at which a lease's deadline (90% of the
+/// lease on the client's clock) still comes before the lease ends on the server's.
+pub(crate) const SLOWEST_SAFE_RATE_PERCENT: u32 = 90;
+
 /// Why `guarantees` allow a holder to believe it holds after the key was taken, given the
 /// faults that struck it or the server: `None` when they do not.
 fn allowed_by(guarantees: Guarantees, faults: &[FaultEvent]) -> Option<String> {
+    let slow = faults.iter().find_map(|f| {
+        (f.fault == FaultKind::ClockRate)
+            .then_some(f.rate_percent)
+            .flatten()
+            .filter(|&rate| rate < SLOWEST_SAFE_RATE_PERCENT)
+    });
+    if let Some(rate) = slow {
+        return Some(format!(
+            "the holder's clock ran at {rate}% of real time, beyond the documented 10% margin: \
+             its deadline, 90% of the lease on its clock, came after the lease ended"
+        ));
+    }
     if guarantees.session_held {
         if let Some(fault) = faults.first() {
             return Some(format!(

@@ -75,6 +75,7 @@ impl Script {
             slot: 0,
             process: Some(1),
             phase,
+            rate_percent: None,
         }));
     }
 
@@ -353,6 +354,7 @@ fn a_restart_that_loses_locks_excuses_only_the_providers_that_say_so() {
         slot: 0,
         process: None,
         phase: FaultPhase::Start,
+        rate_percent: None,
     }));
     s.acquire(2, 2, false);
     s.asks(1, 1, false, true);

@@ -10,6 +10,7 @@
 //! - [`register`]: the fenced register server and its client.
 //! - [`client`]: one client's loop.
 //! - [`nemesis`]: the seeded fault schedule.
+//! - [`provider`]: the providers a run checks, their servers and their guarantees.
 //! - [`run`]: one run, start to report.
 #![deny(missing_docs)]
 
@@ -19,6 +20,7 @@ pub mod clock;
 pub mod error;
 pub mod history;
 pub mod nemesis;
+pub mod provider;
 pub mod register;
 pub mod rng;
 pub mod run;

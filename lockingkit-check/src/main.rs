@@ -1,4 +1,4 @@
-//! `lockingkit-check run --provider memory|postgres|redis --seconds N --seed S --clients 5
+//! `lockingkit-check run --provider memory|postgres|pgbouncer|redis|etcd|etcd3 --seconds N --seed S --clients 5
 //! --clock-rate 1.0`:
 //! one checked run; exit code 0 when no violation, 1 when any, 2 on a harness error.
 //!
@@ -11,10 +11,12 @@ use std::time::Duration;
 
 use lockingkit_check::client::{self, ClientConfig, Journal};
 use lockingkit_check::clock::monotonic_ns;
-use lockingkit_check::run::{self, Provider, RunConfig};
+use lockingkit_check::provider::{self, Provider};
+use lockingkit_check::run::{self, RunConfig};
 use lockingkit_check::CheckError;
 
-const USAGE: &str = "lockingkit-check run --provider memory|postgres|redis [--seconds 20] \
+const USAGE: &str =
+    "lockingkit-check run --provider memory|postgres|pgbouncer|redis|etcd|etcd3 [--seconds 20] \
 [--seed S] [--clients 5] [--keys 3] [--clock-rate 1.0]";
 
 fn main() -> ExitCode {
@@ -118,7 +120,7 @@ fn client_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> 
         long_hold: run::LONG_HOLD,
     };
     runtime(false)?.block_on(async {
-        let locks = run::server_lock(provider, &backend)?;
+        let locks = provider::server_lock(provider, &backend)?;
         client::run(locks, config, Journal::Stdout, None).await
     })?;
     Ok(ExitCode::SUCCESS)

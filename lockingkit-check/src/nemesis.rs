@@ -96,8 +96,8 @@ pub trait Fleet {
     fn kinds(&self) -> &'static [FaultKind];
     /// The process in `slot` now.
     fn process(&self, slot: usize) -> Option<u32>;
-    /// Begins `kind` on `slot`.
-    fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError>;
+    /// Begins `kind` on `slot` (or on the server, for a server fault).
+    fn begin(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_>;
     /// Lifts `kind` from `slot` (for a kill: starts the replacement; for a server crash: starts
     /// the server again).
     fn end(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_>;
@@ -105,7 +105,7 @@ pub trait Fleet {
     fn stop(&mut self) -> StopFuture<'_>;
 }
 
-/// What lifting a fault returns.
+/// What beginning or lifting a fault returns.
 pub type EndFuture<'a> = Pin<Box<dyn Future<Output = Result<(), CheckError>> + Send + 'a>>;
 
 /// What stopping a fleet returns: the clients' events.
@@ -171,7 +171,7 @@ pub async fn inject(
             .then(|| fleet.process(slot))
             .flatten();
         log.push(event(FaultPhase::Start, process));
-        fleet.begin(fault.kind, slot)?;
+        fleet.begin(fault.kind, slot).await?;
         tokio::time::sleep(fault.lasts).await;
         fleet.end(fault.kind, slot).await?;
         log.push(event(FaultPhase::End, process));
@@ -206,8 +206,8 @@ mod tests {
         fn process(&self, slot: usize) -> Option<u32> {
             (slot < 3).then_some(10 + slot as u32)
         }
-        fn begin(&mut self, _: FaultKind, _: usize) -> Result<(), CheckError> {
-            Ok(())
+        fn begin(&mut self, _: FaultKind, _: usize) -> EndFuture<'_> {
+            Box::pin(async { Ok(()) })
         }
         fn end(&mut self, _: FaultKind, _: usize) -> EndFuture<'_> {
             Box::pin(async { Ok(()) })

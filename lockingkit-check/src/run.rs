@@ -11,92 +11,31 @@ use std::fs::{self, File};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use std::sync::atomic::{AtomicU8, Ordering};
-
 use lockingkit::backend::BackendError;
 use lockingkit::testing::Intercept;
-use lockingkit::{
-    DistributedLock, MemoryBackend, MemoryStore, PostgresBackend, PostgresOptions, RedisBackend,
-    RedisOptions,
-};
-use lockingkit_tests::postgres::PostgresServer;
+use lockingkit::{MemoryBackend, MemoryStore};
 use lockingkit_tests::proxy::{Fault, FaultProxy};
-use lockingkit_tests::redis::RedisServer;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::checker::{self, Guarantees, Report, ViolationKind};
+use crate::checker::{self, Report, ViolationKind};
 use crate::client::{self, ClientConfig, Journal, PauseGate};
 use crate::error::CheckError;
 use crate::history::{self, Event, FaultEvent, FaultKind, FaultPhase};
 use crate::nemesis::{self, EndFuture, FaultLog, Fleet, StopFuture};
+use crate::provider::LEASE;
+use crate::provider::{backend_address, build, start_fixture, start_server, Provider, Server};
 use crate::register::Register;
-
-/// The lease the runs use (Redis, in-memory), and the yardstick of pauses for PostgreSQL, which
-/// has no lease: a session holds its lock until the server sees it gone.
-pub const LEASE: Duration = Duration::from_secs(1);
 
 /// The ids of clock-rate faults start here, apart from the nemesis's numbering.
 const CLOCK_FAULT_IDS: u64 = 1_000_000;
 
 /// How long one hold in four keeps working: past the lease, so it is renewed under it.
 pub const LONG_HOLD: Duration = Duration::from_millis(2_500);
-
-/// How often a PostgreSQL hold checks its session.
-pub const CHECK_INTERVAL: Duration = Duration::from_millis(250);
-
-/// The backend a run checks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Provider {
-    /// The in-memory provider, clients as tasks on one store.
-    Memory,
-    /// A local PostgreSQL server.
-    Postgres,
-    /// A single local Redis server.
-    Redis,
-}
-
-impl Provider {
-    /// From its command-line name.
-    pub fn parse(name: &str) -> Result<Provider, CheckError> {
-        match name {
-            "memory" => Ok(Provider::Memory),
-            "postgres" => Ok(Provider::Postgres),
-            "redis" => Ok(Provider::Redis),
-            other => Err(CheckError::Usage(format!(
-                "unknown provider {other:?} (memory, postgres, redis)"
-            ))),
-        }
-    }
-
-    /// What its documentation promises, for the checker (see [`Guarantees`]).
-    pub fn guarantees(self) -> Guarantees {
-        match self {
-            Provider::Memory => Guarantees::default(),
-            Provider::Postgres => Guarantees {
-                session_held: true,
-                ..Guarantees::default()
-            },
-            // The fixture's server persists nothing.
-            Provider::Redis => Guarantees {
-                restart_loses_locks: true,
-                ..Guarantees::default()
-            },
-        }
-    }
-
-    /// Its command-line name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Provider::Memory => "memory",
-            Provider::Postgres => "postgres",
-            Provider::Redis => "redis",
-        }
-    }
-}
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -136,54 +75,6 @@ pub fn keys(count: usize) -> Vec<String> {
     (0..count).map(|n| format!("check/{n}")).collect()
 }
 
-/// The engine options every client uses: quick retries, so a freed key is taken again soon.
-fn build(backend: impl lockingkit::backend::LockBackend) -> Result<DistributedLock, CheckError> {
-    Ok(DistributedLock::builder(backend)
-        .min_retry_delay(Duration::from_millis(10))
-        .max_retry_delay(Duration::from_millis(100))
-        .build()?)
-}
-
-/// A client's lock on a server, through `address` (its proxy): how a client process builds it.
-pub fn server_lock(provider: Provider, address: &str) -> Result<DistributedLock, CheckError> {
-    match provider {
-        Provider::Memory => Err(CheckError::Usage(
-            "the memory provider has no client processes".into(),
-        )),
-        Provider::Postgres => build(PostgresBackend::new(
-            PostgresOptions::new(address.to_string()).with_check_interval(CHECK_INTERVAL),
-        )?),
-        Provider::Redis => build(RedisBackend::new(
-            RedisOptions::new(address.to_string())
-                .with_lease_duration(LEASE)
-                .with_request_timeout(LEASE / 3)
-                // A writer's intent must fit in the lease (the default is longer than 1 s).
-                .with_writer_intent(LEASE / 2),
-        )?),
-    }
-}
-
-/// The address a client process is given for a server behind the proxy on `port`.
-fn backend_address(provider: Provider, port: u16) -> String {
-    match provider {
-        Provider::Postgres => {
-            format!("host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=disable")
-        }
-        _ => format!("redis://127.0.0.1:{port}"),
-    }
-}
-
-/// Runs a fixture's start, which panics when it cannot start, as a task: a panic becomes a
-/// harness error instead of a crash.
-async fn start_fixture<T: Send + 'static>(
-    what: &str,
-    start: impl std::future::Future<Output = T> + Send + 'static,
-) -> Result<T, CheckError> {
-    tokio::spawn(start)
-        .await
-        .map_err(|e| CheckError::Server(format!("{what}: {e}")))
-}
-
 /// Runs one check and returns its report (printing the seed first, progress while it runs).
 pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
     println!(
@@ -209,7 +100,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
         config.seed,
         fleet.kinds(),
         config.clients,
-        LEASE,
+        config.provider.lease(),
         config.duration,
     );
     let faults = FaultLog::default();
@@ -242,73 +133,14 @@ async fn start_fleet(
     register: &Register,
     dir: &std::path::Path,
 ) -> Result<Box<dyn Fleet + Send>, CheckError> {
-    let server: Box<dyn Server> = match config.provider {
-        Provider::Memory if config.clock_rate_percent != 100 => {
-            return Err(CheckError::Usage(
-                "a clock rate needs client processes; simulated clients share one clock".into(),
-            ))
-        }
-        Provider::Memory => {
-            return Ok(Box::new(SimulatedFleet::start(config, register.address())?))
-        }
-        Provider::Postgres => {
-            Box::new(start_fixture("PostgreSQL", PostgresServer::start_local()).await?)
-        }
-        Provider::Redis => Box::new(start_fixture("Redis", RedisServer::start()).await?),
-    };
-    Ok(Box::new(
-        ProcessFleet::start(config, register.address(), server, dir).await?,
-    ))
-}
-
-/// The backend server of a run, which the nemesis crashes and pauses.
-trait Server: Send {
-    fn port(&self) -> u16;
-    fn crash(&mut self);
-    fn start_again(&mut self) -> EndFuture<'_>;
-    fn pause(&mut self);
-    fn resume(&mut self);
-}
-
-impl Server for PostgresServer {
-    fn port(&self) -> u16 {
-        PostgresServer::port(self)
-    }
-    fn crash(&mut self) {
-        self.kill();
-    }
-    fn start_again(&mut self) -> EndFuture<'_> {
-        Box::pin(async move {
-            PostgresServer::start_again(self).await;
-            Ok(())
-        })
-    }
-    fn pause(&mut self) {
-        PostgresServer::pause(self);
-    }
-    fn resume(&mut self) {
-        PostgresServer::resume(self);
-    }
-}
-
-impl Server for RedisServer {
-    fn port(&self) -> u16 {
-        RedisServer::port(self)
-    }
-    fn crash(&mut self) {
-        self.kill();
-    }
-    fn start_again(&mut self) -> EndFuture<'_> {
-        Box::pin(async move {
-            RedisServer::start_again(self).await;
-            Ok(())
-        })
-    }
-    fn pause(&mut self) {
-        RedisServer::pause(self);
-    }
-    fn resume(&mut self) {
-        RedisServer::resume(self);
+    match start_server(config.provider).await? {
+        Some(server) => Ok(Box::new(
+            ProcessFleet::start(config, register.address(), server, dir).await?,
+        )),
+        None if config.clock_rate_percent != 100 => Err(CheckError::Usage(
+            "a clock rate needs client processes; simulated clients share one clock".into(),
+        )),
+        None => Ok(Box::new(SimulatedFleet::start(config, register.address())?)),
     }
 }
 
@@ -576,9 +408,9 @@ impl Fleet for SimulatedFleet {
         self.slots.get(slot).map(|c| c.process)
     }
 
-    fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError> {
+    fn begin(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_> {
         let Some(client) = self.slots.get(slot) else {
-            return Ok(());
+            return Box::pin(async { Ok(()) });
         };
         match kind {
             FaultKind::Kill => client.task.abort(),
@@ -606,7 +438,7 @@ impl Fleet for SimulatedFleet {
             FaultKind::SlowThenCut => client.line.store(LINE_SLOW, Ordering::Release),
             _ => {}
         }
-        Ok(())
+        Box::pin(async { Ok(()) })
     }
 
     fn end(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_> {
@@ -647,11 +479,25 @@ impl Fleet for SimulatedFleet {
     }
 }
 
-/// A client process and its proxy to the server.
+/// A client process and its proxies to the server (one for each of the server's ports).
 struct ClientProcess {
     child: tokio::process::Child,
     pid: u32,
-    proxy: FaultProxy,
+    proxies: Vec<FaultProxy>,
+}
+
+impl ClientProcess {
+    fn set_fault(&self, fault: Fault) {
+        for proxy in &self.proxies {
+            proxy.set_fault(fault);
+        }
+    }
+
+    fn set_latency(&self, latency: Duration) {
+        for proxy in &self.proxies {
+            proxy.set_latency(latency);
+        }
+    }
 }
 
 /// Client processes, this binary in `client` mode, and the server they lock on.
@@ -679,7 +525,7 @@ impl ProcessFleet {
         server: Box<dyn Server>,
         dir: &std::path::Path,
     ) -> Result<Self, CheckError> {
-        let server_port = server.port();
+        let server_ports = server.ports();
         let mut fleet = ProcessFleet {
             server,
             exe: std::env::current_exe()?,
@@ -698,14 +544,22 @@ impl ProcessFleet {
             clocks: Vec::new(),
         };
         for slot in 0..config.clients {
-            let proxy = start_fixture("proxy", FaultProxy::to_port(server_port)).await?;
-            let client = fleet.spawn(slot, proxy)?;
+            let mut proxies = Vec::new();
+            for &port in &server_ports {
+                proxies.push(start_fixture("proxy", FaultProxy::to_port(port)).await?);
+            }
+            let client = fleet.spawn(slot, proxies)?;
             fleet.slots.push(client);
         }
         Ok(fleet)
     }
 
-    fn spawn(&mut self, slot: usize, proxy: FaultProxy) -> Result<ClientProcess, CheckError> {
+    fn spawn(
+        &mut self,
+        slot: usize,
+        proxies: Vec<FaultProxy>,
+    ) -> Result<ClientProcess, CheckError> {
+        let ports: Vec<u16> = proxies.iter().map(FaultProxy::port).collect();
         let n = self.histories.len();
         let history = self.dir.join(format!("client-{slot}-{n}.jsonl"));
         let log = self.dir.join(format!("client-{slot}-{n}.log"));
@@ -713,7 +567,7 @@ impl ProcessFleet {
         command
             .arg("client")
             .args(["--provider", self.provider.name()])
-            .args(["--backend", &backend_address(self.provider, proxy.port())])
+            .args(["--backend", &backend_address(self.provider, &ports)])
             .args(["--register", &self.register.to_string()])
             .args(["--keys", &self.keys.to_string()])
             .args(["--seed", &(self.seed ^ (n as u64 + 1)).to_string()])
@@ -747,7 +601,11 @@ impl ProcessFleet {
                 rate_percent: Some(*rate),
             });
         }
-        Ok(ClientProcess { child, pid, proxy })
+        Ok(ClientProcess {
+            child,
+            pid,
+            proxies,
+        })
     }
 }
 
@@ -759,9 +617,9 @@ impl ProcessFleet {
         }
         match kind {
             FaultKind::Kill => {
-                // The replacement keeps the slot's proxy; the dead process is reaped at the end.
+                // The replacement keeps the slot's proxies; the dead process is reaped at the end.
                 let dead = self.slots.remove(slot);
-                let replacement = self.spawn(slot, dead.proxy)?;
+                let replacement = self.spawn(slot, dead.proxies)?;
                 self.killed.push(dead.child);
                 self.slots.insert(slot, replacement);
                 Ok(())
@@ -770,11 +628,11 @@ impl ProcessFleet {
                 signal(self.slots[slot].pid, libc::SIGCONT)
             }
             FaultKind::Blackhole | FaultKind::Reset => {
-                self.slots[slot].proxy.set_fault(Fault::Pass);
+                self.slots[slot].set_fault(Fault::Pass);
                 Ok(())
             }
             FaultKind::Delay => {
-                self.slots[slot].proxy.set_latency(Duration::ZERO);
+                self.slots[slot].set_latency(Duration::ZERO);
                 Ok(())
             }
             FaultKind::SlowThenCut
@@ -797,69 +655,46 @@ fn signal(pid: u32, signal: libc::c_int) -> Result<(), CheckError> {
 
 impl Fleet for ProcessFleet {
     fn kinds(&self) -> &'static [FaultKind] {
-        // Drawn uniformly; the fault that makes stale holders is listed twice. On Redis that is
-        // the long pause (the lease runs out); a PostgreSQL session keeps its lock through any
-        // pause or partition, and only a reset connection frees it under a live holder.
-        match self.provider {
-            Provider::Postgres => &[
-                FaultKind::Kill,
-                FaultKind::PauseShort,
-                FaultKind::PauseLong,
-                FaultKind::Blackhole,
-                FaultKind::Reset,
-                FaultKind::Reset,
-                FaultKind::Delay,
-                FaultKind::ServerCrash,
-                FaultKind::ServerPause,
-            ],
-            _ => &[
-                FaultKind::Kill,
-                FaultKind::PauseShort,
-                FaultKind::PauseLong,
-                FaultKind::PauseLong,
-                FaultKind::Blackhole,
-                FaultKind::Reset,
-                FaultKind::Delay,
-                FaultKind::ServerCrash,
-                FaultKind::ServerPause,
-            ],
-        }
+        self.provider.kinds()
     }
 
     fn process(&self, slot: usize) -> Option<u32> {
         self.slots.get(slot).map(|c| c.pid)
     }
 
-    fn begin(&mut self, kind: FaultKind, slot: usize) -> Result<(), CheckError> {
-        let Some(client) = self.slots.get_mut(slot) else {
-            return Ok(());
-        };
+    fn begin(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_> {
         match kind {
-            FaultKind::Kill => signal(client.pid, libc::SIGKILL),
-            FaultKind::PauseShort | FaultKind::PauseLong => signal(client.pid, libc::SIGSTOP),
-            FaultKind::Blackhole => {
-                client.proxy.set_fault(Fault::Blackhole);
-                Ok(())
-            }
-            FaultKind::Reset => {
-                client.proxy.set_fault(Fault::Reset);
-                Ok(())
-            }
-            FaultKind::Delay => {
-                client.proxy.set_latency(LEASE / 2);
-                Ok(())
-            }
-            FaultKind::ServerCrash => {
-                self.server.crash();
-                Ok(())
-            }
-            FaultKind::ServerPause => {
-                self.server.pause();
-                Ok(())
-            }
-            // Drawn only for simulated clients; a clock rate is set at a client's start.
-            FaultKind::SlowThenCut | FaultKind::ClockRate => Ok(()),
+            FaultKind::ServerCrash => return self.server.crash(),
+            FaultKind::ServerPause => return self.server.pause(),
+            _ => {}
         }
+        let latency = self.provider.lease() / 2;
+        let begun = match self.slots.get(slot) {
+            None => Ok(()),
+            Some(client) => match kind {
+                FaultKind::Kill => signal(client.pid, libc::SIGKILL),
+                FaultKind::PauseShort | FaultKind::PauseLong => signal(client.pid, libc::SIGSTOP),
+                FaultKind::Blackhole => {
+                    client.set_fault(Fault::Blackhole);
+                    Ok(())
+                }
+                FaultKind::Reset => {
+                    client.set_fault(Fault::Reset);
+                    Ok(())
+                }
+                FaultKind::Delay => {
+                    client.set_latency(latency);
+                    Ok(())
+                }
+                // Drawn only for simulated clients; a clock rate is set at a client's start;
+                // the server's faults are above.
+                FaultKind::SlowThenCut
+                | FaultKind::ClockRate
+                | FaultKind::ServerCrash
+                | FaultKind::ServerPause => Ok(()),
+            },
+        };
+        Box::pin(async move { begun })
     }
 
     fn end(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_> {

@@ -1,0 +1,371 @@
+//! The providers a run can check: how a client process builds its lock, which server the
+//! harness starts for them, which faults that server can suffer, and what the provider's
+//! documentation promises (the [`Guarantees`] the checker allows for).
+
+use std::time::Duration;
+
+use lockingkit::{
+    DistributedLock, EtcdBackend, EtcdOptions, PostgresBackend, PostgresOptions, RedisBackend,
+    RedisOptions,
+};
+use lockingkit_tests::etcd::EtcdCluster;
+use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
+use lockingkit_tests::postgres::PostgresServer;
+use lockingkit_tests::redis::RedisServer;
+
+use crate::checker::Guarantees;
+use crate::error::CheckError;
+use crate::history::FaultKind;
+use crate::nemesis::EndFuture;
+
+/// The lease of the in-memory and Redis runs: short, so that a pause means something.
+pub const LEASE: Duration = Duration::from_secs(1);
+
+/// The etcd runs' lease: etcd counts TTLs in whole seconds from 2 s, and a three-member cluster
+/// on a loaded machine needs room for an election within it.
+pub const ETCD_LEASE: Duration = Duration::from_secs(3);
+
+/// How often a PostgreSQL hold checks its session (directly or through PgBouncer).
+pub const CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The backend a run checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provider {
+    /// The in-memory provider, clients as tasks on one store.
+    Memory,
+    /// A local PostgreSQL server.
+    Postgres,
+    /// A local PostgreSQL server behind PgBouncer in session mode.
+    PgBouncer,
+    /// A single local Redis server (no persistence).
+    Redis,
+    /// A one-member etcd cluster.
+    Etcd,
+    /// A three-member etcd cluster; the server faults strike its leader.
+    Etcd3,
+}
+
+impl Provider {
+    /// Every provider, in the order the report lists them.
+    pub const ALL: [Provider; 6] = [
+        Provider::Memory,
+        Provider::Postgres,
+        Provider::PgBouncer,
+        Provider::Redis,
+        Provider::Etcd,
+        Provider::Etcd3,
+    ];
+
+    /// From its command-line name.
+    pub fn parse(name: &str) -> Result<Provider, CheckError> {
+        Provider::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Provider::ALL.iter().map(|p| p.name()).collect();
+                CheckError::Usage(format!("unknown provider {name:?} ({})", names.join(", ")))
+            })
+    }
+
+    /// Its command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Memory => "memory",
+            Provider::Postgres => "postgres",
+            Provider::PgBouncer => "pgbouncer",
+            Provider::Redis => "redis",
+            Provider::Etcd => "etcd",
+            Provider::Etcd3 => "etcd3",
+        }
+    }
+
+    /// The lease of its holds, or for a session-held lock the yardstick of pauses and
+    /// partitions.
+    pub fn lease(self) -> Duration {
+        match self {
+            Provider::Etcd | Provider::Etcd3 => ETCD_LEASE,
+            _ => LEASE,
+        }
+    }
+
+    /// What its documentation promises, for the checker (see [`Guarantees`]).
+    pub fn guarantees(self) -> Guarantees {
+        match self {
+            Provider::Postgres | Provider::PgBouncer => Guarantees {
+                session_held: true,
+                ..Guarantees::default()
+            },
+            // The fixture's server persists nothing.
+            Provider::Redis => Guarantees {
+                restart_loses_locks: true,
+                ..Guarantees::default()
+            },
+            Provider::Memory | Provider::Etcd | Provider::Etcd3 => Guarantees::default(),
+        }
+    }
+
+    /// The faults the nemesis draws for client processes of this provider. Drawn uniformly;
+    /// the fault that makes stale holders is listed twice: on a lease the long pause (the lease
+    /// runs out), on a session-held lock the reset (a session keeps its lock through any pause
+    /// or partition; only a closed connection frees it under a live holder).
+    pub fn kinds(self) -> &'static [FaultKind] {
+        match self {
+            Provider::Postgres | Provider::PgBouncer => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::Blackhole,
+                FaultKind::Reset,
+                FaultKind::Reset,
+                FaultKind::Delay,
+                FaultKind::ServerCrash,
+                FaultKind::ServerPause,
+            ],
+            _ => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::PauseLong,
+                FaultKind::Blackhole,
+                FaultKind::Reset,
+                FaultKind::Delay,
+                FaultKind::ServerCrash,
+                FaultKind::ServerPause,
+            ],
+        }
+    }
+}
+
+/// The engine options every client uses: quick retries, so a freed key is taken again soon.
+pub fn build(
+    backend: impl lockingkit::backend::LockBackend,
+) -> Result<DistributedLock, CheckError> {
+    Ok(DistributedLock::builder(backend)
+        .min_retry_delay(Duration::from_millis(10))
+        .max_retry_delay(Duration::from_millis(100))
+        .build()?)
+}
+
+/// A client's lock on a server, through `address` (its proxies): how a client process builds it.
+pub fn server_lock(provider: Provider, address: &str) -> Result<DistributedLock, CheckError> {
+    match provider {
+        Provider::Memory => Err(CheckError::Usage(
+            "the memory provider has no client processes".into(),
+        )),
+        Provider::Postgres | Provider::PgBouncer => build(PostgresBackend::new(
+            PostgresOptions::new(address.to_string()).with_check_interval(CHECK_INTERVAL),
+        )?),
+        Provider::Redis => build(RedisBackend::new(
+            RedisOptions::new(address.to_string())
+                .with_lease_duration(LEASE)
+                .with_request_timeout(LEASE / 3)
+                // A writer's intent must fit in the lease (the default is longer than 1 s).
+                .with_writer_intent(LEASE / 2),
+        )?),
+        Provider::Etcd | Provider::Etcd3 => build(EtcdBackend::new(
+            EtcdOptions::new(address.split(',').map(str::to_string))
+                .with_lease_ttl(ETCD_LEASE)
+                .with_request_timeout(ETCD_LEASE / 3),
+        )?),
+    }
+}
+
+/// The address a client process is given for a server behind its proxies on `ports`.
+pub fn backend_address(provider: Provider, ports: &[u16]) -> String {
+    let first = ports.first().copied().unwrap_or(0);
+    match provider {
+        Provider::Postgres | Provider::PgBouncer => {
+            format!("host=127.0.0.1 port={first} user=postgres dbname=postgres sslmode=disable")
+        }
+        Provider::Etcd | Provider::Etcd3 => ports
+            .iter()
+            .map(|port| format!("http://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(","),
+        Provider::Memory | Provider::Redis => format!("redis://127.0.0.1:{first}"),
+    }
+}
+
+/// The backend server of a run, which the nemesis crashes and pauses.
+pub trait Server: Send {
+    /// The ports clients connect to (each client gets a proxy to each).
+    fn ports(&self) -> Vec<u16>;
+    /// Kills the server (SIGKILL), or for a cluster its leader.
+    fn crash(&mut self) -> EndFuture<'_>;
+    /// Starts what [`crash`](Self::crash) killed again, on its ports.
+    fn start_again(&mut self) -> EndFuture<'_>;
+    /// Freezes the server (SIGSTOP), or for a cluster its leader.
+    fn pause(&mut self) -> EndFuture<'_>;
+    /// Thaws what [`pause`](Self::pause) froze.
+    fn resume(&mut self);
+}
+
+/// Runs a fixture's start, which panics when it cannot start, as a task: a panic becomes a
+/// harness error instead of a crash.
+pub async fn start_fixture<T: Send + 'static>(
+    what: &str,
+    start: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, CheckError> {
+    tokio::spawn(start)
+        .await
+        .map_err(|e| CheckError::Server(format!("{what}: {e}")))
+}
+
+/// Starts the server `provider`'s clients lock on (none for the in-memory provider).
+pub async fn start_server(provider: Provider) -> Result<Option<Box<dyn Server>>, CheckError> {
+    Ok(Some(match provider {
+        Provider::Memory => return Ok(None),
+        Provider::Postgres => {
+            Box::new(start_fixture("PostgreSQL", PostgresServer::start_local()).await?)
+        }
+        Provider::PgBouncer => Box::new(
+            start_fixture("PgBouncer", async {
+                let postgres = PostgresServer::start_local().await;
+                // PgBouncer refuses logins for `server_login_retry` (15 s by default) after a failed
+                // server login; a crash of the server would idle the rest of a short run.
+                let bouncer =
+                    PgBouncer::start_with(&postgres, PoolMode::Session, "server_login_retry = 1\n")
+                        .await;
+                Pooled { postgres, bouncer }
+            })
+            .await?,
+        ),
+        Provider::Redis => Box::new(start_fixture("Redis", RedisServer::start()).await?),
+        Provider::Etcd | Provider::Etcd3 => {
+            let three = provider == Provider::Etcd3;
+            let cluster = start_fixture("etcd", async move {
+                if three {
+                    EtcdCluster::three().await
+                } else {
+                    EtcdCluster::single().await
+                }
+            })
+            .await?;
+            Box::new(Cluster {
+                cluster,
+                struck: None,
+            })
+        }
+    }))
+}
+
+/// Done at once.
+fn done<'a>() -> EndFuture<'a> {
+    Box::pin(async { Ok(()) })
+}
+
+impl Server for PostgresServer {
+    fn ports(&self) -> Vec<u16> {
+        vec![self.port()]
+    }
+    fn crash(&mut self) -> EndFuture<'_> {
+        self.kill();
+        done()
+    }
+    fn start_again(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            PostgresServer::start_again(self).await;
+            Ok(())
+        })
+    }
+    fn pause(&mut self) -> EndFuture<'_> {
+        PostgresServer::pause(self);
+        done()
+    }
+    fn resume(&mut self) {
+        PostgresServer::resume(self);
+    }
+}
+
+impl Server for RedisServer {
+    fn ports(&self) -> Vec<u16> {
+        vec![self.port()]
+    }
+    fn crash(&mut self) -> EndFuture<'_> {
+        self.kill();
+        done()
+    }
+    fn start_again(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            RedisServer::start_again(self).await;
+            Ok(())
+        })
+    }
+    fn pause(&mut self) -> EndFuture<'_> {
+        RedisServer::pause(self);
+        done()
+    }
+    fn resume(&mut self) {
+        RedisServer::resume(self);
+    }
+}
+
+/// PostgreSQL behind PgBouncer in session mode; the server faults strike PostgreSQL.
+struct Pooled {
+    postgres: PostgresServer,
+    bouncer: PgBouncer,
+}
+
+impl Server for Pooled {
+    fn ports(&self) -> Vec<u16> {
+        vec![self.bouncer.port()]
+    }
+    fn crash(&mut self) -> EndFuture<'_> {
+        Server::crash(&mut self.postgres)
+    }
+    fn start_again(&mut self) -> EndFuture<'_> {
+        Server::start_again(&mut self.postgres)
+    }
+    fn pause(&mut self) -> EndFuture<'_> {
+        Server::pause(&mut self.postgres)
+    }
+    fn resume(&mut self) {
+        Server::resume(&mut self.postgres);
+    }
+}
+
+/// An etcd cluster; the server faults strike its leader, found when the fault begins.
+struct Cluster {
+    cluster: EtcdCluster,
+    /// The member the fault in progress struck.
+    struck: Option<usize>,
+}
+
+impl Server for Cluster {
+    fn ports(&self) -> Vec<u16> {
+        self.cluster
+            .endpoints()
+            .iter()
+            .filter_map(|url| url.rsplit(':').next()?.parse().ok())
+            .collect()
+    }
+    fn crash(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            let leader = self.cluster.leader().await;
+            self.cluster.kill(leader);
+            self.struck = Some(leader);
+            Ok(())
+        })
+    }
+    fn start_again(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            if let Some(member) = self.struck.take() {
+                self.cluster.restart(member).await;
+            }
+            Ok(())
+        })
+    }
+    fn pause(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            let leader = self.cluster.leader().await;
+            self.cluster.pause(leader);
+            self.struck = Some(leader);
+            Ok(())
+        })
+    }
+    fn resume(&mut self) {
+        if let Some(member) = self.struck.take() {
+            self.cluster.resume(member);
+        }
+    }
+}

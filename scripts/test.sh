@@ -54,9 +54,9 @@ step nextest cargo nextest run --workspace --all-features --no-fail-fast
 # first for a replay.
 check_histories() {
   local seed=${LOCKINGKIT_CHECK_SEED:-$(date +%s)} seconds
-  for provider in memory postgres pgbouncer redis etcd etcd3; do
-    # etcd's lease is 3 s, not 1 s: its round of one fault of each kind takes longer.
-    case $provider in etcd*) seconds=30 ;; *) seconds=20 ;; esac
+  for provider in memory postgres pgbouncer redis redis-cluster etcd etcd3 azure; do
+    # Leases of 3 s (etcd) and 15 s (Azure), not 1 s: their faults last longer.
+    case $provider in etcd* | azure) seconds=30 ;; *) seconds=20 ;; esac
     cargo run --quiet -p lockingkit-check -- run --provider "$provider" --seconds "$seconds" --seed "$seed"
   done
 }

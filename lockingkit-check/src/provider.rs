@@ -5,13 +5,14 @@
 use std::time::Duration;
 
 use lockingkit::{
-    DistributedLock, EtcdBackend, EtcdOptions, PostgresBackend, PostgresOptions, RedisBackend,
-    RedisOptions,
+    AzureBlobBackend, AzureBlobOptions, DistributedLock, EtcdBackend, EtcdOptions, PostgresBackend,
+    PostgresOptions, RedisBackend, RedisOptions,
 };
+use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
 use lockingkit_tests::etcd::EtcdCluster;
 use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
 use lockingkit_tests::postgres::PostgresServer;
-use lockingkit_tests::redis::RedisServer;
+use lockingkit_tests::redis::{RedisCluster, RedisServer};
 
 use crate::checker::Guarantees;
 use crate::error::CheckError;
@@ -24,6 +25,9 @@ pub const LEASE: Duration = Duration::from_secs(1);
 /// The etcd runs' lease: etcd counts TTLs in whole seconds from 2 s, and a three-member cluster
 /// on a loaded machine needs room for an election within it.
 pub const ETCD_LEASE: Duration = Duration::from_secs(3);
+
+/// The Azure runs' lease: Azure Blob leases last 15 to 60 s.
+pub const AZURE_LEASE: Duration = Duration::from_secs(15);
 
 /// How often a PostgreSQL hold checks its session (directly or through PgBouncer).
 pub const CHECK_INTERVAL: Duration = Duration::from_millis(250);
@@ -39,6 +43,12 @@ pub enum Provider {
     PgBouncer,
     /// A single local Redis server (no persistence).
     Redis,
+    /// A Redis Cluster of three primaries (no persistence, no replicas); clients reach the
+    /// nodes directly (the cluster hands out its nodes' own addresses), so there are no
+    /// partitions, and a server fault strikes one node.
+    RedisCluster,
+    /// Azurite (on disk), the Azure Blob provider's stand-in; a 15 s lease.
+    Azure,
     /// A one-member etcd cluster.
     Etcd,
     /// A three-member etcd cluster; the server faults strike its leader.
@@ -47,13 +57,15 @@ pub enum Provider {
 
 impl Provider {
     /// Every provider, in the order the report lists them.
-    pub const ALL: [Provider; 6] = [
+    pub const ALL: [Provider; 8] = [
         Provider::Memory,
         Provider::Postgres,
         Provider::PgBouncer,
         Provider::Redis,
+        Provider::RedisCluster,
         Provider::Etcd,
         Provider::Etcd3,
+        Provider::Azure,
     ];
 
     /// From its command-line name.
@@ -74,6 +86,8 @@ impl Provider {
             Provider::Postgres => "postgres",
             Provider::PgBouncer => "pgbouncer",
             Provider::Redis => "redis",
+            Provider::RedisCluster => "redis-cluster",
+            Provider::Azure => "azure",
             Provider::Etcd => "etcd",
             Provider::Etcd3 => "etcd3",
         }
@@ -84,6 +98,7 @@ impl Provider {
     pub fn lease(self) -> Duration {
         match self {
             Provider::Etcd | Provider::Etcd3 => ETCD_LEASE,
+            Provider::Azure => AZURE_LEASE,
             _ => LEASE,
         }
     }
@@ -95,12 +110,14 @@ impl Provider {
                 session_held: true,
                 ..Guarantees::default()
             },
-            // The fixture's server persists nothing.
-            Provider::Redis => Guarantees {
+            // The fixture's servers persist nothing.
+            Provider::Redis | Provider::RedisCluster => Guarantees {
                 restart_loses_locks: true,
                 ..Guarantees::default()
             },
-            Provider::Memory | Provider::Etcd | Provider::Etcd3 => Guarantees::default(),
+            Provider::Memory | Provider::Etcd | Provider::Etcd3 | Provider::Azure => {
+                Guarantees::default()
+            }
         }
     }
 
@@ -110,6 +127,14 @@ impl Provider {
     /// or partition; only a closed connection frees it under a live holder).
     pub fn kinds(self) -> &'static [FaultKind] {
         match self {
+            Provider::RedisCluster => &[
+                FaultKind::Kill,
+                FaultKind::PauseShort,
+                FaultKind::PauseLong,
+                FaultKind::PauseLong,
+                FaultKind::ServerCrash,
+                FaultKind::ServerPause,
+            ],
             Provider::Postgres | Provider::PgBouncer => &[
                 FaultKind::Kill,
                 FaultKind::PauseShort,
@@ -155,12 +180,19 @@ pub fn server_lock(provider: Provider, address: &str) -> Result<DistributedLock,
         Provider::Postgres | Provider::PgBouncer => build(PostgresBackend::new(
             PostgresOptions::new(address.to_string()).with_check_interval(CHECK_INTERVAL),
         )?),
-        Provider::Redis => build(RedisBackend::new(
+        Provider::Redis | Provider::RedisCluster => build(RedisBackend::new(
             RedisOptions::new(address.to_string())
+                .with_cluster(provider == Provider::RedisCluster)
                 .with_lease_duration(LEASE)
                 .with_request_timeout(LEASE / 3)
                 // A writer's intent must fit in the lease (the default is longer than 1 s).
                 .with_writer_intent(LEASE / 2),
+        )?),
+        Provider::Azure => build(AzureBlobBackend::new(
+            AzureBlobOptions::from_connection_string(address.to_string())
+                .with_container("locks")
+                .with_lease_duration(AZURE_LEASE)
+                .with_request_timeout(AZURE_LEASE / 3),
         )?),
         Provider::Etcd | Provider::Etcd3 => build(EtcdBackend::new(
             EtcdOptions::new(address.split(',').map(str::to_string))
@@ -182,7 +214,15 @@ pub fn backend_address(provider: Provider, ports: &[u16]) -> String {
             .map(|port| format!("http://127.0.0.1:{port}"))
             .collect::<Vec<_>>()
             .join(","),
-        Provider::Memory | Provider::Redis => format!("redis://127.0.0.1:{first}"),
+        Provider::Memory | Provider::Redis | Provider::RedisCluster => ports
+            .iter()
+            .map(|port| format!("redis://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(","),
+        Provider::Azure => format!(
+            "DefaultEndpointsProtocol=http;AccountName={DEV_ACCOUNT};\
+             AccountKey={DEV_KEY};BlobEndpoint=http://127.0.0.1:{first}/{DEV_ACCOUNT}"
+        ),
     }
 }
 
@@ -190,6 +230,11 @@ pub fn backend_address(provider: Provider, ports: &[u16]) -> String {
 pub trait Server: Send {
     /// The ports clients connect to (each client gets a proxy to each).
     fn ports(&self) -> Vec<u16>;
+    /// Whether clients go through proxies; a Redis Cluster hands its clients its nodes' own
+    /// addresses, so a proxy would see only the first connection.
+    fn proxied(&self) -> bool {
+        true
+    }
     /// Kills the server (SIGKILL), or for a cluster its leader.
     fn crash(&mut self) -> EndFuture<'_>;
     /// Starts what [`crash`](Self::crash) killed again, on its ports.
@@ -231,6 +276,12 @@ pub async fn start_server(provider: Provider) -> Result<Option<Box<dyn Server>>,
             .await?,
         ),
         Provider::Redis => Box::new(start_fixture("Redis", RedisServer::start()).await?),
+        Provider::RedisCluster => Box::new(Nodes {
+            cluster: start_fixture("Redis Cluster", RedisCluster::start()).await?,
+        }),
+        Provider::Azure => {
+            Box::new(start_fixture("Azurite", Azurite::start_local(Persistence::OnDisk)).await?)
+        }
         Provider::Etcd | Provider::Etcd3 => {
             let three = provider == Provider::Etcd3;
             let cluster = start_fixture("etcd", async move {
@@ -367,5 +418,62 @@ impl Server for Cluster {
         if let Some(member) = self.struck.take() {
             self.cluster.resume(member);
         }
+    }
+}
+
+/// A Redis Cluster; the server faults strike its first node (a primary of a third of the
+/// slots), whose keys are gone when it comes back (nothing is persisted).
+struct Nodes {
+    cluster: RedisCluster,
+}
+
+impl Server for Nodes {
+    fn ports(&self) -> Vec<u16> {
+        self.cluster.nodes().iter().map(RedisServer::port).collect()
+    }
+    fn proxied(&self) -> bool {
+        false
+    }
+    fn crash(&mut self) -> EndFuture<'_> {
+        self.cluster.nodes_mut()[0].kill();
+        done()
+    }
+    fn start_again(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            self.cluster.nodes_mut()[0].start_again().await;
+            Ok(())
+        })
+    }
+    fn pause(&mut self) -> EndFuture<'_> {
+        self.cluster.nodes_mut()[0].pause();
+        done()
+    }
+    fn resume(&mut self) {
+        self.cluster.nodes_mut()[0].resume();
+    }
+}
+
+/// Azurite on disk. Its "crash" is a graceful stop: killed, Azurite may lose its last seconds
+/// of writes (fencing tokens among them), which Azure Storage does not.
+impl Server for Azurite {
+    fn ports(&self) -> Vec<u16> {
+        vec![self.port()]
+    }
+    fn crash(&mut self) -> EndFuture<'_> {
+        self.stop();
+        done()
+    }
+    fn start_again(&mut self) -> EndFuture<'_> {
+        Box::pin(async move {
+            self.restart().await;
+            Ok(())
+        })
+    }
+    fn pause(&mut self) -> EndFuture<'_> {
+        Azurite::pause(self);
+        done()
+    }
+    fn resume(&mut self) {
+        Azurite::resume(self);
     }
 }

@@ -543,23 +543,33 @@ impl ProcessFleet {
             },
             clocks: Vec::new(),
         };
+        let proxied = fleet.server.proxied();
         for slot in 0..config.clients {
             let mut proxies = Vec::new();
             for &port in &server_ports {
-                proxies.push(start_fixture("proxy", FaultProxy::to_port(port)).await?);
+                if proxied {
+                    proxies.push(start_fixture("proxy", FaultProxy::to_port(port)).await?);
+                }
             }
-            let client = fleet.spawn(slot, proxies)?;
+            let client = fleet.spawn(slot, proxies, &server_ports)?;
             fleet.slots.push(client);
         }
         Ok(fleet)
     }
 
+    /// Starts the client of `slot`, through `proxies`, or straight to `server_ports` when the
+    /// server is not proxied.
     fn spawn(
         &mut self,
         slot: usize,
         proxies: Vec<FaultProxy>,
+        server_ports: &[u16],
     ) -> Result<ClientProcess, CheckError> {
-        let ports: Vec<u16> = proxies.iter().map(FaultProxy::port).collect();
+        let ports: Vec<u16> = if proxies.is_empty() {
+            server_ports.to_vec()
+        } else {
+            proxies.iter().map(FaultProxy::port).collect()
+        };
         let n = self.histories.len();
         let history = self.dir.join(format!("client-{slot}-{n}.jsonl"));
         let log = self.dir.join(format!("client-{slot}-{n}.log"));
@@ -619,7 +629,8 @@ impl ProcessFleet {
             FaultKind::Kill => {
                 // The replacement keeps the slot's proxies; the dead process is reaped at the end.
                 let dead = self.slots.remove(slot);
-                let replacement = self.spawn(slot, dead.proxies)?;
+                let ports = self.server.ports();
+                let replacement = self.spawn(slot, dead.proxies, &ports)?;
                 self.killed.push(dead.child);
                 self.slots.insert(slot, replacement);
                 Ok(())

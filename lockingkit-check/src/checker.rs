@@ -1,6 +1,6 @@
 //! The verdict on a history: a pure function of its events.
 //!
-//! Three properties, each from the evidence that can prove it broken:
+//! Six properties, each from the evidence that can prove it broken:
 //!
 //! - **Mutual exclusion.** A hold is one `(process, token)` pair. In the register's order of
 //!   answers, the accepted requests of two holds of one key must not interleave: once another
@@ -13,7 +13,6 @@
 //!   update; a final value above acknowledged plus unknown writes doubles one. A write whose
 //!   outcome is unknown (`info`, or invoked and never finished: its client was killed) may or
 //!   may not count.
-//!
 //! - **Readers and writers.** In the register's order, no reader's accepted read falls between
 //!   an exclusive hold's first and last accepted requests.
 //! - **A holder's belief.** A client that asked `is_held()` and was told yes, at an instant after
@@ -22,8 +21,10 @@
 //!   after the last renewal's *send*), whatever the faults, while the clock runs within the
 //!   margin. Where the provider's documented guarantees allow the overlap (a session-held lock
 //!   that the server freed under a fault is seen lost at the holder's next check; a restart of
-//!   a server without persistence loses every lock), the violation is reported as *expected*,
-//!   with the reason, and fails nothing: fencing is what must, and does, refuse such a holder.
+//!   a server without persistence loses every lock; a client clock slower than the margin), the
+//!   violation is reported as *expected*, with the reason and how many of the holder's later
+//!   requests the register accepted and refused, and fails nothing: fencing is what must refuse
+//!   such a holder, and an accepted stale request is a fencing or mutual-exclusion violation.
 //! - **Tokens grow.** A hold granted after another hold's grant was answered (in real time) has
 //!   a greater token, whatever the modes and whatever happened to the backend in between.
 //!

@@ -81,18 +81,33 @@ impl Journal {
     }
 }
 
+/// What a simulated process holds now, for the nemesis.
+#[derive(Clone, Debug)]
+pub struct Holding {
+    /// The key.
+    pub key: String,
+    /// When the hold began.
+    pub since: tokio::time::Instant,
+    /// Whether it is a long hold (renewed under it).
+    pub long: bool,
+}
+
+/// What a simulated process holds now, shared with the nemesis.
+pub type HoldingSlot = Arc<Mutex<Option<Holding>>>;
+
 /// How the nemesis pauses a simulated process (one that is a task, not an OS process): the
-/// client stops at its next step while `paused` is true. `holding` names the key it holds, so
-/// a long pause can make the lease lapse as a frozen process's would.
+/// client stops at its next step while `paused` is true. `holding` says what it holds, so a
+/// long pause can make the lease lapse as a frozen process's would, and a slow line can be
+/// aimed at a hold that will be renewed.
 #[derive(Clone)]
 pub struct PauseGate {
     paused: watch::Receiver<bool>,
-    holding: Arc<Mutex<Option<String>>>,
+    holding: HoldingSlot,
 }
 
 impl PauseGate {
-    /// A gate, with the sender the nemesis pauses it through and the slot naming the held key.
-    pub fn new() -> (PauseGate, watch::Sender<bool>, Arc<Mutex<Option<String>>>) {
+    /// A gate, with the sender the nemesis pauses it through and the slot saying what it holds.
+    pub fn new() -> (PauseGate, watch::Sender<bool>, HoldingSlot) {
         let (sender, paused) = watch::channel(false);
         let holding = Arc::new(Mutex::new(None));
         let gate = PauseGate {
@@ -107,8 +122,8 @@ impl PauseGate {
         let _ = self.paused.wait_for(|paused| !paused).await;
     }
 
-    fn hold(&self, key: Option<&str>) {
-        *self.holding.lock().unwrap_or_else(PoisonError::into_inner) = key.map(str::to_string);
+    fn hold(&self, holding: Option<Holding>) {
+        *self.holding.lock().unwrap_or_else(PoisonError::into_inner) = holding;
     }
 }
 
@@ -209,7 +224,11 @@ pub async fn run(
             shared,
         };
         if let Some(gate) = &gate {
-            gate.hold(Some(key));
+            gate.hold(Some(Holding {
+                key: key.clone(),
+                since: tokio::time::Instant::now(),
+                long: !hold_for.is_zero(),
+            }));
         }
         recorder.record(held.event(&recorder, Phase::Ok, OpKind::Acquire))?;
         let hold = (&held, &handle);

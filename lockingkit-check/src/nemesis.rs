@@ -96,6 +96,11 @@ pub trait Fleet {
     fn kinds(&self) -> &'static [FaultKind];
     /// The process in `slot` now.
     fn process(&self, slot: usize) -> Option<u32>;
+    /// The slot a fault of `kind` planned for `planned` should strike instead, when the fleet
+    /// knows a better target than a client in the middle of an update (none by default).
+    fn aim(&self, _kind: FaultKind, _planned: usize) -> Option<usize> {
+        None
+    }
     /// Begins `kind` on `slot` (or on the server, for a server fault).
     fn begin(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_>;
     /// Lifts `kind` from `slot` (for a kill: starts the replacement; for a server crash: starts
@@ -156,7 +161,9 @@ pub async fn inject(
 ) -> Result<(), CheckError> {
     for (id, fault) in plan.iter().enumerate() {
         tokio::time::sleep(fault.after).await;
-        let slot = target(fault.slot, fleet, &mid_update());
+        let slot = fleet
+            .aim(fault.kind, fault.slot)
+            .unwrap_or_else(|| target(fault.slot, fleet, &mid_update()));
         let event = |phase, process| FaultEvent {
             time: monotonic_ns(),
             id: id as u64,

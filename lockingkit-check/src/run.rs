@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::checker::{self, Report, ViolationKind};
-use crate::client::{self, ClientConfig, Journal, PauseGate};
+use crate::client::{self, ClientConfig, HoldingSlot, Journal, PauseGate};
 use crate::error::CheckError;
 use crate::history::{self, Event, FaultEvent, FaultKind, FaultPhase};
 use crate::nemesis::{self, EndFuture, FaultLog, Fleet, StopFuture};
@@ -298,7 +298,7 @@ fn render_faults(out: &mut String, t: &crate::checker::Tally) {
 struct SimulatedClient {
     task: JoinHandle<Result<(), CheckError>>,
     pause: watch::Sender<bool>,
-    holding: Arc<Mutex<Option<String>>>,
+    holding: HoldingSlot,
     line: Arc<AtomicU8>,
     process: u32,
 }
@@ -408,6 +408,25 @@ impl Fleet for SimulatedFleet {
         self.slots.get(slot).map(|c| c.process)
     }
 
+    // A slow line matters only to a hold renewed under it: aimed at a long hold young enough
+    // that its next renewal and the lease after it end before it does.
+    fn aim(&self, kind: FaultKind, planned: usize) -> Option<usize> {
+        if kind != FaultKind::SlowThenCut {
+            return None;
+        }
+        let young: Vec<usize> = (0..self.slots.len())
+            .filter(|&slot| {
+                let holding = self.slots[slot]
+                    .holding
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                holding.is_some_and(|h| h.long && h.since.elapsed() < LEASE)
+            })
+            .collect();
+        (!young.is_empty()).then(|| young[planned % young.len()])
+    }
+
     fn begin(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_> {
         let Some(client) = self.slots.get(slot) else {
             return Box::pin(async { Ok(()) });
@@ -430,8 +449,8 @@ impl Fleet for SimulatedFleet {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .clone();
-                    if let Some(key) = held {
-                        store.break_lease(&key);
+                    if let Some(held) = held {
+                        store.break_lease(&held.key);
                     }
                 });
             }

@@ -49,16 +49,37 @@ step each-feature check_each_feature
 # --all-targets above; building them is left to `cargo bench`.
 step nextest cargo nextest run --workspace --all-features --no-fail-fast
 # The history checker (docs/reliability.md): a short run per provider, clients under kills,
-# pauses, partitions and server crashes. Its verdict depends only on safety violations found in
-# the histories, never on timing, throughput or how many faults landed; the seed is printed
-# first for a replay.
+# pauses, partitions and server crashes, two providers at a time (the output is printed in
+# order afterwards). Its verdict depends only on safety violations found in the histories,
+# never on timing, throughput or how many faults landed; the seed is printed first for a replay.
+check_one() {
+  local provider=$1 seed=$2 out=$3 seconds
+  # Leases of 3 s (etcd) and 15 s (Azure), not 1 s: their faults last longer.
+  case $provider in etcd* | azure) seconds=30 ;; *) seconds=20 ;; esac
+  local status=0
+  cargo run --quiet -p lockingkit-check -- run --provider "$provider" --seconds "$seconds" \
+    --seed "$seed" >"$out/$provider.log" 2>&1 || status=$?
+  echo "$status" >"$out/$provider.status"
+}
 check_histories() {
-  local seed=${LOCKINGKIT_CHECK_SEED:-$(date +%s)} seconds
-  for provider in memory postgres pgbouncer redis redis-cluster etcd etcd3 azure; do
-    # Leases of 3 s (etcd) and 15 s (Azure), not 1 s: their faults last longer.
-    case $provider in etcd* | azure) seconds=30 ;; *) seconds=20 ;; esac
-    cargo run --quiet -p lockingkit-check -- run --provider "$provider" --seconds "$seconds" --seed "$seed"
+  local seed=${LOCKINGKIT_CHECK_SEED:-$(date +%s)} out failed=0
+  local providers=(memory postgres pgbouncer redis redis-cluster etcd etcd3 azure)
+  out=$(mktemp -d)
+  cargo build --quiet -p lockingkit-check
+  for ((i = 0; i < ${#providers[@]}; i += 2)); do
+    check_one "${providers[i]}" "$seed" "$out" &
+    check_one "${providers[i + 1]}" "$seed" "$out" &
+    wait
   done
+  for provider in "${providers[@]}"; do
+    cat "$out/$provider.log"
+    if [ "$(cat "$out/$provider.status")" != 0 ]; then
+      echo "check-histories: $provider failed" >&2
+      failed=1
+    fi
+  done
+  rm -rf "$out"
+  return "$failed"
 }
 step check-histories check_histories
 step doctests cargo test --workspace --all-features --doc

@@ -157,8 +157,8 @@ pub struct Guarantees {
     /// Locks are held by a server session (PostgreSQL): a session the server ends under a fault
     /// frees the lock at once, and its holder learns it at its next check.
     pub session_held: bool,
-    /// A server restart loses every lock (Redis without persistence): each holder learns it at
-    /// its next renewal.
+    /// A server restart loses every lock (Redis without persistence; Azurite, which keeps no
+    /// lease across its restart): each holder learns it at its next renewal.
     pub restart_loses_locks: bool,
 }
 

@@ -47,7 +47,8 @@ pub enum Provider {
     /// nodes directly (the cluster hands out its nodes' own addresses), so there are no
     /// partitions, and a server fault strikes one node.
     RedisCluster,
-    /// Azurite (on disk), the Azure Blob provider's stand-in; a 15 s lease.
+    /// Azurite (on disk), the Azure Blob provider's stand-in; a 15 s lease. Azurite, unlike
+    /// Azure Storage, keeps no lease across its restart.
     Azure,
     /// A one-member etcd cluster.
     Etcd,
@@ -110,14 +111,13 @@ impl Provider {
                 session_held: true,
                 ..Guarantees::default()
             },
-            // The fixture's servers persist nothing.
-            Provider::Redis | Provider::RedisCluster => Guarantees {
+            // The fixture's Redis servers persist nothing, and Azurite keeps no blob lease
+            // across its own restart, even a graceful one (Azure Storage does).
+            Provider::Redis | Provider::RedisCluster | Provider::Azure => Guarantees {
                 restart_loses_locks: true,
                 ..Guarantees::default()
             },
-            Provider::Memory | Provider::Etcd | Provider::Etcd3 | Provider::Azure => {
-                Guarantees::default()
-            }
+            Provider::Memory | Provider::Etcd | Provider::Etcd3 => Guarantees::default(),
         }
     }
 

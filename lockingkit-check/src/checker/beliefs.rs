@@ -139,8 +139,8 @@ fn allowed_by(guarantees: Guarantees, faults: &[FaultEvent]) -> Option<String> {
     let crashed = faults.iter().any(|f| f.fault == FaultKind::ServerCrash);
     if guarantees.restart_loses_locks && crashed {
         return Some(
-            "a restart of a server without persistence loses every lock; the holder learns it \
-             at its next renewal"
+            "the server's restart lost every lock (a Redis without persistence; Azurite, which \
+             keeps no lease across a restart); the holder learns it at its next renewal"
                 .to_string(),
         );
     }

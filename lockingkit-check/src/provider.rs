@@ -305,51 +305,37 @@ fn done<'a>() -> EndFuture<'a> {
     Box::pin(async { Ok(()) })
 }
 
-impl Server for PostgresServer {
-    fn ports(&self) -> Vec<u16> {
-        vec![self.port()]
-    }
-    fn crash(&mut self) -> EndFuture<'_> {
-        self.kill();
-        done()
-    }
-    fn start_again(&mut self) -> EndFuture<'_> {
-        Box::pin(async move {
-            PostgresServer::start_again(self).await;
-            Ok(())
-        })
-    }
-    fn pause(&mut self) -> EndFuture<'_> {
-        PostgresServer::pause(self);
-        done()
-    }
-    fn resume(&mut self) {
-        PostgresServer::resume(self);
-    }
+/// A server fixture that is one process: crashed, started again, paused and resumed by its
+/// own methods of those names.
+macro_rules! single_server {
+    ($server:ty) => {
+        impl Server for $server {
+            fn ports(&self) -> Vec<u16> {
+                vec![self.port()]
+            }
+            fn crash(&mut self) -> EndFuture<'_> {
+                self.kill();
+                done()
+            }
+            fn start_again(&mut self) -> EndFuture<'_> {
+                Box::pin(async move {
+                    <$server>::start_again(self).await;
+                    Ok(())
+                })
+            }
+            fn pause(&mut self) -> EndFuture<'_> {
+                <$server>::pause(self);
+                done()
+            }
+            fn resume(&mut self) {
+                <$server>::resume(self);
+            }
+        }
+    };
 }
 
-impl Server for RedisServer {
-    fn ports(&self) -> Vec<u16> {
-        vec![self.port()]
-    }
-    fn crash(&mut self) -> EndFuture<'_> {
-        self.kill();
-        done()
-    }
-    fn start_again(&mut self) -> EndFuture<'_> {
-        Box::pin(async move {
-            RedisServer::start_again(self).await;
-            Ok(())
-        })
-    }
-    fn pause(&mut self) -> EndFuture<'_> {
-        RedisServer::pause(self);
-        done()
-    }
-    fn resume(&mut self) {
-        RedisServer::resume(self);
-    }
-}
+single_server!(PostgresServer);
+single_server!(RedisServer);
 
 /// PostgreSQL behind PgBouncer in session mode; the server faults strike PostgreSQL.
 struct Pooled {

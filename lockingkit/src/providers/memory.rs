@@ -167,6 +167,47 @@ impl MemoryStore {
         })
     }
 
+    /// Removes the stored lease of `lease`, if it is still this lease's.
+    fn remove_stored(&self, lease: &MemoryLease) -> Option<StoredLease> {
+        let id = lease.id;
+        match lease.held {
+            Held::Exclusive => {
+                let mut leases = self.leases();
+                let ours = leases.get(&*lease.key).is_some_and(|e| e.lease_id == id);
+                if ours {
+                    leases.remove(&*lease.key)
+                } else {
+                    None
+                }
+            }
+            Held::Shared => {
+                let mut readers = self.readers();
+                let entry = readers.get_mut(&*lease.key)?;
+                let at = entry.leases.iter().position(|l| l.lease_id == id)?;
+                let removed = entry.leases.swap_remove(at);
+                if entry.leases.is_empty() && entry.writer_waits_until.is_none() {
+                    readers.remove(&*lease.key);
+                    self.inner.read_keys.fetch_sub(1, Ordering::AcqRel);
+                }
+                Some(removed)
+            }
+            Held::Slot(slot) => {
+                let mut semaphores = self.semaphores();
+                let slots = semaphores.get_mut(&*lease.key)?;
+                let place = slots.get_mut(slot)?;
+                if place.as_ref().is_some_and(|l| l.lease_id == id) {
+                    let removed = place.take();
+                    if slots.iter().all(Option::is_none) {
+                        semaphores.remove(&*lease.key);
+                    }
+                    removed
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
     /// Breaks the lease on `key`, as another client breaking an Azure lease would: the holder's
     /// next renewal is told the lease is gone. Shared leases of the key are broken too. Returns
     /// whether there was a lease to break.
@@ -177,6 +218,29 @@ impl MemoryStore {
             self.inner.read_keys.fetch_sub(1, Ordering::AcqRel);
         }
         exclusive || shared
+    }
+
+    /// Breaks one holder's lease, as its running out would: that holder's next renewal is told
+    /// the lease is gone, and the key's other holders (readers of it, or holders of the
+    /// semaphore's other slots) keep theirs. Returns whether the lease was still held.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lockingkit::LockError> {
+    /// use lockingkit::providers::memory::MemoryLease;
+    /// use lockingkit::{DistributedLock, MemoryStore};
+    ///
+    /// let store = MemoryStore::new();
+    /// let locks = DistributedLock::in_memory_shared(&store);
+    /// let first = locks.reader_writer("report")?.try_read().await?;
+    /// let second = locks.reader_writer("report")?.try_read().await?;
+    /// assert!(first.lease::<MemoryLease>().is_some_and(|lease| store.break_lease_of(lease)));
+    /// assert_eq!(store.readers_of("report"), 1); // the second reader's lease stands
+    /// # drop(second);
+    /// # Ok(()) }
+    /// ```
+    pub fn break_lease_of(&self, lease: &MemoryLease) -> bool {
+        self.remove_stored(lease).is_some()
     }
 
     /// Breaks the lease on one slot of the semaphore `key`; returns whether it was held.
@@ -285,8 +349,9 @@ pub struct MemoryBackend {
     lease: Duration,
 }
 
-/// A lease granted by the in-memory store.
-#[derive(Debug)]
+/// A lease granted by the in-memory store. A clone names the same lease (to break it with
+/// [`MemoryStore::break_lease_of`]); it holds nothing of its own.
+#[derive(Clone, Debug)]
 pub struct MemoryLease {
     key: Arc<str>,
     id: u64,
@@ -528,47 +593,6 @@ impl MemoryBackend {
                 .map(f),
         }
     }
-
-    /// Removes the stored lease of `lease`, if it is still this lease's.
-    fn remove_stored(&self, lease: &MemoryLease) -> Option<StoredLease> {
-        let id = lease.id;
-        match lease.held {
-            Held::Exclusive => {
-                let mut leases = self.store.leases();
-                let ours = leases.get(&*lease.key).is_some_and(|e| e.lease_id == id);
-                if ours {
-                    leases.remove(&*lease.key)
-                } else {
-                    None
-                }
-            }
-            Held::Shared => {
-                let mut readers = self.store.readers();
-                let entry = readers.get_mut(&*lease.key)?;
-                let at = entry.leases.iter().position(|l| l.lease_id == id)?;
-                let removed = entry.leases.swap_remove(at);
-                if entry.leases.is_empty() && entry.writer_waits_until.is_none() {
-                    readers.remove(&*lease.key);
-                    self.store.inner.read_keys.fetch_sub(1, Ordering::AcqRel);
-                }
-                Some(removed)
-            }
-            Held::Slot(slot) => {
-                let mut semaphores = self.store.semaphores();
-                let slots = semaphores.get_mut(&*lease.key)?;
-                let place = slots.get_mut(slot)?;
-                if place.as_ref().is_some_and(|l| l.lease_id == id) {
-                    let removed = place.take();
-                    if slots.iter().all(Option::is_none) {
-                        semaphores.remove(&*lease.key);
-                    }
-                    removed
-                } else {
-                    None
-                }
-            }
-        }
-    }
 }
 
 impl LockBackend for MemoryBackend {
@@ -635,7 +659,7 @@ impl LockBackend for MemoryBackend {
             return Err(Self::unreachable());
         }
         let now = Instant::now();
-        match self.remove_stored(lease) {
+        match self.store.remove_stored(lease) {
             Some(entry) if entry.live(now) => Ok(()),
             Some(_) => Err(BackendError::lease_gone("the lease had expired")),
             None => Err(BackendError::lease_gone("the lease expired or was broken")),

@@ -1,6 +1,6 @@
 //! The verdict on a history: a pure function of its events.
 //!
-//! Six properties, each from the evidence that can prove it broken:
+//! Seven properties, each from the evidence that can prove it broken:
 //!
 //! - **Mutual exclusion.** A hold is one `(process, token)` pair. In the register's order of
 //!   answers, the accepted requests of two holds of one key must not interleave: once another
@@ -25,7 +25,13 @@
 //!   violation is reported as *expected*, with the reason and how many of the holder's later
 //!   requests the register accepted and refused, and fails nothing: fencing is what must refuse
 //!   such a holder, and an accepted stale request is a fencing or mutual-exclusion violation.
-//! - **Tokens grow.** A hold granted after another hold's grant was answered (in real time) has
+//! - **Semaphore slots.** A semaphore slot's token grows per slot, so no one token fences every
+//!   holder, and the register does not fence slots against each other. What is checked is what
+//!   clients were told: a hold counts from its grant's answer to the last request at which its
+//!   lock said it was held, and at no instant may more holds count than the semaphore admits.
+//!   Where a stale holder's belief is one the guarantees allow (as for the check above), the
+//!   violation is expected.
+//! - **Tokens grow.** (Semaphore slots aside.) A hold granted after another hold's grant was answered (in real time) has
 //!   a greater token, whatever the modes and whatever happened to the backend in between.
 //!
 //! Each violation names its operations and the faults active while they ran (or that ended less
@@ -59,6 +65,8 @@ pub enum ViolationKind {
     ReaderWriter,
     /// A client told its lock was held after an excluding hold with a greater token was granted.
     HeldAfterTaken,
+    /// More clients told they held a semaphore slot at once than the semaphore admits.
+    OverAdmitted,
     /// A hold whose token is not greater than that of a hold granted before it was asked for.
     TokenOrder,
 }
@@ -73,18 +81,20 @@ impl ViolationKind {
             ViolationKind::DoubledUpdate => "doubled-update",
             ViolationKind::ReaderWriter => "reader-in-writer",
             ViolationKind::HeldAfterTaken => "held-after-taken",
+            ViolationKind::OverAdmitted => "over-admitted",
             ViolationKind::TokenOrder => "token-order",
         }
     }
 
     /// Every kind, in report order.
-    pub const ALL: [ViolationKind; 7] = [
+    pub const ALL: [ViolationKind; 8] = [
         ViolationKind::MutualExclusion,
         ViolationKind::Fencing,
         ViolationKind::LostUpdate,
         ViolationKind::DoubledUpdate,
         ViolationKind::ReaderWriter,
         ViolationKind::HeldAfterTaken,
+        ViolationKind::OverAdmitted,
         ViolationKind::TokenOrder,
     ];
 }
@@ -186,6 +196,7 @@ pub fn check_with(events: &[Event], guarantees: Guarantees) -> Report {
     let ops = complete_ops(events);
     violations.extend(check_updates(events, &ops, &faults));
     violations.extend(beliefs::check_held_after_taken(events, &faults, guarantees));
+    violations.extend(beliefs::check_over_admission(events, &faults, guarantees));
     violations.extend(beliefs::check_token_order(&ops, &faults));
     // What breaks a guarantee first.
     violations.sort_by_key(|v| v.expected.is_some());

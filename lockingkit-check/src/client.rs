@@ -1,18 +1,29 @@
-//! One client's loop: acquire a key (exclusively, or one hold in four as a reader), read the
-//! register with the lock's fencing token, write the value plus one with the same token (a
-//! reader only reads), release; one hold in four repeats its work past the lease, so it is
-//! renewed under it. Every step is recorded as an invoke and its completion; a register
-//! request's invoke also records whether the lock said it was held.
+//! One client's loop. Each round takes one hold, drawn at random:
+//!
+//! - one of the run's keys, exclusively (or, one time in four, as a reader where the provider
+//!   has reader-writer locks);
+//! - a slot of the semaphore [`SEMAPHORE_KEY`], which admits [`SEMAPHORE_PERMITS`] holders,
+//!   where the provider has semaphores;
+//! - two of the run's keys at once, as one multi-key hold;
+//! - a term of leadership of [`LEADER_KEY`], won by a campaign.
+//!
+//! Under the hold the client reads the register with each key's fencing token, works, and
+//! writes the value plus one with the same token (a reader or a semaphore holder only reads),
+//! then releases. One hold in four repeats its work past the lease, so it is renewed under it.
+//! Every step is recorded as an invoke and its completion; a register request's invoke also
+//! records whether the lock said it was held.
 //!
 //! The client does not check that it still holds the lock before writing: the widest window for
 //! a stale write is what the register's fencing must close.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use lockingkit::{DistributedLock, LockHandle};
-use tokio::sync::watch;
+use lockingkit::providers::memory::MemoryLease;
+use lockingkit::{DistributedLock, ErrorKind, LockError, LockMode, LockView, Term};
+use tokio::sync::{oneshot, watch};
 
 use crate::clock::monotonic_ns;
 use crate::error::CheckError;
@@ -36,6 +47,21 @@ pub const WORK: Duration = Duration::from_millis(30);
 /// How long a client waits after a failed acquire before trying again.
 pub const FAILED_ACQUIRE_PAUSE: Duration = Duration::from_millis(50);
 
+/// The semaphore whose slots the clients take (semaphores are named apart from locks).
+pub const SEMAPHORE_KEY: &str = "check/semaphore";
+
+/// How many holders the semaphore admits: fewer than the clients, so that they queue for it.
+pub const SEMAPHORE_PERMITS: u32 = 2;
+
+/// The key the clients campaign for.
+pub const LEADER_KEY: &str = "check/leader";
+
+/// A campaign's pauses between attempts: short, since a client campaigns for one term only;
+/// the first longer than a client takes to resign once its term's work returns, so that a
+/// campaign seldom wins a second term.
+const CAMPAIGN_RETRY: (Duration, Duration) =
+    (Duration::from_millis(200), Duration::from_millis(500));
+
 /// What a client is.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
@@ -47,8 +73,6 @@ pub struct ClientConfig {
     pub register: SocketAddr,
     /// The seed of its key choices.
     pub seed: u64,
-    /// Whether one hold in four is a reader's (the provider supports reader-writer locks).
-    pub readers: bool,
     /// How long one hold in four keeps working (longer than the lease, so it is renewed).
     pub long_hold: Duration,
 }
@@ -90,6 +114,9 @@ pub struct Holding {
     pub since: tokio::time::Instant,
     /// Whether it is a long hold (renewed under it).
     pub long: bool,
+    /// Its lease in the store, where the client has it (a multi-key hold's and a term's are
+    /// behind views, which do not show it; those are exclusive, so the key names the lease).
+    pub lease: Option<MemoryLease>,
 }
 
 /// What a simulated process holds now, shared with the nemesis.
@@ -128,6 +155,7 @@ impl PauseGate {
 }
 
 /// Records each step's invoke and completion.
+#[derive(Clone)]
 struct Recorder {
     process: u32,
     journal: Journal,
@@ -146,6 +174,7 @@ impl Recorder {
             value: None,
             error: None,
             shared: false,
+            permits: None,
             held: None,
         }
     }
@@ -153,24 +182,228 @@ impl Recorder {
     fn record(&self, event: OpEvent) -> Result<(), CheckError> {
         self.journal.record(event)
     }
+
+    /// Records one operation on several keys, begun at once and finished at once: each key's
+    /// invoke (all timed when the operation began; the first one already written then), each
+    /// followed by its completion, so that every key reads as an operation of its own.
+    fn record_each(
+        &self,
+        invokes: &[OpEvent],
+        complete: impl Fn(&OpEvent) -> OpEvent,
+    ) -> Result<(), CheckError> {
+        for (i, invoke) in invokes.iter().enumerate() {
+            if i > 0 {
+                self.record(invoke.clone())?;
+            }
+            self.record(complete(invoke))?;
+        }
+        Ok(())
+    }
 }
 
-/// The hold a client works under.
-struct Held<'a> {
-    key: &'a str,
+/// How a key of a round is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Exclusive,
+    Reader,
+    Semaphore,
+}
+
+impl Kind {
+    /// The marks its events carry: whether the hold is shared, and among how many holders.
+    /// A semaphore slot is shared with the other slots' holders, so the register never fences
+    /// one holder's read by another's token: slots number their tokens apart.
+    fn marks(self) -> (bool, Option<u32>) {
+        match self {
+            Kind::Exclusive => (false, None),
+            Kind::Reader => (true, None),
+            Kind::Semaphore => (true, Some(SEMAPHORE_PERMITS)),
+        }
+    }
+}
+
+/// One key a client works under.
+#[derive(Clone)]
+struct Held {
+    key: String,
     token: u64,
     shared: bool,
+    permits: Option<u32>,
 }
 
-impl Held<'_> {
+impl Held {
+    fn of(view: &LockView, kind: Kind) -> Held {
+        let (shared, permits) = kind.marks();
+        Held {
+            key: view.key().to_string(),
+            token: view.fencing_token(),
+            shared,
+            permits,
+        }
+    }
+
     /// An event of this hold.
     fn event(&self, recorder: &Recorder, phase: Phase, op: OpKind) -> OpEvent {
         OpEvent {
             token: Some(self.token),
             shared: self.shared,
-            ..recorder.event(phase, op, self.key)
+            permits: self.permits,
+            ..recorder.event(phase, op, &self.key)
         }
     }
+}
+
+/// What a client works with under a hold: its history, the register and its pause gate.
+struct Worker {
+    recorder: Recorder,
+    register: RegisterClient,
+    gate: Option<PauseGate>,
+}
+
+impl Worker {
+    async fn pass(&mut self) {
+        if let Some(gate) = &mut self.gate {
+            gate.pass().await;
+        }
+    }
+
+    fn hold(&self, holding: Option<Holding>) {
+        if let Some(gate) = &self.gate {
+            gate.hold(holding);
+        }
+    }
+
+    /// The work of one hold: on each key in turn, a read-modify-write (a read for a shared
+    /// hold), again and again until `hold_for` has passed, so long holds run through renewals;
+    /// stops at a refusal.
+    async fn work(
+        &mut self,
+        holds: &[(Held, LockView)],
+        hold_for: Duration,
+    ) -> Result<(), CheckError> {
+        let until = tokio::time::Instant::now() + hold_for;
+        loop {
+            for (held, view) in holds {
+                self.pass().await;
+                let Some(value) = self.access(held, view, Access::Read, 0).await? else {
+                    return Ok(());
+                };
+                // The work between read and write: a hold spends most of its time here, so a
+                // pause or partition usually strikes a holder in the middle of its
+                // read-modify-write.
+                tokio::time::sleep(WORK).await;
+                if !held.shared {
+                    self.pass().await;
+                    let next = value.saturating_add(1);
+                    if self
+                        .access(held, view, Access::Write, next)
+                        .await?
+                        .is_none()
+                    {
+                        return Ok(());
+                    }
+                }
+            }
+            if tokio::time::Instant::now() >= until {
+                return Ok(());
+            }
+        }
+    }
+
+    /// One register request as an operation; the value read when a read is accepted, the
+    /// value written when a write is. Its invoke records whether the client believed it held
+    /// the lock.
+    async fn access(
+        &mut self,
+        held: &Held,
+        view: &LockView,
+        access: Access,
+        value: u64,
+    ) -> Result<Option<u64>, CheckError> {
+        let (op, sent) = match access {
+            Access::Read => (OpKind::Read, None),
+            Access::Write => (OpKind::Write, Some(value)),
+        };
+        // Timed before asking: the answer holds at that instant or later.
+        let invoke = held.event(&self.recorder, Phase::Invoke, op);
+        let believed = view.is_held();
+        self.recorder.record(OpEvent {
+            value: sent,
+            held: Some(believed),
+            ..invoke
+        })?;
+        let request = Request {
+            process: self.recorder.process,
+            key: held.key.clone(),
+            token: held.token,
+            access,
+            value,
+            shared: held.shared,
+        };
+        let (phase, value, error) = match self.register.request(&request).await {
+            Ok(reply) if reply.accepted => {
+                let value = match access {
+                    Access::Read => reply.value,
+                    Access::Write => value,
+                };
+                (Phase::Ok, Some(value), None)
+            }
+            Ok(reply) => (
+                Phase::Fail,
+                sent,
+                Some(format!("stale token; highest {}", reply.highest)),
+            ),
+            Err(failure @ (RegisterFailure::TimedOut | RegisterFailure::Io(_))) => {
+                (Phase::Info, sent, Some(failure.to_string()))
+            }
+        };
+        self.recorder.record(OpEvent {
+            value,
+            error,
+            ..held.event(&self.recorder, phase, op)
+        })?;
+        Ok(if phase == Phase::Ok { value } else { None })
+    }
+
+    /// One term of leadership: its grant, its work, and the release the campaign sends when
+    /// the work returns. Dropped where it stands if the term is lost.
+    async fn lead(&mut self, term: Term, hold_for: Duration) -> Result<(), CheckError> {
+        let view = LockView::clone(&term);
+        let held = Held::of(&view, Kind::Exclusive);
+        self.hold(Some(Holding {
+            key: held.key.clone(),
+            since: tokio::time::Instant::now(),
+            long: !hold_for.is_zero(),
+            lease: None,
+        }));
+        self.recorder
+            .record(held.event(&self.recorder, Phase::Ok, OpKind::Acquire))?;
+        self.work(&[(held.clone(), view)], hold_for).await?;
+        self.recorder
+            .record(held.event(&self.recorder, Phase::Invoke, OpKind::Release))
+    }
+}
+
+/// A campaign's term as the client waits for it: not begun, claimed by the campaign's first
+/// term, or given up on by the client.
+const TERM_WAITING: u8 = 0;
+const TERM_CLAIMED: u8 = 1;
+const TERM_ABANDONED: u8 = 2;
+
+/// What the client's first term sends back: that it began, and how its work ended (the sender
+/// is dropped with the work when the term is lost).
+type TermSlot = (
+    oneshot::Sender<()>,
+    oneshot::Sender<Result<(), CheckError>>,
+    Worker,
+);
+
+/// A client: its lock, its choices and its worker.
+struct Client {
+    locks: DistributedLock,
+    config: ClientConfig,
+    rng: SeededRng,
+    worker: Worker,
 }
 
 /// Runs the client until its task is cancelled or its process killed; returns only on an
@@ -179,182 +412,325 @@ pub async fn run(
     locks: DistributedLock,
     config: ClientConfig,
     journal: Journal,
-    mut gate: Option<PauseGate>,
+    gate: Option<PauseGate>,
 ) -> Result<(), CheckError> {
-    let recorder = Recorder {
-        process: config.process,
-        journal,
+    if config.keys.is_empty() {
+        return Err(CheckError::Usage("a client needs at least one key".into()));
+    }
+    let mut client = Client {
+        worker: Worker {
+            recorder: Recorder {
+                process: config.process,
+                journal,
+            },
+            register: RegisterClient::new(config.register, REGISTER_TIMEOUT),
+            gate,
+        },
+        rng: SeededRng::new(config.seed),
+        locks,
+        config,
     };
-    let mut register = RegisterClient::new(config.register, REGISTER_TIMEOUT);
-    let mut rng = SeededRng::new(config.seed);
     loop {
-        pass(&mut gate).await;
-        let Some(key) = config
-            .keys
-            .get(rng.below(config.keys.len() as u64) as usize)
-        else {
-            return Err(CheckError::Usage("a client needs at least one key".into()));
-        };
-        let shared = config.readers && rng.below(4) == 0;
-        let hold_for = if rng.below(4) == 0 {
-            config.long_hold
+        client.round().await?;
+    }
+}
+
+impl Client {
+    /// One hold, of a kind drawn at random: four rounds in ten a semaphore slot (where the
+    /// provider has semaphores), one a multi-key hold, one a leader's term, the rest one key.
+    async fn round(&mut self) -> Result<(), CheckError> {
+        self.worker.pass().await;
+        let hold_for = if self.rng.below(4) == 0 {
+            self.config.long_hold
         } else {
             Duration::ZERO
         };
-        recorder.record(OpEvent {
-            shared,
-            ..recorder.event(Phase::Invoke, OpKind::Acquire, key)
-        })?;
-        let handle = match acquire(&locks, key, shared).await {
-            Ok(handle) => handle,
-            Err(error) => {
-                recorder.record(OpEvent {
-                    shared,
-                    error: Some(error.to_string()),
-                    ..recorder.event(Phase::Fail, OpKind::Acquire, key)
-                })?;
-                // An outage answers at once: without a pause the history fills with refusals.
-                tokio::time::sleep(FAILED_ACQUIRE_PAUSE).await;
-                continue;
+        let semaphores = self.locks.supports(LockMode::Semaphore {
+            max_count: SEMAPHORE_PERMITS,
+        });
+        match self.rng.below(10) {
+            0..=3 if semaphores => self.single(Kind::Semaphore, SEMAPHORE_KEY, hold_for).await,
+            4 if self.config.keys.len() >= 2 => self.multi(hold_for).await,
+            5 => self.campaign(hold_for).await,
+            _ => {
+                let index = self.pick_key();
+                let key = self.config.keys[index].clone();
+                let shared = self.locks.supports(LockMode::Shared) && self.rng.below(4) == 0;
+                let kind = if shared {
+                    Kind::Reader
+                } else {
+                    Kind::Exclusive
+                };
+                self.single(kind, &key, hold_for).await
             }
-        };
-        let held = Held {
-            key,
-            token: handle.fencing_token(),
-            shared,
-        };
-        if let Some(gate) = &gate {
-            gate.hold(Some(Holding {
-                key: key.clone(),
-                since: tokio::time::Instant::now(),
-                long: !hold_for.is_zero(),
-            }));
         }
-        recorder.record(held.event(&recorder, Phase::Ok, OpKind::Acquire))?;
-        let hold = (&held, &handle);
-        work(&recorder, &mut register, hold, hold_for, &mut gate).await?;
+    }
 
-        pass(&mut gate).await;
-        recorder.record(held.event(&recorder, Phase::Invoke, OpKind::Release))?;
-        let released = handle.release().await;
-        if let Some(gate) = &gate {
-            gate.hold(None);
+    /// One of the run's keys, by its index.
+    fn pick_key(&mut self) -> usize {
+        self.rng.below(self.config.keys.len() as u64) as usize
+    }
+
+    /// Records that an acquire of each of `attempts` failed, and pauses: an outage answers at
+    /// once, and without a pause the history fills with refusals.
+    async fn refused(&self, attempts: &[OpEvent], error: &LockError) -> Result<(), CheckError> {
+        let recorder = &self.worker.recorder;
+        recorder.record_each(attempts, |attempt| OpEvent {
+            error: Some(error.to_string()),
+            shared: attempt.shared,
+            permits: attempt.permits,
+            ..recorder.event(Phase::Fail, OpKind::Acquire, &attempt.key)
+        })?;
+        tokio::time::sleep(FAILED_ACQUIRE_PAUSE).await;
+        Ok(())
+    }
+
+    /// An acquire's invoke for each of `keys`, timed now; the first one is written.
+    fn attempts(&self, keys: &[&str], kind: Kind) -> Result<Vec<OpEvent>, CheckError> {
+        let (shared, permits) = kind.marks();
+        let recorder = &self.worker.recorder;
+        let attempts: Vec<OpEvent> = keys
+            .iter()
+            .map(|key| OpEvent {
+                shared,
+                permits,
+                ..recorder.event(Phase::Invoke, OpKind::Acquire, key)
+            })
+            .collect();
+        if let Some(first) = attempts.first() {
+            recorder.record(first.clone())?;
         }
-        let done = match released {
-            Ok(()) => held.event(&recorder, Phase::Ok, OpKind::Release),
-            Err(e) => OpEvent {
-                error: Some(e.to_string()),
-                ..held.event(&recorder, Phase::Fail, OpKind::Release)
+        Ok(attempts)
+    }
+
+    /// One key held as `kind`: acquire, work, release.
+    async fn single(
+        &mut self,
+        kind: Kind,
+        key: &str,
+        hold_for: Duration,
+    ) -> Result<(), CheckError> {
+        let attempts = self.attempts(&[key], kind)?;
+        let acquired = match kind {
+            Kind::Exclusive => self.locks.acquire(key, ACQUIRE_TIMEOUT).await,
+            Kind::Reader => match self.locks.reader_writer(key) {
+                Ok(lock) => lock.read(ACQUIRE_TIMEOUT).await,
+                Err(error) => Err(error),
+            },
+            Kind::Semaphore => match self.locks.semaphore(key, SEMAPHORE_PERMITS) {
+                Ok(semaphore) => semaphore.acquire(ACQUIRE_TIMEOUT).await,
+                Err(error) => Err(error),
             },
         };
-        recorder.record(done)?;
-    }
-}
-
-/// A reader's or an exclusive hold of `key`.
-async fn acquire(
-    locks: &DistributedLock,
-    key: &str,
-    shared: bool,
-) -> Result<LockHandle, lockingkit::LockError> {
-    if shared {
-        locks.reader_writer(key)?.read(ACQUIRE_TIMEOUT).await
-    } else {
-        locks.acquire(key, ACQUIRE_TIMEOUT).await
-    }
-}
-
-/// The work of one hold: a read-modify-write (a read for a reader), again and again until
-/// `hold_for` has passed, so long holds run through renewals; stops at a refusal.
-async fn work(
-    recorder: &Recorder,
-    register: &mut RegisterClient,
-    hold: (&Held<'_>, &LockHandle),
-    hold_for: Duration,
-    gate: &mut Option<PauseGate>,
-) -> Result<(), CheckError> {
-    let until = tokio::time::Instant::now() + hold_for;
-    let held = hold.0;
-    loop {
-        pass(gate).await;
-        let Some(value) = access(recorder, register, hold, Access::Read, 0).await? else {
-            return Ok(());
+        let handle = match acquired {
+            Ok(handle) => handle,
+            Err(error) => return self.refused(&attempts, &error).await,
         };
-        // The work between read and write: a hold spends most of its time here, so a pause or
-        // partition usually strikes a holder in the middle of its read-modify-write.
-        tokio::time::sleep(WORK).await;
-        if !held.shared {
-            pass(gate).await;
-            let next = value.saturating_add(1);
-            if access(recorder, register, hold, Access::Write, next)
-                .await?
-                .is_none()
-            {
-                return Ok(());
+        let held = Held::of(&handle, kind);
+        let lease = handle.lease::<MemoryLease>().cloned();
+        self.held_each(&[], std::slice::from_ref(&held), hold_for, lease)?;
+        self.worker
+            .work(&[(held.clone(), handle.view())], hold_for)
+            .await?;
+        self.worker.pass().await;
+        let releases = self.releases(std::slice::from_ref(&held))?;
+        let released = handle.release().await;
+        self.released(&[held], &releases, released)
+    }
+
+    /// Two of the run's keys as one multi-key hold, each worked on under its own token.
+    async fn multi(&mut self, hold_for: Duration) -> Result<(), CheckError> {
+        // Two different keys: the second is one of the others (there are at least two).
+        let count = self.config.keys.len();
+        let first = self.pick_key();
+        let second = (first + 1 + self.rng.below(count as u64 - 1) as usize) % count;
+        let mut keys = [
+            self.config.keys[first].clone(),
+            self.config.keys[second].clone(),
+        ];
+        // In the order they are taken, so the history's order matches the backend's.
+        keys.sort();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let attempts = self.attempts(&key_refs, Kind::Exclusive)?;
+        let handle = match self.locks.acquire_all(&key_refs, ACQUIRE_TIMEOUT).await {
+            Ok(handle) => handle,
+            Err(error) => return self.refused(&attempts, &error).await,
+        };
+        let holds: Vec<(Held, LockView)> = handle
+            .members()
+            .iter()
+            .map(|view| (Held::of(view, Kind::Exclusive), view.clone()))
+            .collect();
+        let helds: Vec<Held> = holds.iter().map(|(held, _)| held.clone()).collect();
+        self.held_each(&attempts, &helds, hold_for, None)?;
+        self.worker.work(&holds, hold_for).await?;
+        self.worker.pass().await;
+        let releases = self.releases(&helds)?;
+        let released = handle.release().await;
+        self.released(&helds, &releases, released)
+    }
+
+    /// Records each key's grant (after its invoke, for every key but the first when `attempts`
+    /// are given), and tells the nemesis the first key held and its `lease` (if known).
+    fn held_each(
+        &self,
+        attempts: &[OpEvent],
+        helds: &[Held],
+        hold_for: Duration,
+        lease: Option<MemoryLease>,
+    ) -> Result<(), CheckError> {
+        let recorder = &self.worker.recorder;
+        for (i, held) in helds.iter().enumerate() {
+            if let Some(attempt) = attempts.get(i).filter(|_| i > 0) {
+                recorder.record(attempt.clone())?;
+            }
+            recorder.record(held.event(recorder, Phase::Ok, OpKind::Acquire))?;
+        }
+        if let Some(first) = helds.first() {
+            self.worker.hold(Some(Holding {
+                key: first.key.clone(),
+                since: tokio::time::Instant::now(),
+                long: !hold_for.is_zero(),
+                lease,
+            }));
+        }
+        Ok(())
+    }
+
+    /// The release invokes of `helds`, timed now; the first one is written.
+    fn releases(&self, helds: &[Held]) -> Result<Vec<OpEvent>, CheckError> {
+        let recorder = &self.worker.recorder;
+        let releases: Vec<OpEvent> = helds
+            .iter()
+            .map(|held| held.event(recorder, Phase::Invoke, OpKind::Release))
+            .collect();
+        if let Some(first) = releases.first() {
+            recorder.record(first.clone())?;
+        }
+        Ok(releases)
+    }
+
+    /// Records how the release of `helds` ended.
+    fn released(
+        &self,
+        helds: &[Held],
+        releases: &[OpEvent],
+        released: Result<(), LockError>,
+    ) -> Result<(), CheckError> {
+        self.worker.hold(None);
+        let recorder = &self.worker.recorder;
+        recorder.record_each(releases, |release| {
+            let held = helds.iter().find(|h| h.key == release.key);
+            let done = |phase| match held {
+                Some(held) => held.event(recorder, phase, OpKind::Release),
+                None => recorder.event(phase, OpKind::Release, &release.key),
+            };
+            match &released {
+                Ok(()) => done(Phase::Ok),
+                Err(error) => OpEvent {
+                    error: Some(error.to_string()),
+                    ..done(Phase::Fail)
+                },
+            }
+        })
+    }
+
+    /// Campaigns for [`LEADER_KEY`] and leads one term: the term's grant, its work and its
+    /// release are recorded as a hold's are. A campaign that wins no term within
+    /// [`ACQUIRE_TIMEOUT`] is resigned and recorded as a failed acquire.
+    async fn campaign(&mut self, hold_for: Duration) -> Result<(), CheckError> {
+        let attempts = self.attempts(&[LEADER_KEY], Kind::Exclusive)?;
+        let claim = Arc::new(AtomicU8::new(TERM_WAITING));
+        let (started_tx, started) = oneshot::channel();
+        let (done_tx, done) = oneshot::channel();
+        let term_worker = Worker {
+            recorder: self.worker.recorder.clone(),
+            register: RegisterClient::new(self.config.register, REGISTER_TIMEOUT),
+            gate: self.worker.gate.clone(),
+        };
+        let slot: Arc<Mutex<Option<TermSlot>>> =
+            Arc::new(Mutex::new(Some((started_tx, done_tx, term_worker))));
+        let term_claim = claim.clone();
+        let work = move |term: Term| {
+            // Only the first term does the round's work; a later one (won again before the
+            // client resigned) returns at once, which releases it.
+            let first = term_claim
+                .compare_exchange(
+                    TERM_WAITING,
+                    TERM_CLAIMED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok();
+            let taken = first
+                .then(|| slot.lock().unwrap_or_else(PoisonError::into_inner).take())
+                .flatten();
+            async move {
+                let Some((started, done, mut worker)) = taken else {
+                    return;
+                };
+                let _ = started.send(());
+                let _ = done.send(worker.lead(term, hold_for).await);
+            }
+        };
+        let campaign = self.locks.leader(LEADER_KEY).and_then(|campaign| {
+            campaign
+                .retry_delays(CAMPAIGN_RETRY.0, CAMPAIGN_RETRY.1)
+                .start(work)
+        });
+        let leadership = match campaign {
+            Ok(leadership) => leadership,
+            Err(error) => return self.refused(&attempts, &error).await,
+        };
+        let began = match tokio::time::timeout(ACQUIRE_TIMEOUT, started).await {
+            Ok(began) => began.is_ok(),
+            // A term that began as the wait ran out is led all the same.
+            Err(_) => claim
+                .compare_exchange(
+                    TERM_WAITING,
+                    TERM_ABANDONED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_err(),
+        };
+        if !began {
+            let resigned = leadership.resign().await;
+            let error = resigned.err().unwrap_or_else(|| {
+                LockError::new(
+                    ErrorKind::Timeout,
+                    "no term began within the acquire timeout",
+                )
+            });
+            if claim.load(Ordering::Acquire) == TERM_CLAIMED {
+                // A term began and was lost before its work ran: granted, then gone.
+                let recorder = &self.worker.recorder;
+                return recorder.record(OpEvent {
+                    error: Some(error.to_string()),
+                    ..recorder.event(Phase::Info, OpKind::Acquire, LEADER_KEY)
+                });
+            }
+            return self.refused(&attempts, &error).await;
+        }
+        let worked = done.await;
+        let recorder = &self.worker.recorder;
+        match worked {
+            // The term's work returned and recorded the release's invoke.
+            Ok(outcome) => outcome?,
+            // The term was lost and its work dropped: the campaign gives the lock up now.
+            Err(_) => {
+                recorder.record(recorder.event(Phase::Invoke, OpKind::Release, LEADER_KEY))?
             }
         }
-        if tokio::time::Instant::now() >= until {
-            return Ok(());
-        }
+        let resigned = leadership.resign().await;
+        self.worker.hold(None);
+        let done = match resigned {
+            Ok(()) => recorder.event(Phase::Ok, OpKind::Release, LEADER_KEY),
+            Err(error) => OpEvent {
+                error: Some(error.to_string()),
+                ..recorder.event(Phase::Fail, OpKind::Release, LEADER_KEY)
+            },
+        };
+        recorder.record(done)
     }
-}
-
-async fn pass(gate: &mut Option<PauseGate>) {
-    if let Some(gate) = gate {
-        gate.pass().await;
-    }
-}
-
-/// One register request as an operation; the value read when a read is accepted, the value
-/// written when a write is. Its invoke records whether the client believed it held the lock.
-async fn access(
-    recorder: &Recorder,
-    register: &mut RegisterClient,
-    (held, handle): (&Held<'_>, &LockHandle),
-    access: Access,
-    value: u64,
-) -> Result<Option<u64>, CheckError> {
-    let (op, sent) = match access {
-        Access::Read => (OpKind::Read, None),
-        Access::Write => (OpKind::Write, Some(value)),
-    };
-    // Timed before asking: the answer holds at that instant or later.
-    let invoke = held.event(recorder, Phase::Invoke, op);
-    let believed = handle.is_held();
-    recorder.record(OpEvent {
-        value: sent,
-        held: Some(believed),
-        ..invoke
-    })?;
-    let request = Request {
-        process: recorder.process,
-        key: held.key.to_string(),
-        token: held.token,
-        access,
-        value,
-        shared: held.shared,
-    };
-    let (phase, value, error) = match register.request(&request).await {
-        Ok(reply) if reply.accepted => {
-            let value = match access {
-                Access::Read => reply.value,
-                Access::Write => value,
-            };
-            (Phase::Ok, Some(value), None)
-        }
-        Ok(reply) => (
-            Phase::Fail,
-            sent,
-            Some(format!("stale token; highest {}", reply.highest)),
-        ),
-        Err(failure @ (RegisterFailure::TimedOut | RegisterFailure::Io(_))) => {
-            (Phase::Info, sent, Some(failure.to_string()))
-        }
-    };
-    recorder.record(OpEvent {
-        value,
-        error,
-        ..held.event(recorder, phase, op)
-    })?;
-    Ok(if phase == Phase::Ok { value } else { None })
 }

@@ -81,6 +81,10 @@ pub struct OpEvent {
     /// Whether the hold is a reader's (shared with other readers); false for an exclusive hold.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared: bool,
+    /// For a semaphore slot's hold: how many holders the semaphore admits. Such a hold is
+    /// also `shared`, and its token grows per slot, so it is never compared with another's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permits: Option<u32>,
     /// On a register request's invoke: what the lock's `is_held()` answered just after `time`,
     /// so the client believed it held the lock at `time` or later.
     #[serde(default, skip_serializing_if = "Option::is_none")]

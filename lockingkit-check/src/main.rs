@@ -116,7 +116,6 @@ fn client_mode(flags: &HashMap<String, String>) -> Result<ExitCode, CheckError> 
         keys: run::keys(usize::try_from(number(flags, "keys", 3)?).unwrap_or(3)),
         register,
         seed: number(flags, "seed", 0)?,
-        readers: true,
         long_hold: run::LONG_HOLD,
     };
     runtime(false)?.block_on(async {

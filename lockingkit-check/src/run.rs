@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::checker::{self, Report, ViolationKind};
-use crate::client::{self, ClientConfig, HoldingSlot, Journal, PauseGate};
+use crate::client::{self, ClientConfig, Holding, HoldingSlot, Journal, PauseGate};
 use crate::error::CheckError;
 use crate::history::{self, Event, FaultEvent, FaultKind, FaultPhase};
 use crate::nemesis::{self, EndFuture, FaultLog, Fleet, StopFuture};
@@ -374,7 +374,6 @@ impl SimulatedFleet {
             keys: self.keys.clone(),
             register: self.register,
             seed: self.seed ^ u64::from(process),
-            readers: true,
             long_hold: LONG_HOLD,
         };
         let journal = Journal::Shared(self.events.clone());
@@ -449,8 +448,17 @@ impl Fleet for SimulatedFleet {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .clone();
-                    if let Some(held) = held {
-                        store.break_lease(&held.key);
+                    // Only this client's lease: the key's other readers or slots keep theirs.
+                    match held {
+                        Some(Holding {
+                            lease: Some(lease), ..
+                        }) => {
+                            store.break_lease_of(&lease);
+                        }
+                        Some(held) => {
+                            store.break_lease(&held.key);
+                        }
+                        None => {}
                     }
                 });
             }

@@ -1,7 +1,8 @@
 //! The checks on what clients were told rather than what the register accepted: a holder told
-//! its lock was held after another hold took the key, and tokens that did not grow.
+//! its lock was held after another hold took the key, more semaphore holders told they held a
+//! slot than the semaphore admits, and tokens that did not grow.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::ViolationKind;
 use super::{active_faults, with_faults, CompleteOp, FaultSpan, Guarantees, Violation};
@@ -12,7 +13,8 @@ fn grants(events: &[Event]) -> BTreeMap<&str, Vec<&OpEvent>> {
     let mut grants: BTreeMap<&str, Vec<&OpEvent>> = BTreeMap::new();
     for event in events {
         if let Event::Op(op) = event {
-            if op.op == OpKind::Acquire && op.phase == Phase::Ok && op.token.is_some() {
+            let slot = op.permits.is_some();
+            if op.op == OpKind::Acquire && op.phase == Phase::Ok && op.token.is_some() && !slot {
                 grants.entry(op.key.as_str()).or_default().push(op);
             }
         }
@@ -23,12 +25,19 @@ fn grants(events: &[Event]) -> BTreeMap<&str, Vec<&OpEvent>> {
     grants
 }
 
-/// A register request's invoke at which the client's lock said it was held.
-fn is_belief(op: &OpEvent) -> bool {
+/// A register request's invoke at which the client's lock said it was held (a semaphore slot's
+/// included).
+fn says_held(op: &OpEvent) -> bool {
     op.phase == Phase::Invoke
         && matches!(op.op, OpKind::Read | OpKind::Write)
         && op.held == Some(true)
         && op.token.is_some()
+}
+
+/// A belief that another hold's grant can contradict: a semaphore slot's token grows per slot,
+/// so it says nothing of another slot's; slots are counted instead.
+fn is_belief(op: &OpEvent) -> bool {
+    says_held(op) && op.permits.is_none()
 }
 
 /// Beliefs of holding after an excluding hold with a greater token was granted: one violation
@@ -154,7 +163,8 @@ pub(crate) fn check_token_order(ops: &[CompleteOp<'_>], faults: &[FaultSpan]) ->
     for op in ops {
         if let (OpKind::Acquire, Phase::Ok, Some(done)) = (op.invoke.op, op.outcome, op.completion)
         {
-            if done.token.is_some() {
+            // Slots number their tokens apart: two slots' tokens are not ordered.
+            if done.token.is_some() && done.permits.is_none() {
                 by_key
                     .entry(done.key.as_str())
                     .or_default()
@@ -198,4 +208,130 @@ pub(crate) fn check_token_order(ops: &[CompleteOp<'_>], faults: &[FaultSpan]) ->
         }
     }
     violations
+}
+
+/// A semaphore slot's hold, over the span in which its client certainly believed it held it:
+/// from its grant's answer to the last request at which its lock said it was held.
+struct SlotHold<'a> {
+    grant: &'a OpEvent,
+    last: &'a OpEvent,
+}
+
+/// Every semaphore hold with a belief after its grant, by key. A process runs one hold at a
+/// time: a grant opens it, and the process's next acquire or release closes it.
+fn slot_holds(events: &[Event]) -> BTreeMap<&str, Vec<SlotHold<'_>>> {
+    let mut open: HashMap<u32, (&OpEvent, Option<&OpEvent>)> = HashMap::new();
+    let mut holds: BTreeMap<&str, Vec<SlotHold<'_>>> = BTreeMap::new();
+    for event in events {
+        let Event::Op(op) = event else {
+            continue;
+        };
+        let starts = op.op == OpKind::Acquire && op.phase == Phase::Invoke;
+        if starts || op.op == OpKind::Release {
+            close(open.remove(&op.process), &mut holds);
+        } else if op.op == OpKind::Acquire && op.phase == Phase::Ok && op.permits.is_some() {
+            close(open.insert(op.process, (op, None)), &mut holds);
+        } else if says_held(op) && op.permits.is_some() {
+            if let Some((grant, last)) = open.get_mut(&op.process) {
+                if grant.key == op.key && grant.token == op.token {
+                    *last = Some(op);
+                }
+            }
+        }
+    }
+    let mut rest: Vec<_> = open.into_values().collect();
+    rest.sort_by_key(|(grant, _)| (grant.time, grant.process));
+    for hold in rest {
+        close(Some(hold), &mut holds);
+    }
+    holds
+}
+
+/// Files a closed slot hold under its key, if its client was ever told it held it.
+fn close<'a>(
+    hold: Option<(&'a OpEvent, Option<&'a OpEvent>)>,
+    holds: &mut BTreeMap<&'a str, Vec<SlotHold<'a>>>,
+) {
+    if let Some((grant, Some(last))) = hold {
+        holds
+            .entry(grant.key.as_str())
+            .or_default()
+            .push(SlotHold { grant, last });
+    }
+}
+
+/// More clients told they held a slot of a semaphore, at one instant, than it admits. Each
+/// hold counts from its grant's answer to its last request at which the lock said it was held:
+/// its client believed it held the slot all that time. One violation per grant that took the
+/// count over; expected when enough of the holds it met were stale for a reason the provider's
+/// guarantees allow.
+pub(crate) fn check_over_admission(
+    events: &[Event],
+    faults: &[FaultSpan],
+    guarantees: Guarantees,
+) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    for (key, mut holds) in slot_holds(events) {
+        holds.sort_by_key(|h| (h.grant.time, h.grant.process));
+        let mut active: Vec<&SlotHold<'_>> = Vec::new();
+        for hold in &holds {
+            let start = hold.grant.time;
+            active.retain(|earlier| earlier.last.time > start);
+            let permits = hold.grant.permits.unwrap_or(u32::MAX) as usize;
+            if active.len() >= permits {
+                violations.push(over_admitted(key, hold, &active, faults, guarantees));
+            }
+            active.push(hold);
+        }
+    }
+    violations
+}
+
+fn over_admitted(
+    key: &str,
+    hold: &SlotHold<'_>,
+    active: &[&SlotHold<'_>],
+    faults: &[FaultSpan],
+    guarantees: Guarantees,
+) -> Violation {
+    let start = hold.grant.time;
+    let permits = hold.grant.permits.unwrap_or(0) as usize;
+    let others: Vec<String> = active
+        .iter()
+        .map(|h| format!("{} (token {})", h.grant.process, h.grant.token.unwrap_or(0)))
+        .collect();
+    let mut ops = vec![Event::Op(hold.grant.clone())];
+    for earlier in active {
+        ops.push(Event::Op(earlier.grant.clone()));
+        ops.push(Event::Op(earlier.last.clone()));
+    }
+    let mut violation = with_faults(
+        ViolationKind::OverAdmitted,
+        key,
+        format!(
+            "{} holders of a semaphore of {permits} at once: process {} was granted a slot \
+             (token {}) while processes {} were still told they held theirs",
+            active.len() + 1,
+            hold.grant.process,
+            hold.grant.token.unwrap_or(0),
+            others.join(", ")
+        ),
+        ops,
+        faults,
+    );
+    // Excused when, leaving out the holds whose staleness the guarantees allow, the rest fit.
+    let reasons: Vec<String> = active
+        .iter()
+        .filter_map(|earlier| {
+            let on_holder: Vec<FaultEvent> = active_faults(faults, start, earlier.last.time)
+                .into_iter()
+                .filter(|f| f.fault.hits_server() || f.process == Some(earlier.grant.process))
+                .collect();
+            allowed_by(guarantees, &on_holder)
+        })
+        .collect();
+    if active.len() + 1 - reasons.len() <= permits {
+        violation.expected = reasons.into_iter().next();
+    }
+    violation
 }

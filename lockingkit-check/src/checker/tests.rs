@@ -31,6 +31,7 @@ impl Script {
             value,
             error: None,
             shared: false,
+            permits: None,
             held: None,
         }));
     }
@@ -259,6 +260,7 @@ impl Script {
             value: None,
             error: None,
             shared,
+            permits: None,
             held: None,
         }));
     }
@@ -282,6 +284,7 @@ impl Script {
             value: None,
             error: None,
             shared,
+            permits: None,
             held: Some(held),
         }));
     }
@@ -390,4 +393,93 @@ fn a_readers_read_inside_an_exclusive_hold_is_a_violation() {
     s.register(1, Access::Write, 1, 1, true);
     let report = check(&s.finish(1));
     assert_eq!(report.count(ViolationKind::ReaderWriter), 1);
+}
+
+impl Script {
+    /// Marks the last event as a semaphore slot's of two permits (and shared, as slots are).
+    fn slot(&mut self) {
+        if let Some(Event::Op(op)) = self.events.last_mut() {
+            op.shared = true;
+            op.permits = Some(2);
+        }
+    }
+
+    /// A granted slot of a semaphore of two.
+    fn slot_acquire(&mut self, process: u32, token: u64) {
+        self.acquire_event(process, Phase::Invoke, None, true);
+        self.slot();
+        self.acquire_event(process, Phase::Ok, Some(token), true);
+        self.slot();
+    }
+
+    /// A slot holder's read, at which its lock answered `held`.
+    fn slot_asks(&mut self, process: u32, token: u64, held: bool) {
+        self.asks(process, token, true, held);
+        self.slot();
+    }
+
+    fn slot_release(&mut self, process: u32, token: u64) {
+        self.op(process, Phase::Invoke, OpKind::Release, token, None);
+        self.slot();
+    }
+}
+
+#[test]
+fn three_holders_told_they_hold_a_semaphore_of_two_at_once_are_over_admitted() {
+    let mut s = Script::default();
+    s.slot_acquire(1, 1);
+    s.slot_acquire(2, 1); // another slot numbers its tokens from 1 too
+    s.slot_asks(1, 1, true);
+    // A third holder after the first released: two at once, no violation.
+    s.slot_release(1, 1);
+    s.slot_acquire(3, 2);
+    s.slot_asks(2, 1, true);
+    s.slot_asks(3, 2, true);
+    assert_eq!(check(&s.events.clone()).violations, vec![]);
+    // A fourth while the second and third are still told they hold: three at once.
+    s.slot_acquire(4, 2);
+    s.slot_asks(2, 1, true);
+    s.slot_asks(3, 2, true);
+    s.slot_asks(4, 2, true);
+    let report = check(&s.finish(0));
+    assert_eq!(kinds(&report), vec![ViolationKind::OverAdmitted]);
+    assert!(report.violations[0].detail.contains("process 4"));
+    assert!(!report.passed());
+}
+
+#[test]
+fn a_slot_holder_no_longer_told_it_holds_does_not_count() {
+    let mut s = Script::default();
+    s.slot_acquire(1, 1);
+    s.slot_acquire(2, 1);
+    s.slot_asks(1, 1, true);
+    s.slot_asks(2, 1, true);
+    s.slot_acquire(3, 2);
+    // The first was told its slot was gone: its last belief came before the third's grant.
+    s.slot_asks(1, 1, false);
+    s.slot_asks(2, 1, true);
+    s.slot_asks(3, 2, true);
+    assert_eq!(check(&s.finish(0)).violations, vec![]);
+}
+
+#[test]
+fn a_stale_slot_holder_under_a_session_fault_is_expected_only_with_session_held_locks() {
+    let mut s = Script::default();
+    s.slot_acquire(1, 1);
+    s.slot_acquire(2, 1);
+    s.fault(0, FaultKind::Reset, FaultPhase::Start);
+    s.slot_acquire(3, 2);
+    s.slot_asks(1, 1, true);
+    s.slot_asks(2, 1, true);
+    s.slot_asks(3, 2, true);
+    s.fault(0, FaultKind::Reset, FaultPhase::End);
+    let events = s.finish(0);
+    let session = Guarantees {
+        session_held: true,
+        ..Guarantees::default()
+    };
+    let report = check_with(&events, session);
+    assert_eq!(report.expected(ViolationKind::OverAdmitted), 1);
+    assert!(report.passed());
+    assert_eq!(check(&events).count(ViolationKind::OverAdmitted), 1);
 }

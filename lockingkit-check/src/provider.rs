@@ -104,6 +104,42 @@ impl Provider {
         }
     }
 
+    /// The options its clients run with and what the checker allows it, as the report's
+    /// header prints them.
+    pub fn options(self) -> String {
+        let lock = match self {
+            Provider::Memory => format!("lease {LEASE:?}"),
+            Provider::Postgres | Provider::PgBouncer => {
+                format!("session-held, checked every {CHECK_INTERVAL:?}")
+            }
+            Provider::Redis | Provider::RedisCluster => format!(
+                "lease {LEASE:?}, request timeout {:?}, writer intent {:?}",
+                LEASE / 3,
+                LEASE / 2
+            ),
+            Provider::Azure => format!(
+                "lease {AZURE_LEASE:?}, request timeout {:?}",
+                AZURE_LEASE / 3
+            ),
+            Provider::Etcd | Provider::Etcd3 => {
+                format!("lease {ETCD_LEASE:?}, request timeout {:?}", ETCD_LEASE / 3)
+            }
+        };
+        let g = self.guarantees();
+        let allows = match (g.session_held, g.restart_loses_locks) {
+            (true, _) => "a session freed under a fault on its holder",
+            (false, true) => "a server restart losing every lock",
+            (false, false) => "nothing",
+        };
+        format!(
+            "{lock}; retries {MIN_RETRY:?}-{MAX_RETRY:?}; semaphore of {} on {}, leader key {}; \
+             the checker allows {allows}",
+            crate::client::SEMAPHORE_PERMITS,
+            crate::client::SEMAPHORE_KEY,
+            crate::client::LEADER_KEY
+        )
+    }
+
     /// What its documentation promises, for the checker (see [`Guarantees`]).
     pub fn guarantees(self) -> Guarantees {
         match self {
@@ -161,13 +197,17 @@ impl Provider {
     }
 }
 
+/// The engine's retry delays in every client: quick, so a freed key is taken again soon.
+const MIN_RETRY: Duration = Duration::from_millis(10);
+const MAX_RETRY: Duration = Duration::from_millis(100);
+
 /// The engine options every client uses: quick retries, so a freed key is taken again soon.
 pub fn build(
     backend: impl lockingkit::backend::LockBackend,
 ) -> Result<DistributedLock, CheckError> {
     Ok(DistributedLock::builder(backend)
-        .min_retry_delay(Duration::from_millis(10))
-        .max_retry_delay(Duration::from_millis(100))
+        .min_retry_delay(MIN_RETRY)
+        .max_retry_delay(MAX_RETRY)
         .build()?)
 }
 

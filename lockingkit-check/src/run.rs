@@ -123,6 +123,7 @@ pub async fn run(config: &RunConfig) -> Result<Report, CheckError> {
     drop(fleet);
     let report = checker::check_with(&events, config.provider.guarantees());
     println!("history: {}", path.display());
+    println!("options: {}", config.provider.options());
     print!("{}", render(&report));
     checked_something(report)
 }

@@ -104,25 +104,6 @@ impl LockHandle {
         drop(self);
         release.await
     }
-
-    /// The backend's own lease behind this lock, if the backend's lease type is `L`.
-    ///
-    /// Provider-specific details live here without the core knowing any provider: the Azure
-    /// provider's [`azure_blob_lease`](Self::azure_blob_lease) is built on it, and a custom
-    /// backend's users can read its lease type the same way.
-    ///
-    /// ```
-    /// # async fn demo() -> Result<(), lockingkit::LockError> {
-    /// use lockingkit::providers::memory::MemoryLease;
-    /// let locks = lockingkit::DistributedLock::in_memory();
-    /// let handle = locks.try_acquire("orders/42").await?;
-    /// assert!(handle.lease::<MemoryLease>().is_some());
-    /// assert!(handle.lease::<String>().is_none());
-    /// # Ok(()) }
-    /// ```
-    pub fn lease<L: std::any::Any>(&self) -> Option<&L> {
-        self.view.held.lease().downcast_ref::<L>()
-    }
 }
 
 impl std::ops::Deref for LockHandle {
@@ -217,6 +198,27 @@ impl LockView {
         } else {
             Err(LockError::lost(self.held.loss_reason()))
         }
+    }
+
+    /// The backend's own lease behind this lock, if the backend's lease type is `L`. A handle
+    /// reaches it through its view, so both have it.
+    ///
+    /// Provider-specific details live here without the core knowing any provider: the Azure
+    /// provider's [`azure_blob_lease`](LockHandle::azure_blob_lease) is built on it, and a custom
+    /// backend's users can read its lease type the same way.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), lockingkit::LockError> {
+    /// use lockingkit::providers::memory::MemoryLease;
+    /// let locks = lockingkit::DistributedLock::in_memory();
+    /// let handle = locks.try_acquire("orders/42").await?;
+    /// assert!(handle.lease::<MemoryLease>().is_some());
+    /// assert!(handle.view().lease::<MemoryLease>().is_some());
+    /// assert!(handle.lease::<String>().is_none());
+    /// # Ok(()) }
+    /// ```
+    pub fn lease<L: std::any::Any>(&self) -> Option<&L> {
+        self.held.lease().downcast_ref::<L>()
     }
 
     /// The keyed digest of the key (`lockingkit.key.digest`), if the provider was built with

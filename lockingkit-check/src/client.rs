@@ -114,8 +114,8 @@ pub struct Holding {
     pub since: tokio::time::Instant,
     /// Whether it is a long hold (renewed under it).
     pub long: bool,
-    /// Its lease in the store, where the client has it (a multi-key hold's and a term's are
-    /// behind views, which do not show it; those are exclusive, so the key names the lease).
+    /// Its lease in the store (the first key's, for a multi-key hold): the one lease a long
+    /// pause breaks.
     pub lease: Option<MemoryLease>,
 }
 
@@ -374,7 +374,7 @@ impl Worker {
             key: held.key.clone(),
             since: tokio::time::Instant::now(),
             long: !hold_for.is_zero(),
-            lease: None,
+            lease: view.lease::<MemoryLease>().cloned(),
         }));
         self.recorder
             .record(held.event(&self.recorder, Phase::Ok, OpKind::Acquire))?;
@@ -562,7 +562,11 @@ impl Client {
             .map(|view| (Held::of(view, Kind::Exclusive), view.clone()))
             .collect();
         let helds: Vec<Held> = holds.iter().map(|(held, _)| held.clone()).collect();
-        self.held_each(&attempts, &helds, hold_for, None)?;
+        let lease = handle
+            .members()
+            .first()
+            .and_then(|view| view.lease::<MemoryLease>().cloned());
+        self.held_each(&attempts, &helds, hold_for, lease)?;
         self.worker.work(&holds, hold_for).await?;
         self.worker.pass().await;
         let releases = self.releases(&helds)?;

@@ -93,7 +93,10 @@ impl State {
                     cell.value = request.value;
                     cell.reader = None;
                 }
-                Access::Read => cell.reader = Some(request.process),
+                // A shared hold's read begins no update (a semaphore's key is never written, so
+                // its readers would be named mid-update long after they left).
+                Access::Read if !shared => cell.reader = Some(request.process),
+                Access::Read => {}
             }
         }
         let reply = Reply {
@@ -303,6 +306,18 @@ mod tests {
             shared: true,
             ..request(token, Access::Read, 0)
         }
+    }
+
+    #[test]
+    fn only_an_exclusive_read_marks_its_holder_mid_update() {
+        let mut state = State::default();
+        let mid = |state: &State| state.cells.get("k").and_then(|c| c.reader);
+        assert!(state.answer(&reader(1)).accepted);
+        assert_eq!(mid(&state), None, "a reader begins no update");
+        assert!(state.answer(&request(2, Access::Read, 0)).accepted);
+        assert_eq!(mid(&state), Some(1));
+        assert!(state.answer(&request(2, Access::Write, 1)).accepted);
+        assert_eq!(mid(&state), None);
     }
 
     #[test]

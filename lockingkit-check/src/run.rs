@@ -449,17 +449,13 @@ impl Fleet for SimulatedFleet {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .clone();
-                    // Only this client's lease: the key's other readers or slots keep theirs.
-                    match held {
-                        Some(Holding {
-                            lease: Some(lease), ..
-                        }) => {
-                            store.break_lease_of(&lease);
-                        }
-                        Some(held) => {
-                            store.break_lease(&held.key);
-                        }
-                        None => {}
+                    // Only this client's lease: the key's other readers or slots keep theirs,
+                    // and a key someone else has taken since is left alone.
+                    if let Some(Holding {
+                        lease: Some(lease), ..
+                    }) = held
+                    {
+                        store.break_lease_of(&lease);
                     }
                 });
             }

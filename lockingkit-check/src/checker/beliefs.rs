@@ -87,8 +87,10 @@ pub(crate) fn check_held_after_taken(
             vec![Event::Op((*taker).clone()), Event::Op(belief.clone())],
             faults,
         );
+        // Only a fault begun by the grant can have freed the key for it.
         let on_holder: Vec<FaultEvent> = active_faults(faults, taker.time, belief.time)
             .into_iter()
+            .filter(|f| f.time <= taker.time)
             .filter(|f| f.fault.hits_server() || f.process == Some(belief.process))
             .collect();
         violation.expected = allowed_by(guarantees, &on_holder);
@@ -323,8 +325,10 @@ fn over_admitted(
     let reasons: Vec<String> = active
         .iter()
         .filter_map(|earlier| {
+            // Only a fault begun by the grant can have freed a slot for it.
             let on_holder: Vec<FaultEvent> = active_faults(faults, start, earlier.last.time)
                 .into_iter()
+                .filter(|f| f.time <= start)
                 .filter(|f| f.fault.hits_server() || f.process == Some(earlier.grant.process))
                 .collect();
             allowed_by(guarantees, &on_holder)

@@ -483,3 +483,22 @@ fn a_stale_slot_holder_under_a_session_fault_is_expected_only_with_session_held_
     assert!(report.passed());
     assert_eq!(check(&events).count(ViolationKind::OverAdmitted), 1);
 }
+
+#[test]
+fn a_fault_begun_after_the_grant_excuses_nothing() {
+    let mut s = Script::default();
+    s.acquire(1, 1, false);
+    s.acquire(2, 2, false);
+    // The holder's connection was reset only after the key was granted to another: that
+    // cannot be what freed it.
+    s.fault(0, FaultKind::Reset, FaultPhase::Start);
+    s.asks(1, 1, false, true);
+    s.fault(0, FaultKind::Reset, FaultPhase::End);
+    let session = Guarantees {
+        session_held: true,
+        ..Guarantees::default()
+    };
+    let report = check_with(&s.finish(0), session);
+    assert_eq!(report.count(ViolationKind::HeldAfterTaken), 1);
+    assert!(!report.passed());
+}

@@ -16,13 +16,15 @@
 //! The client does not check that it still holds the lock before writing: the widest window for
 //! a stale write is what the register's fencing must close.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use lockingkit::providers::memory::MemoryLease;
-use lockingkit::{DistributedLock, ErrorKind, LockError, LockMode, LockView, Term};
+use lockingkit::{DistributedLock, ErrorKind, Leadership, LockError, LockMode, LockView, Term};
 use tokio::sync::{oneshot, watch};
 
 use crate::clock::monotonic_ns;
@@ -652,31 +654,8 @@ impl Client {
             register: RegisterClient::new(self.config.register, REGISTER_TIMEOUT),
             gate: self.worker.gate.clone(),
         };
-        let slot: Arc<Mutex<Option<TermSlot>>> =
-            Arc::new(Mutex::new(Some((started_tx, done_tx, term_worker))));
-        let term_claim = claim.clone();
-        let work = move |term: Term| {
-            // Only the first term does the round's work; a later one (won again before the
-            // client resigned) returns at once, which releases it.
-            let first = term_claim
-                .compare_exchange(
-                    TERM_WAITING,
-                    TERM_CLAIMED,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok();
-            let taken = first
-                .then(|| slot.lock().unwrap_or_else(PoisonError::into_inner).take())
-                .flatten();
-            async move {
-                let Some((started, done, mut worker)) = taken else {
-                    return;
-                };
-                let _ = started.send(());
-                let _ = done.send(worker.lead(term, hold_for).await);
-            }
-        };
+        let slot = (started_tx, done_tx, term_worker);
+        let work = first_term(claim.clone(), slot, hold_for);
         let campaign = self.locks.leader(LEADER_KEY).and_then(|campaign| {
             campaign
                 .retry_delays(CAMPAIGN_RETRY.0, CAMPAIGN_RETRY.1)
@@ -699,26 +678,11 @@ impl Client {
                 .is_err(),
         };
         if !began {
-            let resigned = leadership.resign().await;
-            let error = resigned.err().unwrap_or_else(|| {
-                LockError::new(
-                    ErrorKind::Timeout,
-                    "no term began within the acquire timeout",
-                )
-            });
-            if claim.load(Ordering::Acquire) == TERM_CLAIMED {
-                // A term began and was lost before its work ran: granted, then gone.
-                let recorder = &self.worker.recorder;
-                return recorder.record(OpEvent {
-                    error: Some(error.to_string()),
-                    ..recorder.event(Phase::Info, OpKind::Acquire, LEADER_KEY)
-                });
-            }
-            return self.refused(&attempts, &error).await;
+            let lost = claim.load(Ordering::Acquire) == TERM_CLAIMED;
+            return self.no_term(&attempts, lost, leadership).await;
         }
-        let worked = done.await;
         let recorder = &self.worker.recorder;
-        match worked {
+        match done.await {
             // The term's work returned and recorded the release's invoke.
             Ok(outcome) => outcome?,
             // The term was lost and its work dropped: the campaign gives the lock up now.
@@ -736,5 +700,63 @@ impl Client {
             },
         };
         recorder.record(done)
+    }
+
+    /// Resigns a campaign whose term's work never ran, and records its acquire: failed when no
+    /// term began, unknown when one began and was `lost` before its work ran.
+    async fn no_term(
+        &self,
+        attempts: &[OpEvent],
+        lost: bool,
+        leadership: Leadership,
+    ) -> Result<(), CheckError> {
+        let resigned = leadership.resign().await;
+        if lost {
+            let recorder = &self.worker.recorder;
+            let error = match resigned {
+                Err(error) => error.to_string(),
+                Ok(()) => "a term began and was lost before its work ran".to_string(),
+            };
+            return recorder.record(OpEvent {
+                error: Some(error),
+                ..recorder.event(Phase::Info, OpKind::Acquire, LEADER_KEY)
+            });
+        }
+        let error = resigned.err().unwrap_or_else(|| {
+            LockError::new(
+                ErrorKind::Timeout,
+                "no term began within the acquire timeout",
+            )
+        });
+        self.refused(attempts, &error).await
+    }
+}
+
+/// What a campaign runs with each term it wins: the first term takes `slot` and does the
+/// round's work; a later one (won again before the client resigned) returns at once, which
+/// releases it.
+fn first_term(
+    claim: Arc<AtomicU8>,
+    slot: TermSlot,
+    hold_for: Duration,
+) -> impl FnMut(Term) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + 'static {
+    let mut slot = Some(slot);
+    move |term: Term| {
+        let first = claim
+            .compare_exchange(
+                TERM_WAITING,
+                TERM_CLAIMED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok();
+        let taken = if first { slot.take() } else { None };
+        Box::pin(async move {
+            let Some((started, done, mut worker)) = taken else {
+                return;
+            };
+            let _ = started.send(());
+            let _ = done.send(worker.lead(term, hold_for).await);
+        })
     }
 }

@@ -760,3 +760,87 @@ fn first_term(
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checker::{self, ViolationKind};
+    use crate::register::Register;
+    use lockingkit::MemoryStore;
+
+    /// Whether `events` hold a granted hold of each kind: a key (exclusive or reader), a
+    /// semaphore slot, a term, and a multi-key hold, whose grants are recorded as the first
+    /// key's grant, the second key's invoke and its grant, nothing in between.
+    fn every_kind(events: &[Event]) -> bool {
+        let grant = |e: &Event| match e {
+            Event::Op(op) if op.op == OpKind::Acquire && op.phase == Phase::Ok => Some(op.clone()),
+            _ => None,
+        };
+        let grants: Vec<OpEvent> = events.iter().filter_map(grant).collect();
+        let slot = grants.iter().any(|g| g.permits == Some(SEMAPHORE_PERMITS));
+        let term = grants.iter().any(|g| g.key == LEADER_KEY);
+        let key = grants
+            .iter()
+            .any(|g| g.permits.is_none() && g.key != LEADER_KEY);
+        let multi = events.windows(3).any(|three| {
+            let second_invoke = matches!(&three[1], Event::Op(op)
+                if op.op == OpKind::Acquire && op.phase == Phase::Invoke);
+            match (grant(&three[0]), grant(&three[2])) {
+                (Some(first), Some(second)) => {
+                    second_invoke && first.key < second.key && first.process == second.process
+                }
+                _ => false,
+            }
+        });
+        slot && term && key && multi
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_records_every_kind_of_hold_as_operations_the_checker_passes(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let register = Register::start().await?;
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let config = ClientConfig {
+            process: 1,
+            keys: crate::run::keys(3),
+            register: register.address(),
+            seed: 3,
+            long_hold: Duration::from_millis(50),
+        };
+        let locks = DistributedLock::in_memory_shared(&MemoryStore::new());
+        let journal = Journal::Shared(events.clone());
+        let client = tokio::spawn(run(locks, config, journal, None));
+        let snapshot = || {
+            events
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        };
+        // One client, no contention: a round takes tens of milliseconds, so every kind comes
+        // within a few seconds; the bound only stops a broken client from hanging the test.
+        let seen = tokio::time::timeout(Duration::from_secs(60), async {
+            while !every_kind(&snapshot()) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        client.abort();
+        let _ = client.await;
+        assert!(
+            seen.is_ok(),
+            "not every kind of hold came: {:?}",
+            snapshot().len()
+        );
+        let mut history = snapshot();
+        history.extend(register.history());
+        let report = checker::check(&history);
+        assert!(report.passed(), "{:?}", report.violations);
+        let writes = report
+            .tally
+            .ops
+            .get(&("write".to_string(), "ok".to_string()));
+        assert!(writes.is_some_and(|&n| n > 0));
+        assert_eq!(report.count(ViolationKind::TokenOrder), 0);
+        Ok(())
+    }
+}

@@ -121,13 +121,22 @@ pub struct Holding {
     pub lease: Option<MemoryLease>,
 }
 
-/// What a simulated process holds now, shared with the nemesis.
-pub type HoldingSlot = Arc<Mutex<Option<Holding>>>;
+/// What a simulated process holds, or waits for, now.
+#[derive(Clone, Debug, Default)]
+pub struct Activity {
+    /// What it holds.
+    pub holding: Option<Holding>,
+    /// The key it is trying to take (the first, for a multi-key hold), while it tries.
+    pub wants: Option<String>,
+}
+
+/// What a simulated process holds or waits for now, shared with the nemesis.
+pub type HoldingSlot = Arc<Mutex<Activity>>;
 
 /// How the nemesis pauses a simulated process (one that is a task, not an OS process): the
-/// client stops at its next step while `paused` is true. `holding` says what it holds, so a
-/// long pause can make the lease lapse as a frozen process's would, and a slow line can be
-/// aimed at a hold that will be renewed.
+/// client stops at its next step while `paused` is true. `holding` says what it holds and
+/// wants, so a long pause can make the lease lapse as a frozen process's would, and a slow line
+/// can be aimed at a hold that will be renewed while someone waits for it.
 #[derive(Clone)]
 pub struct PauseGate {
     paused: watch::Receiver<bool>,
@@ -138,7 +147,7 @@ impl PauseGate {
     /// A gate, with the sender the nemesis pauses it through and the slot saying what it holds.
     pub fn new() -> (PauseGate, watch::Sender<bool>, HoldingSlot) {
         let (sender, paused) = watch::channel(false);
-        let holding = Arc::new(Mutex::new(None));
+        let holding = Arc::new(Mutex::new(Activity::default()));
         let gate = PauseGate {
             paused,
             holding: holding.clone(),
@@ -151,8 +160,21 @@ impl PauseGate {
         let _ = self.paused.wait_for(|paused| !paused).await;
     }
 
+    /// Records what it holds now; an attempt that got its lock is over.
     fn hold(&self, holding: Option<Holding>) {
-        *self.holding.lock().unwrap_or_else(PoisonError::into_inner) = holding;
+        let mut activity = self.holding.lock().unwrap_or_else(PoisonError::into_inner);
+        if holding.is_some() {
+            activity.wants = None;
+        }
+        activity.holding = holding;
+    }
+
+    /// Records the key it tries to take now, or that it has stopped trying.
+    fn want(&self, key: Option<&str>) {
+        self.holding
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .wants = key.map(str::to_string);
     }
 }
 
@@ -272,6 +294,12 @@ impl Worker {
     fn hold(&self, holding: Option<Holding>) {
         if let Some(gate) = &self.gate {
             gate.hold(holding);
+        }
+    }
+
+    fn want(&self, key: Option<&str>) {
+        if let Some(gate) = &self.gate {
+            gate.want(key);
         }
     }
 
@@ -483,6 +511,7 @@ impl Client {
             permits: attempt.permits,
             ..recorder.event(Phase::Fail, OpKind::Acquire, &attempt.key)
         })?;
+        self.worker.want(None);
         tokio::time::sleep(FAILED_ACQUIRE_PAUSE).await;
         Ok(())
     }
@@ -502,6 +531,7 @@ impl Client {
         if let Some(first) = attempts.first() {
             recorder.record(first.clone())?;
         }
+        self.worker.want(keys.first().copied());
         Ok(attempts)
     }
 
@@ -692,6 +722,7 @@ impl Client {
         }
         let resigned = leadership.resign().await;
         self.worker.hold(None);
+        self.worker.want(None);
         let done = match resigned {
             Ok(()) => recorder.event(Phase::Ok, OpKind::Release, LEADER_KEY),
             Err(error) => OpEvent {
@@ -711,6 +742,7 @@ impl Client {
         leadership: Leadership,
     ) -> Result<(), CheckError> {
         let resigned = leadership.resign().await;
+        self.worker.want(None);
         if lost {
             let recorder = &self.worker.recorder;
             let error = match resigned {

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::checker::{self, Report, ViolationKind};
-use crate::client::{self, ClientConfig, Holding, HoldingSlot, Journal, PauseGate};
+use crate::client::{self, Activity, ClientConfig, Holding, HoldingSlot, Journal, PauseGate};
 use crate::error::CheckError;
 use crate::history::{self, Event, FaultEvent, FaultKind, FaultPhase};
 use crate::nemesis::{self, EndFuture, FaultLog, Fleet, StopFuture};
@@ -409,22 +409,38 @@ impl Fleet for SimulatedFleet {
     }
 
     // A slow line matters only to a hold renewed under it: aimed at a long hold young enough
-    // that its next renewal and the lease after it end before it does.
+    // that its next renewal and the lease after it end before it does, and one that another
+    // client is trying to take, if there is one: only a waiter can be let in too early.
     fn aim(&self, kind: FaultKind, planned: usize) -> Option<usize> {
         if kind != FaultKind::SlowThenCut {
             return None;
         }
-        let young: Vec<usize> = (0..self.slots.len())
-            .filter(|&slot| {
-                let holding = self.slots[slot]
-                    .holding
+        let activities: Vec<Activity> = self
+            .slots
+            .iter()
+            .map(|c| {
+                c.holding
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .clone();
+                    .clone()
+            })
+            .collect();
+        let young: Vec<usize> = (0..activities.len())
+            .filter(|&slot| {
+                let holding = activities[slot].holding.as_ref();
                 holding.is_some_and(|h| h.long && h.since.elapsed() < LEASE)
             })
             .collect();
-        (!young.is_empty()).then(|| young[planned % young.len()])
+        let wanted: Vec<usize> = young
+            .iter()
+            .copied()
+            .filter(|&slot| {
+                let key = activities[slot].holding.as_ref().map(|h| h.key.as_str());
+                activities.iter().any(|a| a.wants.as_deref() == key)
+            })
+            .collect();
+        let pick = if wanted.is_empty() { young } else { wanted };
+        (!pick.is_empty()).then(|| pick[planned % pick.len()])
     }
 
     fn begin(&mut self, kind: FaultKind, slot: usize) -> EndFuture<'_> {
@@ -448,6 +464,7 @@ impl Fleet for SimulatedFleet {
                     let held = holding
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
+                        .holding
                         .clone();
                     // Only this client's lease: the key's other readers or slots keep theirs,
                     // and a key someone else has taken since is left alone.

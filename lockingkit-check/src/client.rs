@@ -207,6 +207,15 @@ impl Recorder {
         self.journal.record(event)
     }
 
+    /// Begins one operation on several keys: writes the first key's invoke now and hands back
+    /// all of them for [`record_each`](Self::record_each) to finish.
+    fn begin_each(&self, invokes: Vec<OpEvent>) -> Result<Vec<OpEvent>, CheckError> {
+        if let Some(first) = invokes.first() {
+            self.record(first.clone())?;
+        }
+        Ok(invokes)
+    }
+
     /// Records one operation on several keys, begun at once and finished at once: each key's
     /// invoke (all timed when the operation began; the first one already written then), each
     /// followed by its completion, so that every key reads as an operation of its own.
@@ -431,6 +440,9 @@ type TermSlot = (
 /// A client: its lock, its choices and its worker.
 struct Client {
     locks: DistributedLock,
+    /// Whether the provider has semaphores of [`SEMAPHORE_PERMITS`], and reader-writer locks.
+    semaphores: bool,
+    readers: bool,
     config: ClientConfig,
     rng: SeededRng,
     worker: Worker,
@@ -457,6 +469,10 @@ pub async fn run(
             gate,
         },
         rng: SeededRng::new(config.seed),
+        semaphores: locks.supports(LockMode::Semaphore {
+            max_count: SEMAPHORE_PERMITS,
+        }),
+        readers: locks.supports(LockMode::Shared),
         locks,
         config,
     };
@@ -475,17 +491,14 @@ impl Client {
         } else {
             Duration::ZERO
         };
-        let semaphores = self.locks.supports(LockMode::Semaphore {
-            max_count: SEMAPHORE_PERMITS,
-        });
         match self.rng.below(10) {
-            0..=3 if semaphores => self.single(Kind::Semaphore, SEMAPHORE_KEY, hold_for).await,
+            0..=3 if self.semaphores => self.single(Kind::Semaphore, SEMAPHORE_KEY, hold_for).await,
             4 if self.config.keys.len() >= 2 => self.multi(hold_for).await,
             5 => self.campaign(hold_for).await,
             _ => {
                 let index = self.pick_key();
                 let key = self.config.keys[index].clone();
-                let shared = self.locks.supports(LockMode::Shared) && self.rng.below(4) == 0;
+                let shared = self.readers && self.rng.below(4) == 0;
                 let kind = if shared {
                     Kind::Reader
                 } else {
@@ -528,9 +541,7 @@ impl Client {
                 ..recorder.event(Phase::Invoke, OpKind::Acquire, key)
             })
             .collect();
-        if let Some(first) = attempts.first() {
-            recorder.record(first.clone())?;
-        }
+        let attempts = recorder.begin_each(attempts)?;
         self.worker.want(keys.first().copied());
         Ok(attempts)
     }
@@ -640,10 +651,7 @@ impl Client {
             .iter()
             .map(|held| held.event(recorder, Phase::Invoke, OpKind::Release))
             .collect();
-        if let Some(first) = releases.first() {
-            recorder.record(first.clone())?;
-        }
-        Ok(releases)
+        recorder.begin_each(releases)
     }
 
     /// Records how the release of `helds` ended.

@@ -89,6 +89,12 @@ impl Script {
     }
 }
 
+/// A provider whose locks are held by server sessions (PostgreSQL).
+const SESSION_HELD: Guarantees = Guarantees {
+    session_held: true,
+    restart_loses_locks: false,
+};
+
 fn kinds(report: &Report) -> Vec<ViolationKind> {
     let mut kinds: Vec<_> = report.violations.iter().map(|v| v.kind).collect();
     kinds.dedup();
@@ -334,11 +340,7 @@ fn a_session_freed_under_a_fault_on_its_holder_is_expected_only_with_session_hel
     s.asks(1, 1, false, true);
     s.fault(0, FaultKind::Reset, FaultPhase::End);
     let events = s.finish(0);
-    let session = Guarantees {
-        session_held: true,
-        ..Guarantees::default()
-    };
-    let report = check_with(&events, session);
+    let report = check_with(&events, SESSION_HELD);
     assert_eq!(report.expected(ViolationKind::HeldAfterTaken), 1);
     assert!(report.passed());
     // A lease gives no such excuse: its deadline must pass before the store lets it go.
@@ -474,11 +476,7 @@ fn a_stale_slot_holder_under_a_session_fault_is_expected_only_with_session_held_
     s.slot_asks(3, 2, true);
     s.fault(0, FaultKind::Reset, FaultPhase::End);
     let events = s.finish(0);
-    let session = Guarantees {
-        session_held: true,
-        ..Guarantees::default()
-    };
-    let report = check_with(&events, session);
+    let report = check_with(&events, SESSION_HELD);
     assert_eq!(report.expected(ViolationKind::OverAdmitted), 1);
     assert!(report.passed());
     assert_eq!(check(&events).count(ViolationKind::OverAdmitted), 1);
@@ -494,11 +492,7 @@ fn a_fault_begun_after_the_grant_excuses_nothing() {
     s.fault(0, FaultKind::Reset, FaultPhase::Start);
     s.asks(1, 1, false, true);
     s.fault(0, FaultKind::Reset, FaultPhase::End);
-    let session = Guarantees {
-        session_held: true,
-        ..Guarantees::default()
-    };
-    let report = check_with(&s.finish(0), session);
+    let report = check_with(&s.finish(0), SESSION_HELD);
     assert_eq!(report.count(ViolationKind::HeldAfterTaken), 1);
     assert!(!report.passed());
 }

@@ -103,6 +103,28 @@ impl PathTemplate {
     }
 }
 
+/// The parameter names of the template `template`, in order, as [`PathTemplate::new`] reads
+/// them (a `*` dropped), borrowed from it.
+fn param_names(template: &str) -> impl Iterator<Item = &str> {
+    let mut rest = template;
+    std::iter::from_fn(move || loop {
+        let at = rest.find(['{', '}'])?;
+        let from = &rest[at..];
+        if from.starts_with("{{") || from.starts_with("}}") {
+            rest = &from[2..];
+        } else if let Some((name, after)) = from
+            .strip_prefix('{')
+            .and_then(|open| open.split_once('}'))
+            .filter(|(name, _)| is_param_name(name))
+        {
+            rest = after;
+            return Some(name.strip_prefix('*').unwrap_or(name));
+        } else {
+            rest = &from[1..];
+        }
+    })
+}
+
 /// A name axum would accept inside braces: non-empty, optionally starting with `*`, and free
 /// of braces and slashes.
 fn is_param_name(name: &str) -> bool {
@@ -142,9 +164,10 @@ impl LockKey for PathTemplate {
                 self.source
             ));
         };
-        let route_template = PathTemplate::new(route.as_str());
-        let captured: Vec<&str> = route_template.params().collect();
-        let missing = self.params().find(|name| !captured.contains(name))?;
+        // Asked on every request, so the route is scanned in place, with no template built.
+        let missing = self
+            .params()
+            .find(|name| !param_names(route.as_str()).any(|captured| captured == *name))?;
         Some(format!(
             "the lock key template `{}` names the path parameter `{missing}`, which the route \
              `{}` does not capture",
@@ -223,7 +246,39 @@ mod tests {
         assert_eq!(template.params().collect::<Vec<_>>(), ["a", "b", "c"]);
     }
 
+    #[test]
+    fn scanning_in_place_finds_the_params_that_parsing_finds() {
+        for template in [
+            "orders/{id}",
+            "t/{tenant}/o/{*rest}",
+            "a{{b}}c/{x}",
+            "{{{y}}}",
+            "open{/{z}",
+            "close}/{w}",
+            "empty{}/{v}",
+            "slash{a/b}/{u}",
+            "{a}{b}",
+            "",
+        ] {
+            let parsed: Vec<String> = PathTemplate::new(template)
+                .params()
+                .map(str::to_owned)
+                .collect();
+            let scanned: Vec<String> = param_names(template).map(str::to_owned).collect();
+            assert_eq!(scanned, parsed, "{template}");
+        }
+    }
+
     proptest! {
+        #[test]
+        fn scanning_agrees_with_parsing_on_any_text(template in "[a-c{}*/]{0,16}") {
+            let parsed: Vec<String> =
+                PathTemplate::new(&template).params().map(str::to_owned).collect();
+            let scanned: Vec<String> = param_names(&template).map(str::to_owned).collect();
+            prop_assert_eq!(scanned, parsed);
+        }
+
+
         #[test]
         fn rendering_round_trips_any_values(
             literals in proptest::collection::vec("[^{}]{0,8}", 1..5),

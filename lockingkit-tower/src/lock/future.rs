@@ -171,12 +171,8 @@ where
     Poll::Ready(match derived {
         Derived::Acquired { handle } => {
             handle.insert_view(request.extensions_mut());
-            let lost = match config.on_loss {
-                OnLoss::Cancel => Some(handle.loss_signal()),
-                OnLoss::Signal => None,
-            };
             Step::Next(State::Calling {
-                response: UntilLost::new(lost, service.call(request)),
+                response: UntilLost::new(service.call(request)),
                 handle: Some(handle),
             })
         }
@@ -230,7 +226,11 @@ where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     ResBody: Body,
 {
-    let Some(result) = ready!(response.poll(cx)) else {
+    let watched = match config.on_loss {
+        OnLoss::Cancel => handle.as_ref(),
+        OnLoss::Signal => None,
+    };
+    let Some(result) = ready!(response.poll_under(watched, cx)) else {
         let error = handle
             .as_ref()
             .and_then(|handle| handle.ensure_held().err())

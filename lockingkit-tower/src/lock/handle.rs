@@ -36,6 +36,14 @@ impl Handle {
         }
     }
 
+    /// Whether the hold is still held: not lost, not released, within its loss deadline.
+    pub(crate) fn is_held(&self) -> bool {
+        match self {
+            Handle::One(handle) => handle.is_held(),
+            Handle::Many(handle) => handle.is_held(),
+        }
+    }
+
     /// `Err` of kind `Lost` once the hold is lost.
     pub(crate) fn ensure_held(&self) -> Result<(), LockError> {
         match self {

@@ -1,26 +1,27 @@
-//! `UntilLost`: work raced against a lock's loss signal, loss first.
+//! `UntilLost`: work raced against a lock's loss, loss first.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use lockingkit::CancellationToken;
 use pin_project_lite::pin_project;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
+use super::handle::Handle;
+
 pin_project! {
-    /// Runs `work` until it finishes (`Some(output)`) or `lost` is cancelled (`None`), at which
-    /// point `work` is dropped by the owner of this future.
+    /// Runs `work` until it finishes (`Some(output)`) or the hold it runs under is lost
+    /// (`None`), at which point `work` is dropped by the owner of this future.
     ///
     /// Loss is checked before the work on every poll, so work is never resumed once the lock
     /// is gone, even when both became ready together. (tokio-util's `run_until_cancelled`
     /// prefers the work in that race, which is why it is not used.)
     pub(crate) struct UntilLost<F> {
-        // `None`: the work is never dropped on loss (`OnLoss::Signal`).
-        lost: Option<CancellationToken>,
-        // Registered only once the work has returned `Pending`: most handlers behind the layer
-        // finish in their first poll, and registering and removing a waiter costs two lock
-        // round trips on the token (benchmark row 9, HTTP layer cost).
+        // The hold's loss signal, asked for only once the work has returned `Pending`: most
+        // handlers behind the layer finish in their first poll, and the signal costs the hold
+        // a token of its own and a child token for this request (two allocations), and waiting
+        // on it two lock round trips (benchmark row 9, HTTP layer cost). Until then loss is
+        // read from the hold itself, which also counts a passed loss deadline.
         #[pin]
         waiter: Option<WaitForCancellationFutureOwned>,
         #[pin]
@@ -29,26 +30,26 @@ pin_project! {
 }
 
 impl<F> UntilLost<F> {
-    pub(crate) fn new(lost: Option<CancellationToken>, work: F) -> Self {
-        UntilLost {
-            lost,
-            waiter: None,
-            work,
-        }
+    pub(crate) fn new(work: F) -> Self {
+        UntilLost { waiter: None, work }
     }
 }
 
-impl<F: Future> Future for UntilLost<F> {
-    type Output = Option<F::Output>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+impl<F: Future> UntilLost<F> {
+    /// Polls the work under `hold`; `None` for work that loss never drops
+    /// (`OnLoss::Signal`).
+    pub(crate) fn poll_under(
+        self: Pin<&mut Self>,
+        hold: Option<&Handle>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<F::Output>> {
         let mut this = self.project();
-        let Some(token) = this.lost.as_ref() else {
+        let Some(hold) = hold else {
             return this.work.poll(cx).map(Some);
         };
         let lost = match this.waiter.as_mut().as_pin_mut() {
             Some(waiter) => waiter.poll(cx).is_ready(),
-            None => token.is_cancelled(),
+            None => !hold.is_held(),
         };
         if lost {
             return Poll::Ready(None);
@@ -58,7 +59,7 @@ impl<F: Future> Future for UntilLost<F> {
         }
         // The work waits, so loss must wake this task from now on.
         if this.waiter.is_none() {
-            this.waiter.set(Some(token.clone().cancelled_owned()));
+            this.waiter.set(Some(hold.loss_signal().cancelled_owned()));
         }
         match this.waiter.as_pin_mut().map(|waiter| waiter.poll(cx)) {
             Some(Poll::Ready(())) => Poll::Ready(None),

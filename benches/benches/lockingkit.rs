@@ -43,6 +43,12 @@ use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::redis::RedisServer;
 use tokio::runtime::Runtime;
 
+/// Counts allocations, for the HTTP rows' allocations per request (a relaxed atomic increment
+/// per allocation, paid alike by both sides of every row).
+#[global_allocator]
+static ALLOCATOR: lockingkit_benches::allocations::Counting =
+    lockingkit_benches::allocations::Counting;
+
 /// Sample counts: the real run, or a smoke test.
 #[derive(Clone, Copy)]
 struct Sizes {
@@ -54,9 +60,13 @@ struct Sizes {
     local_handoffs: usize,
     remote_handoffs: usize,
     many_key_rounds: usize,
-    /// Rounds of each side, and each round's length, for throughput and the HTTP shape.
+    /// Rounds of each side, and each round's length, for throughput.
     load_rounds: usize,
     load_round: Duration,
+    /// Rounds of each side, and each round's length, for the HTTP rows: more and shorter, as
+    /// their ratio is the median of the rounds'.
+    http_rounds: usize,
+    http_round: Duration,
 }
 
 const FULL: Sizes = Sizes {
@@ -70,6 +80,8 @@ const FULL: Sizes = Sizes {
     many_key_rounds: 8,
     load_rounds: 3,
     load_round: Duration::from_secs(2),
+    http_rounds: 11,
+    http_round: Duration::from_millis(600),
 };
 
 const SMOKE: Sizes = Sizes {
@@ -83,6 +95,8 @@ const SMOKE: Sizes = Sizes {
     many_key_rounds: 1,
     load_rounds: 1,
     load_round: Duration::from_millis(100),
+    http_rounds: 1,
+    http_round: Duration::from_millis(100),
 };
 
 /// How far the attempts with 20 waiters may exceed those with one: retry delays are jittered,
@@ -132,7 +146,7 @@ fn patterns_rows(sizes: Sizes) {
 /// The row of the HTTP layer's own cost: a no-op route with and without `lock_route` on the
 /// in-memory lock, interleaved in one run.
 fn http_layer_cost(sizes: Sizes) -> RouteRates {
-    let cost = in_memory_layer_cost(HTTP_CONNECTIONS, sizes.load_rounds, sizes.load_round);
+    let cost = in_memory_layer_cost(HTTP_CONNECTIONS, sizes.http_rounds, sizes.http_round);
     in_task(&two_worker_runtime(), "the HTTP layer benchmark", cost)
 }
 
@@ -157,7 +171,26 @@ fn print_http_layer_cost(cost: &RouteRates) {
     print_route_rates(
         "9. HTTP, lock_route in-memory vs no layer, no-op",
         cost,
-        0.80,
+        0.90,
+    );
+    print_request_costs(cost);
+}
+
+/// The diagnostic rows under an HTTP row: CPU and allocations per request, each side.
+fn print_request_costs(rates: &RouteRates) {
+    row(
+        "   app CPU per request (server + client)",
+        in_micros(rates.locked_cpu),
+        in_micros(rates.plain_cpu),
+        "diagnostic",
+        "",
+    );
+    row(
+        "   allocations per request (server + client)",
+        format!("{:.1}", rates.locked_allocations),
+        format!("{:.1}", rates.plain_allocations),
+        "diagnostic",
+        "",
     );
 }
 
@@ -380,10 +413,14 @@ fn print_handoff(name: &str, p: Percentiles, goal: &str, ok: Option<bool>) {
 
 fn http_memory_json(cost: &RouteRates) -> String {
     format!(
-        "\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3}",
+        "\"http_memory_locked_per_s\":{:.0},\"http_memory_plain_per_s\":{:.0},\"http_memory_ratio\":{:.3},\"http_memory_locked_cpu_us\":{:.2},\"http_memory_plain_cpu_us\":{:.2},\"http_memory_locked_allocations\":{:.1},\"http_memory_plain_allocations\":{:.1}",
         cost.locked_per_s,
         cost.plain_per_s,
-        cost.ratio()
+        cost.ratio(),
+        micros(cost.locked_cpu),
+        micros(cost.plain_cpu),
+        cost.locked_allocations,
+        cost.plain_allocations
     )
 }
 
@@ -507,7 +544,13 @@ fn server_rows(runtime: &Runtime, sizes: Sizes) -> ServerRows {
         let handoffs = Handoffs::measure(&server, sizes).await;
         let (rounds, length) = (sizes.load_rounds, sizes.load_round);
         let throughput = throughput(&server, LOAD_TASKS, rounds, length).await;
-        let http = http_shape(&server, HTTP_CONNECTIONS, rounds, length).await;
+        let http = http_shape(
+            &server,
+            HTTP_CONNECTIONS,
+            sizes.http_rounds,
+            sizes.http_round,
+        )
+        .await;
         drop(server);
 
         let azurite = Azurite::start().await;
@@ -637,15 +680,9 @@ fn print_load_rows(throughput: &Throughput, http: &HttpShape) {
     print_route_rates(
         "8. HTTP, lock_route on PostgreSQL vs no layer",
         &http.rates,
-        0.22,
+        0.33,
     );
-    row(
-        "   app CPU per request (server + client)",
-        in_micros(http.locked_app_cpu),
-        in_micros(http.plain_app_cpu),
-        "diagnostic",
-        "",
-    );
+    print_request_costs(&http.rates);
     row(
         "   PostgreSQL CPU per locked request",
         in_micros(http.locked_server_cpu),

@@ -42,19 +42,100 @@ async fn posts_for(addr: SocketAddr, connections: usize, length: Duration, tag: 
     .await
 }
 
-/// Requests per second of a locked route and of the same route without the layer.
-#[derive(Clone, Copy, Debug, Default)]
+/// Requests per second of a locked route and of the same route without the layer, and what
+/// each request cost this process (server and client together).
+#[derive(Clone, Debug, Default)]
 pub struct RouteRates {
-    /// Requests per second behind the layer.
+    /// Requests per second behind the layer, over every round.
     pub locked_per_s: f64,
-    /// Requests per second without it.
+    /// Requests per second without it, over every round.
     pub plain_per_s: f64,
+    /// Each round's locked requests over the plain requests of the round next to it.
+    pub round_ratios: Vec<f64>,
+    /// This process's CPU per locked request.
+    pub locked_cpu: Duration,
+    /// This process's CPU per plain request.
+    pub plain_cpu: Duration,
+    /// Heap allocations per locked request (0 unless the program counts them, see
+    /// [`allocations`](crate::allocations)).
+    pub locked_allocations: f64,
+    /// Heap allocations per plain request.
+    pub plain_allocations: f64,
 }
 
 impl RouteRates {
-    /// The locked route's requests per second over the plain one's.
+    /// The median of the rounds' ratios: the locked route's requests per second over the plain
+    /// one's, each round set against its neighbour so that both meet the same machine.
     pub fn ratio(&self) -> f64 {
-        self.locked_per_s / self.plain_per_s
+        let mut ratios = self.round_ratios.clone();
+        ratios.sort_by(f64::total_cmp);
+        match ratios.len() {
+            0 => self.locked_per_s / self.plain_per_s,
+            n if n % 2 == 1 => ratios[n / 2],
+            n => (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0,
+        }
+    }
+}
+
+/// What one side's rounds served and cost: requests, CPU, allocations.
+#[derive(Clone, Copy, Default)]
+struct Spent {
+    requests: u64,
+    cpu: Duration,
+    allocations: u64,
+}
+
+impl Spent {
+    /// Runs `side` and adds what it served and cost.
+    async fn add(&mut self, side: impl std::future::Future<Output = u64>) -> u64 {
+        let (cpu, allocations) = (own_cpu_time(), crate::allocations::allocations());
+        let requests = side.await;
+        self.requests += requests;
+        self.cpu += own_cpu_time().saturating_sub(cpu);
+        self.allocations += crate::allocations::allocations().saturating_sub(allocations);
+        requests
+    }
+
+    fn cpu_per_request(&self) -> Duration {
+        self.cpu
+            .checked_div(u32::try_from(self.requests.max(1)).unwrap_or(u32::MAX))
+            .unwrap_or_default()
+    }
+
+    fn allocations_per_request(&self) -> f64 {
+        self.allocations as f64 / self.requests.max(1) as f64
+    }
+}
+
+/// Alternates `rounds` rounds of the locked side (`side(true, round)`) and the plain one, each
+/// `length` long and answering how many requests it served: the locked side first in even
+/// rounds and second in odd ones, so that neither always follows the other.
+async fn alternate_rounds<F, Fut>(rounds: usize, length: Duration, mut side: F) -> RouteRates
+where
+    F: FnMut(bool, usize) -> Fut,
+    Fut: std::future::Future<Output = u64>,
+{
+    let (mut locked, mut plain) = (Spent::default(), Spent::default());
+    let mut round_ratios = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let (locked_now, plain_now) = if round % 2 == 0 {
+            let locked_now = locked.add(side(true, round)).await;
+            (locked_now, plain.add(side(false, round)).await)
+        } else {
+            let plain_now = plain.add(side(false, round)).await;
+            (locked.add(side(true, round)).await, plain_now)
+        };
+        round_ratios.push(locked_now as f64 / plain_now.max(1) as f64);
+    }
+    let seconds = length.as_secs_f64() * rounds as f64;
+    RouteRates {
+        locked_per_s: locked.requests as f64 / seconds,
+        plain_per_s: plain.requests as f64 / seconds,
+        round_ratios,
+        locked_cpu: locked.cpu_per_request(),
+        plain_cpu: plain.cpu_per_request(),
+        locked_allocations: locked.allocations_per_request(),
+        plain_allocations: plain.allocations_per_request(),
     }
 }
 
@@ -71,20 +152,16 @@ pub async fn in_memory_layer_cost(
     let plain = serve(orders_route(None, || async {})).await;
     posts_for(locked, connections, WARM_UP, "warm").await;
     posts_for(plain, connections, WARM_UP, "warm").await;
-    let (mut locked_done, mut plain_done) = (0, 0);
-    for round in 0..rounds {
-        locked_done += posts_for(locked, connections, length, &format!("r{round}")).await;
-        plain_done += posts_for(plain, connections, length, &format!("r{round}")).await;
-    }
-    let seconds = length.as_secs_f64() * rounds as f64;
-    RouteRates {
-        locked_per_s: locked_done as f64 / seconds,
-        plain_per_s: plain_done as f64 / seconds,
-    }
+    alternate_rounds(rounds, length, |is_locked, round| {
+        let addr = if is_locked { locked } else { plain };
+        let tag = format!("r{round}");
+        async move { posts_for(addr, connections, length, &tag).await }
+    })
+    .await
 }
 
 /// Requests per second and CPU per request of a route with and without the lock layer.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct HttpShape {
     /// Requests per second behind `lock_route` on PostgreSQL, and without the layer.
     pub rates: RouteRates,
@@ -110,27 +187,33 @@ pub async fn http_shape(
     let pid = std::process::id();
     posts_for(locked, connections, WARM_UP, &format!("warm{pid}")).await;
     posts_for(plain, connections, WARM_UP, "warm").await;
-    let mut shape = HttpShape::default();
-    let (mut locked_done, mut plain_done) = (0, 0);
-    let (mut locked_cpu, mut plain_cpu, mut server_cpu) =
-        (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    for round in 0..rounds {
-        let (app, db) = (own_cpu_time(), server.cpu_time());
-        locked_done += posts_for(locked, connections, length, &format!("r{pid}-{round}")).await;
-        locked_cpu += own_cpu_time().saturating_sub(app);
-        server_cpu += server.cpu_time().saturating_sub(db);
-        let app = own_cpu_time();
-        plain_done += posts_for(plain, connections, length, "plain").await;
-        plain_cpu += own_cpu_time().saturating_sub(app);
+    // The server's CPU while the locked side ran.
+    let server_cpu = std::sync::Mutex::new(Duration::ZERO);
+    let rates = alternate_rounds(rounds, length, |is_locked, round| {
+        let server_cpu = &server_cpu;
+        async move {
+            if !is_locked {
+                return posts_for(plain, connections, length, "plain").await;
+            }
+            let before = server.cpu_time();
+            let done = posts_for(locked, connections, length, &format!("r{pid}-{round}")).await;
+            let spent = server.cpu_time().saturating_sub(before);
+            *server_cpu
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) += spent;
+            done
+        }
+    })
+    .await;
+    let server_cpu = server_cpu
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let locked_done = (rates.locked_per_s * length.as_secs_f64() * rounds as f64).round();
+    let per_request = Duration::from_secs_f64(server_cpu.as_secs_f64() / locked_done.max(1.0));
+    HttpShape {
+        locked_app_cpu: rates.locked_cpu,
+        plain_app_cpu: rates.plain_cpu,
+        locked_server_cpu: per_request,
+        rates,
     }
-    let seconds = length.as_secs_f64() * rounds as f64;
-    shape.rates = RouteRates {
-        locked_per_s: locked_done as f64 / seconds,
-        plain_per_s: plain_done as f64 / seconds,
-    };
-    let per = |cpu: Duration, n: u64| cpu.checked_div(n.max(1) as u32).unwrap_or_default();
-    shape.locked_app_cpu = per(locked_cpu, locked_done);
-    shape.plain_app_cpu = per(plain_cpu, plain_done);
-    shape.locked_server_cpu = per(server_cpu, locked_done);
-    shape
 }

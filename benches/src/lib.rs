@@ -6,6 +6,7 @@
 //! (`load`) and how a row prints (`table`).
 #![deny(missing_docs)]
 
+pub mod allocations;
 pub mod azure_rows;
 pub mod engine;
 pub mod etcd_rows;

@@ -48,6 +48,10 @@ step each-feature check_each_feature
 # nextest builds what it runs, examples included. The benchmarks are type-checked by clippy's
 # --all-targets above; building them is left to `cargo bench`.
 step nextest cargo nextest run --workspace --all-features --no-fail-fast
+# The short form of the benchmark table (docs/performance.md): each row's ratio to its own raw
+# baseline, measured in this run, must stay within 25% of the ratio recorded in
+# benches/smoke-reference.txt. It runs in the test profile nextest has just built.
+step bench-smoke cargo test --quiet -p lockingkit-benches --bench smoke
 # The history checker (docs/reliability.md): a short run per provider, clients under kills,
 # pauses, partitions and server crashes, two providers at a time (the output is printed in
 # order afterwards). Its verdict depends only on safety violations found in the histories,

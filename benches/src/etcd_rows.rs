@@ -128,7 +128,7 @@ async fn raw_pair(client: &Client, lease: i64, key: &str, n: u64) {
 
 /// Median pair latencies, LockingKit and raw, alternating (LockingKit first) over `pairs`
 /// rounded up to tens.
-async fn pairs(cluster: &EtcdCluster, pairs: usize) -> (Duration, Duration) {
+pub async fn pairs(cluster: &EtcdCluster, pairs: usize) -> (Duration, Duration) {
     let locks = lock(cluster);
     let client = cluster.client().await;
     let lease = raw_lease(&client).await;

@@ -117,6 +117,7 @@ where
 {
     let (mut locked, mut plain) = (Spent::default(), Spent::default());
     let mut round_ratios = Vec::with_capacity(rounds);
+    crate::allocations::counting(true);
     for round in 0..rounds {
         let (locked_now, plain_now) = if round % 2 == 0 {
             let locked_now = locked.add(side(true, round)).await;
@@ -127,6 +128,7 @@ where
         };
         round_ratios.push(locked_now as f64 / plain_now.max(1) as f64);
     }
+    crate::allocations::counting(false);
     let seconds = length.as_secs_f64() * rounds as f64;
     RouteRates {
         locked_per_s: locked.requests as f64 / seconds,

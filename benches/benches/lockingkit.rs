@@ -43,8 +43,8 @@ use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::redis::RedisServer;
 use tokio::runtime::Runtime;
 
-/// Counts allocations, for the HTTP rows' allocations per request (a relaxed atomic increment
-/// per allocation, paid alike by both sides of every row).
+/// Counts allocations during the HTTP rows' rounds, for their allocations per request (a
+/// relaxed increment per allocation then, paid alike by both sides; a relaxed load otherwise).
 #[global_allocator]
 static ALLOCATOR: lockingkit_benches::allocations::Counting =
     lockingkit_benches::allocations::Counting;
@@ -782,8 +782,8 @@ fn server_json(rows: &ServerRows) -> String {
         http.rates.locked_per_s,
         http.rates.plain_per_s,
         http.rates.ratio(),
-        micros(http.locked_app_cpu),
-        micros(http.plain_app_cpu),
+        micros(http.rates.locked_cpu),
+        micros(http.rates.plain_cpu),
         micros(http.locked_server_cpu),
     )
 }

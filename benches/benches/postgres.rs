@@ -50,8 +50,8 @@ fn main() {
             http.rates.locked_per_s,
             http.rates.plain_per_s,
             http.rates.ratio(),
-            http.locked_app_cpu.as_secs_f64() * 1e6,
-            http.plain_app_cpu.as_secs_f64() * 1e6,
+            http.rates.locked_cpu.as_secs_f64() * 1e6,
+            http.rates.plain_cpu.as_secs_f64() * 1e6,
             http.locked_server_cpu.as_secs_f64() * 1e6
         );
     });

@@ -162,15 +162,13 @@ pub async fn in_memory_layer_cost(
     .await
 }
 
-/// Requests per second and CPU per request of a route with and without the lock layer.
+/// Requests per second, and CPU and allocations per request, of a route with and without the
+/// lock layer, and the PostgreSQL server's CPU per locked request.
 #[derive(Clone, Debug, Default)]
 pub struct HttpShape {
-    /// Requests per second behind `lock_route` on PostgreSQL, and without the layer.
+    /// Requests per second behind `lock_route` on PostgreSQL, and without the layer, with this
+    /// process's CPU and allocations per request on each side.
     pub rates: RouteRates,
-    /// CPU of this process (server and client) per locked request.
-    pub locked_app_cpu: Duration,
-    /// CPU of this process (server and client) per plain request.
-    pub plain_app_cpu: Duration,
     /// CPU of the PostgreSQL server per locked request.
     pub locked_server_cpu: Duration,
 }
@@ -189,33 +187,30 @@ pub async fn http_shape(
     let pid = std::process::id();
     posts_for(locked, connections, WARM_UP, &format!("warm{pid}")).await;
     posts_for(plain, connections, WARM_UP, "warm").await;
-    // The server's CPU while the locked side ran.
-    let server_cpu = std::sync::Mutex::new(Duration::ZERO);
+    // The server's CPU while the locked side ran, and the requests it served meanwhile.
+    let server_side = std::sync::Mutex::new(Spent::default());
     let rates = alternate_rounds(rounds, length, |is_locked, round| {
-        let server_cpu = &server_cpu;
+        let server_side = &server_side;
         async move {
             if !is_locked {
                 return posts_for(plain, connections, length, "plain").await;
             }
             let before = server.cpu_time();
             let done = posts_for(locked, connections, length, &format!("r{pid}-{round}")).await;
-            let spent = server.cpu_time().saturating_sub(before);
-            *server_cpu
+            let mut spent = server_side
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) += spent;
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            spent.cpu += server.cpu_time().saturating_sub(before);
+            spent.requests += done;
             done
         }
     })
     .await;
-    let server_cpu = server_cpu
+    let server_side = server_side
         .into_inner()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let locked_done = (rates.locked_per_s * length.as_secs_f64() * rounds as f64).round();
-    let per_request = Duration::from_secs_f64(server_cpu.as_secs_f64() / locked_done.max(1.0));
     HttpShape {
-        locked_app_cpu: rates.locked_cpu,
-        plain_app_cpu: rates.plain_cpu,
-        locked_server_cpu: per_request,
         rates,
+        locked_server_cpu: server_side.cpu_per_request(),
     }
 }

@@ -11,6 +11,7 @@ pub mod etcd;
 #[path = "../../lockingkit/tests/support/field_log.rs"]
 pub mod field_log;
 pub mod http;
+pub mod mariadb;
 pub mod os;
 pub mod pgbouncer;
 pub mod polling;

@@ -1,6 +1,6 @@
-//! The suites against real servers (PostgreSQL, PgBouncer, Azurite, Redis, etcd), one module
-//! each, built as one test binary. The fixtures they share are the `lockingkit_tests` library
-//! (`support/`).
+//! The suites against real servers (PostgreSQL, PgBouncer, Azurite, Redis, etcd, MariaDB), one
+//! module each, built as one test binary. The fixtures they share are the `lockingkit_tests`
+//! library (`support/`).
 
 // The Azure Blob provider against Azurite: the contract suite, leases, semaphores, interop.
 mod azure;
@@ -23,9 +23,15 @@ mod leader_failover;
 // Two leader processes hand one key back and forth, sampled every millisecond: never two
 // leaders at once.
 mod leader_handover;
+// The MariaDB fixture itself: a server that answers, named locks between two client sessions,
+// data kept across a restart and a crash.
+mod mariadb_fixture;
 // Two processes take {a, b} and {b, a} with acquire_all, round after round: no deadlock, no
 // lost update on a counter row written only under the hold.
 mod multi_key_processes;
+// The MySQL provider on MariaDB: the contract suite, interop with the command-line client,
+// loss on a killed session, fencing across a restart, a thousand locks on eight sessions.
+mod mysql;
 // The outage experiment: a locked route under load while PostgreSQL is frozen, unreachable,
 // restarted or refusing our password (503/500, never 409; connections and log lines counted).
 mod outages;

@@ -177,7 +177,7 @@ impl BackendError {
     }
 
     /// The same failure told with another message (kind and cause unchanged).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn with_message(mut self, message: impl Into<String>) -> Self {
         self.message = message.into();
         self
@@ -190,7 +190,12 @@ impl BackendError {
     /// costs the server nothing while the provider's gate refuses), and the server is asked as
     /// soon as, and no more often than, the provider's gate allows.
     #[cfg_attr(
-        not(any(feature = "etcd", feature = "postgres", feature = "redis")),
+        not(any(
+            feature = "etcd",
+            feature = "mysql",
+            feature = "postgres",
+            feature = "redis"
+        )),
         allow(dead_code)
     )]
     pub(crate) fn paced_by_provider(mut self) -> Self {

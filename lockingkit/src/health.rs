@@ -35,7 +35,12 @@ use crate::backoff::Backoff;
 /// The first probe of a provider's own gate (its connects, say) goes out this long after the
 /// failure, jittered.
 #[cfg_attr(
-    not(any(feature = "etcd", feature = "postgres", feature = "redis")),
+    not(any(
+        feature = "etcd",
+        feature = "mysql",
+        feature = "postgres",
+        feature = "redis"
+    )),
     allow(dead_code)
 )]
 pub(crate) const OUTAGE_FIRST: Duration = Duration::from_millis(100);
@@ -45,7 +50,12 @@ pub(crate) const OUTAGE_FIRST: Duration = Duration::from_millis(100);
 /// is asked again within it, so that service resumes within a second of its return, the
 /// connect included.
 #[cfg_attr(
-    not(any(feature = "etcd", feature = "postgres", feature = "redis")),
+    not(any(
+        feature = "etcd",
+        feature = "mysql",
+        feature = "postgres",
+        feature = "redis"
+    )),
     allow(dead_code)
 )]
 pub(crate) const OUTAGE_MOST: Duration = Duration::from_millis(900);

@@ -10,6 +10,7 @@
 //! |---|---|---|
 //! | `AzureLockKeys` | `azure` | the names of its guard blob and of a semaphore's slot blobs |
 //! | `EtcdLockKeys` | `etcd` | a path segment, and the directories of its holders and waiters |
+//! | `MysqlLockKeys` | `mysql` | a named-lock name (`GET_LOCK`), in Rust and in SQL; a semaphore's slot names |
 //! | `PostgresLockKeys` | `postgres` | an advisory-lock number, in Rust and in SQL; a semaphore's two-`int4` slots |
 //! | `RedisLockKeys` | `redis` | Redis key names sharing one Cluster hash slot (`RedisLockNames`, `RedisSemaphoreNames`) |
 
@@ -19,6 +20,8 @@ use crate::error::{ErrorKind, LockError};
 pub use crate::providers::azure::keys::AzureLockKeys;
 #[cfg(feature = "etcd")]
 pub use crate::providers::etcd::keys::EtcdLockKeys;
+#[cfg(feature = "mysql")]
+pub use crate::providers::mysql::keys::MysqlLockKeys;
 #[cfg(feature = "postgres")]
 pub use crate::providers::postgres::keys::PostgresLockKeys;
 #[cfg(feature = "redis")]

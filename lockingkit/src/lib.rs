@@ -70,6 +70,8 @@ pub use providers::azure::{AzureBlobBackend, AzureBlobOptions};
 #[cfg(feature = "etcd")]
 pub use providers::etcd::{EtcdBackend, EtcdOptions};
 pub use providers::memory::{MemoryBackend, MemoryStore};
+#[cfg(feature = "mysql")]
+pub use providers::mysql::{MysqlBackend, MysqlOptions};
 #[cfg(feature = "postgres")]
 pub use providers::postgres::{PostgresBackend, PostgresOptions};
 #[cfg(feature = "redis")]

@@ -17,6 +17,10 @@ pub(super) const BUILT_IN: &[BuiltIn] = &[
     BuiltIn::of::<providers::postgres::Postgres>(),
     #[cfg(not(feature = "postgres"))]
     BuiltIn::needs("postgres", "postgres"),
+    #[cfg(feature = "mysql")]
+    BuiltIn::of::<providers::mysql::Mysql>(),
+    #[cfg(not(feature = "mysql"))]
+    BuiltIn::needs("mysql", "mysql"),
     #[cfg(feature = "azure")]
     BuiltIn::of::<providers::azure::AzureBlob>(),
     #[cfg(not(feature = "azure"))]

@@ -65,7 +65,6 @@ mod lock_sessions;
 mod options;
 mod pooler;
 mod provider;
-mod reconnect;
 mod schema;
 mod session;
 mod tls;
@@ -237,7 +236,7 @@ impl PostgresBackend {
             config: settings.config,
             tls,
             timeout,
-            reconnect: Arc::new(reconnect::Reconnect::new()),
+            reconnect: Arc::new(crate::providers::reconnect::Reconnect::new()),
             pooling: pooling.clone(),
         });
         let schema = Arc::new(schema::Schema::new(&options));

@@ -32,8 +32,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::errors::{self, Stage};
 use super::pooler::{Pooling, ServerProcess};
-use super::reconnect::Reconnect;
 use crate::backend::BackendError;
+use crate::providers::reconnect::Reconnect;
 pub(super) use deadline::Bounded;
 pub(super) use holds::{Advisory, Attempt, Availability};
 pub(super) use statements::Prepared;

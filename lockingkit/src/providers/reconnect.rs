@@ -1,13 +1,13 @@
 //! One backoff for every connection a backend opens, so that a server that is down, refuses
 //! our password or is out of connection slots is not hammered by reconnects.
 //!
-//! Lock sessions and watcher sessions connect through the same [`Reconnect`]. After a connect
-//! fails, the backend opens no connection for a while and every caller that needs one is told
-//! the latest cause at once (the server sees nothing); then one connect at a time is tried,
-//! [`OUTAGE_FIRST`] after the failure, each further one twice as long after the last failed one
-//! (with equal jitter, so that instances drift apart), up to [`OUTAGE_MOST`] apart. The first
-//! connection that opens ends it. The engine logs the outage (once when it starts, once when
-//! it ends); this module logs nothing.
+//! The lock sessions and waiting sessions of one PostgreSQL or MySQL backend connect through
+//! the same [`Reconnect`]. After a connect fails, the backend opens no connection for a while
+//! and every caller that needs one is told the latest cause at once (the server sees nothing);
+//! then one connect at a time is tried, [`OUTAGE_FIRST`] after the failure, each further one
+//! twice as long after the last failed one (with equal jitter, so that instances drift apart),
+//! up to [`OUTAGE_MOST`] apart. The first connection that opens ends it. The engine logs the
+//! outage (once when it starts, once when it ends); this module logs nothing.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -19,30 +19,31 @@ use crate::health::{Admission, Health, OUTAGE_FIRST, OUTAGE_MOST};
 
 /// Whether connecting to the server works, shared by every session of a backend.
 #[derive(Debug)]
-pub(super) struct Reconnect {
+pub(crate) struct Reconnect {
     health: Arc<Health>,
 }
 
 impl Reconnect {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Reconnect {
             health: Arc::new(Health::new(OUTAGE_FIRST, OUTAGE_MOST)),
         }
     }
 
     /// Whether connects are failing now (no connect would be tried).
-    pub(super) fn is_failing(&self) -> bool {
+    pub(crate) fn is_failing(&self) -> bool {
         self.health.is_failing()
     }
 
     /// The latest connect failure, while connecting is failing.
-    pub(super) fn current_failure(&self) -> Option<BackendError> {
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn current_failure(&self) -> Option<BackendError> {
         self.health.current_failure().map(|refusal| refusal.cause)
     }
 
     /// Runs `connect` unless connecting is failing and no attempt is due, in which case the
     /// latest failure is returned at once without touching the server.
-    pub(super) async fn connect<T>(
+    pub(crate) async fn connect<T>(
         &self,
         connect: impl Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {

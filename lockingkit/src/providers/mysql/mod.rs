@@ -1,0 +1,585 @@
+//! The MySQL and MariaDB provider: user-level named locks (`feature = "mysql"`).
+//!
+//! A lock is `GET_LOCK(name, 0)` on one of a few server sessions that the backend's locks
+//! share, where `name` is [`MysqlLockKeys::lock_name`] of the key; semaphores take slot names
+//! of their own. The lock lives exactly as long as that session holds it: it is declared lost
+//! the moment the session ends (killed, a server that stopped or crashed, a statement that did
+//! not answer in time), and the session is checked every
+//! [`check_interval`](MysqlOptions::check_interval).
+//!
+//! # Guarantees and caveats
+//! - **Locks share sessions**: at most [`max_sessions`](MysqlOptions::max_sessions) per
+//!   backend, each holding any number of locks (MySQL 5.7+ and MariaDB 10.0.2+ allow many
+//!   named locks per session). A session runs one statement at a time, so attempts, releases
+//!   and checks take turns on it and spread over the sessions.
+//! - **Never by re-entrancy**: named locks are reentrant within a session, so a session never
+//!   asks for a name it holds; it answers busy instead, as the server would answer any other
+//!   session.
+//! - **A statement that does not finish ends its session**: no answer within
+//!   [`query_timeout`](MysqlOptions::query_timeout), a broken connection or a cancelled
+//!   statement leaves the connection's state unknown, so it is closed, the server frees every
+//!   lock it held, and every holder on it is told of the loss.
+//! - **Fencing tokens** come from one counter row, `UPDATE lockingkit_fencing SET v =
+//!   LAST_INSERT_ID(v + 1) WHERE id = 1`, sent in the same round trip as the lock (three
+//!   statements in one request: the lock into a session variable, the counter bumped only if
+//!   it was granted, both read back). A busy attempt leaves the counter alone. The row is
+//!   InnoDB, so tokens keep growing across server restarts. The table is created on first use;
+//!   a user without CREATE needs it created beforehand (see the MySQL guide), with SELECT and
+//!   UPDATE on it.
+//! - **Semaphores**: slot `s` of the semaphore `k` is the name
+//!   [`MysqlLockKeys::semaphore_slot`]`(k, s)`. One request tries the free slots in turn, from a
+//!   random one on, and takes the first the server grants. At most [`MAX_SEMAPHORE_COUNT`]
+//!   slots.
+//! - **No readers**: a named lock has no shared mode, and a reader-writer lock built from
+//!   several names could not tell a waiting writer from a reader without a second round trip
+//!   that races; the backend refuses `LockMode::Shared` (see the MySQL guide).
+//! - **Not replicated**: named locks live in one server's memory. After a failover every lock
+//!   is gone and every holder sees loss.
+
+mod connection;
+mod errors;
+pub(crate) mod keys;
+mod options;
+mod provider;
+mod session;
+mod sessions;
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Row};
+
+pub use options::{MysqlOptions, DEFAULT_FENCING_TABLE};
+pub(crate) use provider::Mysql;
+
+use crate::backend::MAX_SEMAPHORE_COUNT;
+use crate::backend::{Acquired, BackendError, LeaseTiming, LockBackend, LockMode};
+use crate::config::Problem;
+use crate::error::LockError;
+use connection::Connector;
+use errors::Stage;
+use keys::MysqlLockKeys;
+use session::Session;
+use sessions::LockSessions;
+
+/// The provider name in telemetry.
+pub(crate) const PROVIDER: &str = "mysql";
+
+/// The unlock; its answer is 1 when this session held the lock.
+const UNLOCK: &str = "SELECT RELEASE_LOCK(?)";
+
+/// The MySQL and MariaDB backend: a few lock sessions and the statements of the lock protocol.
+///
+/// ```no_run
+/// use lockingkit::{DistributedLock, MysqlBackend, MysqlOptions};
+///
+/// # async fn run() -> Result<(), lockingkit::LockError> {
+/// let backend = MysqlBackend::new(MysqlOptions::new(
+///     "mysql://app:secret@db.internal:3306/app?require_ssl=true",
+/// ))?;
+/// let locks = DistributedLock::builder(backend).name("Jobs").build()?;
+/// let handle = locks.try_acquire("jobs/nightly-export").await?;
+/// // … work, sending handle.fencing_token() with every write …
+/// handle.release().await?;
+/// # Ok(()) }
+/// ```
+///
+/// Clones share the sessions and the fencing state: two `DistributedLock`s built from clones
+/// of one backend use one connection budget, and a key one of them holds is busy for the other.
+#[derive(Clone)]
+pub struct MysqlBackend {
+    inner: Arc<Backend>,
+}
+
+/// What the clones of one [`MysqlBackend`] share.
+struct Backend {
+    connector: Arc<Connector>,
+    sessions: LockSessions,
+    max_sessions: usize,
+    check_interval: Duration,
+    fencing: Fencing,
+    /// Spreads the first slot semaphore attempts try.
+    attempts: AtomicU64,
+}
+
+/// The fencing-token table and the statements that use it.
+struct Fencing {
+    /// Set once the table is known to exist; cleared if a statement finds it gone.
+    ready: AtomicBool,
+    /// Checks the counter row: `SELECT v FROM … WHERE id = 1`.
+    select: Arc<str>,
+    /// Creates the table unless it exists.
+    create: Arc<str>,
+    /// Adds the counter row to an empty table.
+    insert: Arc<str>,
+    /// What follows the lock in an attempt's request: the counter bumped if the lock was
+    /// granted, and both read back.
+    bump: Arc<str>,
+}
+
+impl Fencing {
+    fn new(table: &str) -> Self {
+        Fencing {
+            ready: AtomicBool::new(false),
+            select: format!("SELECT v FROM `{table}` WHERE id = 1").into(),
+            create: format!(
+                "CREATE TABLE IF NOT EXISTS `{table}` (id TINYINT UNSIGNED NOT NULL PRIMARY KEY, \
+                 v BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB"
+            )
+            .into(),
+            insert: format!("INSERT IGNORE INTO `{table}` (id, v) VALUES (1, 0)").into(),
+            bump: format!(
+                "; UPDATE `{table}` SET v = LAST_INSERT_ID(v + 1) WHERE id = 1 \
+                 AND @lockingkit_slot IS NOT NULL; SELECT @lockingkit_slot, LAST_INSERT_ID()"
+            )
+            .into(),
+        }
+    }
+}
+
+impl MysqlBackend {
+    /// Validates `options` and prepares the sessions. No connection is opened until the first
+    /// attempt, so a server that is down at startup is reported by the attempts, as
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable), not here.
+    ///
+    /// Fails with [`ErrorKind::Misconfigured`](crate::ErrorKind::Misconfigured), listing every
+    /// problem, when the options are invalid.
+    pub fn new(options: MysqlOptions) -> Result<Self, LockError> {
+        Self::open(options)
+            .map_err(|problems| crate::config::misconfigured_at("MysqlOptions", problems))
+    }
+
+    /// [`new`](Self::new), with the problems as data, for the registry to place in the
+    /// section the options came from.
+    pub(crate) fn open(options: MysqlOptions) -> Result<Self, Vec<Problem>> {
+        let problems = options.problems();
+        if !problems.is_empty() {
+            return Err(problems);
+        }
+        let opts = connection::parse(options.connection_string.expose())
+            .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
+        let connector = Connector::new(opts, options.query_timeout);
+        Ok(MysqlBackend {
+            inner: Arc::new(Backend {
+                sessions: LockSessions::new(connector.clone(), options.max_sessions),
+                connector,
+                max_sessions: options.max_sessions,
+                check_interval: options.check_interval,
+                fencing: Fencing::new(&options.fencing_table),
+                attempts: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// How many sessions are open now for locks (held locks and attempts share them); at most
+    /// [`max_sessions`](MysqlOptions::max_sessions).
+    pub fn open_sessions(&self) -> usize {
+        self.inner.sessions.count()
+    }
+
+    /// Creates the fencing table and its counter row unless they exist.
+    async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
+        let fencing = &self.inner.fencing;
+        let (select, create, insert) = (
+            fencing.select.clone(),
+            fencing.create.clone(),
+            fencing.insert.clone(),
+        );
+        session
+            .run(Stage::Attempt, move |conn| {
+                Box::pin(async move {
+                    // Checking first lets a user without CREATE use a table made beforehand.
+                    match conn.query_first::<Row, _>(&*select).await {
+                        Ok(Some(_)) => return Ok(()),
+                        Ok(None) => {}
+                        Err(mysql_async::Error::Server(error))
+                            if error.code == errors::NO_SUCH_TABLE =>
+                        {
+                            conn.query_drop(&*create).await?;
+                        }
+                        Err(error) => return Err(error),
+                    }
+                    // An empty table has never been used: every grant bumps row 1, which is
+                    // never deleted.
+                    conn.query_drop(&*insert).await
+                })
+            })
+            .await?;
+        fencing.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// One attempt at the first of `names` the server grants. A session the server had closed
+    /// while it sat idle (a restart, `KILL`, its idle timeout) is only found out by using it:
+    /// the attempt then runs once more, on another session.
+    async fn attempt(
+        &self,
+        names: Arc<[Candidate]>,
+    ) -> Result<Option<Acquired<MysqlLease>>, BackendError> {
+        let session = self.inner.sessions.pick().await?;
+        match self.attempt_on(&session, names.clone()).await {
+            Err(_) if session.was_broken() => {
+                let session = self.inner.sessions.pick().await?;
+                self.attempt_on(&session, names).await
+            }
+            answer => answer,
+        }
+    }
+
+    /// One attempt on `session`.
+    async fn attempt_on(
+        &self,
+        session: &Arc<Session>,
+        names: Arc<[Candidate]>,
+    ) -> Result<Option<Acquired<MysqlLease>>, BackendError> {
+        if !self.inner.fencing.ready.load(Ordering::Acquire) {
+            // Boxed: it runs once per backend, and inline it would enlarge every attempt.
+            Box::pin(self.ensure_fencing(session)).await?;
+        }
+        let (holder, bump, asked) = (
+            session.clone(),
+            self.inner.fencing.bump.clone(),
+            names.clone(),
+        );
+        let taken = session
+            .run(Stage::Attempt, move |conn| {
+                Box::pin(take(conn, holder, asked, bump))
+            })
+            .await;
+        let taken = match taken {
+            Ok(taken) => taken,
+            Err(error) => {
+                if error.kind() == crate::backend::BackendErrorKind::Misconfigured {
+                    // The table may have been dropped: look for it again next time.
+                    self.inner.fencing.ready.store(false, Ordering::Release);
+                }
+                return Err(error);
+            }
+        };
+        Ok(taken.and_then(|(index, fencing_token)| {
+            let taken = names.get(index)?;
+            Some(Acquired {
+                lease: MysqlLease {
+                    name: taken.name.clone(),
+                    slot: taken.slot,
+                    session: session.clone(),
+                    released: AtomicBool::new(false),
+                },
+                fencing_token,
+            })
+        }))
+    }
+
+    /// The names a semaphore attempt tries, from a slot that differs from one attempt to the
+    /// next on, so processes that want the same semaphore at once do not all try slot 0 first.
+    fn slot_names(&self, key: &str, max_count: u16) -> Arc<[Candidate]> {
+        let attempt = self.inner.attempts.fetch_add(1, Ordering::Relaxed);
+        let start = spread(attempt) % u64::from(max_count.max(1));
+        let start = u16::try_from(start).unwrap_or(0);
+        (0..max_count)
+            .map(|i| {
+                let slot = (start + i) % max_count;
+                Candidate {
+                    name: Arc::from(MysqlLockKeys::semaphore_slot(key, slot)),
+                    slot: Some(slot),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One name an attempt may take.
+struct Candidate {
+    name: Arc<str>,
+    /// Its slot, for a semaphore's.
+    slot: Option<u16>,
+}
+
+/// A well-mixed 64-bit value from a counter (splitmix64's finaliser).
+fn spread(counter: u64) -> u64 {
+    let mut z = counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The request that takes the first free name of `names` this session does not hold, with
+/// its fencing token: `(index in names, token)`, or `None` when the server granted none.
+async fn take(
+    conn: &mut Conn,
+    session: Arc<Session>,
+    names: Arc<[Candidate]>,
+    bump: Arc<str>,
+) -> Result<Option<(usize, u64)>, mysql_async::Error> {
+    let free: Vec<usize> = {
+        let held = session.names();
+        (0..names.len())
+            .filter(|&i| !held.contains(&names[i].name))
+            .collect()
+    };
+    if free.is_empty() {
+        // This session holds every one: the server would grant them again, by re-entrancy.
+        return Ok(None);
+    }
+    let mut sql = String::from("SET @lockingkit_slot = CASE");
+    for &i in &free {
+        // Names are lowercase hexadecimal, digits and colons (see `MysqlLockKeys`): quoting
+        // them needs no escapes.
+        sql.push_str(&format!(
+            " WHEN GET_LOCK('{}', 0) = 1 THEN {i}",
+            names[i].name
+        ));
+    }
+    sql.push_str(" END");
+    sql.push_str(&bump);
+    let answer = match last_row(conn, sql).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            if !errors::breaks_session(&error) {
+                // A statement after the lock failed (the fencing table is gone, say): give
+                // back whatever the request took before it.
+                undo(conn, &names).await?;
+            }
+            return Err(error);
+        }
+    };
+    let slot = answer
+        .as_ref()
+        .and_then(|row| row.get_opt::<Option<u64>, usize>(0)?.ok()?);
+    let token = answer
+        .as_ref()
+        .and_then(|row| row.get_opt::<Option<u64>, usize>(1)?.ok()?);
+    match (slot.and_then(|slot| usize::try_from(slot).ok()), token) {
+        (None, _) => Ok(None),
+        (Some(index), Some(token)) if index < names.len() && token > 0 => {
+            session.names().insert(names[index].name.clone());
+            Ok(Some((index, token)))
+        }
+        (Some(_), _) => {
+            undo(conn, &names).await?;
+            Err(mysql_async::Error::Other(
+                "unexpected answer to the lock request".into(),
+            ))
+        }
+    }
+}
+
+/// Releases the name a failed lock request may have taken (its index is still in the
+/// session variable).
+async fn undo(conn: &mut Conn, names: &[Candidate]) -> Result<(), mysql_async::Error> {
+    let row = conn
+        .query_first::<Row, _>("SELECT @lockingkit_slot")
+        .await?;
+    let slot = row.and_then(|row| row.get_opt::<Option<u64>, usize>(0)?.ok()?);
+    if let Some(name) = slot
+        .and_then(|slot| usize::try_from(slot).ok())
+        .and_then(|index| names.get(index))
+    {
+        conn.exec_drop(UNLOCK, (name.name.as_ref(),)).await?;
+    }
+    Ok(())
+}
+
+/// Runs a request of several statements and returns the last row any of them answered.
+async fn last_row(conn: &mut Conn, sql: String) -> Result<Option<Row>, mysql_async::Error> {
+    let mut result = conn.query_iter(sql).await?;
+    let mut last = None;
+    while !result.is_empty() {
+        // Rows are taken as they are: converting a `Row` to itself cannot fail.
+        let rows: Vec<Row> = result.collect().await?;
+        if let Some(row) = rows.into_iter().last() {
+            last = Some(row);
+        }
+    }
+    Ok(last)
+}
+
+/// Unlocks `name` on `session`: `Ok(true)` when the session held it.
+async fn unlock(session: Arc<Session>, name: Arc<str>) -> Result<bool, BackendError> {
+    let holder = session.clone();
+    session
+        .run(Stage::Release, move |conn| {
+            Box::pin(async move {
+                let row = conn
+                    .exec_first::<Row, _, _>(UNLOCK, (name.as_ref(),))
+                    .await?;
+                // Whatever the answer, the session no longer holds the name.
+                holder.names().remove(&name);
+                Ok(row.and_then(|row| row.get_opt::<Option<i64>, usize>(0)?.ok()?) == Some(1))
+            })
+        })
+        .await
+}
+
+impl fmt::Debug for MysqlBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MysqlBackend")
+            .field("max_sessions", &self.inner.max_sessions)
+            .field("query_timeout", &self.inner.connector.timeout)
+            .field("check_interval", &self.inner.check_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // Every clone is gone, and every lease with it (a lease keeps its engine, and so its
+        // backend, alive).
+        self.sessions.close_all();
+    }
+}
+
+impl LockBackend for MysqlBackend {
+    type Lease = MysqlLease;
+
+    fn provider(&self) -> &str {
+        PROVIDER
+    }
+
+    fn timing(&self) -> LeaseTiming {
+        LeaseTiming::ConnectionHeld(self.inner.check_interval)
+    }
+
+    /// Exclusive locks, and semaphores of 1 to [`MAX_SEMAPHORE_COUNT`] slots; no readers (see
+    /// the module docs).
+    fn supports(&self, mode: LockMode) -> bool {
+        match mode {
+            LockMode::Exclusive => true,
+            LockMode::Semaphore { max_count } => (1..=MAX_SEMAPHORE_COUNT).contains(&max_count),
+            _ => false,
+        }
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &str,
+        mode: LockMode,
+    ) -> Result<Option<Acquired<MysqlLease>>, BackendError> {
+        let names: Arc<[Candidate]> =
+            match mode {
+                LockMode::Exclusive => Arc::new([Candidate {
+                    name: Arc::from(MysqlLockKeys::lock_name(key)),
+                    slot: None,
+                }]),
+                LockMode::Semaphore { max_count } => {
+                    let max_count = u16::try_from(max_count)
+                        .ok()
+                        .filter(|n| (1..=MAX_SEMAPHORE_COUNT).contains(&u32::from(*n)));
+                    let Some(max_count) = max_count else {
+                        return Err(BackendError::misconfigured(format!(
+                            "a MySQL semaphore has 1 to {MAX_SEMAPHORE_COUNT} slots"
+                        )));
+                    };
+                    self.slot_names(key, max_count)
+                }
+                _ => return Err(BackendError::misconfigured(
+                    "MySQL named locks have no shared mode: the mysql provider takes no readers",
+                )),
+            };
+        self.attempt(names).await
+    }
+
+    async fn renew(&self, lease: &MysqlLease) -> Result<(), BackendError> {
+        if lease.released.load(Ordering::Acquire) {
+            return Err(BackendError::lease_gone("the lock was already released"));
+        }
+        lease.session.check(self.inner.check_interval).await
+    }
+
+    async fn release(&self, lease: &MysqlLease) -> Result<(), BackendError> {
+        if lease.released.swap(true, Ordering::AcqRel) {
+            return Err(BackendError::lease_gone("the lock was already released"));
+        }
+        let session = lease.session.clone();
+        if session.is_ended() {
+            return Err(BackendError::lease_gone("the lock's MySQL session ended"));
+        }
+        match unlock(session, lease.name.clone()).await? {
+            true => Ok(()),
+            false => Err(BackendError::lease_gone(
+                "MySQL says the session no longer held the lock",
+            )),
+        }
+    }
+
+    /// One throwaway session of its own (not one of the lock sessions): connects and
+    /// authenticates, checks the fencing table (creating it if missing and allowed), and
+    /// closes. A few round trips after the connect; no lock.
+    async fn verify(&self) -> Result<(), BackendError> {
+        let conn = Box::pin(self.inner.connector.connect_unthrottled()).await?;
+        let session = Session::with(conn, self.inner.connector.timeout);
+        let checked = Box::pin(self.ensure_fencing(&session)).await;
+        session.end();
+        checked
+    }
+
+    /// Closes every lock session. Called once the engine has released its locks; clones of
+    /// this backend lose their sessions too.
+    async fn shutdown(&self) {
+        self.inner.sessions.close_all();
+    }
+
+    fn lease_ended(&self, lease: &MysqlLease) -> impl std::future::Future<Output = ()> + Send {
+        lease.session.ended().clone().cancelled_owned()
+    }
+}
+
+/// A held MySQL named lock: its name and the shared session that holds it.
+///
+/// Dropping a lease that was not released unlocks its name in the background, so the server
+/// never keeps the lock.
+pub struct MysqlLease {
+    name: Arc<str>,
+    /// For a semaphore, the slot held.
+    slot: Option<u16>,
+    session: Arc<Session>,
+    released: AtomicBool,
+}
+
+impl MysqlLease {
+    /// The lock name held, as `IS_USED_LOCK` takes it and `performance_schema.metadata_locks`
+    /// shows it (see [`MysqlLockKeys`](crate::keys::MysqlLockKeys)).
+    pub fn lock_name(&self) -> &str {
+        &self.name
+    }
+
+    /// For a semaphore, the slot held.
+    pub fn semaphore_slot(&self) -> Option<u16> {
+        self.slot
+    }
+
+    /// The server's id of the session holding the lock (`CONNECTION_ID()` there, what
+    /// `IS_USED_LOCK` answers and `KILL` takes).
+    pub fn connection_id(&self) -> u32 {
+        self.session.server_id()
+    }
+}
+
+impl fmt::Debug for MysqlLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The name is derived from the key: never printed.
+        f.debug_struct("MysqlLease").finish_non_exhaustive()
+    }
+}
+
+impl Drop for MysqlLease {
+    fn drop(&mut self) {
+        if self.released.load(Ordering::Acquire) || self.session.is_ended() {
+            return;
+        }
+        let (session, name) = (self.session.clone(), self.name.clone());
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                // A failed unlock ends the session, which frees the lock.
+                runtime.spawn(async move {
+                    let _ = unlock(session, name).await;
+                });
+            }
+            // Without a runtime nothing can be sent: closing the session frees the lock.
+            Err(_) => session.end(),
+        }
+    }
+}

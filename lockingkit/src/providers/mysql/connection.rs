@@ -46,12 +46,17 @@ impl Connector {
         // Each session's own settings, sent once when it opens:
         // - autocommit, so the fencing row's lock ends with each statement whatever the
         //   server's default;
-        // - a wait for that row bounded by the statement timeout (whole seconds, at least 1).
+        // - a wait for that row bounded by the statement timeout (whole seconds, at least 1);
+        // - REPEATABLE READ, under which an UPDATE computes its row's new value once (see
+        //   `take`), whatever the server's default;
+        // - matched rather than changed rows in the answer to an UPDATE (`take` reads them).
         let seconds = timeout.as_secs().clamp(1, 3600);
         let opts = OptsBuilder::from_opts(opts)
-            .init(vec![format!(
-                "SET SESSION autocommit = 1, innodb_lock_wait_timeout = {seconds}"
-            )])
+            .init(vec![
+                format!("SET SESSION autocommit = 1, innodb_lock_wait_timeout = {seconds}"),
+                "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ".to_owned(),
+            ])
+            .client_found_rows(true)
             .into();
         Arc::new(Connector {
             opts,

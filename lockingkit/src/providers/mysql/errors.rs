@@ -25,6 +25,8 @@ pub(super) enum Stage {
 
 /// The server error that says the fencing table is missing.
 pub(super) const NO_SUCH_TABLE: u16 = 1146;
+/// The server error that says a table to create exists already.
+pub(super) const TABLE_EXISTS: u16 = 1050;
 
 /// A statement or connection that did not answer within its timeout.
 pub(super) fn timed_out(stage: Stage, timeout: Duration) -> BackendError {

@@ -43,6 +43,8 @@ mod options;
 mod provider;
 mod session;
 mod sessions;
+mod take;
+mod waiting;
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,7 +52,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, Row};
+use mysql_async::Row;
 
 pub use options::{MysqlOptions, DEFAULT_FENCING_TABLE};
 pub(crate) use provider::Mysql;
@@ -64,6 +66,7 @@ use errors::Stage;
 use keys::MysqlLockKeys;
 use session::Session;
 use sessions::LockSessions;
+use take::{Candidate, FencingSql, Taken};
 
 /// The provider name in telemetry.
 pub(crate) const PROVIDER: &str = "mysql";
@@ -97,7 +100,9 @@ pub struct MysqlBackend {
 /// What the clones of one [`MysqlBackend`] share.
 struct Backend {
     connector: Arc<Connector>,
-    sessions: LockSessions,
+    sessions: Arc<LockSessions>,
+    /// Wakes this process's waiters when their key is freed, granting it to them.
+    watchers: Arc<waiting::Watchers>,
     max_sessions: usize,
     check_interval: Duration,
     fencing: Fencing,
@@ -109,35 +114,7 @@ struct Backend {
 struct Fencing {
     /// Set once the table is known to exist; cleared if a statement finds it gone.
     ready: AtomicBool,
-    /// Checks the counter row: `SELECT v FROM … WHERE id = 1`.
-    select: Arc<str>,
-    /// Creates the table unless it exists.
-    create: Arc<str>,
-    /// Adds the counter row to an empty table.
-    insert: Arc<str>,
-    /// What follows the lock in an attempt's request: the counter bumped if the lock was
-    /// granted, and both read back.
-    bump: Arc<str>,
-}
-
-impl Fencing {
-    fn new(table: &str) -> Self {
-        Fencing {
-            ready: AtomicBool::new(false),
-            select: format!("SELECT v FROM `{table}` WHERE id = 1").into(),
-            create: format!(
-                "CREATE TABLE IF NOT EXISTS `{table}` (id TINYINT UNSIGNED NOT NULL PRIMARY KEY, \
-                 v BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB"
-            )
-            .into(),
-            insert: format!("INSERT IGNORE INTO `{table}` (id, v) VALUES (1, 0)").into(),
-            bump: format!(
-                "; UPDATE `{table}` SET v = LAST_INSERT_ID(v + 1) WHERE id = 1 \
-                 AND @lockingkit_slot IS NOT NULL; SELECT @lockingkit_slot, LAST_INSERT_ID()"
-            )
-            .into(),
-        }
-    }
+    sql: Arc<FencingSql>,
 }
 
 impl MysqlBackend {
@@ -162,13 +139,25 @@ impl MysqlBackend {
         let opts = connection::parse(options.connection_string.expose())
             .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
         let connector = Connector::new(opts, options.query_timeout);
+        let sessions = Arc::new(LockSessions::new(connector.clone(), options.max_sessions));
+        let fencing = Fencing {
+            ready: AtomicBool::new(false),
+            sql: Arc::new(FencingSql::new(&options.fencing_table)),
+        };
+        let watchers = waiting::Watchers::new(
+            connector.clone(),
+            sessions.clone(),
+            options.max_wait_sessions,
+            fencing.sql.clone(),
+        );
         Ok(MysqlBackend {
             inner: Arc::new(Backend {
-                sessions: LockSessions::new(connector.clone(), options.max_sessions),
+                sessions,
+                watchers,
                 connector,
                 max_sessions: options.max_sessions,
                 check_interval: options.check_interval,
-                fencing: Fencing::new(&options.fencing_table),
+                fencing,
                 attempts: AtomicU64::new(0),
             }),
         })
@@ -180,34 +169,24 @@ impl MysqlBackend {
         self.inner.sessions.count()
     }
 
+    /// How many sessions are open now to wait for keys held by other processes, or holding
+    /// what such a wait was granted; at most [`max_wait_sessions`](MysqlOptions::max_wait_sessions).
+    pub fn wait_sessions(&self) -> usize {
+        self.inner.watchers.in_use()
+    }
+
     /// Creates the fencing table and its counter row unless they exist.
     async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
         let fencing = &self.inner.fencing;
-        let (select, create, insert) = (
-            fencing.select.clone(),
-            fencing.create.clone(),
-            fencing.insert.clone(),
-        );
-        session
+        let sql = fencing.sql.clone();
+        let complete = session
             .run(Stage::Attempt, move |conn| {
-                Box::pin(async move {
-                    // Checking first lets a user without CREATE use a table made beforehand.
-                    match conn.query_first::<Row, _>(&*select).await {
-                        Ok(Some(_)) => return Ok(()),
-                        Ok(None) => {}
-                        Err(mysql_async::Error::Server(error))
-                            if error.code == errors::NO_SUCH_TABLE =>
-                        {
-                            conn.query_drop(&*create).await?;
-                        }
-                        Err(error) => return Err(error),
-                    }
-                    // An empty table has never been used: every grant bumps row 1, which is
-                    // never deleted.
-                    conn.query_drop(&*insert).await
-                })
+                Box::pin(take::ensure_fencing(conn, sql))
             })
             .await?;
+        if !complete {
+            return Err(no_counter_row());
+        }
         fencing.ready.store(true, Ordering::Release);
         Ok(())
     }
@@ -219,6 +198,11 @@ impl MysqlBackend {
         &self,
         names: Arc<[Candidate]>,
     ) -> Result<Option<Acquired<MysqlLease>>, BackendError> {
+        if let [only] = &*names {
+            // What an ended wait left on the name (a request being withdrawn, a grant nobody
+            // took) is gone before the server is asked, so it cannot answer this "busy".
+            self.inner.watchers.settled(&only.name).await;
+        }
         let session = self.inner.sessions.pick().await?;
         match self.attempt_on(&session, names.clone()).await {
             Err(_) if session.was_broken() => {
@@ -239,18 +223,27 @@ impl MysqlBackend {
             // Boxed: it runs once per backend, and inline it would enlarge every attempt.
             Box::pin(self.ensure_fencing(session)).await?;
         }
-        let (holder, bump, asked) = (
+        let (holder, sql, asked) = (
             session.clone(),
-            self.inner.fencing.bump.clone(),
+            self.inner.fencing.sql.clone(),
             names.clone(),
         );
         let taken = session
             .run(Stage::Attempt, move |conn| {
-                Box::pin(take(conn, holder, asked, bump))
+                Box::pin(take::take(conn, holder, asked, sql, 0))
             })
             .await;
-        let taken = match taken {
-            Ok(taken) => taken,
+        let (index, fencing_token) = match taken {
+            Ok(Taken::Granted {
+                index,
+                fencing_token,
+                ..
+            }) => (index, fencing_token),
+            Ok(Taken::Busy) => return Ok(None),
+            Ok(Taken::NoCounterRow) => {
+                self.inner.fencing.ready.store(false, Ordering::Release);
+                return Err(no_counter_row());
+            }
             Err(error) => {
                 if error.kind() == crate::backend::BackendErrorKind::Misconfigured {
                     // The table may have been dropped: look for it again next time.
@@ -259,17 +252,20 @@ impl MysqlBackend {
                 return Err(error);
             }
         };
-        Ok(taken.and_then(|(index, fencing_token)| {
-            let taken = names.get(index)?;
-            Some(Acquired {
-                lease: MysqlLease {
-                    name: taken.name.clone(),
-                    slot: taken.slot,
-                    session: session.clone(),
-                    released: AtomicBool::new(false),
-                },
-                fencing_token,
-            })
+        let Some(taken) = names.get(index) else {
+            return Err(BackendError::permanent(
+                "unexpected answer to the lock statement",
+            ));
+        };
+        Ok(Some(Acquired {
+            lease: MysqlLease {
+                name: taken.name.clone(),
+                slot: taken.slot,
+                session: session.clone(),
+                released: AtomicBool::new(false),
+                _adopted: None,
+            },
+            fencing_token,
         }))
     }
 
@@ -291,13 +287,6 @@ impl MysqlBackend {
     }
 }
 
-/// One name an attempt may take.
-struct Candidate {
-    name: Arc<str>,
-    /// Its slot, for a semaphore's.
-    slot: Option<u16>,
-}
-
 /// A well-mixed 64-bit value from a counter (splitmix64's finaliser).
 fn spread(counter: u64) -> u64 {
     let mut z = counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -306,95 +295,13 @@ fn spread(counter: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The request that takes the first free name of `names` this session does not hold, with
-/// its fencing token: `(index in names, token)`, or `None` when the server granted none.
-async fn take(
-    conn: &mut Conn,
-    session: Arc<Session>,
-    names: Arc<[Candidate]>,
-    bump: Arc<str>,
-) -> Result<Option<(usize, u64)>, mysql_async::Error> {
-    let free: Vec<usize> = {
-        let held = session.names();
-        (0..names.len())
-            .filter(|&i| !held.contains(&names[i].name))
-            .collect()
-    };
-    if free.is_empty() {
-        // This session holds every one: the server would grant them again, by re-entrancy.
-        return Ok(None);
-    }
-    let mut sql = String::from("SET @lockingkit_slot = CASE");
-    for &i in &free {
-        // Names are lowercase hexadecimal, digits and colons (see `MysqlLockKeys`): quoting
-        // them needs no escapes.
-        sql.push_str(&format!(
-            " WHEN GET_LOCK('{}', 0) = 1 THEN {i}",
-            names[i].name
-        ));
-    }
-    sql.push_str(" END");
-    sql.push_str(&bump);
-    let answer = match last_row(conn, sql).await {
-        Ok(answer) => answer,
-        Err(error) => {
-            if !errors::breaks_session(&error) {
-                // A statement after the lock failed (the fencing table is gone, say): give
-                // back whatever the request took before it.
-                undo(conn, &names).await?;
-            }
-            return Err(error);
-        }
-    };
-    let slot = answer
-        .as_ref()
-        .and_then(|row| row.get_opt::<Option<u64>, usize>(0)?.ok()?);
-    let token = answer
-        .as_ref()
-        .and_then(|row| row.get_opt::<Option<u64>, usize>(1)?.ok()?);
-    match (slot.and_then(|slot| usize::try_from(slot).ok()), token) {
-        (None, _) => Ok(None),
-        (Some(index), Some(token)) if index < names.len() && token > 0 => {
-            session.names().insert(names[index].name.clone());
-            Ok(Some((index, token)))
-        }
-        (Some(_), _) => {
-            undo(conn, &names).await?;
-            Err(mysql_async::Error::Other(
-                "unexpected answer to the lock request".into(),
-            ))
-        }
-    }
-}
-
-/// Releases the name a failed lock request may have taken (its index is still in the
-/// session variable).
-async fn undo(conn: &mut Conn, names: &[Candidate]) -> Result<(), mysql_async::Error> {
-    let row = conn
-        .query_first::<Row, _>("SELECT @lockingkit_slot")
-        .await?;
-    let slot = row.and_then(|row| row.get_opt::<Option<u64>, usize>(0)?.ok()?);
-    if let Some(name) = slot
-        .and_then(|slot| usize::try_from(slot).ok())
-        .and_then(|index| names.get(index))
-    {
-        conn.exec_drop(UNLOCK, (name.name.as_ref(),)).await?;
-    }
-    Ok(())
-}
-
-/// Runs a request of several statements and returns the last row any of them answered.
-async fn last_row(conn: &mut Conn, sql: String) -> Result<Option<Row>, mysql_async::Error> {
-    let mut result = conn.query_iter(sql).await?;
-    let mut last = None;
-    while !result.is_empty() {
-        // Rows are taken as they are: converting a `Row` to itself cannot fail.
-        let rows: Vec<Row> = result.collect().await?;
-        if let Some(row) = rows.into_iter().last() {
-            last = Some(row);
-        }
-    }
-    Ok(last)
+/// The failure of a fencing table whose counter row is gone.
+fn no_counter_row() -> BackendError {
+    BackendError::misconfigured(
+        "the MySQL fencing table has no counter row (id = 1); it was deleted, and making it \
+         again would start fencing tokens over: insert (1, v) with v above every token handed \
+         out (see the MySQL guide)",
+    )
 }
 
 /// Unlocks `name` on `session`: `Ok(true)` when the session held it.
@@ -428,6 +335,7 @@ impl Drop for Backend {
     fn drop(&mut self) {
         // Every clone is gone, and every lease with it (a lease keeps its engine, and so its
         // backend, alive).
+        self.watchers.stop();
         self.sessions.close_all();
     }
 }
@@ -516,9 +424,20 @@ impl LockBackend for MysqlBackend {
         checked
     }
 
-    /// Closes every lock session. Called once the engine has released its locks; clones of
-    /// this backend lose their sessions too.
+    /// Plain locks: the name's watcher serves the wait (see `waiting`); a semaphore's wait
+    /// polls.
+    fn wait(
+        self: Arc<Self>,
+        key: &str,
+        mode: LockMode,
+    ) -> impl crate::backend::Wait<Lease = Self::Lease> + use<> {
+        waiting::MysqlWait::open(self, key, mode)
+    }
+
+    /// Closes every lock session and waiting session. Called once the engine has released
+    /// its locks; clones of this backend lose their sessions too.
     async fn shutdown(&self) {
+        self.inner.watchers.stop();
         self.inner.sessions.close_all();
     }
 
@@ -537,6 +456,9 @@ pub struct MysqlLease {
     slot: Option<u16>,
     session: Arc<Session>,
     released: AtomicBool,
+    /// For a lock the server granted a waiting session (see `waiting`): that session, which
+    /// goes back to the pool once this lease (and its `session` above, dropped first) is gone.
+    _adopted: Option<waiting::Adopted>,
 }
 
 impl MysqlLease {

@@ -135,11 +135,23 @@ impl Session {
         stage: Stage,
         statement: impl for<'c> FnOnce(&'c mut Conn) -> StatementFuture<'c, T>,
     ) -> Result<T, BackendError> {
+        self.run_waiting(stage, Duration::ZERO, statement).await
+    }
+
+    /// [`run`](Self::run) for a statement that waits up to `wait` at the server on purpose
+    /// (a waiting session's `GET_LOCK`): the timeout is that much longer.
+    pub(super) async fn run_waiting<T>(
+        &self,
+        stage: Stage,
+        wait: Duration,
+        statement: impl for<'c> FnOnce(&'c mut Conn) -> StatementFuture<'c, T>,
+    ) -> Result<T, BackendError> {
         self.busy.fetch_add(1, Ordering::Relaxed);
         let _busy = Busy(&self.busy);
-        let deadline = Instant::now() + self.timeout;
+        let timeout = self.timeout.saturating_add(wait);
+        let deadline = Instant::now() + timeout;
         let Ok(slot) = tokio::time::timeout_at(deadline, self.conn.lock()).await else {
-            return Err(errors::timed_out(stage, self.timeout));
+            return Err(errors::timed_out(stage, timeout));
         };
         let mut running = Running {
             session: self,
@@ -165,8 +177,19 @@ impl Session {
                 running.finished = !broken;
                 Err(errors::query_error(error, stage))
             }
-            Err(_) => Err(errors::timed_out(stage, self.timeout)),
+            Err(_) => Err(errors::timed_out(stage, timeout)),
         }
+    }
+
+    /// The connection of a session that holds no lock and runs no statement, for another use
+    /// (a waiting session going back to its pool); `None` if it is busy, holds a lock or ended.
+    pub(super) fn take_idle_conn(&self) -> Option<Conn> {
+        if self.is_ended() || self.holds() > 0 {
+            return None;
+        }
+        let conn = self.conn.try_lock().ok()?.take();
+        self.ended.cancel();
+        conn
     }
 
     /// Checks that the session still answers. A recent answer to any statement vouches for

@@ -10,10 +10,12 @@ use std::time::Duration;
 use lockingkit::keys::MysqlLockKeys;
 use lockingkit::testing::{quick_polling, unique_prefix};
 use lockingkit::{
-    DistributedLock, ErrorKind, LockError, LockHandle, LossReason, MysqlBackend, MysqlOptions,
+    DistributedLock, ErrorKind, LockError, LockHandle, LockOptions, LossReason, MysqlBackend,
+    MysqlOptions,
 };
 use lockingkit_tests::contract::FixtureContract;
 use lockingkit_tests::mariadb::MariaDbServer;
+use lockingkit_tests::polling::eventually;
 use tokio::time::Instant;
 
 /// A check interval short enough for loss tests to finish quickly.
@@ -289,4 +291,268 @@ async fn a_server_that_is_down_is_unavailable_not_busy() {
         .await
         .expect("a lock once the server is back");
     held.release().await.expect("release");
+}
+
+/// A lock with a one-second backoff: a hand-off much faster than that came from a wake-up.
+fn patient(server: &MariaDbServer) -> DistributedLock {
+    let backend = MysqlBackend::new(options(server, CHECK)).expect("options");
+    DistributedLock::builder(backend)
+        .options(
+            LockOptions::default()
+                .with_min_retry_delay(Duration::from_secs(1))
+                .with_max_retry_delay(Duration::from_secs(1)),
+        )
+        .build()
+        .expect("lock options")
+}
+
+/// How many sessions of the application's user wait in `GET_LOCK` now.
+fn waiting_sessions(server: &MariaDbServer) -> usize {
+    server
+        .sql(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+             WHERE USER = 'lockingkit' AND STATE = 'User lock'",
+        )
+        .expect("processlist")
+        .trim()
+        .parse()
+        .unwrap_or(usize::MAX)
+}
+
+/// Starts `waiter` waiting up to 10 s for `key`, held elsewhere, and returns once its waiting
+/// session is blocked in `GET_LOCK`: from then on, only the server's grant can hand the key
+/// over quickly.
+async fn wait_behind_the_holder(
+    server: &MariaDbServer,
+    waiter: &DistributedLock,
+    key: &str,
+) -> tokio::task::JoinHandle<(Instant, LockHandle)> {
+    let before = waiting_sessions(server);
+    let waiting = tokio::spawn({
+        let (waiter, key) = (waiter.clone(), key.to_owned());
+        async move {
+            let handle = waiter
+                .acquire(&key, Duration::from_secs(10))
+                .await
+                .expect("handed over");
+            (Instant::now(), handle)
+        }
+    });
+    eventually(
+        "the waiter's waiting session",
+        Duration::from_secs(10),
+        async || waiting_sessions(server) > before,
+    )
+    .await;
+    waiting
+}
+
+/// Checks that the waiter got the key well within its 1 s backoff of the release at
+/// `released`, then releases it.
+async fn assert_handed_over_quickly(
+    waiting: tokio::task::JoinHandle<(Instant, LockHandle)>,
+    released: Instant,
+    what: &str,
+) -> u64 {
+    let (acquired, handle) = waiting.await.expect("waiter task");
+    let handoff = acquired.saturating_duration_since(released);
+    assert!(
+        handoff < Duration::from_millis(150),
+        "{what}: hand-off took {handoff:?}, the backoff was 1 s"
+    );
+    let token = handle.fencing_token();
+    handle.release().await.expect("release");
+    token
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_handed_the_key_at_once_by_a_release_a_plain_unlock_and_a_killed_holder() {
+    let server = MariaDbServer::start().await;
+    let holder = process(&server);
+    let waiter = patient(&server);
+    let key = unique_prefix("handoff");
+    let mut last_token = 0;
+    // Several releases, so that a poll that happened to land just after one cannot pass by
+    // luck.
+    for round in 0..3 {
+        let held = holder.try_acquire(&key).await.expect("lock");
+        let waiting = wait_behind_the_holder(&server, &waiter, &key).await;
+        held.release().await.expect("release");
+        let what = format!("release {round}");
+        let token = assert_handed_over_quickly(waiting, Instant::now(), &what).await;
+        assert!(token > last_token, "{what}: tokens grow");
+        last_token = token;
+    }
+    // A plain SQL holder unlocks, then a plain SQL holder's session is killed: neither tells
+    // any client; the server's queue for the name wakes the waiting session.
+    for killed in [false, true] {
+        let mut plain = server.session();
+        let lock = format!("SELECT GET_LOCK({}, 0);", name_sql(&key));
+        assert_eq!(plain.run(&lock), vec!["1"]);
+        let waiting = wait_behind_the_holder(&server, &waiter, &key).await;
+        if killed {
+            let id = plain.connection_id();
+            server.kill_connection(id).expect("KILL");
+        } else {
+            let unlock = format!("SELECT RELEASE_LOCK({});", name_sql(&key));
+            assert_eq!(plain.run(&unlock), vec!["1"]);
+        }
+        let what = if killed {
+            "a killed holder"
+        } else {
+            "a plain unlock"
+        };
+        let token = assert_handed_over_quickly(waiting, Instant::now(), what).await;
+        assert!(token > last_token, "{what}: tokens grow");
+        last_token = token;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_waits_leave_no_request_queued_and_locking_logs_nothing() {
+    let server = MariaDbServer::start_local().await;
+    let holder = process(&server);
+    let waiter = process(&server);
+    let key = unique_prefix("waits/ended");
+    let held = holder.try_acquire(&key).await.expect("lock");
+    // Waits that time out, and waits whose callers go away, while the holder keeps the key.
+    for _ in 0..3 {
+        assert_eq!(
+            kind_of(waiter.acquire(&key, Duration::from_millis(300)).await),
+            ErrorKind::Timeout
+        );
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(300),
+            waiter.acquire(&key, Duration::from_secs(10)),
+        )
+        .await;
+        assert!(dropped.is_err(), "the holder still holds the key");
+    }
+    eventually(
+        "every withdrawn request gone",
+        Duration::from_secs(5),
+        async || waiting_sessions(&server) == 0,
+    )
+    .await;
+    assert_eq!(backend(&waiter).wait_sessions(), 0);
+    held.release().await.expect("release");
+    // Nothing the waits left refuses the next try, in the waiter's process or another.
+    waiter
+        .try_acquire(&key)
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+    holder
+        .try_acquire(&key)
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+
+    holder.shutdown(Duration::from_secs(5)).await.expect("shutdown");
+    waiter.shutdown(Duration::from_secs(5)).await.expect("shutdown");
+    let noted: Vec<String> = server
+        .error_log()
+        .lines()
+        .filter(|line| line.contains("[ERROR]") || line.contains("[Warning]"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(noted, Vec::<String>::new(), "the server complained");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_grants_in_four_processes_each_take_a_name_once() {
+    // Every grant bumps the one counter row, so grants queue for its row lock; each still
+    // takes its name exactly once (one release frees it) and gets a token of its own.
+    let server = MariaDbServer::start().await;
+    let prefix = unique_prefix("concurrent");
+    let mut tasks = Vec::new();
+    for p in 0..4 {
+        let locks = process(&server);
+        for t in 0..16 {
+            let (locks, prefix) = (locks.clone(), prefix.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut tokens = Vec::new();
+                for round in 0..10 {
+                    let key = format!("{prefix}/{}", (p * 16 + t + round) % 24);
+                    if let Ok(handle) = locks.acquire(&key, Duration::from_secs(10)).await {
+                        tokens.push(handle.fencing_token());
+                        handle.release().await.expect("release");
+                    }
+                }
+                tokens
+            }));
+        }
+    }
+    let mut tokens = Vec::new();
+    for task in tasks {
+        tokens.extend(task.await.expect("task"));
+    }
+    assert_eq!(tokens.len(), 640, "every acquire got its lock");
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 640, "every grant got a token of its own");
+    let left = server
+        .sql(
+            "SELECT COUNT(*) FROM performance_schema.metadata_locks \
+             WHERE OBJECT_TYPE = 'USER LEVEL LOCK'",
+        )
+        .expect("metadata_locks");
+    assert_eq!(left.trim(), "0", "a name was taken twice and released once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_create_needs_the_table_made_and_a_deleted_counter_row_is_misconfigured() {
+    let server = MariaDbServer::start().await;
+    let table = format!("fencing_{}", std::process::id());
+    server
+        .sql(
+            "CREATE USER IF NOT EXISTS 'nocreate'@'127.0.0.1' IDENTIFIED BY 'nocreate-pw'; \
+             GRANT SELECT, UPDATE ON lockingkit.* TO 'nocreate'@'127.0.0.1'",
+        )
+        .expect("a user without CREATE");
+    let url = server
+        .url()
+        .replace("lockingkit:lockingkit-test@", "nocreate:nocreate-pw@");
+    let options = MysqlOptions::new(url).with_fencing_table(&table);
+    let locks = lock_on(options.clone());
+    let error = locks
+        .verify()
+        .await
+        .expect_err("no table, no right to create it");
+    assert_eq!(error.kind(), ErrorKind::Misconfigured, "{error}");
+    let key = unique_prefix("no-create");
+    assert_eq!(
+        kind_of(locks.try_acquire(&key).await),
+        ErrorKind::Misconfigured
+    );
+
+    // An administrator runs the documented statement; then everything works.
+    server
+        .sql(&format!(
+            "USE lockingkit; {}",
+            lockingkit::providers::mysql::setup_sql(&options)
+        ))
+        .expect("setup SQL");
+    locks.verify().await.expect("verify passes");
+    let held = locks.try_acquire(&key).await.expect("lock");
+    assert_eq!(held.fencing_token(), 1);
+    held.release().await.expect("release");
+
+    // Someone deletes the counter row: never "busy", never tokens started over.
+    server
+        .sql(&format!("DELETE FROM lockingkit.`{table}`"))
+        .expect("delete");
+    assert_eq!(
+        kind_of(locks.try_acquire(&key).await),
+        ErrorKind::Misconfigured
+    );
+    assert_eq!(
+        locks.verify().await.unwrap_err().kind(),
+        ErrorKind::Misconfigured
+    );
+    assert_eq!(holder_of(&server, &key), None, "nothing left held");
 }

@@ -38,22 +38,36 @@ pub(super) fn parse(url: &str) -> Result<Opts, String> {
 pub(super) struct Connector {
     opts: Opts,
     pub(super) timeout: Duration,
+    /// How long a session may sit idle before the server closes it (`wait_timeout`); ours
+    /// close their idle sessions in half that.
+    pub(super) idle_limit: Duration,
     reconnect: Reconnect,
 }
 
 impl Connector {
-    pub(super) fn new(opts: Opts, timeout: Duration) -> Arc<Self> {
+    pub(super) fn new(opts: Opts, timeout: Duration, check_interval: Duration) -> Arc<Self> {
         // Each session's own settings, sent once when it opens:
         // - autocommit, so the fencing row's lock ends with each statement whatever the
         //   server's default;
         // - a wait for that row bounded by the statement timeout (whole seconds, at least 1);
+        // - an idle limit three check intervals long (at least 10 s): a session that holds
+        //   locks answers a check every interval, so only a client that vanished without a
+        //   word (frozen, cut off by the network) leaves one idle that long, and the server
+        //   then closes it and frees its locks instead of keeping them for its 8-hour default;
         // - REPEATABLE READ, under which an UPDATE computes its row's new value once (see
         //   `take`), whatever the server's default;
         // - matched rather than changed rows in the answer to an UPDATE (`take` reads them).
         let seconds = timeout.as_secs().clamp(1, 3600);
+        let idle_seconds = check_interval
+            .as_secs()
+            .saturating_mul(3)
+            .clamp(MIN_IDLE_LIMIT_SECONDS, MAX_IDLE_LIMIT_SECONDS);
         let opts = OptsBuilder::from_opts(opts)
             .init(vec![
-                format!("SET SESSION autocommit = 1, innodb_lock_wait_timeout = {seconds}"),
+                format!(
+                    "SET SESSION autocommit = 1, innodb_lock_wait_timeout = {seconds}, \
+                     wait_timeout = {idle_seconds}"
+                ),
                 "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ".to_owned(),
             ])
             .client_found_rows(true)
@@ -61,6 +75,7 @@ impl Connector {
         Arc::new(Connector {
             opts,
             timeout,
+            idle_limit: Duration::from_secs(idle_seconds),
             reconnect: Reconnect::new(),
         })
     }
@@ -85,6 +100,11 @@ impl Connector {
         }
     }
 }
+
+/// The shortest idle limit sessions ask for, in seconds.
+const MIN_IDLE_LIMIT_SECONDS: u64 = 10;
+/// The longest (the servers' own maximum of `wait_timeout` on Linux).
+const MAX_IDLE_LIMIT_SECONDS: u64 = 31_536_000;
 
 /// Closes `conn` in the background: a `COM_QUIT` if the server takes it within `timeout`, and
 /// the socket closed either way, so a frozen server keeps no task of ours waiting.

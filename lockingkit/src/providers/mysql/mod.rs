@@ -138,7 +138,7 @@ impl MysqlBackend {
         }
         let opts = connection::parse(options.connection_string.expose())
             .map_err(|problem| vec![Problem::detail("connection_string", problem)])?;
-        let connector = Connector::new(opts, options.query_timeout);
+        let connector = Connector::new(opts, options.query_timeout, options.check_interval);
         let sessions = Arc::new(LockSessions::new(connector.clone(), options.max_sessions));
         let fencing = Fencing {
             ready: AtomicBool::new(false),
@@ -293,6 +293,21 @@ fn spread(counter: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// The statement that creates the fencing table of `options` with its counter row, for an
+/// administrator to run where the application's user may not create tables (grant it SELECT
+/// and UPDATE on the table afterwards).
+///
+/// ```
+/// use lockingkit::MysqlOptions;
+/// use lockingkit::providers::mysql::setup_sql;
+///
+/// let sql = setup_sql(&MysqlOptions::new("mysql://app@db/app"));
+/// assert!(sql.starts_with("CREATE TABLE `lockingkit_fencing`"));
+/// ```
+pub fn setup_sql(options: &MysqlOptions) -> String {
+    FencingSql::new(&options.fencing_table).create().to_owned()
 }
 
 /// The failure of a fencing table whose counter row is gone.

@@ -2,16 +2,10 @@
 //! shared by every lock the backend holds.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use super::connection::Connector;
 use super::session::{lock, Session};
 use crate::backend::BackendError;
-
-/// A session that holds no lock and has not been used for this long is closed: it costs the
-/// server a connection for nothing, and servers close idle connections on their own
-/// (`wait_timeout`), which an attempt would otherwise meet as a broken session.
-const IDLE_CLOSE: Duration = Duration::from_secs(60);
 
 /// The open lock sessions.
 pub(super) struct LockSessions {
@@ -89,10 +83,14 @@ impl LockSessions {
     /// (or the least busy one when the budget is spent), and the least busy session to fall
     /// back on.
     fn choose(&self) -> (Option<Arc<Session>>, Option<Arc<Session>>) {
+        // A session that holds no lock and has not been used for half the server's idle
+        // limit is closed: it costs the server a connection for nothing, and the server would
+        // soon close it on its own, which an attempt would meet as a broken session.
+        let idle_close = self.connector.idle_limit / 2;
         let mut open = lock(&self.open);
         open.retain(|session| {
             let idle =
-                session.busy() == 0 && session.holds() == 0 && session.quiet_for() >= IDLE_CLOSE;
+                session.busy() == 0 && session.holds() == 0 && session.quiet_for() >= idle_close;
             if idle {
                 session.end();
             }

@@ -70,6 +70,13 @@ impl FencingSql {
     }
 }
 
+impl FencingSql {
+    /// The statement that creates the table with its counter row.
+    pub(super) fn create(&self) -> &str {
+        &self.create
+    }
+}
+
 /// Creates the fencing table with its counter row unless the table exists: `Ok(false)` when
 /// the table exists without the row (someone deleted it; making it again would start tokens
 /// over).

@@ -64,8 +64,8 @@ pub(super) struct Watchers {
     budget: usize,
     /// Waiting sessions watching or holding a grant.
     in_use: AtomicUsize,
-    /// Waiting sessions with nothing to do, kept for the next wait.
-    idle: Mutex<Vec<Conn>>,
+    /// Waiting sessions with nothing to do, kept for the next wait, with when each went idle.
+    idle: Mutex<Vec<(Conn, Instant)>>,
     /// The watchers of each name: the last one is live unless withdrawn; the others are
     /// withdrawing.
     by_name: Mutex<HashMap<Arc<str>, Vec<Arc<Watcher>>>>,
@@ -236,19 +236,34 @@ impl Watchers {
         for watcher in watchers {
             self.withdraw(&watcher);
         }
-        for conn in lock(&self.idle).drain(..) {
+        for (conn, _) in lock(&self.idle).drain(..) {
             connection::close(conn, self.connector.timeout);
         }
     }
 
     /// A waiting session: an idle one, or a new connection through the reconnect backoff.
     async fn session(&self, fresh: bool) -> Result<Arc<Session>, BackendError> {
-        let idle = if fresh { None } else { lock(&self.idle).pop() };
+        let idle = if fresh { None } else { self.idle_conn() };
         let conn = match idle {
             Some(conn) => conn,
             None => self.connector.connect().await?,
         };
         Ok(Arc::new(Session::with(conn, self.connector.timeout)))
+    }
+
+    /// The most recently idle connection; those idle for half the server's idle limit are
+    /// closed (the server would close them soon).
+    fn idle_conn(&self) -> Option<Conn> {
+        let mut idle = lock(&self.idle);
+        let stale = self.connector.idle_limit / 2;
+        let (fresh, old): (Vec<_>, Vec<_>) = idle
+            .drain(..)
+            .partition(|(_, since)| since.elapsed() < stale);
+        *idle = fresh;
+        for (conn, _) in old {
+            connection::close(conn, self.connector.timeout);
+        }
+        idle.pop().map(|(conn, _)| conn)
     }
 
     /// Puts a waiting session's connection back for the next wait.
@@ -261,7 +276,7 @@ impl Watchers {
             drop(idle);
             connection::close(conn, self.connector.timeout);
         } else {
-            idle.push(conn);
+            idle.push((conn, Instant::now()));
         }
     }
 

@@ -32,6 +32,9 @@ mod multi_key_processes;
 // The MySQL provider on MariaDB: the contract suite, interop with the command-line client,
 // loss on a killed session, fencing across a restart, a thousand locks on eight sessions.
 mod mysql;
+// The MySQL chaos suite: a killed session, a killed, restarted and frozen server, a
+// blackholed and a reset line.
+mod mysql_chaos;
 // The outage experiment: a locked route under load while PostgreSQL is frozen, unreachable,
 // restarted or refusing our password (503/500, never 409; connections and log lines counted).
 mod outages;

@@ -312,6 +312,9 @@ impl LocalServer {
                 .arg(with_path("--socket=", &dir.join(SOCKET)))
                 .arg(with_path("--pid-file=", &dir.join("mariadbd.pid")))
                 .arg(with_path("--log-error=", &dir.join(ERROR_LOG)))
+                // Servers running side by side name their temporary files alike: each keeps
+                // them in its own directory, so one never deletes another's.
+                .arg(with_path("--tmpdir=", dir))
                 .arg(format!("--port={}", ports[0]))
                 .args(server_settings())
                 // The server user may not be allowed into the caller's working directory.

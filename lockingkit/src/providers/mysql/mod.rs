@@ -41,6 +41,7 @@ mod errors;
 pub(crate) mod keys;
 mod options;
 mod provider;
+mod sentinel;
 mod session;
 mod sessions;
 mod take;

@@ -20,9 +20,11 @@ use crate::config::{Problem, SecretString, WholeNumbers};
 /// assert!(!format!("{options:?}").contains("secret"));
 /// ```
 ///
-/// Held locks share sessions: a backend opens at most `max_sessions` connections for its locks
+/// Held locks share sessions: a backend opens at most `max_sessions` sessions for its locks
 /// however many it holds, plus at most `max_wait_sessions` while it waits for keys held by
-/// other processes (see the connection budget in the MySQL guide).
+/// other processes, and each session has a sentinel connection that notices at once when the
+/// server ends it: at most `2 × (max_sessions + max_wait_sessions)` connections (see the
+/// connection budget in the MySQL guide).
 ///
 /// Build them with [`MysqlOptions::new`] and the `with_*` setters; the struct is
 /// `#[non_exhaustive]`, so a later release can add a setting without breaking you.
@@ -36,9 +38,10 @@ pub struct MysqlOptions {
     /// fencing table. The connection goes to the host and port named, never to the server's
     /// unix socket unless the URL asks for it with `prefer_socket=true`.
     pub connection_string: SecretString,
-    /// The most sessions (connections) the backend opens for its locks. Every held lock lives
-    /// on one of them, each session holding any number of locks; a session runs one statement
-    /// at a time, so more sessions let more attempts and releases run at once.
+    /// The most sessions the backend opens for its locks. Every held lock lives on one of
+    /// them, each session holding any number of locks; a session runs one statement at a time,
+    /// so more sessions let more attempts and releases run at once. Each session is two
+    /// connections: itself and its sentinel.
     pub max_sessions: usize,
     /// The most sessions the backend opens to wait for keys held by other processes, each
     /// blocked in `GET_LOCK` for one key in bounded slices (waits beyond this poll). A lock a
@@ -59,9 +62,9 @@ pub struct MysqlOptions {
 }
 
 /// The default session budget for held locks and attempts.
-pub(crate) const DEFAULT_MAX_SESSIONS: usize = 8;
+pub(crate) const DEFAULT_MAX_SESSIONS: usize = 4;
 /// The default budget of sessions that wait for keys held by other processes.
-pub(crate) const DEFAULT_MAX_WAIT_SESSIONS: usize = 16;
+pub(crate) const DEFAULT_MAX_WAIT_SESSIONS: usize = 8;
 /// The default session check interval.
 pub(crate) const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 /// The default statement timeout.
@@ -114,14 +117,14 @@ impl MysqlOptions {
     }
 
     /// Sets [`max_sessions`](Self::max_sessions), the most sessions the backend opens for its
-    /// locks (1–1024). Default 8.
+    /// locks (1–1024). Default 4.
     pub fn with_max_sessions(mut self, max_sessions: usize) -> Self {
         self.max_sessions = max_sessions;
         self
     }
 
     /// Sets [`max_wait_sessions`](Self::max_wait_sessions), the most sessions the backend opens
-    /// to wait for keys held by other processes (0–1024). Default 16.
+    /// to wait for keys held by other processes (0–1024). Default 8.
     pub fn with_max_wait_sessions(mut self, max_wait_sessions: usize) -> Self {
         self.max_wait_sessions = max_wait_sessions;
         self

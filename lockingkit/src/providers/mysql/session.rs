@@ -19,7 +19,7 @@ use mysql_async::Conn;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::connection::{self, Connector};
+use super::connection;
 use super::errors::{self, Stage};
 use crate::backend::BackendError;
 
@@ -50,12 +50,6 @@ pub(super) struct Session {
 }
 
 impl Session {
-    /// Opens a session through the backend's shared reconnect backoff.
-    pub(super) async fn open(connector: &Connector) -> Result<Arc<Session>, BackendError> {
-        let conn = connector.connect().await?;
-        Ok(Arc::new(Self::with(conn, connector.timeout)))
-    }
-
     /// A session on a connection already open.
     pub(super) fn with(conn: Conn, timeout: Duration) -> Session {
         Session {
@@ -179,17 +173,6 @@ impl Session {
             }
             Err(_) => Err(errors::timed_out(stage, timeout)),
         }
-    }
-
-    /// The connection of a session that holds no lock and runs no statement, for another use
-    /// (a waiting session going back to its pool); `None` if it is busy, holds a lock or ended.
-    pub(super) fn take_idle_conn(&self) -> Option<Conn> {
-        if self.is_ended() || self.holds() > 0 {
-            return None;
-        }
-        let conn = self.conn.try_lock().ok()?.take();
-        self.ended.cancel();
-        conn
     }
 
     /// Checks that the session still answers. A recent answer to any statement vouches for

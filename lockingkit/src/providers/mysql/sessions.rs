@@ -74,7 +74,7 @@ impl LockSessions {
 
     /// Opens one session and adds it to the open ones.
     async fn open_one(&self) -> Result<Arc<Session>, BackendError> {
-        let session = Session::open(&self.connector).await?;
+        let session = super::sentinel::open_watched(&self.connector).await?;
         lock(&self.open).push(session.clone());
         Ok(session)
     }

@@ -36,13 +36,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
-use mysql_async::Conn;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::connection::{self, Connector};
+use super::connection::Connector;
 use super::errors::Stage;
+use super::sentinel;
 use super::session::{lock, Session};
 use super::sessions::LockSessions;
 use super::take::{take, Candidate, FencingSql, Taken};
@@ -64,8 +64,8 @@ pub(super) struct Watchers {
     budget: usize,
     /// Waiting sessions watching or holding a grant.
     in_use: AtomicUsize,
-    /// Waiting sessions with nothing to do, kept for the next wait, with when each went idle.
-    idle: Mutex<Vec<(Conn, Instant)>>,
+    /// Waiting sessions with nothing to do, kept for the next wait.
+    idle: Mutex<Vec<Arc<Session>>>,
     /// The watchers of each name: the last one is live unless withdrawn; the others are
     /// withdrawing.
     by_name: Mutex<HashMap<Arc<str>, Vec<Arc<Watcher>>>>,
@@ -236,47 +236,49 @@ impl Watchers {
         for watcher in watchers {
             self.withdraw(&watcher);
         }
-        for (conn, _) in lock(&self.idle).drain(..) {
-            connection::close(conn, self.connector.timeout);
+        for session in lock(&self.idle).drain(..) {
+            session.end();
         }
     }
 
-    /// A waiting session: an idle one, or a new connection through the reconnect backoff.
+    /// A waiting session: an idle one, or a new one (with its sentinel, see `sentinel`)
+    /// through the reconnect backoff.
     async fn session(&self, fresh: bool) -> Result<Arc<Session>, BackendError> {
-        let idle = if fresh { None } else { self.idle_conn() };
-        let conn = match idle {
-            Some(conn) => conn,
-            None => self.connector.connect().await?,
-        };
-        Ok(Arc::new(Session::with(conn, self.connector.timeout)))
+        if !fresh {
+            if let Some(session) = self.idle_session() {
+                return Ok(session);
+            }
+        }
+        sentinel::open_watched(&self.connector).await
     }
 
-    /// The most recently idle connection; those idle for half the server's idle limit are
-    /// closed (the server would close them soon).
-    fn idle_conn(&self) -> Option<Conn> {
+    /// The most recently idle session; those quiet for half the server's idle limit are closed
+    /// (the server would close them soon).
+    fn idle_session(&self) -> Option<Arc<Session>> {
         let mut idle = lock(&self.idle);
         let stale = self.connector.idle_limit / 2;
-        let (fresh, old): (Vec<_>, Vec<_>) = idle
+        let (usable, old): (Vec<_>, Vec<_>) = idle
             .drain(..)
-            .partition(|(_, since)| since.elapsed() < stale);
-        *idle = fresh;
-        for (conn, _) in old {
-            connection::close(conn, self.connector.timeout);
+            .partition(|session| !session.is_ended() && session.quiet_for() < stale);
+        *idle = usable;
+        for session in old {
+            session.end();
         }
-        idle.pop().map(|(conn, _)| conn)
+        idle.pop()
     }
 
-    /// Puts a waiting session's connection back for the next wait.
-    fn recycle(&self, session: &Session) {
-        let Some(conn) = session.take_idle_conn() else {
+    /// Puts a waiting session back for the next wait, or closes it if it cannot be reused.
+    fn recycle(&self, session: &Arc<Session>) {
+        if session.is_ended() {
             return;
-        };
+        }
         let mut idle = lock(&self.idle);
-        if self.stopped.is_cancelled() || idle.len() >= self.budget {
+        let reusable = session.holds() == 0 && session.busy() == 0;
+        if !reusable || self.stopped.is_cancelled() || idle.len() >= self.budget {
             drop(idle);
-            connection::close(conn, self.connector.timeout);
+            session.end();
         } else {
-            idle.push((conn, Instant::now()));
+            idle.push(session.clone());
         }
     }
 

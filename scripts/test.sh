@@ -39,7 +39,7 @@ step setup setup_servers
 step fmt cargo fmt --all --check
 step clippy cargo clippy --workspace --all-targets --all-features -- -D warnings
 check_each_feature() {
-  for features in "" postgres deadpool azure redis etcd testing; do
+  for features in "" postgres deadpool mysql azure redis etcd testing; do
     cargo check --quiet -p lockingkit --no-default-features ${features:+--features "$features"}
   done
 }

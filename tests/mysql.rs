@@ -574,3 +574,43 @@ async fn a_user_without_create_needs_the_table_made_and_a_deleted_counter_row_is
     );
     assert_eq!(holder_of(&server, &key), None, "nothing left held");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_are_closed_by_us_before_the_servers_idle_limit() {
+    // One-second checks: the server closes our sessions after 10 s idle (the floor), and we
+    // close a session that holds nothing after 5 s, quietly, before the server would (which
+    // would log an aborted connection).
+    let server = MariaDbServer::start_local().await;
+    let locks = lock_on(options(&server, Duration::from_secs(1)));
+    let key = unique_prefix("idle");
+    let held = locks.try_acquire(&key).await.expect("lock");
+    held.release().await.expect("release");
+    assert_eq!(backend(&locks).open_sessions(), 1);
+    eventually(
+        "the idle session closed",
+        Duration::from_secs(9),
+        async || backend(&locks).open_sessions() == 0,
+    )
+    .await;
+    let connections = || {
+        server
+            .sql("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE USER = 'lockingkit'")
+            .expect("processlist")
+    };
+    eventually(
+        "the session and its sentinel gone at the server",
+        Duration::from_secs(2),
+        async || connections().trim() == "0",
+    )
+    .await;
+    // And the backend opens a new one when asked.
+    let held = locks.try_acquire(&key).await.expect("lock again");
+    held.release().await.expect("release");
+    let noted: Vec<String> = server
+        .error_log()
+        .lines()
+        .filter(|line| line.contains("[ERROR]") || line.contains("[Warning]"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(noted, Vec::<String>::new(), "the server complained");
+}

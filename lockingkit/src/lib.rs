@@ -1,17 +1,18 @@
 //! Distributed locks for async Rust.
 //!
-//! One lock type, [`DistributedLock`], runs unchanged on five providers: in-memory (always
-//! built), PostgreSQL advisory locks (feature `postgres`, directly or through PgBouncer), Azure
-//! Blob leases (feature `azure`), Redis, one server or a Redis Cluster (feature `redis`), and
-//! etcd, one member or a cluster (feature `etcd`). One engine does the hard parts for every
-//! backend: waiting with capped, jittered backoff behind a local first-come-first-served queue;
-//! renewal in the background; loss detection with a deadline timer that a hung renewal cannot
-//! postpone; release on drop; and telemetry.
+//! One lock type, [`DistributedLock`], runs unchanged on six providers: in-memory (always
+//! built), PostgreSQL advisory locks (feature `postgres`, directly or through PgBouncer), MySQL
+//! and MariaDB named locks (feature `mysql`), Azure Blob leases (feature `azure`), Redis, one
+//! server or a Redis Cluster (feature `redis`), and etcd, one member or a cluster (feature
+//! `etcd`). One engine does the hard parts for every backend: waiting with capped, jittered
+//! backoff behind a local first-come-first-served queue; renewal in the background; loss
+//! detection with a deadline timer that a hung renewal cannot postpone; release on drop; and
+//! telemetry.
 //!
 //! Every provider passes the same contract suite ([`testing`], feature `testing`) against real
-//! servers the repository's tests start: PostgreSQL directly and through PgBouncer, Azurite
-//! (the Azure Storage emulator), a Redis server and a three-master Redis Cluster, and etcd
-//! clusters of one member and of three.
+//! servers the repository's tests start: PostgreSQL directly and through PgBouncer, MariaDB,
+//! Azurite (the Azure Storage emulator), a Redis server and a three-master Redis Cluster, and
+//! etcd clusters of one member and of three.
 //!
 //! ```
 //! use std::time::Duration;
@@ -103,6 +104,10 @@ pub struct EtcdGuideDoctests;
 #[cfg(all(doctest, feature = "redis"))]
 #[doc = include_str!("../../docs/redis.md")]
 pub struct RedisGuideDoctests;
+
+#[cfg(all(doctest, feature = "mysql"))]
+#[doc = include_str!("../../docs/mysql.md")]
+pub struct MysqlGuideDoctests;
 
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/telemetry.md")]

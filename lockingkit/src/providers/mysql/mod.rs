@@ -18,18 +18,21 @@
 //! - **A statement that does not finish ends its session**: no answer within
 //!   [`query_timeout`](MysqlOptions::query_timeout), a broken connection or a cancelled
 //!   statement leaves the connection's state unknown, so it is closed, the server frees every
-//!   lock it held, and every holder on it is told of the loss.
-//! - **Fencing tokens** come from one counter row, `UPDATE lockingkit_fencing SET v =
-//!   LAST_INSERT_ID(v + 1) WHERE id = 1`, sent in the same round trip as the lock (three
-//!   statements in one request: the lock into a session variable, the counter bumped only if
-//!   it was granted, both read back). A busy attempt leaves the counter alone. The row is
-//!   InnoDB, so tokens keep growing across server restarts. The table is created on first use;
-//!   a user without CREATE needs it created beforehand (see the MySQL guide), with SELECT and
-//!   UPDATE on it.
+//!   lock it held, and every holder on it is told of the loss. Checks and unlocks run in tasks
+//!   of their own, so a caller that stops waiting for one does not cut it off.
+//! - **Loss at once**: each session holds a marker lock that a sentinel connection waits for
+//!   (see `sentinel`), so a session the server ends while idle (`KILL`, a restart) is loss
+//!   within moments, not at the next check.
+//! - **Fencing tokens** come from one counter row, bumped by the statement that takes the lock:
+//!   `UPDATE lockingkit_fencing SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v) WHERE
+//!   id = 1` (see `take`). A busy attempt leaves the counter alone. The row is InnoDB, so tokens
+//!   keep growing across server restarts. The table is created with its row on first use; a
+//!   user without CREATE needs it created beforehand ([`setup_sql`]), with SELECT and UPDATE on
+//!   it.
 //! - **Semaphores**: slot `s` of the semaphore `k` is the name
-//!   [`MysqlLockKeys::semaphore_slot`]`(k, s)`. One request tries the free slots in turn, from a
-//!   random one on, and takes the first the server grants. At most [`MAX_SEMAPHORE_COUNT`]
-//!   slots.
+//!   [`MysqlLockKeys::semaphore_slot`]`(k, s)`. One statement tries the free slots in turn, from
+//!   a slot that differs from one attempt to the next on, and takes the first the server
+//!   grants; a second bumps the counter. At most [`MAX_SEMAPHORE_COUNT`] slots.
 //! - **No readers**: a named lock has no shared mode, and a reader-writer lock built from
 //!   several names could not tell a waiting writer from a reader without a second round trip
 //!   that races; the backend refuses `LockMode::Shared` (see the MySQL guide).
@@ -206,7 +209,9 @@ impl MysqlBackend {
         }
         let session = self.inner.sessions.pick().await?;
         match self.attempt_on(&session, names.clone()).await {
-            Err(_) if session.was_broken() => {
+            // Ended under the attempt (closed as idle, or by the server): the server has freed
+            // whatever the session held, so one more try elsewhere is safe.
+            Err(_) if session.was_broken() || session.is_ended() => {
                 let session = self.inner.sessions.pick().await?;
                 self.attempt_on(&session, names).await
             }
@@ -322,19 +327,24 @@ fn no_counter_row() -> BackendError {
 
 /// Unlocks `name` on `session`: `Ok(true)` when the session held it.
 async fn unlock(session: Arc<Session>, name: Arc<str>) -> Result<bool, BackendError> {
-    let holder = session.clone();
-    session
-        .run(Stage::Release, move |conn| {
-            Box::pin(async move {
-                let row = conn
-                    .exec_first::<Row, _, _>(UNLOCK, (name.as_ref(),))
-                    .await?;
-                // Whatever the answer, the session no longer holds the name.
-                holder.names().remove(&name);
-                Ok(row.and_then(|row| row.get_opt::<Option<i64>, usize>(0)?.ok()?) == Some(1))
+    // In a task of its own: a caller that stops waiting (the engine bounds releases) must not
+    // cut the unlock off mid-statement, which would end the session and its other locks.
+    session::detached(async move {
+        let holder = session.clone();
+        session
+            .run(Stage::Release, move |conn| {
+                Box::pin(async move {
+                    let row = conn
+                        .exec_first::<Row, _, _>(UNLOCK, (name.as_ref(),))
+                        .await?;
+                    // Whatever the answer, the session no longer holds the name.
+                    holder.names().remove(&name);
+                    Ok(take::first_number(row) == Some(1))
+                })
             })
-        })
-        .await
+            .await
+    })
+    .await
 }
 
 impl fmt::Debug for MysqlBackend {
@@ -479,7 +489,7 @@ pub struct MysqlLease {
 
 impl MysqlLease {
     /// The lock name held, as `IS_USED_LOCK` takes it and `performance_schema.metadata_locks`
-    /// shows it (see [`MysqlLockKeys`](crate::keys::MysqlLockKeys)).
+    /// shows it (see [`MysqlLockKeys`]).
     pub fn lock_name(&self) -> &str {
         &self.name
     }

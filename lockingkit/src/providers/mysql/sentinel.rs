@@ -13,9 +13,12 @@
 //! it can no longer vouch for it.
 //!
 //! When this process closes a session, the server frees the marker and the sentinel, finding
-//! the session ended already, gives the marker back and closes its own connection.
+//! the session ended already, gives the marker back and closes its own connection. The
+//! sentinel is also what closes a session that has held nothing and run nothing for half the
+//! server's idle limit, before the server would (and log the abort).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::Row;
@@ -72,12 +75,20 @@ pub(super) async fn open_watched(connector: &Arc<Connector>) -> Result<Arc<Sessi
             return Err(error);
         }
     }
-    tokio::spawn(watch(session.clone(), watcher, marker));
+    let idle_close = connector.idle_limit / 2;
+    tokio::spawn(watch(session.clone(), watcher, marker, idle_close));
     Ok(session)
 }
 
 /// The sentinel's loop: waits for the marker until the session ends, then ends it here too.
-async fn watch(session: Arc<Session>, sentinel: Arc<Session>, marker: Arc<str>) {
+/// Between two waits it also closes the session once it has held nothing and run nothing for
+/// `idle_close`: the server would close it soon (its idle limit) and log the abort.
+async fn watch(
+    session: Arc<Session>,
+    sentinel: Arc<Session>,
+    marker: Arc<str>,
+    idle_close: Duration,
+) {
     let seconds = u32::try_from(SLICE.as_secs()).unwrap_or(1);
     let granted = loop {
         let mark = marker.clone();
@@ -93,7 +104,13 @@ async fn watch(session: Arc<Session>, sentinel: Arc<Session>, marker: Arc<str>) 
             .await;
         match answer {
             // Timed out: the session still holds its marker.
-            Ok(Some(0)) => continue,
+            Ok(Some(0)) => {
+                let idle = session.holds() == 0 && session.busy() == 0;
+                if idle && session.quiet_for() >= idle_close {
+                    // Closing it frees the marker, which the next wait is granted.
+                    session.end();
+                }
+            }
             Ok(Some(1)) => break true,
             // NULL (interrupted), an error, no answer: nothing vouches for the session now.
             _ => break false,

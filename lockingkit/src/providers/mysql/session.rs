@@ -176,8 +176,10 @@ impl Session {
     }
 
     /// Checks that the session still answers. A recent answer to any statement vouches for
-    /// it; otherwise one ping does.
-    pub(super) async fn check(&self, interval: Duration) -> Result<(), BackendError> {
+    /// it; otherwise one ping does. The ping runs in a task of its own, so a caller that stops
+    /// waiting for it (the engine bounds checks) does not cut it off mid-statement, which would
+    /// end the session and every other lock on it.
+    pub(super) async fn check(self: &Arc<Self>, interval: Duration) -> Result<(), BackendError> {
         if self.is_ended() {
             return Err(BackendError::lease_gone("the lock's MySQL session ended"));
         }
@@ -185,11 +187,26 @@ impl Session {
         if self.quiet_for() < fresh {
             return Ok(());
         }
-        let _checking = self.checking.lock().await;
-        if self.quiet_for() < fresh {
-            return Ok(());
-        }
-        self.run(Stage::Held, |conn| Box::pin(conn.ping())).await
+        let session = self.clone();
+        detached(async move {
+            let _checking = session.checking.lock().await;
+            if session.quiet_for() < fresh {
+                return Ok(());
+            }
+            session.run(Stage::Held, |conn| Box::pin(conn.ping())).await
+        })
+        .await
+    }
+}
+
+/// Runs `work` in a task of its own and waits for it: dropping the wait leaves the work to
+/// finish, so a statement is never cut off by a caller that went away.
+pub(super) async fn detached<T: Send + 'static>(
+    work: impl Future<Output = Result<T, BackendError>> + Send + 'static,
+) -> Result<T, BackendError> {
+    match tokio::spawn(work).await {
+        Ok(result) => result,
+        Err(_) => Err(BackendError::permanent("a MySQL statement's task failed")),
     }
 }
 

@@ -67,12 +67,14 @@ check_one() {
 }
 check_histories() {
   local seed=${LOCKINGKIT_CHECK_SEED:-$(date +%s)} out failed=0
-  local providers=(memory postgres pgbouncer redis redis-cluster etcd etcd3 azure)
+  local providers=(memory postgres pgbouncer redis redis-cluster etcd etcd3 azure mysql)
   out=$(mktemp -d)
   cargo build --quiet -p lockingkit-check
   for ((i = 0; i < ${#providers[@]}; i += 2)); do
     check_one "${providers[i]}" "$seed" "$out" &
-    check_one "${providers[i + 1]}" "$seed" "$out" &
+    if ((i + 1 < ${#providers[@]})); then
+      check_one "${providers[i + 1]}" "$seed" "$out" &
+    fi
     wait
   done
   for provider in "${providers[@]}"; do

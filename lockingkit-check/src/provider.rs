@@ -5,11 +5,12 @@
 use std::time::Duration;
 
 use lockingkit::{
-    AzureBlobBackend, AzureBlobOptions, DistributedLock, EtcdBackend, EtcdOptions, PostgresBackend,
-    PostgresOptions, RedisBackend, RedisOptions,
+    AzureBlobBackend, AzureBlobOptions, DistributedLock, EtcdBackend, EtcdOptions, MysqlBackend,
+    MysqlOptions, PostgresBackend, PostgresOptions, RedisBackend, RedisOptions,
 };
 use lockingkit_tests::azurite::{Azurite, Persistence, DEV_ACCOUNT, DEV_KEY};
 use lockingkit_tests::etcd::EtcdCluster;
+use lockingkit_tests::mariadb::{MariaDbServer, APP_PASSWORD, APP_USER, DATABASE};
 use lockingkit_tests::pgbouncer::{PgBouncer, PoolMode};
 use lockingkit_tests::postgres::PostgresServer;
 use lockingkit_tests::redis::{RedisCluster, RedisServer};
@@ -29,7 +30,8 @@ pub const ETCD_LEASE: Duration = Duration::from_secs(3);
 /// The Azure runs' lease: Azure Blob leases last 15 to 60 s.
 pub const AZURE_LEASE: Duration = Duration::from_secs(15);
 
-/// How often a PostgreSQL hold checks its session (directly or through PgBouncer).
+/// How often a PostgreSQL hold checks its session (directly or through PgBouncer), and a
+/// MySQL one its session.
 pub const CHECK_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The backend a run checks.
@@ -41,6 +43,8 @@ pub enum Provider {
     Postgres,
     /// A local PostgreSQL server behind PgBouncer in session mode.
     PgBouncer,
+    /// A local MariaDB server (the MySQL provider).
+    Mysql,
     /// A single local Redis server (no persistence).
     Redis,
     /// A Redis Cluster of three primaries (no persistence, no replicas); clients reach the
@@ -58,10 +62,11 @@ pub enum Provider {
 
 impl Provider {
     /// Every provider, in the order the report lists them.
-    pub const ALL: [Provider; 8] = [
+    pub const ALL: [Provider; 9] = [
         Provider::Memory,
         Provider::Postgres,
         Provider::PgBouncer,
+        Provider::Mysql,
         Provider::Redis,
         Provider::RedisCluster,
         Provider::Etcd,
@@ -86,6 +91,7 @@ impl Provider {
             Provider::Memory => "memory",
             Provider::Postgres => "postgres",
             Provider::PgBouncer => "pgbouncer",
+            Provider::Mysql => "mysql",
             Provider::Redis => "redis",
             Provider::RedisCluster => "redis-cluster",
             Provider::Azure => "azure",
@@ -109,7 +115,7 @@ impl Provider {
     pub fn options(self) -> String {
         let lock = match self {
             Provider::Memory => format!("lease {LEASE:?}"),
-            Provider::Postgres | Provider::PgBouncer => {
+            Provider::Postgres | Provider::PgBouncer | Provider::Mysql => {
                 format!("session-held, checked every {CHECK_INTERVAL:?}")
             }
             Provider::Redis | Provider::RedisCluster => format!(
@@ -143,7 +149,7 @@ impl Provider {
     /// What its documentation promises, for the checker (see [`Guarantees`]).
     pub fn guarantees(self) -> Guarantees {
         match self {
-            Provider::Postgres | Provider::PgBouncer => Guarantees {
+            Provider::Postgres | Provider::PgBouncer | Provider::Mysql => Guarantees {
                 session_held: true,
                 ..Guarantees::default()
             },
@@ -171,7 +177,7 @@ impl Provider {
                 FaultKind::ServerCrash,
                 FaultKind::ServerPause,
             ],
-            Provider::Postgres | Provider::PgBouncer => &[
+            Provider::Postgres | Provider::PgBouncer | Provider::Mysql => &[
                 FaultKind::Kill,
                 FaultKind::PauseShort,
                 FaultKind::PauseLong,
@@ -220,6 +226,9 @@ pub fn server_lock(provider: Provider, address: &str) -> Result<DistributedLock,
         Provider::Postgres | Provider::PgBouncer => build(PostgresBackend::new(
             PostgresOptions::new(address.to_string()).with_check_interval(CHECK_INTERVAL),
         )?),
+        Provider::Mysql => build(MysqlBackend::new(
+            MysqlOptions::new(address.to_string()).with_check_interval(CHECK_INTERVAL),
+        )?),
         Provider::Redis | Provider::RedisCluster => build(RedisBackend::new(
             RedisOptions::new(address.to_string())
                 .with_cluster(provider == Provider::RedisCluster)
@@ -248,6 +257,9 @@ pub fn backend_address(provider: Provider, ports: &[u16]) -> String {
     match provider {
         Provider::Postgres | Provider::PgBouncer => {
             format!("host=127.0.0.1 port={first} user=postgres dbname=postgres sslmode=disable")
+        }
+        Provider::Mysql => {
+            format!("mysql://{APP_USER}:{APP_PASSWORD}@127.0.0.1:{first}/{DATABASE}")
         }
         Provider::Etcd | Provider::Etcd3 => ports
             .iter()
@@ -315,6 +327,9 @@ pub async fn start_server(provider: Provider) -> Result<Option<Box<dyn Server>>,
             })
             .await?,
         ),
+        Provider::Mysql => {
+            Box::new(start_fixture("MariaDB", MariaDbServer::start_local()).await?)
+        }
         Provider::Redis => Box::new(start_fixture("Redis", RedisServer::start()).await?),
         Provider::RedisCluster => Box::new(Nodes {
             cluster: start_fixture("Redis Cluster", RedisCluster::start()).await?,
@@ -375,6 +390,7 @@ macro_rules! single_server {
 }
 
 single_server!(PostgresServer);
+single_server!(MariaDbServer);
 single_server!(RedisServer);
 
 /// PostgreSQL behind PgBouncer in session mode; the server faults strike PostgreSQL.

@@ -189,7 +189,7 @@ fn every_problem_of_every_section_is_listed_in_one_error() {
         "Locking.Jobs.min_retry_delay (5s) must not exceed max_retry_delay (1s)",
         "Locking.Exports.min_retry_delay (default 50ms) must not exceed max_retry_delay (10ms)",
         "Locking.Jobs.lease_duration must be at least 1ms",
-        "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, azure_blob, etcd, redis)",
+        "Locking.Reports.provider carrier_pigeon is not a known provider (one of: in_memory, postgres, mysql, azure_blob, etcd, redis)",
         "Locking.Exports.provider is missing",
         "Locking.Audit.release_timeout:",
         "Locking.Audit.colour is not a setting of the in_memory provider",
@@ -685,4 +685,47 @@ fn later_sources_override_earlier_ones_setting_by_setting_ignoring_case() {
         default.timing(),
         LeaseTiming::Expiring(Duration::from_secs(20))
     );
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use super::*;
+
+    #[tokio::test]
+    async fn mysql_sections_bind_build_and_report_under_their_own_name() {
+        let locking = Locking::from_config(config(json!({
+            "Default": {
+                "Provider": "mysql",
+                "ConnectionString": "mysql://app:hunter2@db.internal:3306/app",
+                "MaxSessions": 2,
+                "CheckInterval": "2s",
+                "FencingTable": "locks_fencing",
+            },
+        })))
+        .unwrap();
+        assert_eq!(locking.default_lock().provider(), "mysql");
+        assert!(!format!("{locking:?}").contains("hunter2"));
+
+        let shown = misconfigured(Locking::from_config(config(json!({
+            "Default": {
+                "provider": "mysql",
+                "connection_string": "postgres://app:hunter2@db/app",
+                "max_sessions": 0,
+                "fencing_table": "Locks; DROP TABLE x",
+                "renew_every": "1s",
+            },
+        }))));
+        for setting in [
+            "connection_string",
+            "max_sessions",
+            "fencing_table",
+            "renew_every",
+        ] {
+            assert!(
+                shown.contains(&format!("Locking.Default.{setting}")),
+                "{shown}"
+            );
+        }
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
 }

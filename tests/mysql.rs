@@ -303,6 +303,16 @@ async fn a_server_that_is_down_is_unavailable_not_busy() {
     held.release().await.expect("release");
 }
 
+/// The errors and warnings in the server's log (an aborted connection is a warning).
+fn complaints(server: &MariaDbServer) -> Vec<String> {
+    server
+        .error_log()
+        .lines()
+        .filter(|line| line.contains("[ERROR]") || line.contains("[Warning]"))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A lock with a one-second backoff: a hand-off much faster than that came from a wake-up.
 fn patient(server: &MariaDbServer) -> DistributedLock {
     let backend = MysqlBackend::new(options(server, CHECK)).expect("options");
@@ -472,13 +482,11 @@ async fn ended_waits_leave_no_request_queued_and_locking_logs_nothing() {
         .shutdown(Duration::from_secs(5))
         .await
         .expect("shutdown");
-    let noted: Vec<String> = server
-        .error_log()
-        .lines()
-        .filter(|line| line.contains("[ERROR]") || line.contains("[Warning]"))
-        .map(str::to_owned)
-        .collect();
-    assert_eq!(noted, Vec::<String>::new(), "the server complained");
+    assert_eq!(
+        complaints(&server),
+        Vec::<String>::new(),
+        "the server complained"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -606,11 +614,9 @@ async fn idle_sessions_are_closed_by_us_before_the_servers_idle_limit() {
     // And the backend opens a new one when asked.
     let held = locks.try_acquire(&key).await.expect("lock again");
     held.release().await.expect("release");
-    let noted: Vec<String> = server
-        .error_log()
-        .lines()
-        .filter(|line| line.contains("[ERROR]") || line.contains("[Warning]"))
-        .map(str::to_owned)
-        .collect();
-    assert_eq!(noted, Vec::<String>::new(), "the server complained");
+    assert_eq!(
+        complaints(&server),
+        Vec::<String>::new(),
+        "the server complained"
+    );
 }

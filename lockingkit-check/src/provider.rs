@@ -327,9 +327,7 @@ pub async fn start_server(provider: Provider) -> Result<Option<Box<dyn Server>>,
             })
             .await?,
         ),
-        Provider::Mysql => {
-            Box::new(start_fixture("MariaDB", MariaDbServer::start_local()).await?)
-        }
+        Provider::Mysql => Box::new(start_fixture("MariaDB", MariaDbServer::start_local()).await?),
         Provider::Redis => Box::new(start_fixture("Redis", RedisServer::start()).await?),
         Provider::RedisCluster => Box::new(Nodes {
             cluster: start_fixture("Redis Cluster", RedisCluster::start()).await?,

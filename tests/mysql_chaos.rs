@@ -9,6 +9,7 @@
 //! | the server frozen (SIGSTOP) | holders lost within two check intervals; attempts `Unavailable` within the statement timeout; once thawed, the key is free |
 //! | a holder's line blackholed | loss within a check interval and the statement timeout; the server frees the key when the orphaned session reaches its idle limit |
 //! | a holder's connections reset | loss at once: the server ended the session, and its locks with it |
+//! | a process holding a thousand locks killed (SIGKILL) | every one of them freed at the server as the kernel closes its connections |
 //!
 //! Every "process" (a `DistributedLock` with its own backend) reaches the server through a
 //! [`FaultProxy`] of its own, so a network fault hits one process only.
@@ -254,4 +255,106 @@ async fn reset_connections_are_loss_at_once_and_the_key_is_free() {
         .await
         .expect("the holder's process locks again once its line is back");
     again.release().await.expect("release");
+}
+
+/// The environment variables that tell the holder process where to lock and what.
+const CHILD_URL: &str = "LOCKINGKIT_TEST_MYSQL_HOLDER_URL";
+const CHILD_PREFIX: &str = "LOCKINGKIT_TEST_MYSQL_HOLDER_PREFIX";
+
+/// How many locks the killed holder process holds.
+const HELD_BY_THE_PROCESS: usize = 1000;
+
+/// Kills the child process when dropped (a failing case leaves none behind).
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// How many of LockingKit's lock names (`lk:…`, markers aside) are held at the server.
+fn names_held(server: &MariaDbServer) -> usize {
+    server
+        .sql(
+            "SELECT COUNT(*) FROM performance_schema.metadata_locks \
+             WHERE OBJECT_TYPE = 'USER LEVEL LOCK' AND OBJECT_NAME LIKE 'lk:%'",
+        )
+        .expect("metadata_locks")
+        .trim()
+        .parse()
+        .unwrap_or(usize::MAX)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_holding_a_thousand_locks_leaves_none_behind() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let server = MariaDbServer::start().await;
+    let prefix = unique_prefix("chaos/killed-process");
+    let mut child = lockingkit_tests::os::this_test_again(module_path!(), "holder_of_a_thousand")
+        .env(CHILD_URL, server.url())
+        .env(CHILD_PREFIX, &prefix)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the holder process");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut child = ChildGuard(child);
+    let held = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.trim() == "HELD")
+    })
+    .await
+    .expect("the reading task");
+    assert!(held, "the holder process took its locks");
+    assert_eq!(names_held(&server), HELD_BY_THE_PROCESS);
+    child.0.kill().expect("SIGKILL the holder");
+    child.0.wait().expect("reap the holder");
+    // The kernel closed its connections; the server frees their locks as it sees them close.
+    eventually(
+        "every lock of the killed process freed",
+        Duration::from_secs(10),
+        async || names_held(&server) == 0,
+    )
+    .await;
+    let other = direct(&server);
+    let key = format!("{prefix}/0");
+    let next = other.try_acquire(&key).await.expect("free");
+    next.release().await.expect("release");
+}
+
+/// Not a case of its own: the holder process the killed-process case starts and kills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a separate process by the killed-process case"]
+async fn holder_of_a_thousand() {
+    let (Ok(url), Ok(prefix)) = (std::env::var(CHILD_URL), std::env::var(CHILD_PREFIX)) else {
+        return;
+    };
+    let locks =
+        DistributedLock::builder(MysqlBackend::new(MysqlOptions::new(url)).expect("options"))
+            .build()
+            .expect("lock options");
+    let mut handles = Vec::new();
+    for i in 0..HELD_BY_THE_PROCESS {
+        handles.push(
+            locks
+                .try_acquire(&format!("{prefix}/{i}"))
+                .await
+                .expect("the holder process takes its locks"),
+        );
+    }
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "HELD").expect("report the locks");
+        out.flush().expect("flush");
+    }
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    drop(handles);
 }

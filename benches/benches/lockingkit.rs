@@ -15,8 +15,10 @@
 //! lock, no servers to start), `… -- transaction` only row 11 (transaction-scoped try-lock, on
 //! a PostgreSQL server of its own), `-- redis` only the Redis rows 12–14 (it starts a Redis
 //! server; `scripts/setup-redis.sh` installs it), `-- etcd` only the etcd rows (it starts its
-//! own one- and three-member clusters; `scripts/setup-etcd.sh`) and `-- patterns` only the
-//! patterns' rows; the full run prints the etcd and the patterns' rows after the table.
+//! own one- and three-member clusters; `scripts/setup-etcd.sh`), `-- mysql` only the MySQL rows
+//! 15–17 (it starts a MariaDB server; `scripts/setup-mariadb.sh`) and `-- patterns` only the
+//! patterns' rows; the full run prints the etcd, the MySQL and the patterns' rows after the
+//! table.
 
 use std::time::Duration;
 
@@ -29,6 +31,7 @@ use lockingkit_benches::handoff::{
 use lockingkit_benches::http_load::{http_shape, in_memory_layer_cost, HttpShape, RouteRates};
 use lockingkit_benches::load::Throughput;
 use lockingkit_benches::mode::{in_task, two_worker_runtime, BenchMode};
+use lockingkit_benches::mysql_rows::{self, MysqlReport};
 use lockingkit_benches::pair::lock_on;
 use lockingkit_benches::postgres_modes::{measure_modes, ModesReport};
 use lockingkit_benches::postgres_pairs::{self, backend, PostgresBenchReport};
@@ -60,6 +63,9 @@ struct Sizes {
     local_handoffs: usize,
     remote_handoffs: usize,
     many_key_rounds: usize,
+    /// Pairs of each MySQL variant, and MySQL cross-process hand-offs (short holds).
+    mysql_pairs: usize,
+    mysql_handoffs: usize,
     /// Rounds of each side, and each round's length, for throughput.
     load_rounds: usize,
     load_round: Duration,
@@ -78,6 +84,8 @@ const FULL: Sizes = Sizes {
     local_handoffs: 2000,
     remote_handoffs: 60,
     many_key_rounds: 8,
+    mysql_pairs: 2000,
+    mysql_handoffs: 300,
     load_rounds: 3,
     load_round: Duration::from_secs(2),
     http_rounds: 11,
@@ -93,6 +101,8 @@ const SMOKE: Sizes = Sizes {
     local_handoffs: 5,
     remote_handoffs: 2,
     many_key_rounds: 1,
+    mysql_pairs: 5,
+    mysql_handoffs: 3,
     load_rounds: 1,
     load_round: Duration::from_millis(100),
     http_rounds: 1,
@@ -271,6 +281,92 @@ fn print_etcd(sizes: Sizes) {
     );
 }
 
+/// The MySQL rows 15–17, on a MariaDB server of their own (`scripts/setup-mariadb.sh`), with
+/// the table's header (they print after the etcd rows), then their JSON line. The throughput
+/// row's rounds are half as long as row 7's.
+fn print_mysql(sizes: Sizes) {
+    let mysql_sizes = mysql_rows::MysqlSizes {
+        pairs: sizes.mysql_pairs,
+        handoffs: sizes.mysql_handoffs,
+        load_rounds: sizes.load_rounds,
+        load_round: sizes.load_round / 2,
+    };
+    let report = in_task(
+        &two_worker_runtime(),
+        "the MySQL rows",
+        mysql_rows::measure(mysql_sizes),
+    );
+    print_table_header();
+    print_mysql_rows(&report);
+    println!("{{{}}}", mysql_json(&report));
+}
+
+fn print_mysql_rows(report: &MysqlReport) {
+    let pairs = &report.pairs;
+    let name = "15. MySQL try_acquire+release vs same SQL raw";
+    print_pair(name, pairs.lockingkit, pairs.raw);
+    row(
+        "   MysqlBackend alone (no engine) vs raw, median",
+        in_ms(pairs.backend_only.p50),
+        in_ms(pairs.raw.p50),
+        "diagnostic",
+        "",
+    );
+    let throughput = &report.throughput;
+    let measured = throughput.ratio();
+    row(
+        "16. MySQL pairs, 256 tasks on distinct keys",
+        per_second(throughput.lockingkit_pairs_per_s),
+        per_second(throughput.raw_pairs_per_s),
+        &ratio(measured),
+        pass(measured >= 1.0),
+    );
+    row(
+        "   connections used (raw: pool of 16)",
+        throughput.lockingkit_connections,
+        throughput.raw_connections,
+        "diagnostic",
+        "",
+    );
+    row(
+        "17. hand-off, release -> next holder",
+        "p50",
+        "p99",
+        "goal",
+        "",
+    );
+    print_handoff(
+        "17. cross-process, MySQL, waiting GET_LOCK granted",
+        report.handoff,
+        "p50 <= 5 ms",
+        Some(report.handoff.p50 <= Duration::from_millis(5)),
+    );
+}
+
+fn mysql_json(report: &MysqlReport) -> String {
+    let (pairs, throughput) = (&report.pairs, &report.throughput);
+    format!(
+        "\"mysql_pairs\":{},\"mysql_lockingkit_median_us\":{:.1},\"mysql_lockingkit_p99_us\":{:.1},\"mysql_raw_median_us\":{:.1},\"mysql_raw_p99_us\":{:.1},\"mysql_backend_median_us\":{:.1},\"mysql_ratio\":{:.3},\
+\"mysql_throughput_lockingkit_pairs_per_s\":{:.0},\"mysql_throughput_raw_pairs_per_s\":{:.0},\"mysql_throughput_ratio\":{:.3},\"mysql_throughput_lockingkit_connections\":{},\"mysql_throughput_raw_connections\":{},\
+\"mysql_handoff_p50_ms\":{:.3},\"mysql_handoff_p99_ms\":{:.3},\"mysql_handoffs\":{}",
+        pairs.pairs,
+        micros(pairs.lockingkit.p50),
+        micros(pairs.lockingkit.p99),
+        micros(pairs.raw.p50),
+        micros(pairs.raw.p99),
+        micros(pairs.backend_only.p50),
+        pairs.ratio(),
+        throughput.lockingkit_pairs_per_s,
+        throughput.raw_pairs_per_s,
+        throughput.ratio(),
+        throughput.lockingkit_connections,
+        throughput.raw_connections,
+        ms(report.handoff.p50),
+        ms(report.handoff.p99),
+        report.handoffs,
+    )
+}
+
 /// The Redis rows, on a server of their own.
 struct RedisRows {
     pairs: RedisPairs,
@@ -444,6 +540,7 @@ fn run_one_row(row: &str, sizes: Sizes) -> bool {
             print_transaction_locks(&report);
         }
         "etcd" => print_etcd(sizes),
+        "mysql" => print_mysql(sizes),
         "patterns" => patterns_rows(sizes),
         "http-memory" => {
             let cost = http_layer_cost(sizes);
@@ -811,7 +908,7 @@ fn remote_handoff_json(handoffs: &Handoffs, sizes: Sizes) -> String {
     )
 }
 
-/// The full run's JSON line (the etcd rows print their own).
+/// The full run's JSON line (the etcd and the MySQL rows print their own).
 fn full_json(
     engine: &EngineRows,
     servers: &ServerRows,
@@ -842,8 +939,8 @@ fn print_server_table(engine: &EngineRows, servers: &ServerRows) {
     print_load_rows(&servers.throughput, &servers.http);
 }
 
-/// Every row, measured and printed in the table's order, then the JSON line, then the etcd
-/// and the patterns' rows.
+/// Every row, measured and printed in the table's order, then the JSON line, then the etcd,
+/// the MySQL and the patterns' rows.
 fn full_run(sizes: Sizes) {
     // Engine-only measurements first, each on a runtime of its own, before any server runs.
     let engine = EngineRows::measure(sizes);
@@ -866,6 +963,7 @@ fn full_run(sizes: Sizes) {
         full_json(&engine, &servers, &transactions, &redis, sizes)
     );
     print_etcd(sizes);
+    print_mysql(sizes);
     patterns_rows(sizes);
 }
 

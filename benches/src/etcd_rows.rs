@@ -185,36 +185,12 @@ async fn throughput(cluster: &EtcdCluster, length: Duration) -> (f64, f64, usize
     (kit, raw, connections)
 }
 
-/// Established TCP connections of this process to the cluster's client ports (sockets of
-/// `/proc/self/fd` found in `/proc/net/tcp`).
+/// Established TCP connections of this process to the cluster's client ports.
 fn connections_to(cluster: &EtcdCluster) -> usize {
     let ports: Vec<u16> = cluster
         .endpoints()
         .iter()
         .filter_map(|e| e.rsplit(':').next()?.parse().ok())
         .collect();
-    let own: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
-        .map(|dir| {
-            dir.flatten()
-                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
-                .filter_map(|link| {
-                    let link = link.to_string_lossy().into_owned();
-                    Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    table
-        .lines()
-        .skip(1)
-        .filter(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let remote = fields.get(2).and_then(|a| a.split(':').nth(1));
-            let port = remote.and_then(|p| u16::from_str_radix(p, 16).ok());
-            fields.get(3) == Some(&"01")
-                && port.is_some_and(|p| ports.contains(&p))
-                && fields.get(9).is_some_and(|inode| own.contains(*inode))
-        })
-        .count()
+    crate::load::connections_to(&ports)
 }

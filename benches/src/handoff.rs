@@ -37,7 +37,7 @@ pub async fn cross_process_handoff(
 
 /// Each sample: `holder` takes the key, `waiter` starts waiting, the hold lasts `hold(i)`, then
 /// from the start of the release to the moment `waiter` holds the key.
-async fn handoff(
+pub(crate) async fn handoff(
     holder: &DistributedLock,
     waiter: &DistributedLock,
     key: &str,

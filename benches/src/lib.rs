@@ -14,6 +14,7 @@ pub mod handoff;
 pub mod http_load;
 pub mod load;
 pub mod mode;
+pub mod mysql_rows;
 pub mod pair;
 pub mod patterns;
 pub mod postgres_modes;

@@ -1,5 +1,6 @@
-//! Load: many tasks repeating one piece of work for a set time, and the throughput rows (7,
-//! 13 and etcd's) that alternate LockingKit's pairs with a baseline's under it.
+//! Load: many tasks repeating one piece of work for a set time, the throughput rows (7, 13, 16
+//! and etcd's) that alternate LockingKit's pairs with a baseline's under it, and the connections
+//! a side used.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -109,4 +110,33 @@ where
     }
     let seconds = length.as_secs_f64() * rounds as f64;
     (kit_done as f64 / seconds, raw_done as f64 / seconds)
+}
+
+/// Established TCP connections of this process to any of `ports` on this machine (sockets of
+/// `/proc/self/fd` found in `/proc/net/tcp`): the connections a side of a load row used.
+pub fn connections_to(ports: &[u16]) -> usize {
+    let own: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .filter_map(|link| {
+                    let link = link.to_string_lossy().into_owned();
+                    Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let remote = fields.get(2).and_then(|a| a.split(':').nth(1));
+            let port = remote.and_then(|p| u16::from_str_radix(p, 16).ok());
+            fields.get(3) == Some(&"01")
+                && port.is_some_and(|p| ports.contains(&p))
+                && fields.get(9).is_some_and(|inode| own.contains(*inode))
+        })
+        .count()
 }

@@ -14,17 +14,22 @@ use crate::load::{alternating, pairs_for, Throughput, WARM_UP};
 use crate::pair::{lock_on, lock_pair};
 use crate::postgres_pairs::{backend, raw_pair, TRY_LOCK, UNLOCK};
 
-/// Overrides the session budget of the throughput and HTTP rows, to compare budgets.
+/// Overrides the session budget of the throughput and HTTP rows (and MySQL's throughput row),
+/// to compare budgets.
 const SESSIONS_ENV: &str = "LOCKINGKIT_BENCH_MAX_SESSIONS";
+
+/// The session budget [`SESSIONS_ENV`] sets, if it does.
+pub(crate) fn max_sessions_override() -> Option<usize> {
+    std::env::var(SESSIONS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+}
 
 /// The options of the LockingKit side of the load rows: the defaults, unless
 /// [`SESSIONS_ENV`] says otherwise.
 pub(crate) fn lockingkit_options(server: &PostgresServer) -> PostgresOptions {
     let mut options = PostgresOptions::new(server.connection_string());
-    if let Some(sessions) = std::env::var(SESSIONS_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-    {
+    if let Some(sessions) = max_sessions_override() {
         options.max_sessions = sessions;
     }
     options

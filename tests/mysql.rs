@@ -227,6 +227,31 @@ async fn fencing_tokens_keep_growing_across_a_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_empties_the_count_and_tokens_move_on_to_a_new_epoch() {
+    let mut server = MariaDbServer::start_local().await;
+    let locks = process(&server);
+    let key = unique_prefix("fencing/crash");
+    let mut last = 0;
+    for _ in 0..50 {
+        let held = locks.try_acquire(&key).await.expect("lock");
+        assert!(held.fencing_token() > last, "tokens grow within an epoch");
+        last = held.fencing_token();
+        held.release().await.expect("release");
+    }
+    let epoch = last >> 40;
+    server.kill();
+    server.start_again().await;
+    let after =
+        lockingkit_tests::chaos::acquire_through_outages(&locks, &key, Duration::from_secs(30))
+            .await
+            .expect("a lock after the crash")
+            .0;
+    assert!(after.fencing_token() > last, "tokens grow across the crash");
+    assert_eq!(after.fencing_token() >> 40, epoch + 1, "one new epoch");
+    after.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_locks_live_on_at_most_eight_server_sessions_and_leave_nothing_behind() {
     let server = MariaDbServer::start().await;
     let locks = process(&server);
@@ -531,13 +556,13 @@ async fn concurrent_grants_in_four_processes_each_take_a_name_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_user_without_create_needs_the_table_made_and_a_deleted_counter_row_is_misconfigured() {
+async fn a_user_without_create_needs_the_tables_made_and_a_deleted_epoch_row_is_misconfigured() {
     let server = MariaDbServer::start().await;
     let table = format!("fencing_{}", std::process::id());
     server
         .sql(
             "CREATE USER IF NOT EXISTS 'nocreate'@'127.0.0.1' IDENTIFIED BY 'nocreate-pw'; \
-             GRANT SELECT, UPDATE ON lockingkit.* TO 'nocreate'@'127.0.0.1'",
+             GRANT SELECT, INSERT, UPDATE ON lockingkit.* TO 'nocreate'@'127.0.0.1'",
         )
         .expect("a user without CREATE");
     let url = server
@@ -565,12 +590,16 @@ async fn a_user_without_create_needs_the_table_made_and_a_deleted_counter_row_is
         .expect("setup SQL");
     locks.verify().await.expect("verify passes");
     let held = locks.try_acquire(&key).await.expect("lock");
-    assert_eq!(held.fencing_token(), 1);
+    // The first epoch's first token.
+    assert_eq!(held.fencing_token(), (1 << 40) + 1);
     held.release().await.expect("release");
 
-    // Someone deletes the counter row: never "busy", never tokens started over.
+    // Someone deletes the epoch row, and the server loses the MEMORY count (as a restart
+    // does): never "busy", never tokens started over.
     server
-        .sql(&format!("DELETE FROM lockingkit.`{table}`"))
+        .sql(&format!(
+            "DELETE FROM lockingkit.`{table}`; DELETE FROM lockingkit.`{table}_now`"
+        ))
         .expect("delete");
     assert_eq!(
         kind_of(locks.try_acquire(&key).await),

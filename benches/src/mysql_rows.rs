@@ -4,8 +4,9 @@
 //!
 //! - **pair**: `try_acquire` + `release` through `DistributedLock` on `MysqlBackend` with the
 //!   default options, next to the provider's two statements sent by hand on one connection —
-//!   `UPDATE lockingkit_fencing SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v) WHERE
-//!   id = 1` (lock and fencing token in one round trip) then `SELECT RELEASE_LOCK(?)`, both
+//!   `UPDATE lockingkit_fencing_now SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v)
+//!   WHERE id = 1` (lock and fencing token in one round trip, on the MEMORY count) then
+//!   `SELECT RELEASE_LOCK(?)`, both
 //!   prepared once through the connection's statement cache, as the provider's are — and next
 //!   to the backend alone (`LockBackend` without the engine). One key per variant, reused every
 //!   round, as the PostgreSQL pair does; a fresh random order every round.
@@ -40,7 +41,7 @@ use crate::samples::{interleaved, timed, Order, Percentiles, Rounds};
 
 /// The provider's exclusive attempt on the default fencing table, byte for byte: the lock and,
 /// only if it was granted, the counter bumped into the answer's insert id.
-pub const RAW_LOCK: &str = "UPDATE `lockingkit_fencing` SET v = IF(GET_LOCK(?, 0) = 1, \
+pub const RAW_LOCK: &str = "UPDATE `lockingkit_fencing_now` SET v = IF(GET_LOCK(?, 0) = 1, \
                             LAST_INSERT_ID(v + 1), v) WHERE id = 1";
 /// The provider's unlock.
 pub const RAW_UNLOCK: &str = "SELECT RELEASE_LOCK(?)";

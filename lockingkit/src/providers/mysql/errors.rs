@@ -81,7 +81,7 @@ pub(super) fn query_error(error: mysql_async::Error, stage: Stage) -> BackendErr
         )),
         1049 => BackendError::misconfigured(format!("the MySQL database does not exist ({})", words())),
         1142 | 1227 | 1370 => BackendError::misconfigured(format!(
-            "MySQL denied permission; the user needs SELECT, INSERT, UPDATE and CREATE on the fencing table, or the table created beforehand ({})",
+            "MySQL denied permission; the user needs SELECT, INSERT, UPDATE and CREATE on the fencing tables, or the tables created beforehand ({})",
             words()
         )),
         NO_SUCH_TABLE => BackendError::misconfigured(format!(

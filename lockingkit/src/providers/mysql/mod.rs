@@ -23,12 +23,13 @@
 //! - **Loss at once**: each session holds a marker lock that a sentinel connection waits for
 //!   (see `sentinel`), so a session the server ends while idle (`KILL`, a restart) is loss
 //!   within moments, not at the next check.
-//! - **Fencing tokens** come from one counter row, bumped by the statement that takes the lock:
-//!   `UPDATE lockingkit_fencing SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v) WHERE
-//!   id = 1` (see `take`). A busy attempt leaves the counter alone. The row is InnoDB, so tokens
-//!   keep growing across server restarts. The table is created with its row on first use; a
-//!   user without CREATE needs it created beforehand ([`setup_sql`]), with SELECT and UPDATE on
-//!   it.
+//! - **Fencing tokens** are `epoch × 2⁴⁰ + n`, drawn by the statement that takes the lock:
+//!   `UPDATE lockingkit_fencing_now SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v)
+//!   WHERE id = 1`, on a MEMORY table (no disk write per lock). The epoch is a durable row in the
+//!   InnoDB table `lockingkit_fencing`, bumped when the server lost the MEMORY row (a restart or
+//!   crash) before the row is seeded again, so tokens keep growing across restarts and crashes
+//!   (see `take`). A busy attempt leaves the counter alone. Both tables are created on first
+//!   use; a user without CREATE needs them created beforehand ([`setup_sql`]).
 //! - **Semaphores**: slot `s` of the semaphore `k` is the name
 //!   [`MysqlLockKeys::semaphore_slot`]`(k, s)`. One statement tries the free slots in turn, from
 //!   a slot that differs from one attempt to the next on, and takes the first the server
@@ -179,7 +180,7 @@ impl MysqlBackend {
         self.inner.watchers.in_use()
     }
 
-    /// Creates the fencing table and its counter row unless they exist.
+    /// Creates the fencing tables and the epoch row unless they exist.
     async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
         let fencing = &self.inner.fencing;
         let sql = fencing.sql.clone();
@@ -301,9 +302,10 @@ fn spread(counter: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The statement that creates the fencing table of `options` with its counter row, for an
-/// administrator to run where the application's user may not create tables (grant it SELECT
-/// and UPDATE on the table afterwards).
+/// The statements that create the fencing tables of `options`, for an administrator to run
+/// where the application's user may not create tables: the InnoDB table with its epoch row, and
+/// the MEMORY table beside it (`<fencing_table>_now`) that counts grants. Grant the user SELECT
+/// and UPDATE on the first, and SELECT, INSERT and UPDATE on the second, afterwards.
 ///
 /// ```
 /// use lockingkit::MysqlOptions;
@@ -311,17 +313,18 @@ fn spread(counter: u64) -> u64 {
 ///
 /// let sql = setup_sql(&MysqlOptions::new("mysql://app@db/app"));
 /// assert!(sql.starts_with("CREATE TABLE `lockingkit_fencing`"));
+/// assert!(sql.contains("`lockingkit_fencing_now`"));
 /// ```
 pub fn setup_sql(options: &MysqlOptions) -> String {
-    FencingSql::new(&options.fencing_table).create().to_owned()
+    FencingSql::new(&options.fencing_table).create()
 }
 
-/// The failure of a fencing table whose counter row is gone.
+/// The failure of a fencing table whose epoch row is gone.
 fn no_counter_row() -> BackendError {
     BackendError::misconfigured(
-        "the MySQL fencing table has no counter row (id = 1); it was deleted, and making it \
-         again would start fencing tokens over: insert (1, v) with v above every token handed \
-         out (see the MySQL guide)",
+        "the MySQL fencing table has no epoch row (id = 1); it was deleted, and making it \
+         again would start fencing tokens over: insert (1, v) with v above every epoch used, \
+         the highest token handed out shifted right by 40 (see the MySQL guide)",
     )
 }
 
@@ -440,7 +443,7 @@ impl LockBackend for MysqlBackend {
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and
-    /// authenticates, checks the fencing table (creating it if missing and allowed), and
+    /// authenticates, checks the fencing tables (creating them if missing and allowed), and
     /// closes. A few round trips after the connect; no lock.
     async fn verify(&self) -> Result<(), BackendError> {
         let conn = Box::pin(self.inner.connector.connect_unthrottled()).await?;

@@ -56,8 +56,9 @@ pub struct MysqlOptions {
     /// session, and with it every lock the session held.
     #[serde(with = "crate::config::duration")]
     pub query_timeout: Duration,
-    /// The table of the fencing-token counter, in the connection's database; created on first
-    /// use if missing.
+    /// The InnoDB table of the fencing tokens' epoch, in the connection's database, and the
+    /// name the MEMORY table of their count takes with `_now` added; both created on first use
+    /// if missing.
     pub fencing_table: String,
 }
 
@@ -180,8 +181,8 @@ impl MysqlOptions {
         if !is_plain_identifier(&self.fencing_table) {
             problems.push(Problem::new(
                 "fencing_table",
-                "must be a lowercase SQL identifier of at most 64 characters (letters, digits, \
-                 _; not starting with a digit)",
+                "must be a lowercase SQL identifier of at most 60 characters (letters, digits, \
+                 _; not starting with a digit), so that its `_now` table's name fits too",
             ));
         }
         problems
@@ -197,7 +198,7 @@ fn is_plain_identifier(name: &str) -> bool {
     let mut chars = name.chars();
     matches!(chars.next(), Some('a'..='z' | '_'))
         && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
-        && name.len() <= 64
+        && name.len() <= 60
 }
 
 #[cfg(test)]
@@ -263,6 +264,7 @@ mod tests {
         assert!(!is_plain_identifier("2fencing"));
         assert!(!is_plain_identifier("Fencing"));
         assert!(!is_plain_identifier("a`b"));
-        assert!(!is_plain_identifier(&"a".repeat(65)));
+        assert!(is_plain_identifier(&"a".repeat(60)));
+        assert!(!is_plain_identifier(&"a".repeat(61)));
     }
 }

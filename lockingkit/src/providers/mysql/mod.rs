@@ -18,8 +18,9 @@
 //! - **A statement that does not finish ends its session**: no answer within
 //!   [`query_timeout`](MysqlOptions::query_timeout), a broken connection or a cancelled
 //!   statement leaves the connection's state unknown, so it is closed, the server frees every
-//!   lock it held, and every holder on it is told of the loss. Checks and unlocks run in tasks
-//!   of their own, so a caller that stops waiting for one does not cut it off.
+//!   lock it held, and every holder on it is told of the loss. Checks run in tasks of their own,
+//!   so the engine's bound on a check does not cut one off; keep `release_timeout` longer than
+//!   the statement timeout, so that it does not cut off an unlock.
 //! - **Loss at once**: each session holds a marker lock that a sentinel connection waits for
 //!   (see `sentinel`), so a session the server ends while idle (`KILL`, a restart) is loss
 //!   within moments, not at the next check.
@@ -330,24 +331,23 @@ fn no_counter_row() -> BackendError {
 
 /// Unlocks `name` on `session`: `Ok(true)` when the session held it.
 async fn unlock(session: Arc<Session>, name: Arc<str>) -> Result<bool, BackendError> {
-    // In a task of its own: a caller that stops waiting (the engine bounds releases) must not
-    // cut the unlock off mid-statement, which would end the session and its other locks.
-    session::detached(async move {
-        let holder = session.clone();
-        session
-            .run(Stage::Release, move |conn| {
-                Box::pin(async move {
-                    let row = conn
-                        .exec_first::<Row, _, _>(UNLOCK, (name.as_ref(),))
-                        .await?;
-                    // Whatever the answer, the session no longer holds the name.
-                    holder.names().remove(&name);
-                    Ok(take::first_number(row) == Some(1))
-                })
+    // Not in a task of its own, unlike a check: the engine finishes a release whose caller went
+    // away (see `background`), and gives it `release_timeout` (10 s by default), longer than
+    // the statement's own timeout; cut off before it answered, the unlock would end the
+    // session and its other locks (the MySQL guide says to keep it so).
+    let holder = session.clone();
+    session
+        .run(Stage::Release, move |conn| {
+            Box::pin(async move {
+                let row = conn
+                    .exec_first::<Row, _, _>(UNLOCK, (name.as_ref(),))
+                    .await?;
+                // Whatever the answer, the session no longer holds the name.
+                holder.names().remove(&name);
+                Ok(take::first_number(row) == Some(1))
             })
-            .await
-    })
-    .await
+        })
+        .await
 }
 
 impl fmt::Debug for MysqlBackend {

@@ -201,7 +201,7 @@ impl Session {
 
 /// Runs `work` in a task of its own and waits for it: dropping the wait leaves the work to
 /// finish, so a statement is never cut off by a caller that went away.
-pub(super) async fn detached<T: Send + 'static>(
+async fn detached<T: Send + 'static>(
     work: impl Future<Output = Result<T, BackendError>> + Send + 'static,
 ) -> Result<T, BackendError> {
     match tokio::spawn(work).await {

@@ -258,6 +258,32 @@ mod tests {
         assert_eq!(built, bound);
     }
 
+    proptest::proptest! {
+        /// Any durations and budgets, `Duration::MAX` included, are either refused with
+        /// problems or build a backend: no arithmetic on them can overflow.
+        #[test]
+        fn any_durations_and_budgets_build_or_are_refused(
+            check_ms in proptest::prop_oneof![proptest::num::u64::ANY, 0..10_000u64],
+            query_ms in proptest::prop_oneof![proptest::num::u64::ANY, 0..10_000u64],
+            sessions in proptest::prop_oneof![proptest::num::usize::ANY, 0..2_000usize],
+            huge in proptest::bool::ANY,
+        ) {
+            let mut options = MysqlOptions::new("mysql://app@127.0.0.1/app")
+                .with_check_interval(Duration::from_millis(check_ms))
+                .with_query_timeout(Duration::from_millis(query_ms))
+                .with_max_sessions(sessions)
+                .with_max_wait_sessions(sessions);
+            if huge {
+                options = options
+                    .with_check_interval(Duration::MAX)
+                    .with_query_timeout(Duration::MAX);
+            }
+            let problems = options.problems();
+            let built = super::super::MysqlBackend::open(options);
+            proptest::prop_assert_eq!(problems.is_empty(), built.is_ok());
+        }
+    }
+
     #[test]
     fn identifiers_are_plain_lowercase_names() {
         assert!(is_plain_identifier("lockingkit_fencing"));

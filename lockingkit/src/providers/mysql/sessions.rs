@@ -79,23 +79,12 @@ impl LockSessions {
         Ok(session)
     }
 
-    /// Drops ended sessions and closes idle ones, then returns a session with nothing to do
-    /// (or the least busy one when the budget is spent), and the least busy session to fall
-    /// back on.
+    /// Drops ended sessions (a session idle too long is closed by its sentinel, see
+    /// `sentinel`), then returns a session with nothing to do (or the least busy one when the
+    /// budget is spent), and the least busy session to fall back on.
     fn choose(&self) -> (Option<Arc<Session>>, Option<Arc<Session>>) {
-        // A session that holds no lock and has not been used for half the server's idle
-        // limit is closed: it costs the server a connection for nothing, and the server would
-        // soon close it on its own, which an attempt would meet as a broken session.
-        let idle_close = self.connector.idle_limit / 2;
         let mut open = lock(&self.open);
-        open.retain(|session| {
-            let idle =
-                session.busy() == 0 && session.holds() == 0 && session.quiet_for() >= idle_close;
-            if idle {
-                session.end();
-            }
-            !session.is_ended()
-        });
+        open.retain(|session| !session.is_ended());
         let least_busy = open.iter().min_by_key(|session| session.busy()).cloned();
         let free = match &least_busy {
             Some(session) if session.busy() == 0 || open.len() >= self.max => Some(session.clone()),

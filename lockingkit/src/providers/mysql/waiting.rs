@@ -252,18 +252,11 @@ impl Watchers {
         sentinel::open_watched(&self.connector).await
     }
 
-    /// The most recently idle session; those quiet for half the server's idle limit are closed
-    /// (the server would close them soon).
+    /// The most recently idle session that has not ended (its sentinel closes one left idle
+    /// too long, see `sentinel`).
     fn idle_session(&self) -> Option<Arc<Session>> {
         let mut idle = lock(&self.idle);
-        let stale = self.connector.idle_limit / 2;
-        let (usable, old): (Vec<_>, Vec<_>) = idle
-            .drain(..)
-            .partition(|session| !session.is_ended() && session.quiet_for() < stale);
-        *idle = usable;
-        for session in old {
-            session.end();
-        }
+        idle.retain(|session| !session.is_ended());
         idle.pop()
     }
 

@@ -227,7 +227,7 @@ async fn fencing_tokens_keep_growing_across_a_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_empties_the_count_and_tokens_move_on_to_a_new_epoch() {
+async fn a_crash_moves_tokens_on_to_a_new_epoch() {
     let mut server = MariaDbServer::start_local().await;
     let locks = process(&server);
     let key = unique_prefix("fencing/crash");
@@ -238,7 +238,7 @@ async fn a_crash_empties_the_count_and_tokens_move_on_to_a_new_epoch() {
         last = held.fencing_token();
         held.release().await.expect("release");
     }
-    let epoch = last >> 40;
+    let epoch = last >> 47;
     server.kill();
     server.start_again().await;
     let after =
@@ -247,8 +247,47 @@ async fn a_crash_empties_the_count_and_tokens_move_on_to_a_new_epoch() {
             .expect("a lock after the crash")
             .0;
     assert!(after.fencing_token() > last, "tokens grow across the crash");
-    assert_eq!(after.fencing_token() >> 40, epoch + 1, "one new epoch");
+    assert_eq!(after.fencing_token() >> 47, epoch + 1, "one new epoch");
     after.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_of_another_server_start_or_a_spent_epoch_moves_on_to_a_new_epoch() {
+    let server = MariaDbServer::start().await;
+    let key = unique_prefix("fencing/epochs");
+    let token_of = async |locks: &DistributedLock| {
+        let held = locks.try_acquire(&key).await.expect("lock");
+        let token = held.fencing_token();
+        held.release().await.expect("release");
+        token
+    };
+    let first = token_of(&process(&server)).await;
+    let epoch = first >> 47;
+    assert!(epoch >= 1, "{first}");
+
+    // The row claims another server start (as a replica's row after a promotion would): a
+    // new process moves it on, and its tokens lie above every earlier one.
+    server
+        .sql("UPDATE lockingkit.lockingkit_fencing SET started = started - 1 WHERE id = 1")
+        .expect("update");
+    let second = token_of(&process(&server)).await;
+    assert!(second > first);
+    assert_eq!(second >> 47, epoch + 1, "one new epoch");
+
+    // The epoch's span is spent: the same.
+    server
+        .sql("UPDATE lockingkit.lockingkit_fencing SET base = base - (1 << 47) WHERE id = 1")
+        .expect("update");
+    let third = token_of(&process(&server)).await;
+    assert!(third > second);
+    assert_eq!(third >> 47, epoch + 2, "one more epoch");
+
+    // A process that read the current epoch keeps drawing in it, without a write.
+    let reader = process(&server);
+    let fourth = token_of(&reader).await;
+    let fifth = token_of(&reader).await;
+    assert!(third < fourth && fourth < fifth);
+    assert_eq!(fifth >> 47, epoch + 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -590,19 +629,17 @@ async fn a_user_without_create_needs_the_tables_made_and_a_deleted_epoch_row_is_
         .expect("setup SQL");
     locks.verify().await.expect("verify passes");
     let held = locks.try_acquire(&key).await.expect("lock");
-    // The first epoch's first token.
-    assert_eq!(held.fencing_token(), (1 << 40) + 1);
+    // The first epoch.
+    assert_eq!(held.fencing_token() >> 47, 1);
     held.release().await.expect("release");
 
-    // Someone deletes the epoch row, and the server loses the MEMORY count (as a restart
-    // does): never "busy", never tokens started over.
+    // Someone deletes the epoch row: a process that has to read it is told, never "busy",
+    // and tokens never start over.
     server
-        .sql(&format!(
-            "DELETE FROM lockingkit.`{table}`; DELETE FROM lockingkit.`{table}_now`"
-        ))
+        .sql(&format!("DELETE FROM lockingkit.`{table}`"))
         .expect("delete");
     assert_eq!(
-        kind_of(locks.try_acquire(&key).await),
+        kind_of(lock_on(options.clone()).try_acquire(&key).await),
         ErrorKind::Misconfigured
     );
     assert_eq!(

@@ -53,24 +53,17 @@ impl Connector {
         // - an idle limit three check intervals long (at least 10 s): a session that holds
         //   locks answers a check every interval, so only a client that vanished without a
         //   word (frozen, cut off by the network) leaves one idle that long, and the server
-        //   then closes it and frees its locks instead of keeping them for its 8-hour default;
-        // - REPEATABLE READ, under which an UPDATE computes its row's new value once (see
-        //   `take`), whatever the server's default;
-        // - matched rather than changed rows in the answer to an UPDATE (`take` reads them).
+        //   then closes it and frees its locks instead of keeping them for its 8-hour default.
         let seconds = timeout.as_secs().clamp(1, 3600);
         let idle_seconds = check_interval
             .as_secs()
             .saturating_mul(3)
             .clamp(MIN_IDLE_LIMIT_SECONDS, MAX_IDLE_LIMIT_SECONDS);
         let opts = OptsBuilder::from_opts(opts)
-            .init(vec![
-                format!(
-                    "SET SESSION autocommit = 1, innodb_lock_wait_timeout = {seconds}, \
-                     wait_timeout = {idle_seconds}"
-                ),
-                "SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ".to_owned(),
-            ])
-            .client_found_rows(true)
+            .init(vec![format!(
+                "SET SESSION autocommit = 1, innodb_lock_wait_timeout = {seconds}, \
+                 wait_timeout = {idle_seconds}"
+            )])
             .into();
         Arc::new(Connector {
             opts,

@@ -25,6 +25,15 @@ pub(super) enum Stage {
 
 /// The server error that says the fencing table is missing.
 pub(super) const NO_SUCH_TABLE: u16 = 1146;
+/// The server error that says a table of a system schema is unknown (MySQL 8 has no
+/// `information_schema.GLOBAL_STATUS`).
+const UNKNOWN_TABLE: u16 = 1109;
+
+/// Whether `code` says a table the statement reads does not exist.
+pub(super) fn is_unknown_table(code: u16) -> bool {
+    code == NO_SUCH_TABLE || code == UNKNOWN_TABLE
+}
+
 /// The server error that says a table to create exists already.
 pub(super) const TABLE_EXISTS: u16 = 1050;
 
@@ -81,7 +90,7 @@ pub(super) fn query_error(error: mysql_async::Error, stage: Stage) -> BackendErr
         )),
         1049 => BackendError::misconfigured(format!("the MySQL database does not exist ({})", words())),
         1142 | 1227 | 1370 => BackendError::misconfigured(format!(
-            "MySQL denied permission; the user needs SELECT, INSERT, UPDATE and CREATE on the fencing tables, or the tables created beforehand ({})",
+            "MySQL denied permission; the user needs SELECT, UPDATE and CREATE on the fencing table, or the table created beforehand ({})",
             words()
         )),
         NO_SUCH_TABLE => BackendError::misconfigured(format!(

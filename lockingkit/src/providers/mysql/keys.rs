@@ -77,8 +77,11 @@ fn named(prefix: &str, key: &str, digits: usize) -> String {
     let digest = Sha256::digest(key.as_bytes());
     let mut name = String::with_capacity(prefix.len() + digits + 6);
     name.push_str(prefix);
+    // Two digits per byte from a table: `write!` per byte cost more than the hash itself.
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     for byte in digest.iter().take(digits.div_ceil(2)) {
-        let _ = write!(name, "{byte:02x}");
+        name.push(char::from(HEX[usize::from(byte >> 4)]));
+        name.push(char::from(HEX[usize::from(byte & 0xf)]));
     }
     name.truncate(prefix.len() + digits);
     name

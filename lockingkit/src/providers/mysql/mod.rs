@@ -24,17 +24,18 @@
 //! - **Loss at once**: each session holds a marker lock that a sentinel connection waits for
 //!   (see `sentinel`), so a session the server ends while idle (`KILL`, a restart) is loss
 //!   within moments, not at the next check.
-//! - **Fencing tokens** are `epoch × 2⁴⁰ + n`, drawn by the statement that takes the lock:
-//!   `UPDATE lockingkit_fencing_now SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v)
-//!   WHERE id = 1`, on a MEMORY table (no disk write per lock). The epoch is a durable row in the
-//!   InnoDB table `lockingkit_fencing`, bumped when the server lost the MEMORY row (a restart or
-//!   crash) before the row is seeded again, so tokens keep growing across restarts and crashes
-//!   (see `take`). A busy attempt leaves the counter alone. Both tables are created on first
-//!   use; a user without CREATE needs them created beforehand ([`setup_sql`]).
+//! - **Fencing tokens** are `epoch × 2⁴⁷ + n`, drawn by the statement that takes the lock:
+//!   `SELECT CASE GET_LOCK(?, 0) WHEN 1 THEN UUID_SHORT() WHEN 0 THEN 0 END`, where `n` is the
+//!   server's `UUID_SHORT()` counter less the epoch's base. The statement reads no table and
+//!   writes nothing, not even to the binary log. The epoch is a durable row in the InnoDB table
+//!   `lockingkit_fencing`, moved on once per server start (a restart, a crash, a promoted
+//!   replica), so tokens keep growing across all of them whatever the server's clock did
+//!   (see `take`). The table is created on first use; a user without CREATE needs it created
+//!   beforehand ([`setup_sql`]).
 //! - **Semaphores**: slot `s` of the semaphore `k` is the name
 //!   [`MysqlLockKeys::semaphore_slot`]`(k, s)`. One statement tries the free slots in turn, from
 //!   a slot that differs from one attempt to the next on, and takes the first the server
-//!   grants; a second bumps the counter. At most [`MAX_SEMAPHORE_COUNT`] slots.
+//!   grants; a second draws the token. At most [`MAX_SEMAPHORE_COUNT`] slots.
 //! - **No readers**: a named lock has no shared mode, and a reader-writer lock built from
 //!   several names could not tell a waiting writer from a reader without a second round trip
 //!   that races; the backend refuses `LockMode::Shared` (see the MySQL guide).
@@ -181,7 +182,7 @@ impl MysqlBackend {
         self.inner.watchers.in_use()
     }
 
-    /// Creates the fencing tables and the epoch row unless they exist.
+    /// Creates the fencing table and its epoch row unless they exist, and reads the row.
     async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
         let fencing = &self.inner.fencing;
         let sql = fencing.sql.clone();
@@ -303,10 +304,9 @@ fn spread(counter: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The statements that create the fencing tables of `options`, for an administrator to run
-/// where the application's user may not create tables: the InnoDB table with its epoch row, and
-/// the MEMORY table beside it (`<fencing_table>_now`) that counts grants. Grant the user SELECT
-/// and UPDATE on the first, and SELECT, INSERT and UPDATE on the second, afterwards.
+/// The statement that creates the fencing table of `options` with its epoch row, for an
+/// administrator to run where the application's user may not create tables. Grant the user
+/// SELECT and UPDATE on it afterwards.
 ///
 /// ```
 /// use lockingkit::MysqlOptions;
@@ -314,7 +314,7 @@ fn spread(counter: u64) -> u64 {
 ///
 /// let sql = setup_sql(&MysqlOptions::new("mysql://app@db/app"));
 /// assert!(sql.starts_with("CREATE TABLE `lockingkit_fencing`"));
-/// assert!(sql.contains("`lockingkit_fencing_now`"));
+/// assert!(sql.contains("ENGINE=InnoDB"));
 /// ```
 pub fn setup_sql(options: &MysqlOptions) -> String {
     FencingSql::new(&options.fencing_table).create()
@@ -324,8 +324,9 @@ pub fn setup_sql(options: &MysqlOptions) -> String {
 fn no_counter_row() -> BackendError {
     BackendError::misconfigured(
         "the MySQL fencing table has no epoch row (id = 1); it was deleted, and making it \
-         again would start fencing tokens over: insert (1, v) with v above every epoch used, \
-         the highest token handed out shifted right by 40 (see the MySQL guide)",
+         again would start fencing tokens over: insert (id, epoch, server_id, started, base) = \
+         (1, e, 0, 0, 0) with e above every epoch used, the highest token handed out shifted \
+         right by 47 (see the MySQL guide)",
     )
 }
 
@@ -443,7 +444,7 @@ impl LockBackend for MysqlBackend {
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and
-    /// authenticates, checks the fencing tables (creating them if missing and allowed), and
+    /// authenticates, checks the fencing table and its epoch row (creating them if missing and allowed), and
     /// closes. A few round trips after the connect; no lock.
     async fn verify(&self) -> Result<(), BackendError> {
         let conn = Box::pin(self.inner.connector.connect_unthrottled()).await?;

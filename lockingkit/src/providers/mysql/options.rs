@@ -56,9 +56,8 @@ pub struct MysqlOptions {
     /// session, and with it every lock the session held.
     #[serde(with = "crate::config::duration")]
     pub query_timeout: Duration,
-    /// The InnoDB table of the fencing tokens' epoch, in the connection's database, and the
-    /// name the MEMORY table of their count takes with `_now` added; both created on first use
-    /// if missing.
+    /// The InnoDB table of the fencing tokens' epoch, in the connection's database; created
+    /// on first use if missing.
     pub fencing_table: String,
 }
 
@@ -182,7 +181,7 @@ impl MysqlOptions {
             problems.push(Problem::new(
                 "fencing_table",
                 "must be a lowercase SQL identifier of at most 60 characters (letters, digits, \
-                 _; not starting with a digit), so that its `_now` table's name fits too",
+                 _; not starting with a digit)",
             ));
         }
         problems

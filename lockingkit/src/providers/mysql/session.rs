@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::connection;
 use super::errors::{self, Stage};
+use super::take::Counter;
 use crate::backend::BackendError;
 
 /// A statement's future, borrowing the connection it runs on.
@@ -46,6 +47,8 @@ pub(super) struct Session {
     answered: Mutex<Instant>,
     /// One check at a time: a second waits for the first and needs no round trip of its own.
     checking: tokio::sync::Mutex<()>,
+    /// The fencing epoch this session draws tokens in, once read (see `take`).
+    counter: Mutex<Option<Counter>>,
     timeout: Duration,
 }
 
@@ -61,6 +64,7 @@ impl Session {
             busy: AtomicUsize::new(0),
             answered: Mutex::new(Instant::now()),
             checking: tokio::sync::Mutex::new(()),
+            counter: Mutex::new(None),
             timeout,
         }
     }
@@ -84,6 +88,16 @@ impl Session {
     /// (a restart, `KILL`, its idle timeout) before or while the statement was sent.
     pub(super) fn was_broken(&self) -> bool {
         self.broken.load(Ordering::Relaxed)
+    }
+
+    /// The fencing epoch the session read, if it did.
+    pub(super) fn counter(&self) -> Option<Counter> {
+        *lock(&self.counter)
+    }
+
+    /// Keeps the fencing epoch the session read (`None` to read it again).
+    pub(super) fn set_counter(&self, counter: Option<Counter>) {
+        *lock(&self.counter) = counter;
     }
 
     /// How many locks the session holds.
@@ -144,8 +158,13 @@ impl Session {
         let _busy = Busy(&self.busy);
         let timeout = self.timeout.saturating_add(wait);
         let deadline = Instant::now() + timeout;
-        let Ok(slot) = tokio::time::timeout_at(deadline, self.conn.lock()).await else {
-            return Err(errors::timed_out(stage, timeout));
+        // A free connection is taken without arming a timer for the wait.
+        let slot = match self.conn.try_lock() {
+            Ok(slot) => slot,
+            Err(_) => match tokio::time::timeout_at(deadline, self.conn.lock()).await {
+                Ok(slot) => slot,
+                Err(_) => return Err(errors::timed_out(stage, timeout)),
+            },
         };
         let mut running = Running {
             session: self,

@@ -4,17 +4,24 @@
 //! statement of a multi-statement request until the connection's next request, so a lock
 //! taken by the first statement could go unnoticed.
 //!
-//! # Fencing tokens without a disk write per lock
-//! A token is `epoch × 2⁴⁰ + n`. The *epoch* is a counter row in an InnoDB table (the fencing
-//! table, durable), bumped only when the server starts afresh; `n` counts grants in a row of a
-//! MEMORY table beside it (`<fencing table>_now`), which lives in the server's memory: bumping
-//! it costs no redo log write and no flush. A restart or crash empties the MEMORY table, and the
-//! first attempt after it finds no row: it bumps the epoch (one durable commit), and seeds the
-//! row with `new epoch × 2⁴⁰`, above every token handed out before, however many that was. A
-//! row that has counted 2³⁹ grants in one epoch is moved on to a new epoch the same way, long
-//! before its count could reach the next epoch's tokens. (A durable row bumped on every grant
-//! cost a commit each, two thirds of a pair's time; a MariaDB SEQUENCE, which caches values,
-//! went back after a crash: see the MySQL guide.)
+//! # Fencing tokens without a write per lock
+//! A token is `epoch × 2⁴⁷ + n`. The *epoch* is a row of an InnoDB table (the fencing table),
+//! moved on once per server start: the row also names the server start it belongs to (the
+//! server's id and start time) and a *base*, a value of the server's `UUID_SHORT()` counter
+//! drawn when the epoch began. `n` is `UUID_SHORT() − base`, drawn by the very statement that
+//! takes the lock. `UUID_SHORT()` grows by one on each call for as long as the server runs, so
+//! tokens grow within an epoch with no write at all: the statement that takes a lock reads no
+//! table and writes nothing, not even to the binary log.
+//!
+//! A session reads the row once. A row of another server start (the server restarted or
+//! crashed, or this is a promoted replica), or one whose epoch is spent (`n` would reach
+//! 2⁴⁷), is moved on to a new epoch by one conditional UPDATE, which only one of several
+//! clients racing for it wins; the others read what it wrote. Every token of the new epoch is
+//! above every token before it, whatever the server's clock did across the restart.
+//!
+//! A token is only handed out while `n` is below 2⁴⁷. Once one session's `UUID_SHORT()` has
+//! passed that mark, every later call does too, so no session can hand out a token of the old
+//! epoch after one of the new (see [`Counter::token`]).
 
 use std::sync::Arc;
 
@@ -39,7 +46,7 @@ pub(super) enum Taken {
     /// None of the names: someone holds each.
     Busy,
     /// `names[index]`, with its fencing token. `confirmed`: when the statement that last
-    /// showed the lock held was sent (for a waiting session, the counter's bump after its
+    /// showed the lock held was sent (for a waiting session, the token's draw after its
     /// `GET_LOCK`, not the `GET_LOCK` that may have waited long before the grant).
     Granted {
         index: usize,
@@ -50,71 +57,87 @@ pub(super) enum Taken {
     NoCounterRow,
 }
 
-/// How many low bits of a token count grants within an epoch.
-const EPOCH_SHIFT: u32 = 40;
-/// A count within an epoch from which the next grant moves the row to a new epoch.
-const EPOCH_FULL: u64 = 1 << 39;
+/// How many low bits of a token count within an epoch.
+const EPOCH_SHIFT: u32 = 47;
+/// The count within an epoch that no token reaches.
+const EPOCH_SPAN: u64 = 1 << EPOCH_SHIFT;
 /// The most epochs: tokens stay within 63 bits.
 const MAX_EPOCH: u64 = (1 << (63 - EPOCH_SHIFT)) - 1;
 
-/// The fencing statements for one fencing table and its MEMORY companion.
+/// The epoch a session draws its tokens in: read once per session (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Counter {
+    epoch: u64,
+    base: u64,
+}
+
+impl Counter {
+    /// The token for a `UUID_SHORT()` value drawn under a lock; `None` when the value lies
+    /// outside this epoch (its span is spent): the session must read the row again.
+    pub(super) fn token(self, drawn: u64) -> Option<u64> {
+        let n = drawn
+            .checked_sub(self.base)
+            .filter(|n| (1..EPOCH_SPAN).contains(n))?;
+        Some((self.epoch << EPOCH_SHIFT) | n)
+    }
+}
+
+/// The fencing statements for one fencing table.
 pub(super) struct FencingSql {
     /// Checks the epoch row.
     select: String,
     /// Creates the table with its epoch row, in one statement.
     create: String,
-    /// Creates the MEMORY table unless it exists.
-    create_now: String,
-    /// Reads nothing from the MEMORY table: fails if it is missing.
-    probe_now: String,
-    /// Bumps the epoch.
+    /// The epoch row next to what it must match: this server's id and start time, and a
+    /// fresh `UUID_SHORT()`.
+    load: String,
+    /// The same on a server without `information_schema.GLOBAL_STATUS` (MySQL 8).
+    load_performance_schema: String,
+    /// Moves the row on to a new epoch for this server start, unless someone just did.
     next_epoch: String,
-    /// Seeds the MEMORY row with a new epoch's first token, or moves it on to it.
-    seed: String,
-    /// An exclusive attempt: the lock, and the count bumped only if it was granted. Sessions
-    /// count matched rows (`CLIENT_FOUND_ROWS`), so it answers one row whether or not the lock
-    /// was granted, and none when the row is gone; `LAST_INSERT_ID(expr)` sets the answer's
-    /// insert id only when it runs, so a token there means the lock was granted.
-    lock: String,
-    /// Bumps the count after a lock taken by a statement of its own.
-    bump: String,
 }
+
+/// An exclusive attempt: the lock, and a token drawn only if it was granted (0 when it was
+/// not; NULL when the server failed to answer the request).
+const LOCK: &str = "SELECT CASE GET_LOCK(?, 0) WHEN 1 THEN UUID_SHORT() WHEN 0 THEN 0 END";
+/// Draws a token after a lock taken by a statement of its own.
+const DRAW: &str = "SELECT UUID_SHORT()";
 
 impl FencingSql {
     pub(super) fn new(table: &str) -> Self {
-        let now = format!("{table}_now");
+        let load = |status: &str| {
+            format!(
+                "SELECT f.epoch, f.server_id, f.started, f.base, @@server_id, \
+                 UNIX_TIMESTAMP() - CAST(s.VARIABLE_VALUE AS SIGNED), UUID_SHORT() \
+                 FROM `{table}` AS f JOIN {status} AS s ON s.VARIABLE_NAME = 'UPTIME' \
+                 WHERE f.id = 1"
+            )
+        };
         FencingSql {
-            select: format!("SELECT v FROM `{table}` WHERE id = 1"),
+            select: format!("SELECT epoch FROM `{table}` WHERE id = 1"),
             create: format!(
                 "CREATE TABLE `{table}` (id TINYINT UNSIGNED NOT NULL PRIMARY KEY, \
-                 v BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB SELECT 1 AS id, 0 AS v"
+                 epoch BIGINT UNSIGNED NOT NULL, server_id BIGINT UNSIGNED NOT NULL, \
+                 started BIGINT NOT NULL, base BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB \
+                 SELECT 1 AS id, 0 AS epoch, 0 AS server_id, 0 AS started, 0 AS base"
             ),
-            create_now: format!(
-                "CREATE TABLE IF NOT EXISTS `{now}` (id TINYINT UNSIGNED NOT NULL PRIMARY KEY, \
-                 v BIGINT UNSIGNED NOT NULL) ENGINE=MEMORY"
+            load: load("information_schema.GLOBAL_STATUS"),
+            load_performance_schema: load("performance_schema.global_status"),
+            next_epoch: format!(
+                "UPDATE `{table}` SET epoch = LAST_INSERT_ID(epoch + 1), server_id = ?, \
+                 started = ?, base = ? WHERE id = 1 AND epoch = ?"
             ),
-            probe_now: format!("SELECT 1 FROM `{now}` WHERE 0"),
-            next_epoch: format!("UPDATE `{table}` SET v = LAST_INSERT_ID(v + 1) WHERE id = 1"),
-            seed: format!(
-                "INSERT INTO `{now}` (id, v) VALUES (1, ?) ON DUPLICATE KEY UPDATE v = GREATEST(v, ?)"
-            ),
-            lock: format!(
-                "UPDATE `{now}` SET v = IF(GET_LOCK(?, 0) = 1, LAST_INSERT_ID(v + 1), v) \
-                 WHERE id = 1"
-            ),
-            bump: format!("UPDATE `{now}` SET v = LAST_INSERT_ID(v + 1) WHERE id = 1"),
         }
     }
 
-    /// The statements that create both tables, the epoch row included.
+    /// The statement that creates the table with its epoch row.
     pub(super) fn create(&self) -> String {
-        format!("{};\n{}", self.create, self.create_now)
+        format!("{};", self.create)
     }
 }
 
-/// Creates the fencing table with its epoch row unless the table exists, and the MEMORY table
-/// beside it: `Ok(false)` when the table exists without the row (someone deleted it; making
-/// it again would start tokens over).
+/// Creates the fencing table with its epoch row unless the table exists: `Ok(false)` when the
+/// table exists without the row (someone deleted it; making it again would start tokens over).
 pub(super) async fn ensure_fencing(
     conn: &mut Conn,
     sql: Arc<FencingSql>,
@@ -135,47 +158,108 @@ pub(super) async fn ensure_fencing(
             other => other?,
         },
     }
-    // Made only if missing (a table made beforehand is left alone, and a user without CREATE
-    // gets no error when it exists).
-    let now_exists = conn.query_first::<Row, _>(&*sql.probe_now).await;
-    match now_exists {
-        Ok(_) => {}
-        Err(mysql_async::Error::Server(error)) if error.code == errors::NO_SUCH_TABLE => {
-            conn.query_drop(&*sql.create_now).await?;
-        }
-        Err(error) => return Err(error),
-    }
-    Ok(true)
+    // What each session reads first, the server's start time included: a user who may not
+    // read it learns so here.
+    Ok(load(conn, &sql).await?.is_some())
 }
 
-/// Moves the MEMORY row on to a new epoch (and makes it if the server lost it): bumps the
-/// epoch durably first, so every token after is above every token before. `Ok(false)` when
-/// the epoch row is gone.
-async fn new_epoch(conn: &mut Conn, sql: &FencingSql) -> Result<bool, mysql_async::Error> {
-    conn.exec_drop(&*sql.next_epoch, ()).await?;
-    let epoch = match (conn.affected_rows(), conn.last_insert_id()) {
-        (1, Some(epoch)) if (1..=MAX_EPOCH).contains(&epoch) => epoch,
-        (1, Some(_)) => {
+/// The epoch row as read, next to the server it was read from.
+struct Loaded {
+    epoch: u64,
+    server_id: u64,
+    started: i64,
+    base: u64,
+    this_server: u64,
+    this_start: i64,
+    drawn: u64,
+}
+
+impl Loaded {
+    /// The row's epoch, if it is this server start's and its span is not spent.
+    fn counter(&self) -> Option<Counter> {
+        let counter = Counter {
+            epoch: self.epoch,
+            base: self.base,
+        };
+        let current = self.server_id == self.this_server && self.started == self.this_start;
+        (current && (1..=MAX_EPOCH).contains(&self.epoch))
+            .then_some(counter)
+            .filter(|counter| counter.token(self.drawn).is_some())
+    }
+}
+
+/// Reads the epoch row: `None` when it is gone.
+async fn load(conn: &mut Conn, sql: &FencingSql) -> Result<Option<Loaded>, mysql_async::Error> {
+    let row = match conn.query_first::<Row, _>(&*sql.load).await {
+        Err(mysql_async::Error::Server(error)) if errors::is_unknown_table(error.code) => {
+            conn.query_first::<Row, _>(&*sql.load_performance_schema)
+                .await?
+        }
+        other => other?,
+    };
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let read = |row: &Row| -> Option<Loaded> {
+        Some(Loaded {
+            epoch: row.get_opt(0)?.ok()?,
+            server_id: row.get_opt(1)?.ok()?,
+            started: row.get_opt(2)?.ok()?,
+            base: row.get_opt(3)?.ok()?,
+            this_server: row.get_opt(4)?.ok()?,
+            this_start: row.get_opt(5)?.ok()?,
+            drawn: row.get_opt(6)?.ok()?,
+        })
+    };
+    read(&row).map(Some).ok_or_else(|| {
+        mysql_async::Error::Other("unexpected answer about the fencing epoch".into())
+    })
+}
+
+/// The session's epoch: the one it read before, or the row's, moved on to a new epoch first
+/// if it belongs to another server start or its span is spent. `None` when the row is gone.
+async fn counter(
+    conn: &mut Conn,
+    session: &Session,
+    sql: &FencingSql,
+) -> Result<Option<Counter>, mysql_async::Error> {
+    if let Some(counter) = session.counter() {
+        return Ok(Some(counter));
+    }
+    for _ in 0..3 {
+        let Some(loaded) = load(conn, sql).await? else {
+            return Ok(None);
+        };
+        if let Some(counter) = loaded.counter() {
+            session.set_counter(Some(counter));
+            return Ok(Some(counter));
+        }
+        // A new epoch, based on a value drawn before it starts: every value drawn after is
+        // above it. Only the UPDATE that still finds the epoch it read moves it on; a client
+        // that lost the race reads the winner's row.
+        let base: Option<u64> = conn.query_first(DRAW).await?;
+        let base = base.ok_or_else(|| mysql_async::Error::Other("no UUID_SHORT()".into()))?;
+        if loaded.epoch >= MAX_EPOCH {
             return Err(mysql_async::Error::Other(
                 "the fencing epochs are used up".into(),
-            ))
+            ));
         }
-        _ => return Ok(false),
-    };
-    let first = epoch << EPOCH_SHIFT;
-    conn.exec_drop(&*sql.seed, (first, first)).await?;
-    Ok(true)
+        let started = (loaded.this_server, loaded.this_start, base, loaded.epoch);
+        conn.exec_drop(&*sql.next_epoch, started).await?;
+    }
+    Err(mysql_async::Error::Other(
+        "the fencing epoch kept moving on".into(),
+    ))
 }
 
 /// Takes the first free name of `names` this session does not hold, with its fencing token.
 /// Each `GET_LOCK` waits up to `wait_seconds` (0 for an attempt; a waiting session's slice,
 /// which names one name, otherwise).
 ///
-/// An exclusive attempt is one statement, `UPDATE <table>_now SET v = IF(GET_LOCK(?, 0) = 1,
-/// LAST_INSERT_ID(v + 1), v) WHERE id = 1`: the row is locked (a MEMORY table locks the table)
-/// before the new value is computed once, so the lock is taken at most once. A waiting
-/// `GET_LOCK` must not hold the counter while it waits, and a semaphore's request must say
-/// which slot it took: those take the lock first and bump the counter in a second statement.
+/// An exclusive attempt is one statement, `SELECT CASE GET_LOCK(?, 0) WHEN 1 THEN
+/// UUID_SHORT() WHEN 0 THEN 0 END`: the token is drawn only once the lock is granted. A
+/// waiting `GET_LOCK` draws its token in a statement of its own after the grant, so that the
+/// lease counts from then; so does a semaphore's request, which must say which slot it took.
 pub(super) async fn take(
     conn: &mut Conn,
     session: Arc<Session>,
@@ -183,6 +267,9 @@ pub(super) async fn take(
     sql: Arc<FencingSql>,
     wait_seconds: u32,
 ) -> Result<Taken, mysql_async::Error> {
+    let Some(counter) = counter(conn, &session, &sql).await? else {
+        return Ok(Taken::NoCounterRow);
+    };
     let free: Vec<usize> = {
         let held = session.names();
         (0..names.len())
@@ -192,7 +279,7 @@ pub(super) async fn take(
     let index = match (free.as_slice(), wait_seconds) {
         // This session holds every one: the server would grant them again, by re-entrancy.
         ([], _) => return Ok(Taken::Busy),
-        (&[index], 0) => return take_in_one(conn, &session, &names[index], &sql, index).await,
+        (&[index], 0) => return take_in_one(conn, &session, &names[index], counter, index).await,
         (&[index], seconds) => {
             let row = conn
                 .exec_first::<Row, _, _>("SELECT GET_LOCK(?, ?)", (&*names[index].name, seconds))
@@ -222,57 +309,33 @@ pub(super) async fn take(
     let name = &names[index];
     session.names().insert(name.name.clone());
     let confirmed = Instant::now();
-    match next_token(conn, &sql).await {
-        Ok(Some(fencing_token)) => Ok(Taken::Granted {
-            index,
-            fencing_token,
-            confirmed,
-        }),
-        Ok(None) => {
-            undo(conn, &session, name).await?;
-            Ok(Taken::NoCounterRow)
-        }
+    let drawn = match conn.query_first::<Option<u64>, _>(DRAW).await {
+        Ok(drawn) => drawn.flatten(),
         Err(error) => {
             if !errors::breaks_session(&error) {
                 undo(conn, &session, name).await?;
             }
-            Err(error)
+            return Err(error);
+        }
+    };
+    match drawn.and_then(|drawn| counter.token(drawn)) {
+        Some(fencing_token) => Ok(Taken::Granted {
+            index,
+            fencing_token,
+            confirmed,
+        }),
+        None => {
+            undo(conn, &session, name).await?;
+            Err(spent(&session))
         }
     }
 }
 
-/// The next fencing token, after a lock taken by a statement of its own; `None` when the
-/// epoch row is gone.
-async fn next_token(conn: &mut Conn, sql: &FencingSql) -> Result<Option<u64>, mysql_async::Error> {
-    for first_try in [true, false] {
-        conn.exec_drop(&*sql.bump, ()).await?;
-        match (conn.affected_rows(), conn.last_insert_id()) {
-            (1, Some(token)) if token > 0 => return moved_on(conn, sql, token).await.map(Some),
-            // The server lost the MEMORY row (it restarted): a new epoch, then again.
-            (0, _) if first_try => {
-                if !new_epoch(conn, sql).await? {
-                    return Ok(None);
-                }
-            }
-            _ => break,
-        }
-    }
-    Err(mysql_async::Error::Other(
-        "unexpected answer to the fencing counter".into(),
-    ))
-}
-
-/// `token`, after moving the MEMORY row on to a new epoch if its count within this one is
-/// full.
-async fn moved_on(
-    conn: &mut Conn,
-    sql: &FencingSql,
-    token: u64,
-) -> Result<u64, mysql_async::Error> {
-    if token & ((1 << EPOCH_SHIFT) - 1) >= EPOCH_FULL {
-        new_epoch(conn, sql).await?;
-    }
-    Ok(token)
+/// The session's epoch is spent: it reads the row again on its next request, which then
+/// moves it on. The request is refused (a transient failure).
+fn spent(session: &Session) -> mysql_async::Error {
+    session.set_counter(None);
+    mysql_async::Error::Other("the fencing epoch moved on; try again".into())
 }
 
 /// An exclusive attempt in one statement (see [`take`]).
@@ -280,51 +343,45 @@ async fn take_in_one(
     conn: &mut Conn,
     session: &Session,
     name: &Candidate,
-    sql: &FencingSql,
+    counter: Counter,
     index: usize,
 ) -> Result<Taken, mysql_async::Error> {
-    for first_try in [true, false] {
-        let confirmed = Instant::now();
-        if let Err(error) = conn.exec_drop(&*sql.lock, (&*name.name,)).await {
-            // The statement may have failed after the lock was taken (a full disk, say).
+    let confirmed = Instant::now();
+    let drawn = match conn
+        .exec_first::<Option<u64>, _, _>(LOCK, (&*name.name,))
+        .await
+    {
+        Ok(drawn) => drawn,
+        Err(error) => {
+            // The statement may have failed after the lock was taken.
             if !errors::breaks_session(&error) {
                 session.names().insert(name.name.clone());
                 undo(conn, session, name).await?;
             }
             return Err(error);
         }
-        match (conn.affected_rows(), conn.last_insert_id()) {
-            (1, Some(token)) if token > 0 => {
-                session.names().insert(name.name.clone());
-                let fencing_token = match moved_on(conn, sql, token).await {
-                    Ok(token) => token,
-                    Err(error) => {
-                        if !errors::breaks_session(&error) {
-                            undo(conn, session, name).await?;
-                        }
-                        return Err(error);
-                    }
-                };
-                return Ok(Taken::Granted {
+    };
+    match drawn {
+        Some(Some(0)) => Ok(Taken::Busy),
+        Some(Some(drawn)) => {
+            session.names().insert(name.name.clone());
+            match counter.token(drawn) {
+                Some(fencing_token) => Ok(Taken::Granted {
                     index,
                     fencing_token,
                     confirmed,
-                });
-            }
-            (1, _) => return Ok(Taken::Busy),
-            // No row: the server lost the MEMORY row (it restarted), so the lock was not
-            // asked for. A new epoch, then the attempt again.
-            (0, _) if first_try => {
-                if !new_epoch(conn, sql).await? {
-                    return Ok(Taken::NoCounterRow);
+                }),
+                None => {
+                    undo(conn, session, name).await?;
+                    Err(spent(session))
                 }
             }
-            _ => break,
         }
+        // NULL: the server failed to take or refuse the lock (it was killed, say).
+        _ => Err(mysql_async::Error::Other(
+            "unexpected answer to the lock statement".into(),
+        )),
     }
-    Err(mysql_async::Error::Other(
-        "unexpected answer to the lock statement".into(),
-    ))
 }
 
 /// Gives back a name this session may hold.
@@ -341,4 +398,33 @@ async fn undo(
 /// The first column of `row` as a number, if it is one.
 pub(super) fn first_number(row: Option<Row>) -> Option<i64> {
     row.and_then(|row| row.get_opt::<Option<i64>, usize>(0)?.ok()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_lie_within_their_epoch_and_never_overflow() {
+        let counter = Counter {
+            epoch: 3,
+            base: 1 << 56,
+        };
+        assert_eq!(counter.token((1 << 56) + 1), Some((3 << 47) | 1));
+        assert_eq!(
+            counter.token((1 << 56) + EPOCH_SPAN - 1),
+            Some((4 << 47) - 1),
+            "the last token of an epoch lies below the next epoch's first"
+        );
+        // The base itself, values before it, and values past the span are no tokens.
+        assert_eq!(counter.token(1 << 56), None);
+        assert_eq!(counter.token(0), None);
+        assert_eq!(counter.token((1 << 56) + EPOCH_SPAN), None);
+        assert_eq!(counter.token(u64::MAX), None);
+        let last = Counter {
+            epoch: MAX_EPOCH,
+            base: 0,
+        };
+        assert_eq!(last.token(EPOCH_SPAN - 1), Some(i64::MAX as u64));
+    }
 }

@@ -7,8 +7,8 @@
 //! own (never a lock session, whose other statements would queue behind it) blocked in
 //! `GET_LOCK(name, 2)`, sent again each time it times out. The server grants it the moment the
 //! name is free, however that happens: a release by LockingKit or by plain SQL, or the
-//! holder's session ending (`KILL`, a crash). The request that waited bumps the fencing
-//! counter in the same round trip (see `take`), and the grant goes to the wait
+//! holder's session ending (`KILL`, a crash). The request that waited then draws its
+//! fencing token (see `take`), and the grant goes to the wait
 //! ([`Woken::Granted`]), so no gap lies between the grant and the take. The lease then lives
 //! on the waiting session as on a lock session: checks, loss when it ends, the normal unlock.
 //! Once the lease is gone, the session goes back to the pool for the next wait.

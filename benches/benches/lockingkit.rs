@@ -66,6 +66,9 @@ struct Sizes {
     /// Pairs of each MySQL variant, and MySQL cross-process hand-offs (short holds).
     mysql_pairs: usize,
     mysql_handoffs: usize,
+    /// Whether the MySQL rows run client and server on CPUs of their own (see
+    /// `lockingkit_benches::cpus`): only when measuring for real.
+    split_cpus: bool,
     /// Rounds of each side, and each round's length, for throughput.
     load_rounds: usize,
     load_round: Duration,
@@ -86,6 +89,7 @@ const FULL: Sizes = Sizes {
     many_key_rounds: 8,
     mysql_pairs: 2000,
     mysql_handoffs: 300,
+    split_cpus: true,
     load_rounds: 3,
     load_round: Duration::from_secs(2),
     http_rounds: 11,
@@ -103,6 +107,7 @@ const SMOKE: Sizes = Sizes {
     many_key_rounds: 1,
     mysql_pairs: 5,
     mysql_handoffs: 3,
+    split_cpus: false,
     load_rounds: 1,
     load_round: Duration::from_millis(100),
     http_rounds: 1,
@@ -290,12 +295,14 @@ fn print_mysql(sizes: Sizes) {
         handoffs: sizes.mysql_handoffs,
         load_rounds: sizes.load_rounds,
         load_round: sizes.load_round / 2,
+        split_cpus: sizes.split_cpus,
     };
     let report = in_task(
         &two_worker_runtime(),
         "the MySQL rows",
         mysql_rows::measure(mysql_sizes),
     );
+    println!("MySQL rows: {}", report.cpus);
     print_table_header();
     print_mysql_rows(&report);
     println!("{{{}}}", mysql_json(&report));

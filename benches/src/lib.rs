@@ -8,6 +8,7 @@
 
 pub mod allocations;
 pub mod azure_rows;
+pub mod cpus;
 pub mod engine;
 pub mod etcd_rows;
 pub mod handoff;

@@ -7,6 +7,9 @@
 //! cd bench-peers && cargo bench --bench mysql_peer
 //! ```
 //!
+//! Like the benchmark's MySQL rows, it runs this process on one CPU and the server on another
+//! (`lockingkit_benches::cpus`); `LOCKINGKIT_BENCH_ANY_CPU=1` lets both run anywhere.
+//!
 //! Variants, in a fresh random order every round, each on a key of its own reused every round:
 //! - LockingKit `try_acquire` + `release` on `MysqlBackend` with the default options (the lock
 //!   and its fencing token in one statement, on one of its shared sessions);
@@ -25,6 +28,7 @@ use distributed_lock_mysql::lock::MySqlDistributedLock;
 use distributed_lock_mysql::MySqlLockProvider;
 use lockingkit::keys::MysqlLockKeys;
 use lockingkit::DistributedLock;
+use lockingkit_benches::cpus::SplitCpus;
 use lockingkit_benches::mysql_rows::{lock, raw_options, raw_pair};
 use lockingkit_benches::pair::lock_pair;
 use lockingkit_benches::samples::{interleaved, timed, Order, Percentiles, Rounds};
@@ -85,7 +89,7 @@ impl Variants {
             .expect("distributed-lock-mysql provider");
         let locks = lock(server);
         let kit_key = format!("peers/lockingkit/{pid}");
-        // The first LockingKit attempt creates the fencing table the raw statement updates.
+        // A first LockingKit pair, so that its session is open and its fencing epoch read.
         lock_pair(&locks, &kit_key).await;
         let connect = || async { Conn::new(raw_options(server)).await.expect("connection") };
         Variants {
@@ -148,6 +152,19 @@ async fn bare_pair(conn: &mut Conn, name: &str) {
 
 async fn measure(pairs: usize) {
     let server = MariaDbServer::start().await;
+    // As the benchmark's MySQL rows run: client and server on CPUs of their own.
+    let split = if pairs == PAIRS && std::env::var_os("LOCKINGKIT_BENCH_ANY_CPU").is_none() {
+        server.pid().and_then(SplitCpus::pin)
+    } else {
+        None
+    };
+    println!(
+        "{}",
+        split.as_ref().map_or_else(
+            || "client and server on any CPU".to_owned(),
+            SplitCpus::describe
+        )
+    );
     let variants = Variants::connect(&server).await;
     let rounds = Rounds::new(pairs, WARM_UP, Order::Shuffled);
     let samples = interleaved(rounds, |variant| variants.pair(variant)).await;

@@ -295,7 +295,8 @@ fn print_mysql(sizes: Sizes) {
         handoffs: sizes.mysql_handoffs,
         load_rounds: sizes.load_rounds,
         load_round: sizes.load_round / 2,
-        split_cpus: sizes.split_cpus,
+        // `LOCKINGKIT_BENCH_ANY_CPU=1` lets client and server run anywhere, as before.
+        split_cpus: sizes.split_cpus && std::env::var_os("LOCKINGKIT_BENCH_ANY_CPU").is_none(),
     };
     let report = in_task(
         &two_worker_runtime(),
@@ -326,7 +327,8 @@ fn print_mysql_rows(report: &MysqlReport) {
         per_second(throughput.lockingkit_pairs_per_s),
         per_second(throughput.raw_pairs_per_s),
         &ratio(measured),
-        pass(measured >= 1.0),
+        // The issue sets no goal for it.
+        "no goal",
     );
     row(
         "   connections used (raw: pool of 16)",

@@ -291,6 +291,43 @@ async fn a_row_of_another_server_start_or_a_spent_epoch_moves_on_to_a_new_epoch(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_whose_epoch_runs_out_moves_on_without_losing_its_locks() {
+    let server = MariaDbServer::start().await;
+    let key = unique_prefix("fencing/spent");
+    let first = process(&server);
+    let held = first.try_acquire(&key).await.expect("lock");
+    let epoch = held.fencing_token() >> 47;
+    held.release().await.expect("release");
+    drop(first);
+    // The epoch's span ends eight draws from now: the next process's session reads the epoch
+    // while it is still good, and a few grants later its draws run past the span.
+    server
+        .sql(
+            "UPDATE lockingkit.lockingkit_fencing \
+             SET base = UUID_SHORT() - (1 << 47) + 8 WHERE id = 1",
+        )
+        .expect("update");
+    let locks = process(&server);
+    let kept = locks
+        .try_acquire(&format!("{key}/kept"))
+        .await
+        .expect("lock");
+    let mut tokens = vec![kept.fencing_token()];
+    for _ in 0..10 {
+        let held = locks.try_acquire(&key).await.expect("never an error");
+        tokens.push(held.fencing_token());
+        held.release().await.expect("release");
+    }
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+    assert_eq!(tokens[0] >> 47, epoch, "{tokens:?}");
+    assert_eq!(tokens[10] >> 47, epoch + 1, "{tokens:?}");
+    // The session was not ended for it: the lock it held all along is still held.
+    assert!(kept.is_held());
+    assert_eq!(kept.loss_reason(), None);
+    kept.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_locks_live_on_at_most_eight_server_sessions_and_leave_nothing_behind() {
     let server = MariaDbServer::start().await;
     let locks = process(&server);

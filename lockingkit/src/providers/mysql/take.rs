@@ -260,6 +260,9 @@ async fn counter(
 /// UUID_SHORT() WHEN 0 THEN 0 END`: the token is drawn only once the lock is granted. A
 /// waiting `GET_LOCK` draws its token in a statement of its own after the grant, so that the
 /// lease counts from then; so does a semaphore's request, which must say which slot it took.
+///
+/// A grant whose draw lies past its epoch's span is given back, and the request is made once
+/// more under the epoch the session then moves on to (see the module docs).
 pub(super) async fn take(
     conn: &mut Conn,
     session: Arc<Session>,
@@ -267,9 +270,29 @@ pub(super) async fn take(
     sql: Arc<FencingSql>,
     wait_seconds: u32,
 ) -> Result<Taken, mysql_async::Error> {
-    let Some(counter) = counter(conn, &session, &sql).await? else {
-        return Ok(Taken::NoCounterRow);
-    };
+    for _ in 0..2 {
+        let Some(counter) = counter(conn, &session, &sql).await? else {
+            return Ok(Taken::NoCounterRow);
+        };
+        match take_once(conn, &session, &names, counter, wait_seconds).await? {
+            Some(taken) => return Ok(taken),
+            None => session.set_counter(None),
+        }
+    }
+    Err(mysql_async::Error::Other(
+        "the fencing epoch kept moving on".into(),
+    ))
+}
+
+/// One request under `counter`'s epoch: `None` when the grant's draw lay past the epoch's
+/// span (the name given back).
+async fn take_once(
+    conn: &mut Conn,
+    session: &Session,
+    names: &[Candidate],
+    counter: Counter,
+    wait_seconds: u32,
+) -> Result<Option<Taken>, mysql_async::Error> {
     let free: Vec<usize> = {
         let held = session.names();
         (0..names.len())
@@ -278,8 +301,8 @@ pub(super) async fn take(
     };
     let index = match (free.as_slice(), wait_seconds) {
         // This session holds every one: the server would grant them again, by re-entrancy.
-        ([], _) => return Ok(Taken::Busy),
-        (&[index], 0) => return take_in_one(conn, &session, &names[index], counter, index).await,
+        ([], _) => return Ok(Some(Taken::Busy)),
+        (&[index], 0) => return take_in_one(conn, session, &names[index], counter, index).await,
         (&[index], seconds) => {
             let row = conn
                 .exec_first::<Row, _, _>("SELECT GET_LOCK(?, ?)", (&*names[index].name, seconds))
@@ -304,7 +327,7 @@ pub(super) async fn take(
         }
     };
     let Some(index) = index else {
-        return Ok(Taken::Busy);
+        return Ok(Some(Taken::Busy));
     };
     let name = &names[index];
     session.names().insert(name.name.clone());
@@ -313,29 +336,45 @@ pub(super) async fn take(
         Ok(drawn) => drawn.flatten(),
         Err(error) => {
             if !errors::breaks_session(&error) {
-                undo(conn, &session, name).await?;
+                undo(conn, session, name).await?;
             }
             return Err(error);
         }
     };
-    match drawn.and_then(|drawn| counter.token(drawn)) {
-        Some(fencing_token) => Ok(Taken::Granted {
+    let Some(drawn) = drawn else {
+        undo(conn, session, name).await?;
+        return Err(mysql_async::Error::Other("no UUID_SHORT()".into()));
+    };
+    granted(
+        conn,
+        session,
+        name,
+        counter.token(drawn),
+        (index, confirmed),
+    )
+    .await
+}
+
+/// The grant of `name` with its token, or the name given back when the draw lay past the
+/// epoch's span (`None`).
+async fn granted(
+    conn: &mut Conn,
+    session: &Session,
+    name: &Candidate,
+    token: Option<u64>,
+    (index, confirmed): (usize, Instant),
+) -> Result<Option<Taken>, mysql_async::Error> {
+    match token {
+        Some(fencing_token) => Ok(Some(Taken::Granted {
             index,
             fencing_token,
             confirmed,
-        }),
+        })),
         None => {
-            undo(conn, &session, name).await?;
-            Err(spent(&session))
+            undo(conn, session, name).await?;
+            Ok(None)
         }
     }
-}
-
-/// The session's epoch is spent: it reads the row again on its next request, which then
-/// moves it on. The request is refused (a transient failure).
-fn spent(session: &Session) -> mysql_async::Error {
-    session.set_counter(None);
-    mysql_async::Error::Other("the fencing epoch moved on; try again".into())
 }
 
 /// An exclusive attempt in one statement (see [`take`]).
@@ -345,7 +384,7 @@ async fn take_in_one(
     name: &Candidate,
     counter: Counter,
     index: usize,
-) -> Result<Taken, mysql_async::Error> {
+) -> Result<Option<Taken>, mysql_async::Error> {
     let confirmed = Instant::now();
     let drawn = match conn
         .exec_first::<Option<u64>, _, _>(LOCK, (&*name.name,))
@@ -362,20 +401,17 @@ async fn take_in_one(
         }
     };
     match drawn {
-        Some(Some(0)) => Ok(Taken::Busy),
+        Some(Some(0)) => Ok(Some(Taken::Busy)),
         Some(Some(drawn)) => {
             session.names().insert(name.name.clone());
-            match counter.token(drawn) {
-                Some(fencing_token) => Ok(Taken::Granted {
-                    index,
-                    fencing_token,
-                    confirmed,
-                }),
-                None => {
-                    undo(conn, session, name).await?;
-                    Err(spent(session))
-                }
-            }
+            granted(
+                conn,
+                session,
+                name,
+                counter.token(drawn),
+                (index, confirmed),
+            )
+            .await
         }
         // NULL: the server failed to take or refuse the lock (it was killed, say).
         _ => Err(mysql_async::Error::Other(

@@ -73,7 +73,7 @@ use errors::Stage;
 use keys::MysqlLockKeys;
 use session::Session;
 use sessions::LockSessions;
-use take::{Candidate, FencingSql, Taken};
+use take::{Candidate, FencingSql, Missing, Taken};
 
 /// The provider name in telemetry.
 pub(crate) const PROVIDER: &str = "mysql";
@@ -186,13 +186,13 @@ impl MysqlBackend {
     async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
         let fencing = &self.inner.fencing;
         let sql = fencing.sql.clone();
-        let complete = session
+        let missing = session
             .run(Stage::Attempt, move |conn| {
                 Box::pin(take::ensure_fencing(conn, sql))
             })
             .await?;
-        if !complete {
-            return Err(no_counter_row());
+        if let Some(missing) = missing {
+            return Err(unusable(missing));
         }
         fencing.ready.store(true, Ordering::Release);
         Ok(())
@@ -249,9 +249,9 @@ impl MysqlBackend {
                 ..
             }) => (index, fencing_token),
             Ok(Taken::Busy) => return Ok(None),
-            Ok(Taken::NoCounterRow) => {
+            Ok(Taken::Unusable(missing)) => {
                 self.inner.fencing.ready.store(false, Ordering::Release);
-                return Err(no_counter_row());
+                return Err(unusable(missing));
             }
             Err(error) => {
                 if error.kind() == crate::backend::BackendErrorKind::Misconfigured {
@@ -320,14 +320,21 @@ pub fn setup_sql(options: &MysqlOptions) -> String {
     FencingSql::new(&options.fencing_table).create()
 }
 
-/// The failure of a fencing table whose epoch row is gone.
-fn no_counter_row() -> BackendError {
-    BackendError::misconfigured(
-        "the MySQL fencing table has no epoch row (id = 1); it was deleted, and making it \
-         again would start fencing tokens over: insert (id, epoch, server_id, started, base) = \
-         (1, e, 0, 0, 0) with e above every epoch used, the highest token handed out shifted \
-         right by 47 (see the MySQL guide)",
-    )
+/// The failure of a fencing epoch that cannot be read.
+fn unusable(missing: Missing) -> BackendError {
+    BackendError::misconfigured(match missing {
+        Missing::Row => {
+            "the MySQL fencing table has no epoch row (id = 1); it was deleted, and making it \
+             again would start fencing tokens over: insert (id, epoch, server_id, started, base) \
+             = (1, e, 0, 0, 0) with e above every epoch used, the highest token handed out \
+             shifted right by 47 (see the MySQL guide)"
+        }
+        Missing::ServerStart => {
+            "the MySQL server does not tell its start time (the Uptime status, from \
+             information_schema.GLOBAL_STATUS or performance_schema.global_status), which \
+             fencing tokens need: on MySQL 8 turn performance_schema on (the default)"
+        }
+    })
 }
 
 /// Unlocks `name` on `session`: `Ok(true)` when the session held it.

@@ -53,8 +53,17 @@ pub(super) enum Taken {
         fencing_token: u64,
         confirmed: Instant,
     },
-    /// The epoch row is gone (the table is there): nothing was kept.
-    NoCounterRow,
+    /// The fencing epoch cannot be read (see [`Missing`]): nothing was kept.
+    Unusable(Missing),
+}
+
+/// Why the fencing epoch cannot be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Missing {
+    /// The epoch row is gone (the table is there).
+    Row,
+    /// The server does not tell its start time (its `Uptime` status).
+    ServerStart,
 }
 
 /// How many low bits of a token count within an epoch.
@@ -91,7 +100,9 @@ pub(super) struct FencingSql {
     /// The epoch row next to what it must match: this server's id and start time, and a
     /// fresh `UUID_SHORT()`.
     load: String,
-    /// The same on a server without `information_schema.GLOBAL_STATUS` (MySQL 8).
+    /// The same on a server without `information_schema.GLOBAL_STATUS` (MySQL 8, whose
+    /// `performance_schema.global_status` spells the name `Uptime` and may compare it
+    /// case-sensitively).
     load_performance_schema: String,
     /// Moves the row on to a new epoch for this server start, unless someone just did.
     next_epoch: String,
@@ -109,7 +120,8 @@ impl FencingSql {
             format!(
                 "SELECT f.epoch, f.server_id, f.started, f.base, @@server_id, \
                  UNIX_TIMESTAMP() - CAST(s.VARIABLE_VALUE AS SIGNED), UUID_SHORT() \
-                 FROM `{table}` AS f JOIN {status} AS s ON s.VARIABLE_NAME = 'UPTIME' \
+                 FROM `{table}` AS f LEFT JOIN {status} AS s \
+                 ON s.VARIABLE_NAME IN ('UPTIME', 'Uptime') \
                  WHERE f.id = 1"
             )
         };
@@ -136,12 +148,13 @@ impl FencingSql {
     }
 }
 
-/// Creates the fencing table with its epoch row unless the table exists: `Ok(false)` when the
-/// table exists without the row (someone deleted it; making it again would start tokens over).
+/// Creates the fencing table with its epoch row unless the table exists, and reads the row as
+/// a session does: `Ok(Some(_))` when that cannot be done, as when the table exists without
+/// the row (someone deleted it; making it again would start tokens over).
 pub(super) async fn ensure_fencing(
     conn: &mut Conn,
     sql: Arc<FencingSql>,
-) -> Result<bool, mysql_async::Error> {
+) -> Result<Option<Missing>, mysql_async::Error> {
     // Checking first lets a user without CREATE use a table made beforehand.
     let exists = match conn.query_first::<Row, _>(&*sql.select).await {
         Ok(row) => Some(row.is_some()),
@@ -149,7 +162,7 @@ pub(super) async fn ensure_fencing(
         Err(error) => return Err(error),
     };
     match exists {
-        Some(false) => return Ok(false),
+        Some(false) => return Ok(Some(Missing::Row)),
         Some(true) => {}
         // The table and its row in one atomic statement; another process that made it first
         // makes this one fail with "table exists", which is as good.
@@ -160,7 +173,7 @@ pub(super) async fn ensure_fencing(
     }
     // What each session reads first, the server's start time included: a user who may not
     // read it learns so here.
-    Ok(load(conn, &sql).await?.is_some())
+    Ok(load(conn, &sql).await?.err())
 }
 
 /// The epoch row as read, next to the server it was read from.
@@ -188,8 +201,11 @@ impl Loaded {
     }
 }
 
-/// Reads the epoch row: `None` when it is gone.
-async fn load(conn: &mut Conn, sql: &FencingSql) -> Result<Option<Loaded>, mysql_async::Error> {
+/// Reads the epoch row, with the server's start time.
+async fn load(
+    conn: &mut Conn,
+    sql: &FencingSql,
+) -> Result<Result<Loaded, Missing>, mysql_async::Error> {
     let row = match conn.query_first::<Row, _>(&*sql.load).await {
         Err(mysql_async::Error::Server(error)) if errors::is_unknown_table(error.code) => {
             conn.query_first::<Row, _>(&*sql.load_performance_schema)
@@ -198,41 +214,47 @@ async fn load(conn: &mut Conn, sql: &FencingSql) -> Result<Option<Loaded>, mysql
         other => other?,
     };
     let Some(row) = row else {
-        return Ok(None);
+        return Ok(Err(Missing::Row));
     };
-    let read = |row: &Row| -> Option<Loaded> {
-        Some(Loaded {
+    let read = |row: &Row| -> Option<Result<Loaded, Missing>> {
+        // NULL where the server has no `Uptime` status to join.
+        let this_start: Option<i64> = row.get_opt(5)?.ok()?;
+        let Some(this_start) = this_start else {
+            return Some(Err(Missing::ServerStart));
+        };
+        Some(Ok(Loaded {
             epoch: row.get_opt(0)?.ok()?,
             server_id: row.get_opt(1)?.ok()?,
             started: row.get_opt(2)?.ok()?,
             base: row.get_opt(3)?.ok()?,
             this_server: row.get_opt(4)?.ok()?,
-            this_start: row.get_opt(5)?.ok()?,
+            this_start,
             drawn: row.get_opt(6)?.ok()?,
-        })
+        }))
     };
-    read(&row).map(Some).ok_or_else(|| {
+    read(&row).ok_or_else(|| {
         mysql_async::Error::Other("unexpected answer about the fencing epoch".into())
     })
 }
 
 /// The session's epoch: the one it read before, or the row's, moved on to a new epoch first
-/// if it belongs to another server start or its span is spent. `None` when the row is gone.
+/// if it belongs to another server start or its span is spent.
 async fn counter(
     conn: &mut Conn,
     session: &Session,
     sql: &FencingSql,
-) -> Result<Option<Counter>, mysql_async::Error> {
+) -> Result<Result<Counter, Missing>, mysql_async::Error> {
     if let Some(counter) = session.counter() {
-        return Ok(Some(counter));
+        return Ok(Ok(counter));
     }
     for _ in 0..3 {
-        let Some(loaded) = load(conn, sql).await? else {
-            return Ok(None);
+        let loaded = match load(conn, sql).await? {
+            Ok(loaded) => loaded,
+            Err(missing) => return Ok(Err(missing)),
         };
         if let Some(counter) = loaded.counter() {
             session.set_counter(Some(counter));
-            return Ok(Some(counter));
+            return Ok(Ok(counter));
         }
         // A new epoch, based on a value drawn before it starts: every value drawn after is
         // above it. Only the UPDATE that still finds the epoch it read moves it on; a client
@@ -271,8 +293,9 @@ pub(super) async fn take(
     wait_seconds: u32,
 ) -> Result<Taken, mysql_async::Error> {
     for _ in 0..2 {
-        let Some(counter) = counter(conn, &session, &sql).await? else {
-            return Ok(Taken::NoCounterRow);
+        let counter = match counter(conn, &session, &sql).await? {
+            Ok(counter) => counter,
+            Err(missing) => return Ok(Taken::Unusable(missing)),
         };
         match take_once(conn, &session, &names, counter, wait_seconds).await? {
             Some(taken) => return Ok(taken),

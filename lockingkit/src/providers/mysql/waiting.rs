@@ -336,7 +336,7 @@ impl Watchers {
                 }
                 Err(_) => return None,
                 // The attempts that follow report it.
-                Ok(Taken::NoCounterRow) => break,
+                Ok(Taken::Unusable(_)) => break,
             }
         }
         self.recycle(&session);

@@ -182,13 +182,14 @@ impl MysqlBackend {
         self.inner.watchers.in_use()
     }
 
-    /// Creates the fencing table and its epoch row unless they exist, and reads the row.
-    async fn ensure_fencing(&self, session: &Session) -> Result<(), BackendError> {
+    /// Creates the fencing table and its epoch row unless they exist, and reads the row into
+    /// `session` (as its first attempt would).
+    async fn ensure_fencing(&self, session: &Arc<Session>) -> Result<(), BackendError> {
         let fencing = &self.inner.fencing;
-        let sql = fencing.sql.clone();
+        let (sql, reader) = (fencing.sql.clone(), session.clone());
         let missing = session
             .run(Stage::Attempt, move |conn| {
-                Box::pin(take::ensure_fencing(conn, sql))
+                Box::pin(take::ensure_fencing(conn, reader, sql))
             })
             .await?;
         if let Some(missing) = missing {
@@ -451,11 +452,11 @@ impl LockBackend for MysqlBackend {
     }
 
     /// One throwaway session of its own (not one of the lock sessions): connects and
-    /// authenticates, checks the fencing table and its epoch row (creating them if missing and allowed), and
-    /// closes. A few round trips after the connect; no lock.
+    /// authenticates, checks the fencing table and its epoch row (creating them if missing and
+    /// allowed), and closes. A few round trips after the connect; no lock.
     async fn verify(&self) -> Result<(), BackendError> {
         let conn = Box::pin(self.inner.connector.connect_unthrottled()).await?;
-        let session = Session::with(conn, self.inner.connector.timeout);
+        let session = Arc::new(Session::with(conn, self.inner.connector.timeout));
         let checked = Box::pin(self.ensure_fencing(&session)).await;
         session.end();
         checked

@@ -148,11 +148,13 @@ impl FencingSql {
     }
 }
 
-/// Creates the fencing table with its epoch row unless the table exists, and reads the row as
-/// a session does: `Ok(Some(_))` when that cannot be done, as when the table exists without
-/// the row (someone deleted it; making it again would start tokens over).
+/// Creates the fencing table with its epoch row unless the table exists, and reads the row
+/// into `session` as its first request would: `Ok(Some(_))` when that cannot be done, as when
+/// the table exists without the row (someone deleted it; making it again would start tokens
+/// over).
 pub(super) async fn ensure_fencing(
     conn: &mut Conn,
+    session: Arc<Session>,
     sql: Arc<FencingSql>,
 ) -> Result<Option<Missing>, mysql_async::Error> {
     // Checking first lets a user without CREATE use a table made beforehand.
@@ -171,9 +173,9 @@ pub(super) async fn ensure_fencing(
             other => other?,
         },
     }
-    // What each session reads first, the server's start time included: a user who may not
-    // read it learns so here.
-    Ok(load(conn, &sql).await?.err())
+    // The server's start time included: a user who may not read it learns so here, and the
+    // session's first attempt need not read the row again.
+    Ok(counter(conn, &session, &sql).await?.err())
 }
 
 /// The epoch row as read, next to the server it was read from.

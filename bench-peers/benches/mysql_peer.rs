@@ -29,6 +29,7 @@ use distributed_lock_mysql::MySqlLockProvider;
 use lockingkit::keys::MysqlLockKeys;
 use lockingkit::DistributedLock;
 use lockingkit_benches::cpus::SplitCpus;
+use lockingkit_benches::mode::{in_task, two_worker_runtime, BenchMode};
 use lockingkit_benches::mysql_rows::{lock, raw_options, raw_pair};
 use lockingkit_benches::pair::lock_pair;
 use lockingkit_benches::samples::{interleaved, timed, Order, Percentiles, Rounds};
@@ -41,19 +42,15 @@ const PAIRS: usize = 5000;
 const WARM_UP: usize = 200;
 
 fn main() {
-    let pairs = if std::env::args().any(|a| a == "--bench") {
-        PAIRS
-    } else {
-        20
+    let Some(mode) = BenchMode::from_args() else {
+        return;
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async move {
-        tokio::spawn(measure(pairs)).await.expect("bench task");
-    });
+    let pairs = mode.pick(PAIRS, 20);
+    in_task(
+        &two_worker_runtime(),
+        "the MySQL peer benchmark",
+        measure(pairs),
+    );
 }
 
 /// Every variant, each with its lock (or connection) and key.

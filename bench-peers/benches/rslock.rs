@@ -17,6 +17,7 @@
 
 use std::time::{Duration, Instant};
 
+use lockingkit_benches::mode::{in_task, two_worker_runtime, BenchMode};
 use lockingkit_benches::redis_rows::{lock, RawScripts};
 use lockingkit_benches::samples::{Percentiles, Shuffle};
 use lockingkit_tests::redis::RedisServer;
@@ -25,19 +26,15 @@ const PAIRS: usize = 5000;
 const WARM_UP: usize = 200;
 
 fn main() {
-    let pairs = if std::env::args().any(|a| a == "--bench") {
-        PAIRS
-    } else {
-        20
+    let Some(mode) = BenchMode::from_args() else {
+        return;
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async move {
-        tokio::spawn(measure(pairs)).await.expect("bench task");
-    });
+    let pairs = mode.pick(PAIRS, 20);
+    in_task(
+        &two_worker_runtime(),
+        "the rslock benchmark",
+        measure(pairs),
+    );
 }
 
 async fn measure(pairs: usize) {

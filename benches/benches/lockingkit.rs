@@ -309,17 +309,23 @@ fn print_mysql(sizes: Sizes) {
     println!("{{{}}}", mysql_json(&report));
 }
 
+/// The diagnostic row under a pair row: `backend` alone, without the engine, against the
+/// same raw baseline.
+fn print_backend_alone(backend: &str, alone: Percentiles, raw: Percentiles) {
+    row(
+        &format!("   {backend} alone (no engine) vs raw, median"),
+        in_ms(alone.p50),
+        in_ms(raw.p50),
+        "diagnostic",
+        "",
+    );
+}
+
 fn print_mysql_rows(report: &MysqlReport) {
     let pairs = &report.pairs;
     let name = "15. MySQL try_acquire+release vs same SQL raw";
     print_pair(name, pairs.lockingkit, pairs.raw);
-    row(
-        "   MysqlBackend alone (no engine) vs raw, median",
-        in_ms(pairs.backend_only.p50),
-        in_ms(pairs.raw.p50),
-        "diagnostic",
-        "",
-    );
+    print_backend_alone("MysqlBackend", pairs.backend_only, pairs.raw);
     let throughput = &report.throughput;
     let measured = throughput.ratio();
     row(
@@ -463,13 +469,7 @@ fn print_redis_rows(rows: &RedisRows) {
     let pairs = &rows.pairs;
     let name = "12. Redis try_acquire+release vs same scripts raw";
     print_pair(name, pairs.lockingkit, pairs.raw);
-    row(
-        "   RedisBackend alone (no engine) vs raw, median",
-        in_ms(pairs.backend_only.p50),
-        in_ms(pairs.raw.p50),
-        "diagnostic",
-        "",
-    );
+    print_backend_alone("RedisBackend", pairs.backend_only, pairs.raw);
     print_throughput(
         "13. Redis pairs, 256 tasks on distinct keys",
         &rows.throughput,
